@@ -1,0 +1,60 @@
+// Small dense products on cache-resident tiles: C (M x N) = or += A (M x K) * B (K x N),
+// all row-major with leading dimensions in elements. N must be a multiple of the panel
+// width (kPanel<A>); the callers pad their tiles for that.
+#pragma once
+#include "vec.h"
+
+namespace flashattn::cpu {
+
+// A register block is kRows rows of C by two vectors of columns: 12 accumulators, 2 B
+// vectors and 1 broadcast fit AVX2's 16 registers.
+constexpr int kRows = 6;
+template <class A>
+constexpr int kPanel = 2 * Vec<A>::width;
+
+template <class A, int MR>
+inline void micro_kernel(int64_t K, const A* a, int64_t lda, const A* b, int64_t ldb, A* c, int64_t ldc,
+                         bool accumulate) {
+  using V = vec_t<A>;
+  constexpr int W = Vec<A>::width;
+  V c0[MR], c1[MR];
+  for (int r = 0; r < MR; ++r) {
+    c0[r] = accumulate ? vload(c + r * ldc) : V{};
+    c1[r] = accumulate ? vload(c + r * ldc + W) : V{};
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    const V b0 = vload(b + k * ldb), b1 = vload(b + k * ldb + W);
+    for (int r = 0; r < MR; ++r) {
+      const V ar = vbroadcast(a[r * lda + k]);
+      c0[r] += ar * b0;
+      c1[r] += ar * b1;
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    vstore(c + r * ldc, c0[r]);
+    vstore(c + r * ldc + W, c1[r]);
+  }
+}
+
+template <class A>
+void gemm(int64_t M, int64_t N, int64_t K, const A* a, int64_t lda, const A* b, int64_t ldb, A* c, int64_t ldc,
+          bool accumulate) {
+  constexpr int NR = kPanel<A>;
+  for (int64_t j = 0; j < N; j += NR) {
+    int64_t i = 0;
+    for (; i + kRows <= M; i += kRows)
+      micro_kernel<A, kRows>(K, a + i * lda, lda, b + j, ldb, c + i * ldc + j, ldc, accumulate);
+    const A* ai = a + i * lda;
+    A* ci = c + i * ldc + j;
+    switch (M - i) {
+      case 5: micro_kernel<A, 5>(K, ai, lda, b + j, ldb, ci, ldc, accumulate); break;
+      case 4: micro_kernel<A, 4>(K, ai, lda, b + j, ldb, ci, ldc, accumulate); break;
+      case 3: micro_kernel<A, 3>(K, ai, lda, b + j, ldb, ci, ldc, accumulate); break;
+      case 2: micro_kernel<A, 2>(K, ai, lda, b + j, ldb, ci, ldc, accumulate); break;
+      case 1: micro_kernel<A, 1>(K, ai, lda, b + j, ldb, ci, ldc, accumulate); break;
+      default: break;
+    }
+  }
+}
+
+}  // namespace flashattn::cpu

@@ -1,0 +1,115 @@
+// Row-wise softmax pieces on a tile of scores: causal masking, the online (running max and
+// sum) update used by the forward, and the recomputation of P from the saved LSE used by
+// the backward. Rows are padded to the panel width, a multiple of the vector width.
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "gemm.h"
+#include "tiles.h"
+#include "vec.h"
+
+namespace flashattn::cpu {
+
+template <class A>
+constexpr A kNegInf = -std::numeric_limits<A>::infinity();
+
+// Scores of keys a row may not see (causal, or past the tile's last key) become -inf.
+template <class A>
+void mask_tile(const FwdParams& p, A* s, int64_t ld, int64_t row0, int64_t rows, int64_t col0, int64_t cols,
+               int64_t cols_padded) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t visible = std::clamp<int64_t>(row_visible_keys(p, row0 + r) - col0, 0, cols);
+    std::fill(s + r * ld + visible, s + r * ld + cols_padded, kNegInf<A>);
+  }
+}
+
+template <class A>
+A row_max(const A* x, int64_t n) {
+  using V = vec_t<A>;
+  constexpr int W = Vec<A>::width;
+  V m = vbroadcast(kNegInf<A>);
+  for (int64_t c = 0; c < n; c += W) {
+    const V v = vload(x + c);
+    m = v > m ? v : m;
+  }
+  A out = kNegInf<A>;
+  for (int i = 0; i < W; ++i) out = std::max(out, A(m[i]));
+  return out;
+}
+
+// x = exp(x - shift) in place; returns the sum.
+template <class A>
+A exp_shifted(A* x, int64_t n, A shift) {
+  using V = vec_t<A>;
+  constexpr int W = Vec<A>::width;
+  V sum{};
+  for (int64_t c = 0; c < n; c += W) {
+    const V e = vexp(vload(x + c) - shift);
+    vstore(x + c, e);
+    sum += e;
+  }
+  A out = 0;
+  for (int i = 0; i < W; ++i) out += sum[i];
+  return out;
+}
+
+template <class A>
+void scale_row(A* x, int64_t n, A factor) {
+  for (int64_t c = 0; c < n; ++c) x[c] *= factor;
+}
+
+// Running max m and sum l per row; turns each score tile into its probabilities (relative
+// to the running max) and rescales the output accumulator when the max grows.
+template <class A>
+struct OnlineSoftmax {
+  A* m;
+  A* l;
+  int64_t rows;
+
+  void reset() {
+    std::fill(m, m + rows, kNegInf<A>);
+    std::fill(l, l + rows, A(0));
+  }
+
+  void update(A* s, int64_t ld, int64_t cols_padded, A* o, int64_t ld_o) {
+    for (int64_t r = 0; r < rows; ++r) {
+      A* sr = s + r * ld;
+      const A m_new = std::max(m[r], row_max(sr, cols_padded));
+      if (m_new == kNegInf<A>) {  // nothing visible yet: this tile adds nothing
+        std::fill(sr, sr + cols_padded, A(0));
+        continue;
+      }
+      const A alpha = std::exp(m[r] - m_new);  // 0 on the first visible tile
+      l[r] = l[r] * alpha + exp_shifted(sr, cols_padded, m_new);
+      m[r] = m_new;
+      if (alpha != A(1)) scale_row(o + r * ld_o, ld_o, alpha);
+    }
+  }
+
+  // o /= l and lse = m + log(l); a row that saw no key gets o = 0 and lse = -inf.
+  void finish(A* o, int64_t ld_o, A* lse) const {
+    for (int64_t r = 0; r < rows; ++r) {
+      if (l[r] == A(0)) {
+        std::fill(o + r * ld_o, o + (r + 1) * ld_o, A(0));
+        lse[r] = kNegInf<A>;
+      } else {
+        scale_row(o + r * ld_o, ld_o, A(1) / l[r]);
+        lse[r] = m[r] + std::log(l[r]);
+      }
+    }
+  }
+};
+
+// s = exp(s - lse) per row: the probabilities of the forward. A row whose lse is -inf saw
+// no key; its probabilities are 0.
+template <class A>
+void recompute_probs(A* s, int64_t ld, int64_t rows, int64_t cols_padded, const A* lse) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const A shift = lse[r] == kNegInf<A> ? std::numeric_limits<A>::infinity() : lse[r];
+    exp_shifted(s + r * ld, cols_padded, shift);
+  }
+}
+
+}  // namespace flashattn::cpu

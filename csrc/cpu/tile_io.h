@@ -1,0 +1,80 @@
+// Moving rows of one (batch, head) matrix between the caller's tensors (any dtype, any row
+// stride) and dense compute-type tiles. The dtype switch runs once per tile, not per element.
+#pragma once
+#include <torch/headeronly/util/BFloat16.h>
+#include <torch/headeronly/util/Half.h>
+
+#include "../params.h"
+#include "vec.h"
+
+namespace flashattn::cpu {
+
+using bf16_t = torch::headeronly::BFloat16;
+using fp16_t = torch::headeronly::Half;
+
+template <class F>
+inline void with_type(DType t, F&& f) {
+  switch (t) {
+    case DType::kFloat64: f(static_cast<const double*>(nullptr)); break;
+    case DType::kFloat32: f(static_cast<const float*>(nullptr)); break;
+    case DType::kBFloat16: f(static_cast<const bf16_t*>(nullptr)); break;
+    case DType::kFloat16: f(static_cast<const fp16_t*>(nullptr)); break;
+  }
+}
+
+// Address of element (b, h, row, 0) of a strided tensor.
+inline const char* row_ptr(const void* base, const Strides& s, DType t, int64_t b, int64_t h, int64_t row) {
+  return static_cast<const char*>(base) + (b * s.batch + h * s.head + row * s.row) * int64_t(dtype_size(t));
+}
+inline char* row_ptr(void* base, const Strides& s, DType t, int64_t b, int64_t h, int64_t row) {
+  return const_cast<char*>(row_ptr(static_cast<const void*>(base), s, t, b, h, row));
+}
+
+// dst[r][c] = mult * src[r][c] for r < rows, c < cols; dst[r][cols..padded_cols) = 0.
+template <class A>
+void load_rows(DType t, const char* src, int64_t row_stride, int64_t rows, int64_t cols, A mult, A* dst,
+               int64_t ld, int64_t padded_cols) {
+  with_type(t, [&](auto type_tag) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(type_tag)>>;
+    const int64_t stride_bytes = row_stride * int64_t(sizeof(T));
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* s = reinterpret_cast<const T*>(src + r * stride_bytes);
+      A* d = dst + r * ld;
+      for (int64_t c = 0; c < cols; ++c) d[c] = mult * static_cast<A>(s[c]);
+      for (int64_t c = cols; c < padded_cols; ++c) d[c] = A(0);
+    }
+  });
+}
+
+// dst[c][r] = src[r][c] for r < rows, c < cols; dst[c][rows..padded_rows) = 0.
+template <class A>
+void load_rows_transposed(DType t, const char* src, int64_t row_stride, int64_t rows, int64_t cols, A* dst,
+                          int64_t ld, int64_t padded_rows) {
+  with_type(t, [&](auto type_tag) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(type_tag)>>;
+    const int64_t stride_bytes = row_stride * int64_t(sizeof(T));
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* s = reinterpret_cast<const T*>(src + r * stride_bytes);
+      for (int64_t c = 0; c < cols; ++c) dst[c * ld + r] = static_cast<A>(s[c]);
+    }
+    for (int64_t c = 0; c < cols; ++c)
+      for (int64_t r = rows; r < padded_rows; ++r) dst[c * ld + r] = A(0);
+  });
+}
+
+// dst[r][c] = mult * src[r][c] converted to the tensor's dtype, for r < rows, c < cols.
+template <class A>
+void store_rows(DType t, char* dst, int64_t row_stride, int64_t rows, int64_t cols, A mult, const A* src,
+                int64_t ld) {
+  with_type(t, [&](auto type_tag) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(type_tag)>>;
+    const int64_t stride_bytes = row_stride * int64_t(sizeof(T));
+    for (int64_t r = 0; r < rows; ++r) {
+      T* d = reinterpret_cast<T*>(dst + r * stride_bytes);
+      const A* s = src + r * ld;
+      for (int64_t c = 0; c < cols; ++c) d[c] = static_cast<T>(mult * s[c]);
+    }
+  });
+}
+
+}  // namespace flashattn::cpu

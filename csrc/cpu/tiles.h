@@ -1,0 +1,33 @@
+// Tile sizes of the CPU kernels and the causal geometry they share.
+#pragma once
+#include <algorithm>
+#include <cstdint>
+
+#include "../params.h"
+
+namespace flashattn::cpu {
+
+// Query rows and key columns per tile. 64 x 64 keeps a tile's working set (Q, K, V, S, O at
+// head dim 128) inside a 512 KiB L2; both are multiples of the panel width of every type.
+constexpr int64_t kTileQ = 64;
+constexpr int64_t kTileK = 64;
+
+// Number of keys (from 0) that any of query rows [row_begin, row_end) can see.
+inline int64_t visible_keys(const FwdParams& p, int64_t row_end) {
+  if (!p.causal) return p.len_k;
+  return std::clamp<int64_t>(row_end - 1 + p.causal_offset + 1, 0, p.len_k);
+}
+
+// Keys [0, n) visible to query row `row` (n may be 0: a fully masked row).
+inline int64_t row_visible_keys(const FwdParams& p, int64_t row) {
+  if (!p.causal) return p.len_k;
+  return std::clamp<int64_t>(row + p.causal_offset + 1, 0, p.len_k);
+}
+
+// First query row that sees key `key` under the causal mask.
+inline int64_t first_row_seeing(const FwdParams& p, int64_t key) {
+  if (!p.causal) return 0;
+  return std::clamp<int64_t>(key - p.causal_offset, 0, p.len_q);
+}
+
+}  // namespace flashattn::cpu

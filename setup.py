@@ -1,0 +1,72 @@
+"""Build of flashattn_ext: one extension, flashattn_ext._C, on the LibTorch stable ABI.
+
+Environment:
+  FLASHATTN_BUILD=auto|cpu|cuda  auto (default) builds the CUDA kernels when nvcc is found and
+                                 torch is a CUDA build; cpu forces the CPU-only extension;
+                                 cuda forces CUDA (and fails if it cannot be built).
+  TORCH_CUDA_ARCH_LIST           CUDA architectures, e.g. "8.0;9.0"; default below.
+  MAX_JOBS                       parallel compile jobs (honoured by torch's ninja build).
+"""
+import glob
+import os
+import shutil
+
+import torch
+from setuptools import setup
+from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
+
+# Every architecture nvcc 13 supports that these kernels serve (sm_75 and up).
+DEFAULT_CUDA_ARCHS = "7.5;8.0;8.6;8.9;9.0;10.0;12.0"
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# Stable ABI of torch 2.10 and the Python 3.9 limited API: one build loads in any later torch/CPython.
+TORCH_TARGET = "-DTORCH_TARGET_VERSION=0x020a000000000000"
+PY_LIMITED = "-DPy_LIMITED_API=0x03090000"
+
+
+def want_cuda():
+    mode = os.environ.get("FLASHATTN_BUILD", "auto").lower()
+    if mode not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"FLASHATTN_BUILD must be auto, cpu or cuda, got {mode!r}")
+    possible = torch.version.cuda is not None and (
+        shutil.which("nvcc") is not None or os.environ.get("CUDA_HOME") is not None)
+    if mode == "cuda" and not possible:
+        raise RuntimeError("FLASHATTN_BUILD=cuda needs nvcc and a CUDA build of torch")
+    return possible if mode == "auto" else mode == "cuda"
+
+
+def cuda_gencode_flags():
+    archs = os.environ.get("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS)
+    flags = []
+    for arch in archs.replace(",", ";").replace(" ", ";").split(";"):
+        if not arch:
+            continue
+        num = arch.replace(".", "").replace("+PTX", "")
+        flags.append(f"-gencode=arch=compute_{num},code=sm_{num}")
+        if arch.endswith("+PTX"):
+            flags.append(f"-gencode=arch=compute_{num},code=compute_{num}")
+    return flags
+
+
+def extension():
+    rel = lambda pattern: sorted(os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, pattern), recursive=True))
+    sources = rel("csrc/*.cpp") + rel("csrc/cpu/*.cpp")
+    # x86-64 builds target AVX2 + FMA (any CPU from 2013 on); faster paths are picked at run time.
+    cxx = ["-O3", "-std=c++17", TORCH_TARGET, PY_LIMITED, "-fvisibility=hidden"]
+    if os.uname().machine in ("x86_64", "AMD64"):
+        cxx += ["-mavx2", "-mfma", "-mf16c"]
+    common = dict(name="flashattn_ext._C", sources=sources, py_limited_api=True)
+    if not want_cuda():
+        return CppExtension(extra_compile_args={"cxx": cxx}, **common)
+    common["sources"] += rel("csrc/cuda/**/*.cu")
+    nvcc = ["-O3", "-std=c++17", TORCH_TARGET, "--expt-relaxed-constexpr", "-lineinfo"] + cuda_gencode_flags()
+    return CUDAExtension(extra_compile_args={"cxx": cxx + ["-DFLASHATTN_WITH_CUDA"],
+                                             "nvcc": nvcc + ["-DFLASHATTN_WITH_CUDA"]},
+                         define_macros=[("USE_CUDA", None)], **common)
+
+
+setup(
+    ext_modules=[extension()],
+    cmdclass={"build_ext": BuildExtension},
+    options={"bdist_wheel": {"py_limited_api": "cp39"}},
+)
