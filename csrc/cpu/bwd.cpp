@@ -63,20 +63,21 @@ void transpose(const A* src, int64_t ld_src, int64_t rows, int64_t cols, A* dst,
     for (int64_t c = 0; c < cols; ++c) dst[c * ld_dst + r] = src[r * ld_src + c];
 }
 
-// D = rowsum(dO * O) - dlse for rows [row0, row0 + rows) of one head.
+// D = rowsum(dO * O) - dlse for rows [row0, row0 + rows) of one head. `dout` and `out`
+// are scratch tiles of kTileQ x ld_v.
 template <class A>
-void compute_delta(const BwdParams& p, BwdScratch<A>& w, int64_t b, int64_t h, int64_t row0, A* delta) {
+void compute_delta(const BwdParams& p, int64_t ld_v, A* dout, A* out, int64_t b, int64_t h, int64_t row0,
+                   A* delta) {
   const A* dlse = p.dlse ? static_cast<const A*>(p.dlse) + (b * p.heads_q + h) * p.len_q + row0 : nullptr;
   const int64_t rows = std::min(kTileQ, p.len_q - row0);
   const DType t = p.dtype;
-  load_rows<A>(t, row_ptr(p.dout, p.dout_stride, t, b, h, row0), p.dout_stride.row, rows, p.head_dim_v, A(1),
-               w.dout.data(), w.ld_v, w.ld_v);
-  // O goes through the dV tile, free at this point.
-  load_rows<A>(t, row_ptr(p.out, p.out_stride, t, b, h, row0), p.out_stride.row, rows, p.head_dim_v, A(1),
-               w.dv.data(), w.ld_v, w.ld_v);
+  load_rows<A>(t, row_ptr(p.dout, p.dout_stride, t, b, h, row0), p.dout_stride.row, rows, p.head_dim_v, A(1), dout,
+               ld_v, ld_v);
+  load_rows<A>(t, row_ptr(p.out, p.out_stride, t, b, h, row0), p.out_stride.row, rows, p.head_dim_v, A(1), out,
+               ld_v, ld_v);
   for (int64_t r = 0; r < rows; ++r) {
     A sum = 0;
-    for (int64_t c = 0; c < p.head_dim_v; ++c) sum += w.dout[r * w.ld_v + c] * w.dv[r * w.ld_v + c];
+    for (int64_t c = 0; c < p.head_dim_v; ++c) sum += dout[r * ld_v + c] * out[r * ld_v + c];
     delta[r] = dlse ? sum - dlse[r] : sum;
   }
 }
@@ -147,11 +148,13 @@ void bwd_impl(const BwdParams& p) {
   const int64_t slice_elems = n_heads * p.len_q * lay.ld_qk;
 
   // Pass 1: D for every row, and zeroed dQ accumulators.
+  const int64_t ld_v = round_up(p.head_dim_v, kPanel<A>);
   run_tasks(n_heads * n_row_tiles, [&] {
-    return [&, w = BwdScratch<A>(p)](int64_t task) mutable {
+    return [&, dout = std::vector<A>(kTileQ * ld_v), out = std::vector<A>(kTileQ * ld_v)](int64_t task) mutable {
       const int64_t bh = task / n_row_tiles, row0 = task % n_row_tiles * kTileQ;
       const int64_t rows = std::min(kTileQ, p.len_q - row0);
-      compute_delta(p, w, bh / p.heads_q, bh % p.heads_q, row0, delta + bh * p.len_q + row0);
+      compute_delta(p, ld_v, dout.data(), out.data(), bh / p.heads_q, bh % p.heads_q, row0,
+                    delta + bh * p.len_q + row0);
       for (int64_t s = 0; s < lay.slices; ++s) {
         A* acc = dq_acc + s * slice_elems + (bh * p.len_q + row0) * lay.ld_qk;
         std::fill(acc, acc + rows * lay.ld_qk, A(0));

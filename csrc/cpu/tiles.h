@@ -9,7 +9,7 @@ namespace flashattn::cpu {
 
 // Query rows and key columns per tile. 64 x 64 keeps a tile's working set (Q, K, V, S, O at
 // head dim 128) inside a 512 KiB L2; both are multiples of the panel width of every type.
-constexpr int64_t kTileQ = 64;
+constexpr int64_t kTileQ = 128;
 constexpr int64_t kTileK = 64;
 
 // Number of keys (from 0) that any of query rows [row_begin, row_end) can see.

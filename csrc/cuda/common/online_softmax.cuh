@@ -1,0 +1,68 @@
+// Online softmax in the exponent domain the kernels use: base 2 with log2(e) folded into the
+// score scale for fp32 accumulation, natural exp for fp64.
+#pragma once
+#include "numeric.cuh"
+
+namespace flashattn::cuda {
+
+template <class Acc> struct ExpDomain;
+
+template <> struct ExpDomain<float> {
+  static constexpr double kLog2e = 1.4426950408889634;
+  static constexpr float kLn2 = 0.6931471805599453f;
+  static __device__ __forceinline__ float score_scale(double scale) { return float(scale * kLog2e); }
+  static __device__ __forceinline__ float exp(float x) { return exp2f(x); }
+  // Natural-log LSE from a base-2 running max and the sum of 2^(s - max).
+  static __device__ __forceinline__ float lse(float row_max, float row_sum) {
+    return row_max * kLn2 + logf(row_sum);
+  }
+  static __device__ __forceinline__ float from_lse(float lse) { return lse * float(kLog2e); }
+};
+
+template <> struct ExpDomain<double> {
+  static __device__ __forceinline__ double score_scale(double scale) { return scale; }
+  static __device__ __forceinline__ double exp(double x) { return ::exp(x); }
+  static __device__ __forceinline__ double lse(double row_max, double row_sum) {
+    return row_max + ::log(row_sum);
+  }
+  static __device__ __forceinline__ double from_lse(double lse) { return lse; }
+};
+
+// Reductions over the 16 lanes (one half-warp) that share a row group.
+template <class Acc> __device__ __forceinline__ Acc reduce_max_16lanes(Acc x) {
+#pragma unroll
+  for (int off = 8; off > 0; off >>= 1) x = acc_max(x, __shfl_xor_sync(0xffffffffu, x, off));
+  return x;
+}
+template <class Acc> __device__ __forceinline__ Acc reduce_sum_16lanes(Acc x) {
+#pragma unroll
+  for (int off = 8; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+  return x;
+}
+
+// One online-softmax step for a thread's slice of a row. `s` holds scaled scores (masked ones
+// -inf) and becomes the unnormalised probabilities; returns the factor that rescales the old
+// accumulator. `row_sum` stays a per-thread partial sum (every lane of the row group shares
+// `row_max`, so partials add up at the end). A row with no visible key so far keeps max -inf,
+// sum 0 and a zero accumulator; using 0 as the base avoids (-inf) - (-inf).
+template <class Acc, int N>
+__device__ __forceinline__ Acc online_softmax_step(Acc (&s)[N], Acc& row_max, Acc& row_sum) {
+  Acc tile_max = s[0];
+#pragma unroll
+  for (int j = 1; j < N; ++j) tile_max = acc_max(tile_max, s[j]);
+  tile_max = reduce_max_16lanes(tile_max);
+  const Acc new_max = acc_max(row_max, tile_max);
+  const Acc base = new_max == neg_inf<Acc>() ? Acc(0) : new_max;
+  const Acc alpha = ExpDomain<Acc>::exp(row_max - base);
+  row_max = new_max;
+  Acc sum = 0;
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    s[j] = ExpDomain<Acc>::exp(s[j] - base);
+    sum += s[j];
+  }
+  row_sum = row_sum * alpha + sum;
+  return alpha;
+}
+
+}  // namespace flashattn::cuda

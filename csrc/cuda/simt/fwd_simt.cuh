@@ -1,0 +1,164 @@
+// Forward SIMT kernel: one block per (batch, query head, query tile, output-column slice).
+// Query and key tiles are streamed through smem in head-dim chunks to form the score tile in
+// registers; the online softmax turns it into probabilities (kept transposed in smem), which
+// multiply value chunks into the output accumulator held in registers. O and LSE are written
+// once at the end.
+#pragma once
+#include <cstdint>
+
+#include "../common/check.h"
+#include "../common/mask.cuh"
+#include "../common/online_softmax.cuh"
+#include "launch.h"
+#include "tile_config.cuh"
+#include "tile_gemm.cuh"
+#include "tile_load.cuh"
+
+namespace flashattn::cuda::simt {
+
+template <class T, int kTier>
+struct FwdTraits : SimtTraits<T, kTier> {
+  using Base = SimtTraits<T, kTier>;
+  using Acc = typename Base::Acc;
+  static constexpr int kChunkK = Base::Tile::kChunkK;
+  static constexpr int kLdK = kChunkK + Base::kPad;
+  // Q and K chunks while scoring; the V chunk reuses that space.
+  static constexpr int kChunkElems =
+      cmax(2 * Base::kBlock * kLdK, Base::kBlock * Base::kLdChunk);
+  static constexpr size_t kSmemBytes =
+      size_t(kChunkElems + Base::kBlock * Base::kLdP) * sizeof(Acc);
+};
+
+template <class T, int kTier>
+__global__ void __launch_bounds__(FwdTraits<T, kTier>::kThreads, 2)
+    fwd_simt_kernel(const FwdParams p, int num_m_tiles, int num_splits) {
+  using Tr = FwdTraits<T, kTier>;
+  using Acc = typename Tr::Acc;
+  using Exp = ExpDomain<Acc>;
+  constexpr int kB = Tr::kBlock, kTN = Tr::kTN, kVec = Tr::kVec, kNC = Tr::kNumChunks;
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  Acc* sQ = reinterpret_cast<Acc*>(smem_raw);
+  Acc* sK = sQ + kB * Tr::kLdK;
+  Acc* sV = sQ;
+  Acc* sPt = sQ + Tr::kChunkElems;
+
+  // Heaviest (last, under causal masking) query tiles are scheduled first.
+  int64_t bid = blockIdx.x;
+  const int mt = num_m_tiles - 1 - int(bid % num_m_tiles);
+  bid /= num_m_tiles;
+  const int split = int(bid % num_splits);
+  bid /= num_splits;
+  const int64_t h = bid % p.heads_q;
+  const int64_t b = bid / p.heads_q;
+  const int64_t hk = h / (p.heads_q / p.heads_kv);  // group() is host-only
+
+  const int tid = threadIdx.x, r = tid >> 4, c = tid & 15;
+  const int E = int(p.head_dim), Ev = int(p.head_dim_v);
+  const int d0 = split * kTier;
+  const int64_t m0 = int64_t(mt) * kB;
+  const int rows_q = int(p.len_q - m0 < kB ? p.len_q - m0 : kB);
+  const CausalMask mask{p.causal, p.causal_offset};
+  const Acc score_scale = Exp::score_scale(p.scale);
+
+  const T* q = static_cast<const T*>(p.q) + b * p.q_stride.batch + h * p.q_stride.head +
+               m0 * p.q_stride.row;
+  const T* k = static_cast<const T*>(p.k) + b * p.k_stride.batch + hk * p.k_stride.head;
+  const T* v = static_cast<const T*>(p.v) + b * p.v_stride.batch + hk * p.v_stride.head;
+
+  Acc acc[kNC][4][kVec];
+  Acc row_max[4], row_sum[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    row_max[i] = neg_inf<Acc>();
+    row_sum[i] = 0;
+#pragma unroll
+    for (int ch = 0; ch < kNC; ++ch)
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) acc[ch][i][e] = 0;
+  }
+
+  const int64_t n_end = mask.key_end(m0 + rows_q - 1, p.len_k);
+  for (int64_t n0 = 0; n0 < n_end; n0 += kB) {
+    const int rows_k = int(p.len_k - n0 < kB ? p.len_k - n0 : kB);
+    Acc s[4][kTN];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int j = 0; j < kTN; ++j) s[i][j] = 0;
+
+    for (int kc = 0; kc < E; kc += Tr::kChunkK) {
+      __syncthreads();  // previous users of sQ/sK (and sV, sPt) are done
+      load_tile<kB, Tr::kChunkK, Tr::kThreads>(sQ, Tr::kLdK, q + kc, p.q_stride.row, rows_q,
+                                               E - kc, tid);
+      load_tile<kB, Tr::kChunkK, Tr::kThreads>(sK, Tr::kLdK, k + n0 * p.k_stride.row + kc,
+                                               p.k_stride.row, rows_k, E - kc, tid);
+      __syncthreads();
+      gemm_rows_x_rows<Tr::kChunkK>(s, sQ, Tr::kLdK, sK, Tr::kLdK, E - kc, r, c);
+    }
+
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int64_t m = m0 + r * 4 + i;
+#pragma unroll
+      for (int j = 0; j < kTN; ++j) {
+        const int64_t n = n0 + c + 16 * j;
+        s[i][j] = (n < p.len_k && mask.visible(m, n)) ? s[i][j] * score_scale : neg_inf<Acc>();
+      }
+      const Acc alpha = online_softmax_step(s[i], row_max[i], row_sum[i]);
+#pragma unroll
+      for (int ch = 0; ch < kNC; ++ch)
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) acc[ch][i][e] *= alpha;
+    }
+#pragma unroll
+    for (int j = 0; j < kTN; ++j) sts4(sPt + (c + 16 * j) * Tr::kLdP + r * 4, s[0][j], s[1][j], s[2][j], s[3][j]);
+
+#pragma unroll
+    for (int ch = 0; ch < kNC; ++ch) {
+      const int dc = d0 + ch * Tr::kChunkCols;
+      if (dc < Ev) {
+        __syncthreads();  // sPt written, scoring reads of sQ/sK (or the last chunk) done
+        load_tile<kB, Tr::kChunkCols, Tr::kThreads>(sV, Tr::kLdChunk, v + n0 * p.v_stride.row + dc,
+                                                    p.v_stride.row, rows_k, Ev - dc, tid);
+        __syncthreads();
+        gemm_cols_x_rows<kB, kVec>(acc[ch], sPt, Tr::kLdP, sV, Tr::kLdChunk, r, c);
+      }
+    }
+  }
+
+  T* out = static_cast<T*>(p.out) + b * p.out_stride.batch + h * p.out_stride.head;
+  Acc* lse = static_cast<Acc*>(p.lse) + (b * p.heads_q + h) * p.len_q;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const Acc l = reduce_sum_16lanes(row_sum[i]);
+    const int64_t m = m0 + r * 4 + i;
+    if (m >= p.len_q) continue;
+    // l == 0 only when no key is visible: out = 0, lse = -inf. A NaN l propagates.
+    const bool empty = l == Acc(0);
+    const Acc inv = empty ? Acc(0) : Acc(1) / l;
+    T* o = out + m * p.out_stride.row;
+#pragma unroll
+    for (int ch = 0; ch < kNC; ++ch)
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        const int d = d0 + ch * Tr::kChunkCols + c * kVec + e;
+        if (d < Ev) o[d] = from_acc<T>(acc[ch][i][e] * inv);
+      }
+    if (split == 0 && c == 0) lse[m] = empty ? neg_inf<Acc>() : Exp::lse(row_max[i], l);
+  }
+}
+
+template <class T, int kTier>
+void fwd(const FwdParams& p, int num_splits, cudaStream_t stream) {
+  using Tr = FwdTraits<T, kTier>;
+  const int64_t num_m_tiles = (p.len_q + Tr::kBlock - 1) / Tr::kBlock;
+  const int64_t blocks = num_m_tiles * num_splits * p.heads_q * p.batch;
+  if (blocks > 0x7fffffff) throw std::runtime_error("flashattn_ext CUDA backend: forward grid too large");
+  auto kernel = fwd_simt_kernel<T, kTier>;
+  set_smem(kernel, Tr::kSmemBytes, "fwd_simt_kernel");
+  kernel<<<unsigned(blocks), Tr::kThreads, Tr::kSmemBytes, stream>>>(p, int(num_m_tiles), num_splits);
+  check_launch("fwd_simt_kernel");
+}
+
+}  // namespace flashattn::cuda::simt

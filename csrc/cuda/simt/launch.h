@@ -1,0 +1,32 @@
+// Host launchers of the SIMT kernels, explicitly instantiated per head-dim tier in
+// fwd_simt_hdim*.cu / bwd_simt_hdim*.cu and picked by dispatch.cu.
+#pragma once
+#include <cuda_runtime.h>
+
+#include "../../params.h"
+
+namespace flashattn::cuda::simt {
+
+// Output columns are cut into `num_splits` slices of kTier columns, one block per slice.
+template <class T, int kTier>
+void fwd(const FwdParams& p, int num_splits, cudaStream_t stream);
+
+// D = rowsum(dO * O) into `d` (accumulator type, contiguous (batch, heads_q, len_q)).
+template <class T>
+void bwd_dot_do_o(const BwdParams& p, void* d, cudaStream_t stream);
+
+// dK, dV (and, when `dq_accum` is not null, atomically dQ / scale into it, accumulator type,
+// contiguous (batch, heads_q, len_q, head_dim)).
+template <class T, int kTier>
+void bwd_dkdv(const BwdParams& p, const void* d, void* dq_accum, int num_splits,
+              cudaStream_t stream);
+
+// dQ written directly, one block per query tile looping over key tiles (deterministic path).
+template <class T, int kTier>
+void bwd_dq(const BwdParams& p, const void* d, int num_splits, cudaStream_t stream);
+
+// dq = scale * dq_accum, in the output dtype and strides.
+template <class T>
+void bwd_dq_convert(const BwdParams& p, const void* dq_accum, cudaStream_t stream);
+
+}  // namespace flashattn::cuda::simt

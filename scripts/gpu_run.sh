@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# One command for the lent GPU machine: build the extension with its CUDA kernels, run the
+# test suite on CUDA (and CPU), compute-sanitizer on a few calls, and the GPU benchmark.
+# Logs and JSON go to $OUT when it is set (else gpu_out/). Steps: STEPS="build test sanitize bench".
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+STEPS=${STEPS:-"build test sanitize bench"}
+export PYTHONUNBUFFERED=1
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+export MAX_JOBS=${MAX_JOBS:-16}
+status=0
+run_step() { echo "=== $1"; }
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' | tee -a "$OUT/gpu.txt"
+
+if [[ " $STEPS " == *" build "* ]]; then
+  run_step build
+  start=$(date +%s)
+  FLASHATTN_BUILD=cuda python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 \
+    || { tail -50 "$OUT/build.log"; exit 1; }
+  echo "build: $(( $(date +%s) - start )) s (TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST, MAX_JOBS=$MAX_JOBS)" \
+    | tee -a "$OUT/gpu.txt"
+fi
+if [[ " $STEPS " == *" test "* ]]; then
+  run_step test
+  python3 -m pytest -q -x ${PYTEST_ARGS:-tests} 2>&1 | tee "$OUT/tests.log" | tail -25
+  status=$(( status | ${PIPESTATUS[0]} ))
+fi
+if [[ " $STEPS " == *" sanitize "* ]]; then
+  run_step sanitize
+  for tool in memcheck racecheck; do
+    compute-sanitizer --tool $tool --error-exitcode 9 python3 scripts/sanitize_cases.py 2>&1 \
+      | tee -a "$OUT/sanitize.log" | tail -4
+    status=$(( status | ${PIPESTATUS[0]} ))
+  done
+fi
+if [[ " $STEPS " == *" bench "* ]]; then
+  run_step bench
+  python3 benchmarks/bench_gpu.py --out-dir "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -80
+  status=$(( status | ${PIPESTATUS[0]} ))
+fi
+# The device tool brings back at most 8 files: plots travel as one tar.
+if ls "$OUT"/*.png > /dev/null 2>&1; then
+  (cd "$OUT" && tar cf plots.tar ./*.png && rm -f ./*.png)
+fi
+exit $status
