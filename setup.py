@@ -50,7 +50,9 @@ def cuda_gencode_flags():
 
 def extension():
     rel = lambda pattern: sorted(os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, pattern), recursive=True))
-    sources = rel("csrc/*.cpp") + rel("csrc/cpu/*.cpp")
+    # kernels_avx512.cpp must be linked last: see the comment at its top.
+    cpu = sorted(rel("csrc/cpu/*.cpp"), key=lambda path: "avx512" in path)
+    sources = rel("csrc/*.cpp") + cpu
     # x86-64 builds target AVX2 + FMA (any CPU from 2013 on); faster paths are picked at run time.
     cxx = ["-O3", "-std=c++17", TORCH_TARGET, PY_LIMITED, "-fvisibility=hidden"]
     if os.uname().machine in ("x86_64", "AMD64"):

@@ -73,7 +73,7 @@ void check_attn_tensor(const Tensor& t, const char* name) {
                   "' must have 4 dimensions (batch, heads, seq_len, head_dim), got shape ", shape_str(t));
   STD_TORCH_CHECK(t.is_cpu() || t.is_cuda(), "flashattn: argument '", name,
                   "' must be on a CPU or CUDA device");
-  STD_TORCH_CHECK(t.size(3) <= 1 || t.stride(3) == 1, "flashattn: argument '", name,
+  STD_TORCH_CHECK(t.size(3) <= 1 || t.numel() == 0 || t.stride(3) == 1, "flashattn: argument '", name,
                   "' must have a contiguous last dimension (stride 1), got stride ", t.stride(3),
                   " for shape ", shape_str(t), "; call .contiguous() on it first");
   to_dtype(t.scalar_type(), name);

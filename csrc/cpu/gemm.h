@@ -1,10 +1,12 @@
-// Small dense products on cache-resident tiles: C (M x N) = or += A (M x K) * B (K x N),
-// all row-major with leading dimensions in elements. N must be a multiple of the panel
-// width (kPanel<A>); the callers pad their tiles for that.
+// Small dense products on cache-resident tiles: C (M x N) = or += op(A) (M x K) * B (K x N),
+// all row-major with leading dimensions in elements, where op(A) is A (stored M x K) or, for
+// gemm_tn, A transposed (stored K x M) -- read in place, since A is only ever broadcast one
+// element at a time. N must be a multiple of the panel width (kPanel<A>); the callers pad
+// their tiles for that.
 #pragma once
 #include "vec.h"
 
-namespace flashattn::cpu {
+namespace flashattn::cpu::FLASHATTN_CPU_ISA {
 
 // A register block is kRows rows of C by two vectors of columns: 12 accumulators, 2 B
 // vectors and 1 broadcast fit AVX2's 16 registers.
@@ -12,7 +14,7 @@ constexpr int kRows = 6;
 template <class A>
 constexpr int kPanel = 2 * Vec<A>::width;
 
-template <class A, int MR>
+template <class A, int MR, bool kTransA>
 inline void micro_kernel(int64_t K, const A* a, int64_t lda, const A* b, int64_t ldb, A* c, int64_t ldc,
                          bool accumulate) {
   using V = vec_t<A>;
@@ -25,7 +27,7 @@ inline void micro_kernel(int64_t K, const A* a, int64_t lda, const A* b, int64_t
   for (int64_t k = 0; k < K; ++k) {
     const V b0 = vload(b + k * ldb), b1 = vload(b + k * ldb + W);
     for (int r = 0; r < MR; ++r) {
-      const V ar = vbroadcast(a[r * lda + k]);
+      const V ar = vbroadcast(kTransA ? a[k * lda + r] : a[r * lda + k]);
       c0[r] += ar * b0;
       c1[r] += ar * b1;
     }
@@ -36,25 +38,40 @@ inline void micro_kernel(int64_t K, const A* a, int64_t lda, const A* b, int64_t
   }
 }
 
-template <class A>
-void gemm(int64_t M, int64_t N, int64_t K, const A* a, int64_t lda, const A* b, int64_t ldb, A* c, int64_t ldc,
-          bool accumulate) {
+template <class A, bool kTransA>
+void gemm_any(int64_t M, int64_t N, int64_t K, const A* a, int64_t lda, const A* b, int64_t ldb, A* c, int64_t ldc,
+              bool accumulate) {
   constexpr int NR = kPanel<A>;
   for (int64_t j = 0; j < N; j += NR) {
     int64_t i = 0;
     for (; i + kRows <= M; i += kRows)
-      micro_kernel<A, kRows>(K, a + i * lda, lda, b + j, ldb, c + i * ldc + j, ldc, accumulate);
-    const A* ai = a + i * lda;
+      micro_kernel<A, kRows, kTransA>(K, kTransA ? a + i : a + i * lda, lda, b + j, ldb, c + i * ldc + j, ldc,
+                                      accumulate);
+    const A* ai = kTransA ? a + i : a + i * lda;
     A* ci = c + i * ldc + j;
     switch (M - i) {
-      case 5: micro_kernel<A, 5>(K, ai, lda, b + j, ldb, ci, ldc, accumulate); break;
-      case 4: micro_kernel<A, 4>(K, ai, lda, b + j, ldb, ci, ldc, accumulate); break;
-      case 3: micro_kernel<A, 3>(K, ai, lda, b + j, ldb, ci, ldc, accumulate); break;
-      case 2: micro_kernel<A, 2>(K, ai, lda, b + j, ldb, ci, ldc, accumulate); break;
-      case 1: micro_kernel<A, 1>(K, ai, lda, b + j, ldb, ci, ldc, accumulate); break;
+      case 5: micro_kernel<A, 5, kTransA>(K, ai, lda, b + j, ldb, ci, ldc, accumulate); break;
+      case 4: micro_kernel<A, 4, kTransA>(K, ai, lda, b + j, ldb, ci, ldc, accumulate); break;
+      case 3: micro_kernel<A, 3, kTransA>(K, ai, lda, b + j, ldb, ci, ldc, accumulate); break;
+      case 2: micro_kernel<A, 2, kTransA>(K, ai, lda, b + j, ldb, ci, ldc, accumulate); break;
+      case 1: micro_kernel<A, 1, kTransA>(K, ai, lda, b + j, ldb, ci, ldc, accumulate); break;
       default: break;
     }
   }
 }
 
-}  // namespace flashattn::cpu
+// C = or += A B
+template <class A>
+void gemm(int64_t M, int64_t N, int64_t K, const A* a, int64_t lda, const A* b, int64_t ldb, A* c, int64_t ldc,
+          bool accumulate) {
+  gemm_any<A, false>(M, N, K, a, lda, b, ldb, c, ldc, accumulate);
+}
+
+// C = or += A^T B, with A stored K x M
+template <class A>
+void gemm_tn(int64_t M, int64_t N, int64_t K, const A* a, int64_t lda, const A* b, int64_t ldb, A* c, int64_t ldc,
+             bool accumulate) {
+  gemm_any<A, true>(M, N, K, a, lda, b, ldb, c, ldc, accumulate);
+}
+
+}  // namespace flashattn::cpu::FLASHATTN_CPU_ISA

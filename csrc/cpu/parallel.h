@@ -7,7 +7,7 @@
 #include <atomic>
 #include <cstdint>
 
-namespace flashattn::cpu {
+namespace flashattn::cpu::FLASHATTN_CPU_ISA {
 
 // make_worker() is called once per thread and returns a callable taking a task index; it
 // owns that thread's scratch memory.
@@ -23,4 +23,4 @@ void run_tasks(int64_t n_tasks, MakeWorker&& make_worker) {
   });
 }
 
-}  // namespace flashattn::cpu
+}  // namespace flashattn::cpu::FLASHATTN_CPU_ISA

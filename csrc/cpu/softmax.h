@@ -10,7 +10,7 @@
 #include "tiles.h"
 #include "vec.h"
 
-namespace flashattn::cpu {
+namespace flashattn::cpu::FLASHATTN_CPU_ISA {
 
 template <class A>
 constexpr A kNegInf = -std::numeric_limits<A>::infinity();
@@ -25,17 +25,21 @@ void mask_tile(const FwdParams& p, A* s, int64_t ld, int64_t row0, int64_t rows,
   }
 }
 
+// max(a, b), but NaN if either is NaN: a NaN score must poison its row as in PyTorch, not
+// be skipped (a row whose max stays -inf would be taken for a fully masked one).
+template <class T>
+inline T nan_max(T a, T b) {
+  return (b > a || b != b) ? b : a;
+}
+
 template <class A>
 A row_max(const A* x, int64_t n) {
   using V = vec_t<A>;
   constexpr int W = Vec<A>::width;
   V m = vbroadcast(kNegInf<A>);
-  for (int64_t c = 0; c < n; c += W) {
-    const V v = vload(x + c);
-    m = v > m ? v : m;
-  }
+  for (int64_t c = 0; c < n; c += W) m = nan_max(m, vload(x + c));
   A out = kNegInf<A>;
-  for (int i = 0; i < W; ++i) out = std::max(out, A(m[i]));
+  for (int i = 0; i < W; ++i) out = nan_max(out, A(m[i]));
   return out;
 }
 
@@ -76,7 +80,7 @@ struct OnlineSoftmax {
   void update(A* s, int64_t ld, int64_t cols_padded, A* o, int64_t ld_o) {
     for (int64_t r = 0; r < rows; ++r) {
       A* sr = s + r * ld;
-      const A m_new = std::max(m[r], row_max(sr, cols_padded));
+      const A m_new = nan_max(m[r], row_max(sr, cols_padded));
       if (m_new == kNegInf<A>) {  // nothing visible yet: this tile adds nothing
         std::fill(sr, sr + cols_padded, A(0));
         continue;
@@ -102,8 +106,7 @@ struct OnlineSoftmax {
   }
 };
 
-// s = exp(s - lse) per row: the probabilities of the forward. A row whose lse is -inf saw
-// no key; its probabilities are 0.
+// s = exp(s - lse) per row: the probabilities of the forward. A row whose lse is -inf saw no key; its probabilities are 0.
 template <class A>
 void recompute_probs(A* s, int64_t ld, int64_t rows, int64_t cols_padded, const A* lse) {
   for (int64_t r = 0; r < rows; ++r) {
@@ -112,4 +115,4 @@ void recompute_probs(A* s, int64_t ld, int64_t rows, int64_t cols_padded, const 
   }
 }
 
-}  // namespace flashattn::cpu
+}  // namespace flashattn::cpu::FLASHATTN_CPU_ISA

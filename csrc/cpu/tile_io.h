@@ -7,7 +7,7 @@
 #include "../params.h"
 #include "vec.h"
 
-namespace flashattn::cpu {
+namespace flashattn::cpu::FLASHATTN_CPU_ISA {
 
 using bf16_t = torch::headeronly::BFloat16;
 using fp16_t = torch::headeronly::Half;
@@ -77,4 +77,4 @@ void store_rows(DType t, char* dst, int64_t row_stride, int64_t rows, int64_t co
   });
 }
 
-}  // namespace flashattn::cpu
+}  // namespace flashattn::cpu::FLASHATTN_CPU_ISA

@@ -5,11 +5,16 @@
 
 #include "../params.h"
 
-namespace flashattn::cpu {
+namespace flashattn::cpu::FLASHATTN_CPU_ISA {
 
-// Query rows and key columns per tile. 64 x 64 keeps a tile's working set (Q, K, V, S, O at
-// head dim 128) inside a 512 KiB L2; both are multiples of the panel width of every type.
-constexpr int64_t kTileQ = 128;
+// Query rows and key columns per tile; multiples of the panel width of every type. The
+// forward takes larger tiles (measured: 256 x 128 is 25% faster than 64 x 64 on Zen 4): each
+// key tile is transposed once per query tile, and the per-row softmax bookkeeping (row max,
+// rescaling O) is amortized over more columns. The backward is indifferent to its tile
+// shape (64 to 128 measured the same). Working sets stay inside a 1 MiB L2.
+constexpr int64_t kFwdTileQ = 256;
+constexpr int64_t kFwdTileK = 128;
+constexpr int64_t kTileQ = 64;
 constexpr int64_t kTileK = 64;
 
 // Number of keys (from 0) that any of query rows [row_begin, row_end) can see.
@@ -30,4 +35,4 @@ inline int64_t first_row_seeing(const FwdParams& p, int64_t key) {
   return std::clamp<int64_t>(key - p.causal_offset, 0, p.len_q);
 }
 
-}  // namespace flashattn::cpu
+}  // namespace flashattn::cpu::FLASHATTN_CPU_ISA

@@ -1,11 +1,19 @@
 // Fixed-width SIMD vectors through the compiler's vector extension, so the same source
-// becomes AVX2 code (or AVX-512, where the file is built for it) without intrinsics.
+// becomes AVX2 code, or AVX-512 code where kernels_avx512.cpp builds it, without intrinsics.
+//
+// Every header of the CPU kernels puts its code in namespace flashattn::cpu::FLASHATTN_CPU_ISA,
+// one per instruction set the kernels are compiled for, so that the copies built with
+// different vector widths never meet under one symbol name.
 #pragma once
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
-namespace flashattn::cpu {
+#ifndef FLASHATTN_CPU_ISA
+#define FLASHATTN_CPU_ISA baseline
+#endif
+
+namespace flashattn::cpu::FLASHATTN_CPU_ISA {
 
 #ifndef FLASHATTN_VEC_BYTES
 #define FLASHATTN_VEC_BYTES 32
@@ -35,26 +43,28 @@ inline vec_t<A> vbroadcast(A x) {
   return vec_t<A>{} + x;
 }
 
-// exp on a float vector: Cody-Waite range reduction to r in [-ln2/2, ln2/2], a degree-7
-// polynomial (relative error ~2 ulp), and 2^n built in the exponent bits. Underflow
-// (x < -87.3, including -inf) gives exactly 0 so masked scores drop out; NaN stays NaN.
+// exp on a float vector as 2^(x log2(e)): round to n, a degree-6 polynomial for 2^f on f in
+// [-1/2, 1/2] (relative error < 1e-7), and 2^n built in the exponent bits. Callers pass
+// differences of nearby scores (s - max, s - lse), which are exact in floating point, so the
+// change of base adds no error that grows with the scores. Underflow (including -inf) gives
+// exactly 0 so masked scores drop out; NaN stays NaN.
 inline vec_t<float> vexp(vec_t<float> x) {
   typedef int32_t vi __attribute__((vector_size(kVecBytes)));
-  const vec_t<float> xc = x < -87.3f ? vbroadcast(-87.3f) : (x > 88.7f ? vbroadcast(88.7f) : x);
-  const vec_t<float> n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round(x / ln2)
-  const vec_t<float> r = (xc - n * 0.693359375f) - n * -2.12194440e-4f;
-  vec_t<float> p = vbroadcast(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
+  const vec_t<float> t = x * 1.4426950408889634f;
+  const vec_t<float> tc = t < -126.0f ? vbroadcast(-126.0f) : (t > 127.0f ? vbroadcast(127.0f) : t);
+  const vec_t<float> n = (tc + 12582912.0f) - 12582912.0f;  // round to nearest
+  const vec_t<float> f = tc - n;
+  vec_t<float> p = vbroadcast(1.535336188319500e-4f);
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
   const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
   vec_t<float> two_n;
   std::memcpy(&two_n, &bits, sizeof(bits));
-  const vec_t<float> y = p * two_n;
-  return x != x ? x : (x < -87.3f ? vbroadcast(0.0f) : y);
+  return t < -126.0f ? vbroadcast(0.0f) : p * two_n;
 }
 
 inline vec_t<double> vexp(vec_t<double> x) {
@@ -64,4 +74,4 @@ inline vec_t<double> vexp(vec_t<double> x) {
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-}  // namespace flashattn::cpu
+}  // namespace flashattn::cpu::FLASHATTN_CPU_ISA

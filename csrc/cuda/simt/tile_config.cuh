@@ -15,12 +15,12 @@ namespace flashattn::cuda::simt {
 template <class Acc> struct SimtTile;
 template <> struct SimtTile<float> {
   static constexpr int kBlock = 64;   // query rows and key rows per tile
-  static constexpr int kChunkK = 32;  // head-dim chunk of the score products
+  static constexpr int kChunkK = 64;  // head-dim chunk of the forward score product
   static constexpr int kVecMax = 4;
 };
 template <> struct SimtTile<double> {
   static constexpr int kBlock = 32;
-  static constexpr int kChunkK = 16;
+  static constexpr int kChunkK = 16;  // (both directions)
   static constexpr int kVecMax = 2;
 };
 

@@ -14,7 +14,7 @@ __device__ __forceinline__ void gemm_rows_x_rows(Acc (&acc)[4][kTN], const Acc* 
                                                  const Acc* B, int ldb, int kmax, int r, int c) {
   const Acc* a0 = A + r * 4 * lda;
   const Acc* b0 = B + c * ldb;
-#pragma unroll 1
+#pragma unroll 2
   for (int k = 0; k < kK; k += 4) {
     if (k < kmax) {
       Acc a[4][4], b[kTN][4];

@@ -12,14 +12,23 @@ namespace flashattn::cuda::simt {
 template <int kRows, int kCols, int kThreads, class T, class Acc>
 __device__ __forceinline__ void load_tile(Acc* s, int ld, const T* g, int64_t row_stride,
                                           int rows_valid, int cols_valid, int tid) {
-  static_assert((kRows * kCols) % kThreads == 0, "tile must split evenly over the block");
+  static_assert(kThreads % kCols == 0 && kRows % (kThreads / kCols) == 0,
+                "tile must split evenly over the block");
+  constexpr int kRowsPerStep = kThreads / kCols;
+  const int col = tid % kCols;
+  int row = tid / kCols;
+  const bool col_ok = col < cols_valid;
+  const T* src = g + row * row_stride + col;
+  const int64_t src_step = kRowsPerStep * row_stride;
+  Acc* dst = s + row * ld + col;
 #pragma unroll
-  for (int it = 0; it < kRows * kCols / kThreads; ++it) {
-    const int idx = it * kThreads + tid;
-    const int row = idx / kCols, col = idx % kCols;
+  for (int it = 0; it < kRows / kRowsPerStep; ++it) {
     Acc x = 0;
-    if (row < rows_valid && col < cols_valid) x = to_acc(g[row * row_stride + col]);
-    s[row * ld + col] = x;
+    if (col_ok && row < rows_valid) x = to_acc(*src);
+    *dst = x;
+    row += kRowsPerStep;
+    src += src_step;
+    dst += kRowsPerStep * ld;
   }
 }
 

@@ -6,14 +6,15 @@
 #include <cmath>
 #include <vector>
 
-#include "api.h"
+#pragma once
+#include "../params.h"
 #include "gemm.h"
 #include "parallel.h"
 #include "softmax.h"
 #include "tile_io.h"
 #include "tiles.h"
 
-namespace flashattn::cpu {
+namespace flashattn::cpu::FLASHATTN_CPU_ISA {
 namespace {
 
 int64_t acc_size(const BwdParams& p) { return p.dtype == DType::kFloat64 ? 8 : 4; }
@@ -39,7 +40,7 @@ struct BwdLayout {
 template <class A>
 struct BwdScratch {
   int64_t ld_qk, ld_v;
-  std::vector<A> k, kt, vt, dk, dv, q, dout, s, dp, st, lse, delta;
+  std::vector<A> k, kt, vt, dk, dv, q, dout, s, dp;
   explicit BwdScratch(const BwdParams& p)
       : ld_qk(round_up(p.head_dim, kPanel<A>)),
         ld_v(round_up(p.head_dim_v, kPanel<A>)),
@@ -51,17 +52,8 @@ struct BwdScratch {
         q(kTileQ * ld_qk),
         dout(kTileQ * ld_v),
         s(kTileQ * kTileK),
-        dp(kTileQ * kTileK),
-        st(kTileK * kTileQ),
-        lse(kTileQ),
-        delta(kTileQ) {}
+        dp(kTileQ * kTileK) {}
 };
-
-template <class A>
-void transpose(const A* src, int64_t ld_src, int64_t rows, int64_t cols, A* dst, int64_t ld_dst) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c) dst[c * ld_dst + r] = src[r * ld_src + c];
-}
 
 // D = rowsum(dO * O) - dlse for rows [row0, row0 + rows) of one head. `dout` and `out`
 // are scratch tiles of kTileQ x ld_v.
@@ -103,8 +95,8 @@ void bwd_key_tile(const BwdParams& p, const BwdLayout& lay, BwdScratch<A>& w, A*
     const int64_t bh = b * p.heads_q + h;
     for (int64_t row0 = first_row; row0 < p.len_q; row0 += kTileQ) {
       const int64_t rows = std::min(kTileQ, p.len_q - row0);
-      load_rows<A>(t, row_ptr(p.q, p.q_stride, t, b, h, row0), p.q_stride.row, rows, p.head_dim, A(p.scale),
-                   w.q.data(), ld_qk, ld_qk);
+      load_rows<A>(t, row_ptr(p.q, p.q_stride, t, b, h, row0), p.q_stride.row, rows, p.head_dim,
+                   A(p.scale), w.q.data(), ld_qk, ld_qk);
       load_rows<A>(t, row_ptr(p.dout, p.dout_stride, t, b, h, row0), p.dout_stride.row, rows, p.head_dim_v, A(1),
                    w.dout.data(), ld_v, ld_v);
       const A* lse = static_cast<const A*>(p.lse) + bh * p.len_q + row0;
@@ -115,8 +107,7 @@ void bwd_key_tile(const BwdParams& p, const BwdLayout& lay, BwdScratch<A>& w, A*
       mask_tile(p, w.s.data(), kTileK, row0, rows, col0, cols, cols_padded);
       recompute_probs(w.s.data(), kTileK, rows, cols_padded, lse);
       // dV += P^T dO
-      transpose(w.s.data(), kTileK, rows, cols, w.st.data(), kTileQ);
-      gemm<A>(cols, ld_v, rows, w.st.data(), kTileQ, w.dout.data(), ld_v, w.dv.data(), ld_v, true);
+      gemm_tn<A>(cols, ld_v, rows, w.s.data(), kTileK, w.dout.data(), ld_v, w.dv.data(), ld_v, true);
       // dS = P * (dO V^T - D)
       gemm<A>(rows, cols_padded, p.head_dim_v, w.dout.data(), ld_v, w.vt.data(), kTileK, w.dp.data(), kTileK,
               false);
@@ -126,14 +117,13 @@ void bwd_key_tile(const BwdParams& p, const BwdLayout& lay, BwdScratch<A>& w, A*
         for (int64_t c = 0; c < cols_padded; ++c) sr[c] = sr[c] * (dpr[c] - delta[r]);
       }
       // dK += dS^T (scale Q);  dQ += dS K (scale applied when the slices are summed)
-      transpose(w.s.data(), kTileK, rows, cols, w.st.data(), kTileQ);
-      gemm<A>(cols, ld_qk, rows, w.st.data(), kTileQ, w.q.data(), ld_qk, w.dk.data(), ld_qk, true);
+      gemm_tn<A>(cols, ld_qk, rows, w.s.data(), kTileK, w.q.data(), ld_qk, w.dk.data(), ld_qk, true);
       gemm<A>(rows, ld_qk, cols, w.s.data(), kTileK, w.k.data(), ld_qk, dq_acc + (bh * p.len_q + row0) * ld_qk,
               ld_qk, true);
     }
   }
-  store_rows<A>(t, row_ptr(p.dk, p.dk_stride, t, b, hk, col0), p.dk_stride.row, cols, p.head_dim, A(1),
-                w.dk.data(), ld_qk);
+  store_rows<A>(t, row_ptr(p.dk, p.dk_stride, t, b, hk, col0), p.dk_stride.row, cols, p.head_dim,
+                A(1), w.dk.data(), ld_qk);
   store_rows<A>(t, row_ptr(p.dv, p.dv_stride, t, b, hk, col0), p.dv_stride.row, cols, p.head_dim_v, A(1),
                 w.dv.data(), ld_v);
 }
@@ -204,4 +194,4 @@ void run_bwd(const BwdParams& p) {
     bwd_impl<float>(p);
 }
 
-}  // namespace flashattn::cpu
+}  // namespace flashattn::cpu::FLASHATTN_CPU_ISA

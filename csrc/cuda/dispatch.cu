@@ -1,0 +1,131 @@
+// CUDA backend entry points: pick the SIMT kernel by dtype and head-dim tier, lay out the
+// backward workspace, and run the kernel sequence on the caller's stream.
+//
+// Backward workspace: [D = rowsum(dO * O): acc, (batch, heads_q, len_q)] padded to 256 bytes,
+// then, on the non-deterministic path only, the dQ accumulator [acc, (batch, heads_q, len_q,
+// head_dim)] that the dK/dV kernel adds into with atomics.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+
+#include "api.h"
+#include "common/check.h"
+#include "simt/launch.h"
+
+namespace flashattn::cuda {
+
+namespace {
+
+// Smallest supported tier >= dim, capped; dims above the cap are cut into ceil(dim / cap)
+// column slices handled by separate blocks.
+int pick_tier(int64_t dim, int cap) {
+  int tier = 32;
+  while (tier < dim && tier < cap) tier *= 2;
+  return tier;
+}
+
+int num_slices(int64_t dim, int tier) { return int((dim + tier - 1) / tier); }
+
+size_t acc_size(DType t) { return t == DType::kFloat64 ? 8 : 4; }
+
+size_t align_up(size_t x) { return (x + 255) / 256 * 256; }
+
+void check_dims(const FwdParams& p) {
+  if (p.head_dim < 1 || p.head_dim > 256 || p.head_dim_v < 1 || p.head_dim_v > 256)
+    throw std::runtime_error("flashattn_ext CUDA backend: head_dim " + std::to_string(p.head_dim) +
+                             " / head_dim_v " + std::to_string(p.head_dim_v) +
+                             " outside the supported 1..256");
+  if (p.heads_kv < 1 || p.heads_q % p.heads_kv != 0)
+    throw std::runtime_error("flashattn_ext CUDA backend: heads_q " + std::to_string(p.heads_q) +
+                             " not a multiple of heads_kv " + std::to_string(p.heads_kv));
+}
+
+template <class T>
+void fwd_typed(const FwdParams& p, cudaStream_t stream) {
+  constexpr int kCap = std::is_same_v<T, double> ? 128 : 256;
+  const int tier = pick_tier(p.head_dim_v, kCap);
+  const int splits = num_slices(p.head_dim_v, tier);
+  switch (tier) {
+    case 32: simt::fwd<T, 32>(p, splits, stream); break;
+    case 64: simt::fwd<T, 64>(p, splits, stream); break;
+    case 128: simt::fwd<T, 128>(p, splits, stream); break;
+    default:
+      if constexpr (kCap >= 256) simt::fwd<T, 256>(p, splits, stream);
+      break;
+  }
+}
+
+template <class T>
+void bwd_typed(const BwdParams& p, cudaStream_t stream) {
+  constexpr int kCap = std::is_same_v<T, double> ? 64 : 128;
+  const int64_t e_max = p.head_dim > p.head_dim_v ? p.head_dim : p.head_dim_v;
+  const int tier = pick_tier(e_max, kCap);
+  const int splits = num_slices(e_max, tier);
+
+  char* ws = static_cast<char*>(p.workspace);
+  void* dsum = ws;
+  void* dq_accum = nullptr;
+  if (!p.deterministic) {
+    dq_accum = ws + align_up(size_t(p.batch * p.heads_q * p.len_q) * acc_size(p.dtype));
+    check_cuda(cudaMemsetAsync(dq_accum, 0,
+                               size_t(p.batch * p.heads_q * p.len_q * p.head_dim) * acc_size(p.dtype),
+                               stream),
+               "cudaMemsetAsync(dq accumulator)");
+  }
+  simt::bwd_dot_do_o<T>(p, dsum, stream);
+
+  auto run_tier = [&](auto tier_tag) {
+    constexpr int kTier = decltype(tier_tag)::value;
+    simt::bwd_dkdv<T, kTier>(p, dsum, dq_accum, splits, stream);
+    if (p.deterministic) simt::bwd_dq<T, kTier>(p, dsum, num_slices(p.head_dim, kTier), stream);
+  };
+  switch (tier) {
+    case 32: run_tier(std::integral_constant<int, 32>{}); break;
+    case 64: run_tier(std::integral_constant<int, 64>{}); break;
+    default:
+      if constexpr (kCap >= 128) run_tier(std::integral_constant<int, 128>{});
+      break;
+  }
+  if (!p.deterministic) simt::bwd_dq_convert<T>(p, dq_accum, stream);
+}
+
+}  // namespace
+
+void run_fwd(const FwdParams& p, void* stream) {
+  check_dims(p);
+  auto s = static_cast<cudaStream_t>(stream);
+  switch (p.dtype) {
+    case DType::kFloat64: fwd_typed<double>(p, s); break;
+    case DType::kFloat32: fwd_typed<float>(p, s); break;
+    case DType::kBFloat16: fwd_typed<__nv_bfloat16>(p, s); break;
+    case DType::kFloat16: fwd_typed<__half>(p, s); break;
+  }
+}
+
+size_t bwd_workspace_bytes(const BwdParams& p) {
+  const size_t rows = size_t(p.batch * p.heads_q * p.len_q);
+  size_t bytes = align_up(rows * acc_size(p.dtype));
+  if (!p.deterministic) bytes += rows * size_t(p.head_dim) * acc_size(p.dtype);
+  return bytes;
+}
+
+void run_bwd(const BwdParams& p, void* stream) {
+  check_dims(p);
+  if (p.workspace_bytes < bwd_workspace_bytes(p) || p.workspace == nullptr)
+    throw std::runtime_error("flashattn_ext CUDA backend: backward workspace of " +
+                             std::to_string(p.workspace_bytes) + " bytes, needs " +
+                             std::to_string(bwd_workspace_bytes(p)));
+  auto s = static_cast<cudaStream_t>(stream);
+  switch (p.dtype) {
+    case DType::kFloat64: bwd_typed<double>(p, s); break;
+    case DType::kFloat32: bwd_typed<float>(p, s); break;
+    case DType::kBFloat16: bwd_typed<__nv_bfloat16>(p, s); break;
+    case DType::kFloat16: bwd_typed<__half>(p, s); break;
+  }
+}
+
+}  // namespace flashattn::cuda

@@ -1,0 +1,410 @@
+// Backward SIMT kernels.
+//
+// bwd_dkdv_simt_kernel: one block per (batch, kv head, key tile, output-column slice). It keeps
+// dK and dV of its key tile in registers and loops over every query head of its GQA group and
+// every query tile that sees the key tile: scores S and dP = dO V^T are recomputed from
+// streamed head-dim chunks, P = exp(S - LSE), dS = P (dP - D); P and dS go to smem transposed
+// ([key][query]) and multiply streamed chunks of dO, Q (dV += P^T dO, dK += dS^T Q) and, on the
+// atomic path, K (dQ += dS K, added with atomics into an accumulator).
+//
+// bwd_dq_simt_kernel (deterministic path): one block per (batch, query head, query tile,
+// slice) loops over key tiles and keeps dQ in registers, so no atomics are needed.
+#pragma once
+#include <cstdint>
+#include <type_traits>
+
+#include "../common/check.h"
+#include "../common/mask.cuh"
+#include "../common/online_softmax.cuh"
+#include "launch.h"
+#include "tile_config.cuh"
+#include "tile_gemm.cuh"
+#include "tile_load.cuh"
+
+namespace flashattn::cuda::simt {
+
+// kWide: 16-byte output vectors (fast, needs > 64 KB of smem for fp32). The narrow variant
+// (8-byte vectors, smaller chunks) fits the 64 KB of sm_75.
+template <class T, int kTier, bool kWide>
+struct BwdTraits : SimtTraits<T, kTier, kWide ? 4 : 2> {
+  using Base = SimtTraits<T, kTier, kWide ? 4 : 2>;
+  using Acc = typename Base::Acc;
+  static constexpr int kBlock = Base::kBlock;
+  // Four chunk buffers while scoring, so the chunk is narrower than the forward one.
+  static constexpr int kChunkK = cmin(kWide ? 32 : 16, Base::Tile::kChunkK);
+  static constexpr int kLdK = kChunkK + Base::kPad;
+  // Scoring: Q, K, dO, V chunks. Gradients: dO, Q, K column chunks (same space).
+  static constexpr int kScoreElems = 4 * kBlock * kLdK;
+  static constexpr int kChunkElems = cmax(kScoreElems, 3 * kBlock * Base::kLdChunk);
+  static constexpr int kTileElems = kBlock * Base::kLdP;
+  static constexpr size_t kDkdvSmemBytes = size_t(kChunkElems + 2 * kTileElems) * sizeof(Acc);
+  static constexpr size_t kDqSmemBytes =
+      size_t(cmax(kScoreElems, kBlock * Base::kLdChunk) + kTileElems) * sizeof(Acc);
+};
+
+// Which dK/dV variant has a body for the arch being compiled: the wide one from sm_80 on (and
+// always for fp64, whose tiles fit everywhere), the narrow one below. The host picks the same
+// way from the PTX version of the wide kernel's image.
+template <class Acc, bool kWide>
+__device__ constexpr bool bwd_variant_compiled() {
+#ifdef __CUDA_ARCH__
+  return std::is_same_v<Acc, double> || kWide == (__CUDA_ARCH__ >= 800);
+#else
+  return true;
+#endif
+}
+
+// S = Q K^T and dP = dO V^T for one (query tile, key tile), over head-dim chunks.
+template <class Tr, class T, class Acc = typename Tr::Acc>
+__device__ __forceinline__ void bwd_scores(Acc (&s)[4][Tr::kTN], Acc (&dp)[4][Tr::kTN],
+                                           Acc* smem, const T* q, int64_t q_row,
+                                           const T* dout, int64_t do_row, int rows_q,
+                                           const T* k, int64_t k_row, const T* v,
+                                           int64_t v_row, int rows_k, int E, int Ev, int tid) {
+  constexpr int kB = Tr::kBlock, kKC = Tr::kChunkK, kLd = Tr::kLdK, kNT = Tr::kThreads;
+  Acc* sQ = smem;
+  Acc* sK = sQ + kB * kLd;
+  Acc* sdO = sK + kB * kLd;
+  Acc* sV = sdO + kB * kLd;
+  const int r = tid >> 4, c = tid & 15;
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < Tr::kTN; ++j) s[i][j] = dp[i][j] = 0;
+  const int e_max = E > Ev ? E : Ev;
+  for (int kc = 0; kc < e_max; kc += kKC) {
+    __syncthreads();  // earlier readers of the chunk buffers (and of P/dS) are done
+    if (kc < E) {
+      load_tile<kB, kKC, kNT>(sQ, kLd, q + kc, q_row, rows_q, E - kc, tid);
+      load_tile<kB, kKC, kNT>(sK, kLd, k + kc, k_row, rows_k, E - kc, tid);
+    }
+    if (kc < Ev) {
+      load_tile<kB, kKC, kNT>(sdO, kLd, dout + kc, do_row, rows_q, Ev - kc, tid);
+      load_tile<kB, kKC, kNT>(sV, kLd, v + kc, v_row, rows_k, Ev - kc, tid);
+    }
+    __syncthreads();
+    if (kc < E) gemm_rows_x_rows<kKC>(s, sQ, kLd, sK, kLd, E - kc, r, c);
+    if (kc < Ev) gemm_rows_x_rows<kKC>(dp, sdO, kLd, sV, kLd, Ev - kc, r, c);
+  }
+}
+
+// Turns s into P = exp(scale S - LSE) and dp into dS = P (dP - D); both 0 wherever the key is
+// not visible (masked, past len_k, row past len_q, or a fully masked row with LSE = -inf), so
+// that values there (even NaN/inf) never reach a gradient.
+template <class Tr, class Acc>
+__device__ __forceinline__ void bwd_probs(Acc (&s)[4][Tr::kTN], Acc (&dp)[4][Tr::kTN],
+                                          const Acc (&lse)[4], const Acc (&dsum)[4],
+                                          int64_t m0, int64_t n0, int64_t len_k,
+                                          const CausalMask& mask, Acc score_scale, int tid) {
+  const int r = tid >> 4, c = tid & 15;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int64_t m = m0 + r * 4 + i;
+#pragma unroll
+    for (int j = 0; j < Tr::kTN; ++j) {
+      const int64_t n = n0 + c + 16 * j;
+      const bool vis = lse[i] != neg_inf<Acc>() && n < len_k && mask.visible(m, n);
+      const Acc pr = vis ? ExpDomain<Acc>::exp(fma(s[i][j], score_scale, -lse[i])) : Acc(0);
+      dp[i][j] = vis ? pr * (dp[i][j] - dsum[i]) : Acc(0);
+      s[i][j] = pr;
+    }
+  }
+}
+
+// LSE (in the kernel's exponent domain) and D of the thread's 4 query rows; rows past len_q
+// get LSE = -inf, which masks them.
+template <class Acc>
+__device__ __forceinline__ void load_row_stats(Acc (&lse)[4], Acc (&dsum)[4], const Acc* lse_g,
+                                               const Acc* d_g, int64_t m0, int64_t len_q,
+                                               int tid) {
+  const int r = tid >> 4;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int64_t m = m0 + r * 4 + i;
+    const bool ok = m < len_q;
+    lse[i] = ok ? ExpDomain<Acc>::from_lse(lse_g[m]) : neg_inf<Acc>();
+    dsum[i] = ok ? d_g[m] : Acc(0);
+  }
+}
+
+template <class Tr, class Acc>
+__device__ __forceinline__ void store_transposed(Acc* dst, const Acc (&x)[4][Tr::kTN], int tid) {
+  const int r = tid >> 4, c = tid & 15;
+#pragma unroll
+  for (int j = 0; j < Tr::kTN; ++j)
+    sts4(dst + (c + 16 * j) * Tr::kLdP + r * 4, x[0][j], x[1][j], x[2][j], x[3][j]);
+}
+
+template <class T, int kTier, bool kWide>
+__global__ void __launch_bounds__(BwdTraits<T, kTier, kWide>::kThreads, 2)
+    bwd_dkdv_simt_kernel(const BwdParams p, const acc_t<T>* dsum_g, acc_t<T>* dq_accum,
+                         int num_n_tiles, int num_splits) {
+  using Tr = BwdTraits<T, kTier, kWide>;
+  using Acc = typename Tr::Acc;
+  if constexpr (!bwd_variant_compiled<Acc, kWide>()) {
+    __trap();
+  } else {
+    constexpr int kB = Tr::kBlock, kTN = Tr::kTN, kVec = Tr::kVec, kNC = Tr::kNumChunks;
+    constexpr int kCW = Tr::kChunkCols, kLdC = Tr::kLdChunk, kLdP = Tr::kLdP;
+
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    Acc* smem = reinterpret_cast<Acc*>(smem_raw);
+    Acc* sdO = smem;  // gradient-phase chunks
+    Acc* sQ = sdO + kB * kLdC;
+    Acc* sK = sQ + kB * kLdC;
+    Acc* sPt = smem + Tr::kChunkElems;
+    Acc* sdSt = sPt + Tr::kTileElems;
+
+    int64_t bid = blockIdx.x;
+    const int nt = int(bid % num_n_tiles);
+    bid /= num_n_tiles;
+    const int split = int(bid % num_splits);
+    bid /= num_splits;
+    const int64_t hk = bid % p.heads_kv;
+    const int64_t b = bid / p.heads_kv;
+    const int64_t group = p.heads_q / p.heads_kv;
+
+    const int tid = threadIdx.x, r = tid >> 4, c = tid & 15;
+    const int E = int(p.head_dim), Ev = int(p.head_dim_v);
+    const int e_max = E > Ev ? E : Ev;
+    const int d0 = split * kTier;
+    const int64_t n0 = int64_t(nt) * kB;
+    const int rows_k = int(p.len_k - n0 < kB ? p.len_k - n0 : kB);
+    const CausalMask mask{p.causal, p.causal_offset};
+    const Acc score_scale = ExpDomain<Acc>::score_scale(p.scale);
+
+    const T* k = static_cast<const T*>(p.k) + b * p.k_stride.batch + hk * p.k_stride.head +
+                 n0 * p.k_stride.row;
+    const T* v = static_cast<const T*>(p.v) + b * p.v_stride.batch + hk * p.v_stride.head +
+                 n0 * p.v_stride.row;
+
+    Acc dk[kNC][4][kVec], dv[kNC][4][kVec];
+#pragma unroll
+    for (int ch = 0; ch < kNC; ++ch)
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) dk[ch][i][e] = dv[ch][i][e] = 0;
+
+    const int64_t m_begin = mask.first_query(n0) / kB * kB;
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t h = hk * group + g;
+      const int64_t bh = b * p.heads_q + h;
+      const T* q_h = static_cast<const T*>(p.q) + b * p.q_stride.batch + h * p.q_stride.head;
+      const T* do_h =
+          static_cast<const T*>(p.dout) + b * p.dout_stride.batch + h * p.dout_stride.head;
+      const Acc* lse_h = static_cast<const Acc*>(p.lse) + bh * p.len_q;
+      const Acc* dsum_h = dsum_g + bh * p.len_q;
+      Acc* dq_h = dq_accum ? dq_accum + bh * p.len_q * E : nullptr;
+
+      for (int64_t m0 = m_begin; m0 < p.len_q; m0 += kB) {
+        const int rows_q = int(p.len_q - m0 < kB ? p.len_q - m0 : kB);
+        const T* q = q_h + m0 * p.q_stride.row;
+        const T* dout = do_h + m0 * p.dout_stride.row;
+        Acc s[4][kTN], dp[4][kTN], lse[4], dsum[4];
+        bwd_scores<Tr>(s, dp, smem, q, p.q_stride.row, dout, p.dout_stride.row, rows_q, k,
+                       p.k_stride.row, v, p.v_stride.row, rows_k, E, Ev, tid);
+        load_row_stats(lse, dsum, lse_h, dsum_h, m0, p.len_q, tid);
+        bwd_probs<Tr>(s, dp, lse, dsum, m0, n0, p.len_k, mask, score_scale, tid);
+        store_transposed<Tr>(sPt, s, tid);
+        store_transposed<Tr>(sdSt, dp, tid);
+
+#pragma unroll
+        for (int ch = 0; ch < kNC; ++ch) {
+          const int dc = d0 + ch * kCW;
+          if (dc < e_max) {
+            __syncthreads();  // P/dS stored; scoring reads of the chunk buffers done
+            if (dc < Ev) load_tile<kB, kCW, Tr::kThreads>(sdO, kLdC, dout + dc, p.dout_stride.row, rows_q, Ev - dc, tid);
+            if (dc < E) {
+              load_tile<kB, kCW, Tr::kThreads>(sQ, kLdC, q + dc, p.q_stride.row, rows_q, E - dc, tid);
+              if (dq_h) load_tile<kB, kCW, Tr::kThreads>(sK, kLdC, k + dc, p.k_stride.row, rows_k, E - dc, tid);
+            }
+            __syncthreads();
+            if (dc < Ev) gemm_rows_x_cols<kB, kVec>(dv[ch], sPt, kLdP, sdO, kLdC, r, c);
+            if (dc < E) {
+              gemm_rows_x_cols<kB, kVec>(dk[ch], sdSt, kLdP, sQ, kLdC, r, c);
+              if (dq_h) {
+                Acc dq[4][kVec];
+#pragma unroll
+                for (int i = 0; i < 4; ++i)
+#pragma unroll
+                  for (int e = 0; e < kVec; ++e) dq[i][e] = 0;
+                gemm_cols_x_rows<kB, kVec>(dq, sdSt, kLdP, sK, kLdC, r, c);
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                  const int64_t m = m0 + r * 4 + i;
+                  if (m >= p.len_q) continue;
+#pragma unroll
+                  for (int e = 0; e < kVec; ++e) {
+                    const int d = dc + c * kVec + e;
+                    if (d < E) atomicAdd(dq_h + m * E + d, dq[i][e]);
+                  }
+                }
+              }
+            }
+          }
+        }
+      }
+    }
+
+    T* dk_g = static_cast<T*>(p.dk) + b * p.dk_stride.batch + hk * p.dk_stride.head;
+    T* dv_g = static_cast<T*>(p.dv) + b * p.dv_stride.batch + hk * p.dv_stride.head;
+    const Acc scale = Acc(p.scale);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int64_t n = n0 + r * 4 + i;
+      if (n >= p.len_k) continue;
+#pragma unroll
+      for (int ch = 0; ch < kNC; ++ch)
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) {
+          const int d = d0 + ch * kCW + c * kVec + e;
+          if (d < E) dk_g[n * p.dk_stride.row + d] = from_acc<T>(dk[ch][i][e] * scale);
+          if (d < Ev) dv_g[n * p.dv_stride.row + d] = from_acc<T>(dv[ch][i][e]);
+        }
+    }
+  }
+}
+
+template <class T, int kTier>
+__global__ void __launch_bounds__(BwdTraits<T, kTier, true>::kThreads, 2)
+    bwd_dq_simt_kernel(const BwdParams p, const acc_t<T>* dsum_g, int num_m_tiles,
+                       int num_splits) {
+  using Tr = BwdTraits<T, kTier, true>;
+  using Acc = typename Tr::Acc;
+  constexpr int kB = Tr::kBlock, kTN = Tr::kTN, kVec = Tr::kVec, kNC = Tr::kNumChunks;
+  constexpr int kCW = Tr::kChunkCols, kLdC = Tr::kLdChunk;
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  Acc* smem = reinterpret_cast<Acc*>(smem_raw);
+  Acc* sK = smem;  // gradient-phase chunk
+  Acc* sdSt = smem + cmax(Tr::kScoreElems, kB * kLdC);
+
+  int64_t bid = blockIdx.x;
+  const int mt = num_m_tiles - 1 - int(bid % num_m_tiles);
+  bid /= num_m_tiles;
+  const int split = int(bid % num_splits);
+  bid /= num_splits;
+  const int64_t h = bid % p.heads_q;
+  const int64_t b = bid / p.heads_q;
+  const int64_t hk = h / (p.heads_q / p.heads_kv);
+  const int64_t bh = b * p.heads_q + h;
+
+  const int tid = threadIdx.x, r = tid >> 4, c = tid & 15;
+  const int E = int(p.head_dim), Ev = int(p.head_dim_v);
+  const int d0 = split * kTier;
+  const int64_t m0 = int64_t(mt) * kB;
+  const int rows_q = int(p.len_q - m0 < kB ? p.len_q - m0 : kB);
+  const CausalMask mask{p.causal, p.causal_offset};
+  const Acc score_scale = ExpDomain<Acc>::score_scale(p.scale);
+
+  const T* q = static_cast<const T*>(p.q) + b * p.q_stride.batch + h * p.q_stride.head +
+               m0 * p.q_stride.row;
+  const T* dout = static_cast<const T*>(p.dout) + b * p.dout_stride.batch +
+                  h * p.dout_stride.head + m0 * p.dout_stride.row;
+  const T* k_h = static_cast<const T*>(p.k) + b * p.k_stride.batch + hk * p.k_stride.head;
+  const T* v_h = static_cast<const T*>(p.v) + b * p.v_stride.batch + hk * p.v_stride.head;
+
+  Acc lse[4], dsum[4];
+  load_row_stats(lse, dsum, static_cast<const Acc*>(p.lse) + bh * p.len_q, dsum_g + bh * p.len_q,
+                 m0, p.len_q, tid);
+
+  Acc dq[kNC][4][kVec];
+#pragma unroll
+  for (int ch = 0; ch < kNC; ++ch)
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) dq[ch][i][e] = 0;
+
+  const int64_t n_end = mask.key_end(m0 + rows_q - 1, p.len_k);
+  for (int64_t n0 = 0; n0 < n_end; n0 += kB) {
+    const int rows_k = int(p.len_k - n0 < kB ? p.len_k - n0 : kB);
+    const T* k = k_h + n0 * p.k_stride.row;
+    const T* v = v_h + n0 * p.v_stride.row;
+    Acc s[4][kTN], dp[4][kTN];
+    bwd_scores<Tr>(s, dp, smem, q, p.q_stride.row, dout, p.dout_stride.row, rows_q, k,
+                   p.k_stride.row, v, p.v_stride.row, rows_k, E, Ev, tid);
+    bwd_probs<Tr>(s, dp, lse, dsum, m0, n0, p.len_k, mask, score_scale, tid);
+    store_transposed<Tr>(sdSt, dp, tid);
+#pragma unroll
+    for (int ch = 0; ch < kNC; ++ch) {
+      const int dc = d0 + ch * kCW;
+      if (dc < E) {
+        __syncthreads();  // dS stored; scoring reads of the chunk buffers done
+        load_tile<kB, kCW, Tr::kThreads>(sK, kLdC, k + dc, p.k_stride.row, rows_k, E - dc, tid);
+        __syncthreads();
+        gemm_cols_x_rows<kB, kVec>(dq[ch], sdSt, Tr::kLdP, sK, kLdC, r, c);
+      }
+    }
+  }
+
+  T* dq_g = static_cast<T*>(p.dq) + b * p.dq_stride.batch + h * p.dq_stride.head;
+  const Acc scale = Acc(p.scale);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int64_t m = m0 + r * 4 + i;
+    if (m >= p.len_q) continue;
+#pragma unroll
+    for (int ch = 0; ch < kNC; ++ch)
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        const int d = d0 + ch * kCW + c * kVec + e;
+        if (d < E) dq_g[m * p.dq_stride.row + d] = from_acc<T>(dq[ch][i][e] * scale);
+      }
+  }
+}
+
+inline unsigned grid_size(int64_t blocks, const char* what) {
+  if (blocks > 0x7fffffff)
+    throw std::runtime_error(std::string("flashattn_ext CUDA backend: ") + what + " grid too large");
+  return unsigned(blocks);
+}
+
+template <class T, int kTier, bool kWide>
+void launch_dkdv(const BwdParams& p, const void* dsum, void* dq_accum, int num_splits,
+                 cudaStream_t stream) {
+  using Tr = BwdTraits<T, kTier, kWide>;
+  using Acc = typename Tr::Acc;
+  const int64_t num_n_tiles = (p.len_k + Tr::kBlock - 1) / Tr::kBlock;
+  const unsigned blocks =
+      grid_size(num_n_tiles * num_splits * p.heads_kv * p.batch, "bwd_dkdv_simt_kernel");
+  auto kernel = bwd_dkdv_simt_kernel<T, kTier, kWide>;
+  set_smem(kernel, Tr::kDkdvSmemBytes, "bwd_dkdv_simt_kernel");
+  kernel<<<blocks, Tr::kThreads, Tr::kDkdvSmemBytes, stream>>>(
+      p, static_cast<const Acc*>(dsum), static_cast<Acc*>(dq_accum), int(num_n_tiles),
+      num_splits);
+  check_launch("bwd_dkdv_simt_kernel");
+}
+
+template <class T, int kTier>
+void bwd_dkdv(const BwdParams& p, const void* dsum, void* dq_accum, int num_splits,
+              cudaStream_t stream) {
+  if constexpr (std::is_same_v<T, double>) {
+    launch_dkdv<T, kTier, true>(p, dsum, dq_accum, num_splits, stream);
+  } else {
+    cudaFuncAttributes attr{};
+    check_cuda(cudaFuncGetAttributes(&attr, bwd_dkdv_simt_kernel<T, kTier, true>),
+               "cudaFuncGetAttributes(bwd_dkdv_simt_kernel)");
+    if (attr.ptxVersion >= 80)
+      launch_dkdv<T, kTier, true>(p, dsum, dq_accum, num_splits, stream);
+    else
+      launch_dkdv<T, kTier, false>(p, dsum, dq_accum, num_splits, stream);
+  }
+}
+
+template <class T, int kTier>
+void bwd_dq(const BwdParams& p, const void* dsum, int num_splits, cudaStream_t stream) {
+  using Tr = BwdTraits<T, kTier, true>;
+  using Acc = typename Tr::Acc;
+  const int64_t num_m_tiles = (p.len_q + Tr::kBlock - 1) / Tr::kBlock;
+  const unsigned blocks =
+      grid_size(num_m_tiles * num_splits * p.heads_q * p.batch, "bwd_dq_simt_kernel");
+  auto kernel = bwd_dq_simt_kernel<T, kTier>;
+  set_smem(kernel, Tr::kDqSmemBytes, "bwd_dq_simt_kernel");
+  kernel<<<blocks, Tr::kThreads, Tr::kDqSmemBytes, stream>>>(
+      p, static_cast<const Acc*>(dsum), int(num_m_tiles), num_splits);
+  check_launch("bwd_dq_simt_kernel");
+}
+
+}  // namespace flashattn::cuda::simt

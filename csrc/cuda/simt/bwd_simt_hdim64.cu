@@ -1,0 +1,13 @@
+// Backward SIMT kernels, output-column tier 64.
+#include "bwd_simt.cuh"
+
+namespace flashattn::cuda::simt {
+template void bwd_dkdv<double, 64>(const BwdParams&, const void*, void*, int, cudaStream_t);
+template void bwd_dq<double, 64>(const BwdParams&, const void*, int, cudaStream_t);
+template void bwd_dkdv<float, 64>(const BwdParams&, const void*, void*, int, cudaStream_t);
+template void bwd_dq<float, 64>(const BwdParams&, const void*, int, cudaStream_t);
+template void bwd_dkdv<__nv_bfloat16, 64>(const BwdParams&, const void*, void*, int, cudaStream_t);
+template void bwd_dq<__nv_bfloat16, 64>(const BwdParams&, const void*, int, cudaStream_t);
+template void bwd_dkdv<__half, 64>(const BwdParams&, const void*, void*, int, cudaStream_t);
+template void bwd_dq<__half, 64>(const BwdParams&, const void*, int, cudaStream_t);
+}  // namespace flashattn::cuda::simt

@@ -1,0 +1,218 @@
+"""Numerics of flashattn::fwd / bwd against a float64 torch reference (DESIGN §4): out, lse,
+dq, dk, dv over dtypes, lengths, causal alignments, GQA, head dims, strided views, empty
+and fully masked problems, large logits."""
+import math
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from reference import (BOTTOM_RIGHT, CAUSAL_IDS, CAUSAL_MODES, NONE, TOP_LEFT, check_against_reference,
+                       dead_rows, lse_dtype, make_qkv, ours, run_with_grads)
+
+DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
+DTYPE_IDS = ["fp64", "fp32", "bf16", "fp16"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("causal", CAUSAL_MODES, ids=CAUSAL_IDS)
+@pytest.mark.parametrize("len_q,len_k", [(1, 1), (7, 7), (129, 129), (7, 129), (129, 7), (1, 129), (130, 1)])
+def test_lengths(device, dtype, causal, len_q, len_k):
+    q, k, v = make_qkv(2, 2, 2, len_q, len_k, 64, 64, dtype, device)
+    check_against_reference(q, k, v, 1 / 8, causal)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("causal,len_q,len_k", [(NONE, 1000, 1000), (TOP_LEFT, 1000, 1000),
+                                                 (BOTTOM_RIGHT, 1000, 257), (BOTTOM_RIGHT, 129, 1000)])
+def test_long_sequences(device, dtype, causal, len_q, len_k):
+    q, k, v = make_qkv(1, 2, 1, len_q, len_k, 64, 64, dtype, device)
+    check_against_reference(q, k, v, 1 / 8, causal)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("causal", CAUSAL_MODES, ids=CAUSAL_IDS)
+@pytest.mark.parametrize("heads_kv", [2, 1], ids=["gqa", "mqa"])
+@pytest.mark.parametrize("len_q,len_k", [(65, 130), (130, 65)])
+def test_grouped_query(device, dtype, causal, heads_kv, len_q, len_k):
+    q, k, v = make_qkv(2, 4, heads_kv, len_q, len_k, 32, 32, dtype, device)
+    check_against_reference(q, k, v, 32**-0.5, causal)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("causal", [NONE, BOTTOM_RIGHT], ids=["none", "bottom_right"])
+@pytest.mark.parametrize("head_dim,head_dim_v", [(1, 1), (8, 8), (32, 32), (64, 64), (80, 80), (96, 96),
+                                                 (128, 128), (256, 256), (64, 32), (32, 128), (256, 8), (1, 256)])
+def test_head_dims(device, dtype, causal, head_dim, head_dim_v):
+    q, k, v = make_qkv(1, 2, 2, 33, 70, head_dim, head_dim_v, dtype, device)
+    check_against_reference(q, k, v, head_dim**-0.5, causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("scale", [0.0, 1e-3, 1.0, 3.7])
+def test_custom_scale(device, dtype, scale):
+    q, k, v = make_qkv(1, 2, 2, 20, 33, 16, 16, dtype, device)
+    check_against_reference(q, k, v, scale, TOP_LEFT)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("causal", CAUSAL_MODES, ids=CAUSAL_IDS)
+def test_gradient_through_lse(device, dtype, causal):
+    q, k, v = make_qkv(2, 4, 2, 40, 23, 32, 16, dtype, device)
+    dlse = torch.randn(2, 4, 40, dtype=lse_dtype(dtype), device=device)
+    check_against_reference(q, k, v, 32**-0.5, causal, dlse=dlse)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("len_q,len_k", [(9, 4), (130, 7), (5, 1)])
+@pytest.mark.parametrize("with_dlse", [False, True], ids=["out", "out_and_lse"])
+def test_fully_masked_rows(device, dtype, len_q, len_k, with_dlse):
+    """Bottom-right alignment with len_q > len_k: the first len_q - len_k rows see no key."""
+    q, k, v = make_qkv(2, 2, 1, len_q, len_k, 32, 32, dtype, device)
+    dlse = torch.randn(2, 2, len_q, dtype=lse_dtype(dtype), device=device) if with_dlse else None
+    got = check_against_reference(q, k, v, 32**-0.5, BOTTOM_RIGHT, dlse=dlse)
+    dead = dead_rows(len_q, len_k, BOTTOM_RIGHT, device)
+    assert dead.sum() == len_q - len_k
+    assert torch.all(got["out"][:, :, dead] == 0)
+    assert torch.all(got["lse"][:, :, dead] == float("-inf"))
+    assert torch.all(got["dq"][:, :, dead] == 0)
+    assert torch.isfinite(got["lse"][:, :, ~dead]).all()
+    for name in ("out", "dq", "dk", "dv"):
+        assert torch.isfinite(got[name]).all(), name
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("causal", CAUSAL_MODES, ids=CAUSAL_IDS)
+def test_large_logits(device, dtype, causal):
+    """|scale * q.k| up to ~1e4: the online softmax must not overflow."""
+    q, k, v = make_qkv(1, 2, 2, 24, 24, 16, 16, dtype, device)
+    q, k = q * 30, k * 30
+    logits = (q.double() @ k.double().transpose(-1, -2)).abs().max()
+    assert logits > 5e3
+    # Gradients carry rounding of terms 30x the unit scale (|q|, |k|): measure errors
+    # absolutely below that magnitude.
+    got = check_against_reference(q, k, v, 1.0, causal, atol_floor=30.0)
+    for name in ("out", "lse", "dq", "dk", "dv"):
+        assert torch.isfinite(got[name]).all(), name
+
+
+# ---- strided inputs: the op reads views in place and lays its outputs out as documented ----
+
+def _grads_of_op(q, k, v, scale, causal, dout):
+    return run_with_grads(lambda *t: ours(*t, scale, causal), q, k, v, dout)
+
+
+def _assert_same_results(a, b):
+    for name in ("out", "lse", "dq", "dk", "dv"):
+        assert torch.equal(a[name], b[name]), name
+
+
+def _assert_no_copies(fn):
+    """No hidden copy of the inputs: the op's call tree holds no copy/contiguous/clone."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    names = {e.name for e in prof.events()}
+    assert any(n.startswith("flashattn::") for n in names), names
+    copies = names & {"aten::copy_", "aten::clone", "aten::contiguous", "aten::_to_copy", "aten::to"}
+    assert not copies, f"the op copied its inputs: {sorted(copies)}"
+
+
+def _is_blhe(t):
+    """(batch, heads, len, dim) view of a contiguous (batch, len, heads, dim) tensor."""
+    return t.transpose(1, 2).is_contiguous()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["fp64", "bf16"])
+@pytest.mark.parametrize("causal", CAUSAL_MODES, ids=CAUSAL_IDS)
+def test_transposed_blhe_inputs(device, dtype, causal):
+    b, lq, lk, h, e = 2, 37, 50, 3, 32
+    q = torch.randn(b, lq, h, e, dtype=dtype, device=device).transpose(1, 2)
+    k = torch.randn(b, lk, h, e, dtype=dtype, device=device).transpose(1, 2)
+    v = torch.randn(b, lk, h, 16, dtype=dtype, device=device).transpose(1, 2)
+    dout = torch.randn(b, lq, h, 16, dtype=dtype, device=device).transpose(1, 2)
+    strided = _grads_of_op(q, k, v, 0.2, causal, dout)
+    contiguous = _grads_of_op(q.contiguous(), k.contiguous(), v.contiguous(), 0.2, causal, dout.contiguous())
+    _assert_same_results(strided, contiguous)
+    # Outputs follow the inputs' (batch, len, heads, dim) memory order; lse is contiguous.
+    for name in ("out", "dq", "dk", "dv"):
+        assert _is_blhe(strided[name]), (name, strided[name].stride())
+        assert contiguous[name].is_contiguous(), (name, contiguous[name].stride())
+    assert strided["lse"].is_contiguous()
+    check_against_reference(q, k, v, 0.2, causal)
+    out, lse = ours(q, k, v, 0.2, causal)
+    _assert_no_copies(lambda: ours(q, k, v, 0.2, causal))
+    _assert_no_copies(lambda: torch.ops.flashattn.bwd(dout, q, k, v, out, lse, None, 0.2, causal, False))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("causal", [NONE, BOTTOM_RIGHT], ids=["none", "bottom_right"])
+def test_packed_qkv_slices(device, dtype, causal):
+    b, l, h, e = 2, 45, 4, 32
+    qkv = torch.randn(b, l, 3, h, e, dtype=dtype, device=device, requires_grad=True)
+    q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))
+    assert q.stride() == (l * 3 * h * e, e, 3 * h * e, 1)
+    out, lse = ours(q, k, v, e**-0.5, causal)
+    assert _is_blhe(out) and lse.is_contiguous()
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    _assert_no_copies(lambda: ours(q.detach(), k.detach(), v.detach(), e**-0.5, causal))
+
+    ref = _grads_of_op(q.contiguous(), k.contiguous(), v.contiguous(), e**-0.5, causal, dout.contiguous())
+    assert torch.equal(out, ref["out"]) and torch.equal(lse, ref["lse"])
+    expected_grad = torch.stack([ref[n].transpose(1, 2) for n in ("dq", "dk", "dv")], dim=2)
+    assert torch.equal(qkv.grad, expected_grad)
+    check_against_reference(q.detach(), k.detach(), v.detach(), e**-0.5, causal)
+
+
+def test_other_strides(device):
+    """Sequence slices of a longer buffer, every other head, and a batch-broadcast key/value."""
+    big = torch.randn(2, 6, 80, 32, dtype=torch.float32, device=device)
+    q = big[:, ::2, 5:45]                       # head stride 2 * 80 * 32, offset storage
+    k1 = torch.randn(1, 3, 60, 32, dtype=torch.float32, device=device)
+    v1 = torch.randn(1, 3, 60, 24, dtype=torch.float32, device=device)
+    k, v = k1.expand(2, -1, -1, -1), v1.expand(2, -1, -1, -1)   # batch stride 0
+    dout = torch.randn(2, 3, 40, 24, device=device)
+    for causal in CAUSAL_MODES:
+        strided = _grads_of_op(q, k, v, 0.3, causal, dout)
+        contiguous = _grads_of_op(q.contiguous(), k.contiguous(), v.contiguous(), 0.3, causal, dout)
+        _assert_same_results(strided, contiguous)
+        check_against_reference(q, k, v, 0.3, causal)
+        _assert_no_copies(lambda: ours(q, k, v, 0.3, causal))
+
+
+# ---- empty problems ----
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("causal", CAUSAL_MODES, ids=CAUSAL_IDS)
+@pytest.mark.parametrize("shape_q,shape_k", [((0, 2, 5, 16), (0, 2, 7, 16)),   # batch 0
+                                             ((2, 0, 5, 16), (2, 0, 7, 16)),   # heads 0
+                                             ((2, 2, 0, 16), (2, 2, 7, 16)),   # len_q 0
+                                             ((2, 2, 5, 16), (2, 1, 0, 16)),   # len_k 0
+                                             ((2, 2, 0, 16), (2, 2, 0, 16))])
+def test_empty(device, dtype, causal, shape_q, shape_k):
+    q = torch.randn(shape_q, dtype=dtype, device=device, requires_grad=True)
+    k = torch.randn(shape_k, dtype=dtype, device=device, requires_grad=True)
+    v = torch.randn(shape_k[:3] + (8,), dtype=dtype, device=device, requires_grad=True)
+    out, lse = ours(q, k, v, 0.25, causal)
+    assert out.shape == shape_q[:3] + (8,) and out.dtype == dtype
+    assert lse.shape == shape_q[:3] and lse.dtype == lse_dtype(dtype)
+    # With no keys every row is fully masked.
+    assert torch.all(out == 0)
+    if shape_k[2] == 0:
+        assert torch.all(lse == float("-inf"))
+    (out.sum() + lse.clamp(min=-1).sum()).backward()
+    for t in (q, k, v):
+        assert t.grad.shape == t.shape and torch.all(t.grad == 0)
+
+
+def test_lse_is_natural_log(device):
+    """lse = log(sum_j exp(scale * q.k_j)), checked on a case computable by hand."""
+    q = torch.ones(1, 1, 1, 4, dtype=torch.float64, device=device)
+    k = torch.zeros(1, 1, 3, 4, dtype=torch.float64, device=device)
+    k[0, 0, 0] = 1.0
+    v = torch.eye(3, dtype=torch.float64, device=device).view(1, 1, 3, 3)
+    out, lse = ours(q, k, v, 0.5, NONE)
+    expected_lse = math.log(math.exp(2.0) + 2.0)
+    assert lse.item() == pytest.approx(expected_lse, rel=1e-14)
+    expected = torch.tensor([math.exp(2.0), 1.0, 1.0], dtype=torch.float64) / (math.exp(2.0) + 2.0)
+    torch.testing.assert_close(out.view(3).cpu(), expected, rtol=1e-14, atol=0)

@@ -1,0 +1,226 @@
+"""Bad input gets a clear error naming the argument and the rule (DESIGN §3); NaN/Inf inputs
+propagate as in torch and never crash; unsupported features raise NotImplementedError."""
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import flashattn_ext
+from reference import BOTTOM_RIGHT, NONE, TOP_LEFT, attention, make_qkv, ours
+
+fwd = torch.ops.flashattn.fwd
+bwd = torch.ops.flashattn.bwd
+
+
+def _qkv(device, dtype=torch.float32, hq=2, hkv=2, lq=5, lk=6, e=8, ev=8, b=1):
+    return make_qkv(b, hq, hkv, lq, lk, e, ev, dtype, device)
+
+
+# ---- flashattn::fwd argument checks ----
+
+def test_wrong_rank(device):
+    q, k, v = _qkv(device)
+    with pytest.raises(RuntimeError, match=r"argument 'q' must have 4 dimensions .*got shape \[2, 5, 8\]"):
+        fwd(q[0], k, v, 1.0, NONE)
+    with pytest.raises(RuntimeError, match=r"argument 'v' must have 4 dimensions .*got shape \[1, 1, 2, 6, 8\]"):
+        fwd(q, k, v[None], 1.0, NONE)
+
+
+def test_dtype_mismatch(device):
+    q, k, v = _qkv(device)
+    with pytest.raises(RuntimeError, match="argument 'k' has dtype float64 but 'q' has dtype float32; they must match"):
+        fwd(q, k.double(), v, 1.0, NONE)
+    with pytest.raises(RuntimeError, match="argument 'v' has dtype bfloat16 but 'q' has dtype float32"):
+        fwd(q, k, v.bfloat16(), 1.0, NONE)
+
+
+@pytest.mark.parametrize("dtype,name", [(torch.int32, "int32"), (torch.int64, "int64"), (torch.bool, "bool")])
+def test_non_float_dtype(device, dtype, name):
+    q = torch.ones(1, 2, 5, 8, dtype=dtype, device=device)
+    with pytest.raises(RuntimeError, match=f"argument 'q' has dtype {name}; supported dtypes are float64, "
+                                           f"float32, bfloat16 and float16"):
+        fwd(q, q, q, 1.0, NONE)
+
+
+def test_device_mismatch(device):
+    if not torch.cuda.is_available() or not flashattn_ext.has_cuda_kernels():
+        pytest.skip("needs a CUDA device with the CUDA kernels built to mix cpu and cuda tensors")
+    q, k, v = _qkv(device)
+    other = "cpu" if device == "cuda" else "cuda"
+    with pytest.raises(RuntimeError, match=r"argument 'k' is on device .* but 'q' is on .*must be on the same device"):
+        fwd(q, k.to(other), v, 1.0, NONE)
+
+
+def test_device_mismatch_with_meta(device):
+    """A meta tensor among real ones must be rejected, not answered with uninitialized memory."""
+    q, k, v = _qkv(device)
+    with pytest.raises(RuntimeError, match="device"):
+        fwd(q, k.to("meta"), v, 1.0, NONE)
+    with pytest.raises(RuntimeError, match="device"):
+        fwd(q, k, v.to("meta"), 1.0, NONE)
+
+
+@pytest.mark.parametrize("head_dim", [0, 257])
+def test_head_dim_limits(device, head_dim):
+    q, k, _ = _qkv(device, e=head_dim)
+    _, _, v = _qkv(device)
+    with pytest.raises(RuntimeError, match=f"head_dim of q and k must be between 1 and 256, got {head_dim}"):
+        fwd(q, k, v, 1.0, NONE)
+    q, k, _ = _qkv(device)
+    _, _, v = _qkv(device, ev=head_dim)
+    with pytest.raises(RuntimeError, match=f"head_dim of v must be between 1 and 256, got {head_dim}"):
+        fwd(q, k, v, 1.0, NONE)
+
+
+def test_mismatched_sizes(device):
+    q, k, v = _qkv(device)
+    k2, v2 = _qkv(device, b=2)[1:]
+    with pytest.raises(RuntimeError, match=r"argument 'k' has batch size 2 \(shape \[2, 2, 6, 8\]\) but 1 was expected"):
+        fwd(q, k2, v2, 1.0, NONE)
+    with pytest.raises(RuntimeError, match=r"argument 'v' has batch size 2 .* but 1 was expected"):
+        fwd(q, k, v2, 1.0, NONE)
+    with pytest.raises(RuntimeError, match=r"argument 'v' has sequence length \(must equal k's\) 5"):
+        fwd(q, k, v[:, :, :5], 1.0, NONE)
+    with pytest.raises(RuntimeError, match=r"argument 'v' has number of heads \(must equal k's\) 1"):
+        fwd(q, k, v[:, :1], 1.0, NONE)
+    with pytest.raises(RuntimeError, match=r"argument 'k' has head_dim \(must equal q's\) 4"):
+        fwd(q, k[..., :4], v, 1.0, NONE)
+
+
+@pytest.mark.parametrize("hq,hkv", [(3, 2), (2, 4), (2, 0)])
+def test_heads_not_multiple(device, hq, hkv):
+    q, k, v = _qkv(device, hq=hq, hkv=hkv)
+    with pytest.raises(RuntimeError, match=re.escape(f"the number of query heads ({hq}) must be a multiple of the "
+                                                     f"number of key/value heads ({hkv})")):
+        fwd(q, k, v, 1.0, NONE)
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+def test_non_contiguous_last_dim(device, name):
+    args = dict(zip("qkv", _qkv(device)))
+    args[name] = torch.randn(args[name].shape[:-1] + (16,), device=device)[..., ::2]
+    with pytest.raises(RuntimeError, match=f"argument '{name}' must have a contiguous last dimension \\(stride 1\\), "
+                                           f"got stride 2"):
+        fwd(args["q"], args["k"], args["v"], 1.0, NONE)
+
+
+@pytest.mark.parametrize("causal", [-1, 3, 100])
+def test_bad_causal(device, causal):
+    q, k, v = _qkv(device)
+    with pytest.raises(RuntimeError, match=f"argument 'causal' must be 0 \\(none\\), 1 \\(top-left\\) or 2 "
+                                           f"\\(bottom-right\\), got {causal}"):
+        fwd(q, k, v, 1.0, causal)
+
+
+# ---- flashattn::bwd argument checks ----
+
+def _bwd_args(device):
+    q, k, v = _qkv(device)
+    out, lse = fwd(q, k, v, 0.5, NONE)
+    return dict(dout=torch.randn_like(out), q=q, k=k, v=v, out=out, lse=lse, dlse=None)
+
+
+def _call_bwd(a):
+    return bwd(a["dout"], a["q"], a["k"], a["v"], a["out"], a["lse"], a["dlse"], 0.5, NONE, False)
+
+
+def test_bwd_accepts_its_forward(device):
+    dq, dk, dv = _call_bwd(_bwd_args(device))
+    assert dq.shape == (1, 2, 5, 8) and dk.shape == dv.shape == (1, 2, 6, 8)
+
+
+@pytest.mark.parametrize("name,bad,match", [
+    ("lse", lambda a: a["lse"][:, :1], r"argument 'lse' must have shape \[1, 2, 5\], got \[1, 1, 5\]"),
+    ("lse", lambda a: a["lse"][..., None], r"argument 'lse' must have shape \[1, 2, 5\], got \[1, 2, 5, 1\]"),
+    ("lse", lambda a: a["lse"].double(), "argument 'lse' must have dtype float32, got float64"),
+    ("lse", lambda a: a["lse"].transpose(1, 2).contiguous().transpose(1, 2), "argument 'lse' must be contiguous"),
+    ("dout", lambda a: a["dout"][:, :, :4], r"argument 'dout' has dimension size 4 \(shape \[1, 2, 4, 8\]\) but 5"),
+    ("dout", lambda a: a["dout"][0], r"argument 'dout' must have 4 dimensions"),
+    ("dout", lambda a: a["dout"].double(), "argument 'dout' has dtype float64 but 'q' has dtype float32"),
+    ("out", lambda a: a["out"][..., :4], r"argument 'out' has dimension size 4 \(shape \[1, 2, 5, 4\]\) but 8"),
+    ("dlse", lambda a: a["lse"][:, :, :2].contiguous(), r"argument 'dlse' must be a contiguous tensor shaped, "
+                                                        r"typed and placed like 'lse' \[1, 2, 5\], got shape \[1, 2, 2\]"),
+    ("dlse", lambda a: a["lse"].double(), r"argument 'dlse' .* dtype float64"),
+])
+def test_bwd_bad_arguments(device, name, bad, match):
+    a = _bwd_args(device)
+    a[name] = bad(a)
+    with pytest.raises(RuntimeError, match=match):
+        _call_bwd(a)
+
+
+# ---- NaN / Inf inputs ----
+
+def _poisoned_case(device, where, value, causal):
+    q, k, v = (t.double() for t in _qkv(device, lq=6, lk=6))
+    {"q": q, "k": k, "v": v}[where][0, 1, 3, 2] = value
+    return q, k, v
+
+
+@pytest.mark.parametrize("where,value,causal", [
+    ("q", float("nan"), NONE), ("q", float("nan"), TOP_LEFT), ("q", float("inf"), NONE),
+    ("q", float("-inf"), BOTTOM_RIGHT), ("k", float("nan"), NONE), ("v", float("nan"), NONE),
+    ("v", float("inf"), NONE),
+])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=["fp64", "fp32", "bf16"])
+def test_nan_inf_propagate_like_torch(device, where, value, causal, dtype):
+    q, k, v = _poisoned_case(device, where, value, causal)
+    ref_out, ref_lse = attention(q, k, v, 0.5, causal)
+    q, k, v = (t.to(dtype).requires_grad_() for t in (q, k, v))
+    out, lse = ours(q, k, v, 0.5, causal)
+    assert torch.equal(out.isnan(), ref_out.isnan()), (out.isnan().nonzero(), ref_out.isnan().nonzero())
+    # torch has no lse output; torch.logsumexp gives +inf where a row's scores hold +inf and
+    # NaN where they hold NaN. lse must be non-finite exactly there (NaN or inf).
+    assert torch.equal(lse.isfinite(), ref_lse.isfinite()), (lse, ref_lse)
+    if where == "q":  # a poisoned query row poisons that row only
+        assert out[0, 1, 3].isnan().all() and out.isnan().sum() == out.shape[-1]
+    (out.nan_to_num().sum() + lse.nan_to_num().sum()).backward()  # must not crash
+    for t in (q, k, v):
+        assert t.grad.shape == t.shape
+
+
+# ---- unsupported features and wrapper checks ----
+
+def test_sdpa_not_implemented(device):
+    q, k, v = _qkv(device)
+    with pytest.raises(NotImplementedError, match="attn_mask"):
+        flashattn_ext.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(5, 6, dtype=torch.bool,
+                                                                                 device=device))
+    with pytest.raises(NotImplementedError, match="dropout_p=0.1"):
+        flashattn_ext.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    (dict(dropout_p=0.1), "dropout_p"),
+    (dict(window_size=(4, 0)), "window_size"),
+    (dict(softcap=30.0), "softcap"),
+    (dict(alibi_slopes="slopes"), "alibi_slopes"),
+])
+def test_flash_attn_func_not_implemented(device, kwargs, name):
+    q, k, v = (t.transpose(1, 2) for t in _qkv(device))
+    if name == "alibi_slopes":
+        kwargs = dict(alibi_slopes=torch.ones(2, device=device))
+    with pytest.raises(NotImplementedError, match=name):
+        flashattn_ext.flash_attn_func(q, k, v, **kwargs)
+
+
+def test_sdpa_enable_gqa_required(device):
+    q, k, v = _qkv(device, hq=4, hkv=2)
+    with pytest.raises(ValueError, match=r"query has 4 heads and key has 2; pass enable_gqa=True"):
+        flashattn_ext.scaled_dot_product_attention(q, k, v)
+    # torch refuses it too
+    with pytest.raises(RuntimeError):
+        F.scaled_dot_product_attention(q, k, v)
+
+
+def test_wrapper_shapes(device):
+    q, k, v = _qkv(device)
+    with pytest.raises(ValueError, match=r"query must have at least 3 dimensions .*got shape \(5, 8\)"):
+        flashattn_ext.scaled_dot_product_attention(q[0, 0], k, v)
+    with pytest.raises(ValueError, match=r"key has leading \(batch\) dimensions \(2,\) but query has \(1,\)"):
+        flashattn_ext.scaled_dot_product_attention(q, k.expand(2, -1, -1, -1), v)
+    with pytest.raises(ValueError, match=r"v must have 4 dimensions \(batch, seq_len, heads, head_dim\)"):
+        flashattn_ext.flash_attn_func(q, k, v[0])
+    with pytest.raises(TypeError, match="k must be a torch.Tensor"):
+        flashattn_ext.flash_attn_func(q, k.tolist(), v)
