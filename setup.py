@@ -24,6 +24,25 @@ TORCH_TARGET = "-DTORCH_TARGET_VERSION=0x020a000000000000"
 PY_LIMITED = "-DPy_LIMITED_API=0x03090000"
 
 
+X86 = os.uname().machine in ("x86_64", "AMD64")
+AVX512_SOURCE = "csrc/cpu/kernels_avx512.cpp"
+AVX512_FLAGS = ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq"]
+
+
+class BuildWithAVX512(BuildExtension):
+    """Compiles kernels_avx512.cpp on its own with AVX-512 flags (setuptools has no per-file
+    flags) and links its object after all others: see the comment at the top of that file."""
+
+    def build_extensions(self):
+        if X86:
+            for ext in self.extensions:
+                flags = ext.extra_compile_args["cxx"] + AVX512_FLAGS + ["-fPIC"]
+                ext.extra_objects += self.compiler.compile(
+                    [AVX512_SOURCE], output_dir=self.build_temp, include_dirs=ext.include_dirs,
+                    extra_postargs=flags)
+        super().build_extensions()
+
+
 def want_cuda():
     mode = os.environ.get("FLASHATTN_BUILD", "auto").lower()
     if mode not in ("auto", "cpu", "cuda"):
@@ -50,13 +69,12 @@ def cuda_gencode_flags():
 
 def extension():
     rel = lambda pattern: sorted(os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, pattern), recursive=True))
-    # kernels_avx512.cpp must be linked last: see the comment at its top.
-    cpu = sorted(rel("csrc/cpu/*.cpp"), key=lambda path: "avx512" in path)
-    sources = rel("csrc/*.cpp") + cpu
-    # x86-64 builds target AVX2 + FMA (any CPU from 2013 on); faster paths are picked at run time.
+    sources = rel("csrc/*.cpp") + [p for p in rel("csrc/cpu/*.cpp") if p != AVX512_SOURCE]
+    # x86-64 builds target AVX2 + FMA (any CPU from 2013 on); the AVX-512 kernels are built
+    # beside them (BuildWithAVX512) and picked at run time.
     cxx = ["-O3", "-std=c++17", TORCH_TARGET, PY_LIMITED, "-fvisibility=hidden"]
-    if os.uname().machine in ("x86_64", "AMD64"):
-        cxx += ["-mavx2", "-mfma", "-mf16c"]
+    if X86:
+        cxx += ["-mavx2", "-mfma", "-mf16c", "-DFLASHATTN_HAVE_AVX512"]
     common = dict(name="flashattn_ext._C", sources=sources, py_limited_api=True)
     if not want_cuda():
         return CppExtension(extra_compile_args={"cxx": cxx}, **common)
@@ -69,6 +87,6 @@ def extension():
 
 setup(
     ext_modules=[extension()],
-    cmdclass={"build_ext": BuildExtension},
+    cmdclass={"build_ext": BuildWithAVX512},
     options={"bdist_wheel": {"py_limited_api": "cp39"}},
 )

@@ -160,7 +160,8 @@ void fill_common(FwdParams& p, const Tensor& q, const Tensor& k, const Tensor& v
 #ifdef FLASHATTN_WITH_CUDA
 void* current_cuda_stream(const Tensor& t) {
   void* stream = nullptr;
-  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_current_cuda_stream(t.get_device_index(), &stream));
+  STD_TORCH_CHECK(aoti_torch_get_current_cuda_stream(t.get_device_index(), &stream) == AOTI_TORCH_SUCCESS,
+                  "flashattn: could not get the current CUDA stream of device ", t.get_device_index());
   return stream;
 }
 #endif

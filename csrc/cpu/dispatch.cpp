@@ -14,8 +14,8 @@ size_t bwd_workspace_bytes(const BwdParams& p);
 void run_bwd(const BwdParams& p);
 }  // namespace baseline
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define FLASHATTN_HAVE_AVX512 1
+// FLASHATTN_HAVE_AVX512 is defined by setup.py when it builds kernels_avx512.cpp.
+#ifdef FLASHATTN_HAVE_AVX512
 namespace avx512 {
 void run_fwd(const FwdParams& p);
 size_t bwd_workspace_bytes(const BwdParams& p);
