@@ -67,7 +67,7 @@ def _fwd_backward(ctx, dout, dlse):
     if dlse is not None:
         dlse = dlse.contiguous()
     dq, dk, dv = torch.ops.flashattn.bwd(_last_dim_contiguous(dout), q, k, v, out, lse, dlse, ctx.scale,
-                                         ctx.causal, ctx.deterministic)
+                                         ctx.causal, ctx.deterministic or torch.are_deterministic_algorithms_enabled())
     return dq, dk, dv, None, None, None
 
 

@@ -23,3 +23,26 @@ def test_backward_is_bitwise_reproducible(device, dtype, causal, heads_kv):
     first, second = grads(), grads()
     for a, b in zip(first, second):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("mode", ["use_deterministic_algorithms", "float64"])
+def test_reproducible_without_the_flag(device, mode):
+    """torch.use_deterministic_algorithms(True), and float64 always, give reproducible
+    gradients without deterministic=True (gradcheck compares two backward runs)."""
+    dtype = torch.float64 if mode == "float64" else torch.float32
+    q, k, v = (torch.randn(1, 4, 200, 32, dtype=dtype, device=device) for _ in range(3))
+    dout = torch.randn_like(q)
+
+    def grads():
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        flashattn_ext.scaled_dot_product_attention(*leaves, is_causal=True).backward(dout)
+        return [t.grad for t in leaves]
+
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(mode == "use_deterministic_algorithms")
+    try:
+        first, second = grads(), grads()
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
