@@ -79,14 +79,17 @@ void check_attn_tensor(const Tensor& t, const char* name) {
   to_dtype(t.scalar_type(), name);
 }
 
+std::string device_str(const Tensor& t) {
+  return t.is_cuda() ? "cuda:" + std::to_string(t.get_device_index()) : std::string("cpu");
+}
+
 void check_same_device_dtype(const Tensor& ref, const char* ref_name, const Tensor& t, const char* name) {
   STD_TORCH_CHECK(t.scalar_type() == ref.scalar_type(), "flashattn: argument '", name, "' has dtype ",
                   dtype_name(t.scalar_type()), " but '", ref_name, "' has dtype ",
                   dtype_name(ref.scalar_type()), "; they must match");
   STD_TORCH_CHECK(t.is_cuda() == ref.is_cuda() && t.get_device_index() == ref.get_device_index(),
-                  "flashattn: argument '", name, "' is on device ", t.is_cuda() ? "cuda:" : "cpu:",
-                  t.get_device_index(), " but '", ref_name, "' is on ", ref.is_cuda() ? "cuda:" : "cpu:",
-                  ref.get_device_index(), "; they must be on the same device");
+                  "flashattn: argument '", name, "' is on device ", device_str(t), " but '", ref_name, "' is on ",
+                  device_str(ref), "; they must be on the same device");
 }
 
 void check_size(const Tensor& t, const char* name, int64_t dim, int64_t expected, const char* what) {

@@ -25,6 +25,31 @@ import time
 import torch
 import torch.nn.functional as F
 
+# The accuracy rule (DESIGN.md §4): max|ours - ref| <= 2 * max|torch - ref| + atol with
+# atol = REL_ATOL * max(max|ref|, 1); shared by the tests and the main job.
+# Allowed slack beyond twice torch's own error, relative to the largest reference magnitude
+# (at least 1: the tests feed unit-scale inputs, and an exactly-zero reference, as dq with a
+# single key, still carries rounding of unit-sized intermediate terms).
+# Forward (out, lse): ~4500 ulp for float64 (summation order over long rows), 8 ulp for
+# float32, half an ulp (one rounding of the result) for bfloat16 / float16.
+REL_ATOL = {
+    torch.float64: 1e-12,
+    torch.float32: 1e-6,
+    torch.bfloat16: 2.0**-8,
+    torch.float16: 2.0**-11,
+}
+# Gradients: the FlashAttention backward takes D = rowsum(dO * O) from the output as stored
+# (rounded to the input dtype), while torch's CPU math path keeps the softmax in float32
+# throughout; the rounding of O then enters dS = P (dP - D) in every column. Measured worst
+# case (head_dim 1, head_dim_v 256) is ~20 float32 ulp and ~0.6 bfloat16 ulp, so the bound is
+# ~80 ulp for float32 and one ulp for bfloat16 / float16.
+REL_ATOL_GRAD = {
+    torch.float64: 1e-12,
+    torch.float32: 1e-5,
+    torch.bfloat16: 2.0**-7,
+    torch.float16: 2.0**-10,
+}
+
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 

@@ -4,10 +4,12 @@ import math
 
 import torch
 
+from ._checks import check_fwd_args
 from .ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, CAUSAL_TOP_LEFT
 
 
 def _attention(q, k, v, scale, causal, deterministic):
+    check_fwd_args(q, k, v, causal)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] > 0 else 1.0
     return torch.ops.flashattn.fwd(q, k, v, float(scale), causal, deterministic)

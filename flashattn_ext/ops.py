@@ -3,6 +3,7 @@ torch.compile and the autograd formula that connects them."""
 import torch
 
 from . import _C  # noqa: F401  (loading the library registers the ops)
+from ._checks import check_fwd_args
 
 CAUSAL_NONE, CAUSAL_TOP_LEFT, CAUSAL_BOTTOM_RIGHT = 0, 1, 2
 
@@ -32,7 +33,7 @@ def _check_same_device(**tensors):
 
 @torch.library.register_fake("flashattn::fwd")
 def _fwd_fake(q, k, v, scale, causal, deterministic=False):
-    _check_same_device(q=q, k=k, v=v)
+    check_fwd_args(q, k, v, causal)
     out = _empty_like_layout(q, q.shape[1], q.shape[2], v.shape[3])
     lse = q.new_empty((q.shape[0], q.shape[1], q.shape[2]), dtype=_lse_dtype(q.dtype))
     return out, lse

@@ -12,28 +12,7 @@ NONE, TOP_LEFT, BOTTOM_RIGHT = 0, 1, 2
 CAUSAL_MODES = (NONE, TOP_LEFT, BOTTOM_RIGHT)
 CAUSAL_IDS = ("none", "top_left", "bottom_right")
 
-# Allowed slack beyond twice torch's own error, relative to the largest reference magnitude
-# (at least 1: the tests feed unit-scale inputs, and an exactly-zero reference, as dq with a
-# single key, still carries rounding of unit-sized intermediate terms).
-# Forward (out, lse): ~4500 ulp for float64 (summation order over long rows), 8 ulp for
-# float32, half an ulp (one rounding of the result) for bfloat16 / float16.
-REL_ATOL = {
-    torch.float64: 1e-12,
-    torch.float32: 1e-6,
-    torch.bfloat16: 2.0**-8,
-    torch.float16: 2.0**-11,
-}
-# Gradients: the FlashAttention backward takes D = rowsum(dO * O) from the output as stored
-# (rounded to the input dtype), while torch's CPU math path keeps the softmax in float32
-# throughout; the rounding of O then enters dS = P (dP - D) in every column. Measured worst
-# case (head_dim 1, head_dim_v 256) is ~20 float32 ulp and ~0.6 bfloat16 ulp, so the bound is
-# ~80 ulp for float32 and one ulp for bfloat16 / float16.
-REL_ATOL_GRAD = {
-    torch.float64: 1e-12,
-    torch.float32: 1e-5,
-    torch.bfloat16: 2.0**-7,
-    torch.float16: 2.0**-10,
-}
+from flashattn_ext._measure import REL_ATOL, REL_ATOL_GRAD  # noqa: E402  (the accuracy rule's slack)
 
 
 def lse_dtype(dtype):

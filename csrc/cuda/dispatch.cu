@@ -46,6 +46,11 @@ void check_dims(const FwdParams& p) {
 
 template <class T>
 void fwd_typed(const FwdParams& p, cudaStream_t stream) {
+  if constexpr (!std::is_same_v<T, double>) {
+    const int64_t e_max = p.head_dim > p.head_dim_v ? p.head_dim : p.head_dim_v;
+    if (e_max <= 64 && simt::fwd_qres<T, 64>(p, stream)) return;
+    if (e_max > 64 && e_max <= 128 && simt::fwd_qres<T, 128>(p, stream)) return;
+  }
   constexpr int kCap = std::is_same_v<T, double> ? 128 : 256;
   const int tier = pick_tier(p.head_dim_v, kCap);
   const int splits = num_slices(p.head_dim_v, tier);

@@ -11,6 +11,12 @@ namespace flashattn::cuda::simt {
 template <class T, int kTier>
 void fwd(const FwdParams& p, int num_splits, cudaStream_t stream);
 
+// Forward with the query tile resident in smem (fp32 accumulation only): head_dim and
+// head_dim_v both <= kDim (64 or 128), one block per query tile. Returns false, launching
+// nothing, on a device whose smem per block is too small (sm_75 at kDim 128).
+template <class T, int kDim>
+bool fwd_qres(const FwdParams& p, cudaStream_t stream);
+
 // D = rowsum(dO * O) into `d` (accumulator type, contiguous (batch, heads_q, len_q)).
 template <class T>
 void bwd_dot_do_o(const BwdParams& p, void* d, cudaStream_t stream);

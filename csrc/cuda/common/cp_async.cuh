@@ -1,0 +1,37 @@
+// cp.async (sm_80+): global -> shared copies that bypass registers, so the next tile can load
+// while the current one is being multiplied. On older archs the helpers compile to nothing and
+// callers copy synchronously instead (cp_async_available() tells them which).
+#pragma once
+
+namespace flashattn::cuda {
+
+__device__ constexpr bool cp_async_available() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  return true;
+#else
+  return false;
+#endif
+}
+
+__device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem_src));
+#endif
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+
+// Waits until at most kPending of this thread's committed groups are still in flight.
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+#endif
+}
+
+}  // namespace flashattn::cuda

@@ -1,0 +1,231 @@
+// Forward SIMT kernel with the query tile resident in smem, for fp32 accumulation and head dims
+// up to kDim (64 or 128) on both Q/K and V. One block of 256 threads per (batch, query head,
+// 128-row query tile): Q is loaded once; per 64-key tile, S = Q K^T is formed in registers, the
+// online softmax turns it into P (kept in smem) and O += P V accumulates in registers. K and V
+// have a buffer each, so the next K loads (cp.async) during P V and the next V during Q K^T.
+//
+// Thread (r, c) = (tid / 16, tid % 16) owns query rows r + 16i (i < 8), key columns c + 16j
+// (j < 4) and output columns g*64 + c*4 + e. Eight rows per thread make both products FMA-bound
+// rather than smem-bound (12 16-byte loads per 128 FMAs while scoring); interleaving the rows
+// (r + 16i rather than 8r + i) puts the two row groups of a warp on different banks, so the
+// broadcast loads of Q and P are single wavefronts. Row statistics reduce over one half-warp.
+//
+// Wider dims, fp64, and devices with too little smem use the chunked kernel of fwd_simt.cuh.
+#pragma once
+#include <cstdint>
+
+#include "../common/check.h"
+#include "../common/mask.cuh"
+#include "../common/online_softmax.cuh"
+#include "launch.h"
+#include "smem_vec.cuh"
+#include "tile_load_x4.cuh"
+
+namespace flashattn::cuda::simt {
+
+template <int kDim>
+struct QresTraits {
+  static constexpr int kThreads = 256;
+  static constexpr int kRowGroups = kThreads / 16;
+  static constexpr int kTM = 8;  // query rows per thread
+  static constexpr int kBlockM = kRowGroups * kTM;
+  static constexpr int kBlockN = 64;
+  static constexpr int kTN = kBlockN / 16;  // key columns per thread
+  static constexpr int kCG = kDim / 64;     // groups of 4 output columns per thread
+  static constexpr int kLd = kDim + 4;      // Q, K, V rows: 16-byte padding, conflict-free
+  // P rows: 16 banks of padding so the two row groups' scalar stores use disjoint banks.
+  static constexpr int kLdP = kBlockN + 16;
+  static constexpr size_t kSmemBytes =
+      size_t((kBlockM + 2 * kBlockN) * kLd + kBlockM * kLdP) * sizeof(float);
+  static_assert(kDim % 64 == 0, "output columns come in 64-wide groups");
+};
+
+template <class T, int kDim>
+__global__ void __launch_bounds__(QresTraits<kDim>::kThreads, 1)
+    fwd_qres_kernel(const FwdParams p, int num_m_tiles, bool vec) {
+  using Tr = QresTraits<kDim>;
+  using Exp = ExpDomain<float>;
+  constexpr int kBM = Tr::kBlockM, kBN = Tr::kBlockN, kTM = Tr::kTM, kTN = Tr::kTN;
+  constexpr int kCG = Tr::kCG, kLd = Tr::kLd, kLdP = Tr::kLdP, kNT = Tr::kThreads;
+  constexpr int kRG = Tr::kRowGroups;
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  float* sQ = reinterpret_cast<float*>(smem_raw);
+  float* sK = sQ + kBM * kLd;
+  float* sV = sK + kBN * kLd;
+  float* sP = sV + kBN * kLd;
+
+  // Heaviest (last, under causal masking) query tiles are scheduled first.
+  int64_t bid = blockIdx.x;
+  const int mt = num_m_tiles - 1 - int(bid % num_m_tiles);
+  bid /= num_m_tiles;
+  const int64_t h = bid % p.heads_q;
+  const int64_t b = bid / p.heads_q;
+  const int64_t hk = h / (p.heads_q / p.heads_kv);
+
+  const int tid = threadIdx.x, r = tid >> 4, c = tid & 15;
+  const int E = int(p.head_dim), Ev = int(p.head_dim_v);
+  const int64_t m0 = int64_t(mt) * kBM;
+  const int rows_q = int(p.len_q - m0 < kBM ? p.len_q - m0 : kBM);
+  const CausalMask mask{p.causal, p.causal_offset};
+  const float score_scale = Exp::score_scale(p.scale);
+
+  const T* q = static_cast<const T*>(p.q) + b * p.q_stride.batch + h * p.q_stride.head +
+               m0 * p.q_stride.row;
+  const T* k = static_cast<const T*>(p.k) + b * p.k_stride.batch + hk * p.k_stride.head;
+  const T* v = static_cast<const T*>(p.v) + b * p.v_stride.batch + hk * p.v_stride.head;
+
+  const int64_t n_end = mask.key_end(m0 + rows_q - 1, p.len_k);
+  auto load_k = [&](int64_t n0) {
+    const int rows_k = int(p.len_k - n0 < kBN ? p.len_k - n0 : kBN);
+    load_tile_x4<kBN, kDim, kNT>(sK, kLd, k + n0 * p.k_stride.row, p.k_stride.row, rows_k, E,
+                                 vec, tid);
+    cp_async_commit();
+  };
+  auto load_v = [&](int64_t n0) {
+    const int rows_k = int(p.len_k - n0 < kBN ? p.len_k - n0 : kBN);
+    load_tile_x4<kBN, kDim, kNT>(sV, kLd, v + n0 * p.v_stride.row, p.v_stride.row, rows_k, Ev,
+                                 vec, tid);
+    cp_async_commit();
+  };
+  // Copy groups in flight, oldest first: [Q, K0] [V0], then per tile [K next] [V next] (empty
+  // groups past the last tile), so waiting for all but the newest one always means "the
+  // buffer about to be read has landed".
+  if (n_end > 0) {
+    load_tile_x4<kBM, kDim, kNT>(sQ, kLd, q, p.q_stride.row, rows_q, E, vec, tid);
+    load_k(0);
+    load_v(0);
+  }
+
+  float acc[kTM][4 * kCG];
+  float row_max[kTM], row_sum[kTM];
+#pragma unroll
+  for (int i = 0; i < kTM; ++i) {
+    row_max[i] = neg_inf<float>();
+    row_sum[i] = 0.f;
+#pragma unroll
+    for (int d = 0; d < 4 * kCG; ++d) acc[i][d] = 0.f;
+  }
+
+  for (int64_t n0 = 0; n0 < n_end; n0 += kBN) {
+    cp_async_wait<1>();
+    __syncthreads();  // Q and this K visible to all
+
+    float s[kTM][kTN];
+#pragma unroll
+    for (int i = 0; i < kTM; ++i)
+#pragma unroll
+      for (int j = 0; j < kTN; ++j) s[i][j] = 0.f;
+    {
+      const float* a0 = sQ + r * kLd;
+      const float* b0 = sK + c * kLd;
+      // Columns past E are zero in both tiles, so the last group of 4 needs no care.
+#pragma unroll 2
+      for (int kk0 = 0; kk0 < E; kk0 += 4) {
+        float a[kTM][4], bk[kTN][4];
+#pragma unroll
+        for (int i = 0; i < kTM; ++i) lds(a[i], a0 + kRG * i * kLd + kk0);
+#pragma unroll
+        for (int j = 0; j < kTN; ++j) lds(bk[j], b0 + 16 * j * kLd + kk0);
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+          for (int i = 0; i < kTM; ++i)
+#pragma unroll
+            for (int j = 0; j < kTN; ++j) s[i][j] = fmaf(a[i][kk], bk[j][kk], s[i][j]);
+      }
+    }
+    __syncthreads();  // sK free; the previous P V product is done with sP
+    if (n0 + kBN < n_end) load_k(n0 + kBN); else cp_async_commit();
+
+    // Tiles every row of the block sees in full (most of them) skip the per-element mask.
+    const bool all_visible = n0 + kBN <= p.len_k && mask.visible(m0, n0 + kBN - 1);
+#pragma unroll
+    for (int i = 0; i < kTM; ++i) {
+      const int64_t m = m0 + r + kRG * i;
+#pragma unroll
+      for (int j = 0; j < kTN; ++j) {
+        const int64_t n = n0 + c + 16 * j;
+        s[i][j] = (all_visible || (n < p.len_k && mask.visible(m, n))) ? s[i][j] * score_scale
+                                                                       : neg_inf<float>();
+      }
+      const float alpha = online_softmax_step(s[i], row_max[i], row_sum[i]);
+#pragma unroll
+      for (int d = 0; d < 4 * kCG; ++d) acc[i][d] *= alpha;
+#pragma unroll
+      for (int j = 0; j < kTN; ++j) sP[(r + kRG * i) * kLdP + c + 16 * j] = s[i][j];
+    }
+
+    cp_async_wait<1>();
+    __syncthreads();  // P and this V visible to all
+    {
+      const float* a0 = sP + r * kLdP;
+      const float* b0 = sV + c * 4;
+#pragma unroll 2
+      for (int n = 0; n < kBN; n += 4) {
+        float a[kTM][4];
+#pragma unroll
+        for (int i = 0; i < kTM; ++i) lds(a[i], a0 + kRG * i * kLdP + n);
+#pragma unroll
+        for (int nn = 0; nn < 4; ++nn) {
+          float bv[kCG][4];
+#pragma unroll
+          for (int g = 0; g < kCG; ++g) lds(bv[g], b0 + (n + nn) * kLd + 64 * g);
+#pragma unroll
+          for (int i = 0; i < kTM; ++i)
+#pragma unroll
+            for (int g = 0; g < kCG; ++g)
+#pragma unroll
+              for (int e = 0; e < 4; ++e)
+                acc[i][4 * g + e] = fmaf(a[i][nn], bv[g][e], acc[i][4 * g + e]);
+        }
+      }
+    }
+    __syncthreads();  // sV free
+    if (n0 + kBN < n_end) load_v(n0 + kBN); else cp_async_commit();
+  }
+
+  T* out = static_cast<T*>(p.out) + b * p.out_stride.batch + h * p.out_stride.head;
+  float* lse = static_cast<float*>(p.lse) + (b * p.heads_q + h) * p.len_q;
+#pragma unroll
+  for (int i = 0; i < kTM; ++i) {
+    const float l = reduce_sum_16lanes(row_sum[i]);
+    const int64_t m = m0 + r + kRG * i;
+    if (m >= p.len_q) continue;
+    // l == 0 only when no key is visible: out = 0, lse = -inf. A NaN l propagates.
+    const bool empty = l == 0.f;
+    const float inv = empty ? 0.f : 1.f / l;
+    T* o = out + m * p.out_stride.row;
+#pragma unroll
+    for (int g = 0; g < kCG; ++g)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int d = 64 * g + c * 4 + e;
+        if (d < Ev) o[d] = from_acc<T>(acc[i][4 * g + e] * inv);
+      }
+    if (c == 0) lse[m] = empty ? neg_inf<float>() : Exp::lse(row_max[i], l);
+  }
+}
+
+template <class T, int kDim>
+bool fwd_qres(const FwdParams& p, cudaStream_t stream) {
+  using Tr = QresTraits<kDim>;
+  int dev = 0, max_optin = 0;
+  check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
+  check_cuda(cudaDeviceGetAttribute(&max_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev),
+             "cudaDeviceGetAttribute(MaxSharedMemoryPerBlockOptin)");
+  if (Tr::kSmemBytes > size_t(max_optin)) return false;
+  const int64_t num_m_tiles = (p.len_q + Tr::kBlockM - 1) / Tr::kBlockM;
+  const int64_t blocks = num_m_tiles * p.heads_q * p.batch;
+  if (blocks > 0x7fffffff) throw std::runtime_error("flashattn_ext CUDA backend: forward grid too large");
+  const bool vec = rows_aligned_x4<T>(p.q, p.q_stride.batch, p.q_stride.head, p.q_stride.row) &&
+                   rows_aligned_x4<T>(p.k, p.k_stride.batch, p.k_stride.head, p.k_stride.row) &&
+                   rows_aligned_x4<T>(p.v, p.v_stride.batch, p.v_stride.head, p.v_stride.row);
+  auto kernel = fwd_qres_kernel<T, kDim>;
+  set_smem(kernel, Tr::kSmemBytes, "fwd_qres_kernel");
+  kernel<<<unsigned(blocks), Tr::kThreads, Tr::kSmemBytes, stream>>>(p, int(num_m_tiles), vec);
+  check_launch("fwd_qres_kernel");
+  return true;
+}
+
+}  // namespace flashattn::cuda::simt
