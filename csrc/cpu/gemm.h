@@ -19,11 +19,10 @@ inline void micro_kernel(int64_t K, const A* a, int64_t lda, const A* b, int64_t
                          bool accumulate) {
   using V = vec_t<A>;
   constexpr int W = Vec<A>::width;
+  // The block's sum starts from zero and joins C at the end: long running sums (dK, dV, dQ,
+  // O over many tiles) then add one rounded partial sum per tile rather than every term.
   V c0[MR], c1[MR];
-  for (int r = 0; r < MR; ++r) {
-    c0[r] = accumulate ? vload(c + r * ldc) : V{};
-    c1[r] = accumulate ? vload(c + r * ldc + W) : V{};
-  }
+  for (int r = 0; r < MR; ++r) c0[r] = c1[r] = V{};
   for (int64_t k = 0; k < K; ++k) {
     const V b0 = vload(b + k * ldb), b1 = vload(b + k * ldb + W);
     for (int r = 0; r < MR; ++r) {
@@ -33,8 +32,8 @@ inline void micro_kernel(int64_t K, const A* a, int64_t lda, const A* b, int64_t
     }
   }
   for (int r = 0; r < MR; ++r) {
-    vstore(c + r * ldc, c0[r]);
-    vstore(c + r * ldc + W, c1[r]);
+    vstore(c + r * ldc, accumulate ? vload(c + r * ldc) + c0[r] : c0[r]);
+    vstore(c + r * ldc + W, accumulate ? vload(c + r * ldc + W) + c1[r] : c1[r]);
   }
 }
 
