@@ -20,10 +20,6 @@ def _shape(t):
     return "[" + ", ".join(str(s) for s in t.shape) + "]"
 
 
-def _device(t):
-    return str(t.device)
-
-
 def _check_tensor(t, name):
     if t.dim() != 4:
         raise RuntimeError(f"flashattn: argument '{name}' must have 4 dimensions (batch, heads, seq_len, head_dim), "
@@ -36,13 +32,25 @@ def _check_tensor(t, name):
                            f"float64, float32, bfloat16 and float16")
 
 
+def _check_same_device(ref, ref_name, t, name):
+    if t.device != ref.device:
+        raise RuntimeError(f"flashattn: argument '{name}' is on device {t.device} but '{ref_name}' is on "
+                           f"{ref.device}; they must be on the same device")
+
+
 def _check_same(ref, ref_name, t, name):
     if t.dtype != ref.dtype:
         raise RuntimeError(f"flashattn: argument '{name}' has dtype {_dtype_name(t.dtype)} but '{ref_name}' has "
                            f"dtype {_dtype_name(ref.dtype)}; they must match")
-    if t.device != ref.device:
-        raise RuntimeError(f"flashattn: argument '{name}' is on device {_device(t)} but '{ref_name}' is on "
-                           f"{_device(ref)}; they must be on the same device")
+    _check_same_device(ref, ref_name, t, name)
+
+
+def check_same_device(**tensors):
+    """All given tensors (None skipped) on one device. The fake kernels also run when real
+    and meta tensors are mixed; this refuses that as the real kernels refuse mixed devices."""
+    (ref_name, ref), *rest = [(n, t) for n, t in tensors.items() if t is not None]
+    for name, t in rest:
+        _check_same_device(ref, ref_name, t, name)
 
 
 def _check_size(t, name, dim, expected, what):

@@ -3,7 +3,7 @@ torch.compile and the autograd formula that connects them."""
 import torch
 
 from . import _C  # noqa: F401  (loading the library registers the ops)
-from ._checks import check_fwd_args
+from ._checks import check_fwd_args, check_same_device
 
 CAUSAL_NONE, CAUSAL_TOP_LEFT, CAUSAL_BOTTOM_RIGHT = 0, 1, 2
 
@@ -21,16 +21,6 @@ def _empty_like_layout(like, heads, length, dim):
     return like.new_empty((b, heads, length, dim))
 
 
-def _check_same_device(**tensors):
-    """The fake kernels also run when real and meta tensors are mixed; refuse that as the
-    real kernels refuse mixed devices."""
-    (first_name, first), *rest = [(n, t) for n, t in tensors.items() if t is not None]
-    for name, t in rest:
-        if t.device != first.device:
-            raise RuntimeError(f"flashattn: argument '{name}' is on device {t.device} but '{first_name}' is on "
-                               f"{first.device}; they must be on the same device")
-
-
 @torch.library.register_fake("flashattn::fwd")
 def _fwd_fake(q, k, v, scale, causal, deterministic=False):
     check_fwd_args(q, k, v, causal)
@@ -41,7 +31,7 @@ def _fwd_fake(q, k, v, scale, causal, deterministic=False):
 
 @torch.library.register_fake("flashattn::bwd")
 def _bwd_fake(dout, q, k, v, out, lse, dlse, scale, causal, deterministic):
-    _check_same_device(q=q, k=k, v=v, dout=dout, out=out, lse=lse, dlse=dlse)
+    check_same_device(q=q, k=k, v=v, dout=dout, out=out, lse=lse, dlse=dlse)
     return (_empty_like_layout(q, q.shape[1], q.shape[2], q.shape[3]),
             _empty_like_layout(k, k.shape[1], k.shape[2], k.shape[3]),
             _empty_like_layout(v, v.shape[1], v.shape[2], v.shape[3]))
