@@ -83,9 +83,14 @@ void bwd_typed(const BwdParams& p, cudaStream_t stream) {
   }
   simt::bwd_dot_do_o<T>(p, dsum, stream);
 
+  bool kvres = false;
+  if constexpr (!std::is_same_v<T, double>) {
+    if (e_max <= 64) kvres = simt::bwd_dkdv_kvres<T, 64>(p, dsum, dq_accum, stream);
+    else if (e_max <= 128) kvres = simt::bwd_dkdv_kvres<T, 128>(p, dsum, dq_accum, stream);
+  }
   auto run_tier = [&](auto tier_tag) {
     constexpr int kTier = decltype(tier_tag)::value;
-    simt::bwd_dkdv<T, kTier>(p, dsum, dq_accum, splits, stream);
+    if (!kvres) simt::bwd_dkdv<T, kTier>(p, dsum, dq_accum, splits, stream);
     if (p.deterministic) simt::bwd_dq<T, kTier>(p, dsum, num_slices(p.head_dim, kTier), stream);
   };
   switch (tier) {

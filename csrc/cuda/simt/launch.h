@@ -27,6 +27,12 @@ template <class T, int kTier>
 void bwd_dkdv(const BwdParams& p, const void* d, void* dq_accum, int num_splits,
               cudaStream_t stream);
 
+// dK/dV (and dQ as bwd_dkdv does) with the key tile resident in smem (fp32 accumulation only):
+// head_dim and head_dim_v both <= kDim (64 or 128). Returns false, launching nothing, on a
+// device whose smem per block is too small.
+template <class T, int kDim>
+bool bwd_dkdv_kvres(const BwdParams& p, const void* d, void* dq_accum, cudaStream_t stream);
+
 // dQ written directly, one block per query tile looping over key tiles (deterministic path).
 template <class T, int kTier>
 void bwd_dq(const BwdParams& p, const void* d, int num_splits, cudaStream_t stream);

@@ -1,0 +1,309 @@
+// dK/dV SIMT kernel with the key tile resident in smem, for fp32 accumulation and head dims up
+// to kDim (64 or 128) on both Q/K and V. One block of 256 threads per (batch, kv head, key
+// tile): K and V are loaded once; for every query head of the GQA group and every 64-row query
+// tile that sees the key tile, S^T = K Q^T and dP^T = V dO^T are formed in registers, turned
+// into P^T and dS^T (kept in smem, [key][query]), and dV += P^T dO, dK += dS^T Q accumulate in
+// registers; on the atomic path dQ += dS K is added into the fp32 accumulator.
+//
+// Thread (r, c) = (tid / 16, tid % 16) owns key rows r + 16i (i < kTK), query columns c + 16j
+// (j < 4) of the score tiles, output columns g*64 + c*4 + e of dK/dV and, for dQ, query rows
+// r*4 .. r*4+3. Rows interleaved by 16 keep the two row groups of a warp on different banks
+// (broadcast loads are single wavefronts) and every operand is read 16 bytes at a time.
+// At kDim 64 a thread owns 8 key rows, so the products are FMA-bound rather than smem-bound.
+//
+// Q and dO have one buffer each, refilled by cp.async as soon as their last reader is done:
+// the next dO loads during dK/dQ and the next Q during dP^T = V dO^T.
+//
+// Wider dims, fp64, and devices with too little smem use the chunked kernel of bwd_simt.cuh.
+#pragma once
+#include <cstdint>
+
+#include "../common/check.h"
+#include "../common/mask.cuh"
+#include "../common/online_softmax.cuh"
+#include "launch.h"
+#include "smem_vec.cuh"
+#include "tile_load_x4.cuh"
+
+namespace flashattn::cuda::simt {
+
+template <int kDim>
+struct KvresTraits {
+  static constexpr int kThreads = 256;
+  static constexpr int kTK = kDim == 64 ? 8 : 4;  // key rows per thread (registers cap it at 128)
+  static constexpr int kBlockN = 16 * kTK;
+  static constexpr int kBlockM = 64;
+  static constexpr int kTQ = kBlockM / 16;  // query columns (and dQ rows) per thread
+  static constexpr int kCG = kDim / 64;     // groups of 4 output columns per thread
+  static constexpr int kLd = kDim + 4;      // Q, K, V, dO rows: 16-byte padding, conflict-free
+  // P^T / dS^T rows: 16 banks of padding so the two row groups' scalar stores use disjoint banks.
+  static constexpr int kLdP = kBlockM + 16;
+  static constexpr size_t kSmemBytes =
+      size_t(2 * (kBlockN + kBlockM) * kLd + 2 * kBlockN * kLdP) * sizeof(float);
+  static_assert(kDim % 64 == 0, "output columns come in 64-wide groups");
+};
+
+// acc[i][j] += sum_d A[r + 16i][d] * B[c + 16j][d] over d < dmax (zero-padded to 4).
+template <int kTI, int kTJ, int kLd>
+__device__ __forceinline__ void kvres_rows_x_rows(float (&acc)[kTI][kTJ], const float* A,
+                                                  const float* B, int dmax, int r, int c) {
+  const float* a0 = A + r * kLd;
+  const float* b0 = B + c * kLd;
+#pragma unroll 2
+  for (int d = 0; d < dmax; d += 4) {
+    float a[kTI][4], b[kTJ][4];
+#pragma unroll
+    for (int i = 0; i < kTI; ++i) lds(a[i], a0 + 16 * i * kLd + d);
+#pragma unroll
+    for (int j = 0; j < kTJ; ++j) lds(b[j], b0 + 16 * j * kLd + d);
+#pragma unroll
+    for (int dd = 0; dd < 4; ++dd)
+#pragma unroll
+      for (int i = 0; i < kTI; ++i)
+#pragma unroll
+        for (int j = 0; j < kTJ; ++j) acc[i][j] = fmaf(a[i][dd], b[j][dd], acc[i][j]);
+  }
+}
+
+// acc[i][4g + e] += sum_q At[r + 16i][q] * B[q][64g + 4c + e] over the whole query tile.
+template <class Tr>
+__device__ __forceinline__ void kvres_grad(float (&acc)[Tr::kTK][4 * Tr::kCG], const float* At,
+                                           const float* B, int r, int c) {
+  const float* a0 = At + r * Tr::kLdP;
+  const float* b0 = B + c * 4;
+#pragma unroll 2
+  for (int q = 0; q < Tr::kBlockM; q += 4) {
+    float a[Tr::kTK][4];
+#pragma unroll
+    for (int i = 0; i < Tr::kTK; ++i) lds(a[i], a0 + 16 * i * Tr::kLdP + q);
+#pragma unroll
+    for (int qq = 0; qq < 4; ++qq) {
+      float b[Tr::kCG][4];
+#pragma unroll
+      for (int g = 0; g < Tr::kCG; ++g) lds(b[g], b0 + (q + qq) * Tr::kLd + 64 * g);
+#pragma unroll
+      for (int i = 0; i < Tr::kTK; ++i)
+#pragma unroll
+        for (int g = 0; g < Tr::kCG; ++g)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            acc[i][4 * g + e] = fmaf(a[i][qq], b[g][e], acc[i][4 * g + e]);
+    }
+  }
+}
+
+template <class T, int kDim>
+__global__ void __launch_bounds__(KvresTraits<kDim>::kThreads, 1)
+    bwd_dkdv_kvres_kernel(const BwdParams p, const float* dsum_g, float* dq_accum,
+                          int num_n_tiles, bool vec) {
+  using Tr = KvresTraits<kDim>;
+  using Exp = ExpDomain<float>;
+  constexpr int kBM = Tr::kBlockM, kBN = Tr::kBlockN, kTK = Tr::kTK, kTQ = Tr::kTQ;
+  constexpr int kCG = Tr::kCG, kLd = Tr::kLd, kLdP = Tr::kLdP, kNT = Tr::kThreads;
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  float* sK = reinterpret_cast<float*>(smem_raw);
+  float* sV = sK + kBN * kLd;
+  float* sQ = sV + kBN * kLd;
+  float* sdO = sQ + kBM * kLd;
+  float* sPt = sdO + kBM * kLd;
+  float* sdSt = sPt + kBN * kLdP;
+
+  // Key tiles seen by the most query tiles (the first ones, under causal masking) go first.
+  int64_t bid = blockIdx.x;
+  const int nt = int(bid % num_n_tiles);
+  bid /= num_n_tiles;
+  const int64_t hk = bid % p.heads_kv;
+  const int64_t b = bid / p.heads_kv;
+  const int64_t group = p.heads_q / p.heads_kv;
+
+  const int tid = threadIdx.x, r = tid >> 4, c = tid & 15;
+  const int E = int(p.head_dim), Ev = int(p.head_dim_v);
+  const int64_t n0 = int64_t(nt) * kBN;
+  const int rows_k = int(p.len_k - n0 < kBN ? p.len_k - n0 : kBN);
+  const CausalMask mask{p.causal, p.causal_offset};
+  const float score_scale = Exp::score_scale(p.scale);
+
+  const T* q_b = static_cast<const T*>(p.q) + b * p.q_stride.batch;
+  const T* do_b = static_cast<const T*>(p.dout) + b * p.dout_stride.batch;
+  const int64_t m_begin = mask.first_query(n0) / kBM * kBM;
+  const int64_t tiles_per_head = m_begin < p.len_q ? (p.len_q - m_begin + kBM - 1) / kBM : 0;
+  const int64_t num_iters = tiles_per_head * group;
+  // Iteration `it` covers query head hk * group + it / tiles_per_head and query tile
+  // m_begin + (it % tiles_per_head) * kBM.
+  auto head_of = [&](int64_t it) { return hk * group + it / tiles_per_head; };
+  auto row_of = [&](int64_t it) { return m_begin + it % tiles_per_head * kBM; };
+  auto load_q = [&](int64_t it) {
+    const int64_t m0 = row_of(it);
+    const int rows_q = int(p.len_q - m0 < kBM ? p.len_q - m0 : kBM);
+    load_tile_x4<kBM, kDim, kNT>(sQ, kLd, q_b + head_of(it) * p.q_stride.head + m0 * p.q_stride.row,
+                                 p.q_stride.row, rows_q, E, vec, tid);
+    cp_async_commit();
+  };
+  auto load_do = [&](int64_t it) {
+    const int64_t m0 = row_of(it);
+    const int rows_q = int(p.len_q - m0 < kBM ? p.len_q - m0 : kBM);
+    load_tile_x4<kBM, kDim, kNT>(sdO, kLd,
+                                 do_b + head_of(it) * p.dout_stride.head + m0 * p.dout_stride.row,
+                                 p.dout_stride.row, rows_q, Ev, vec, tid);
+    cp_async_commit();
+  };
+  // Copy groups in flight, oldest first: [K, V, dO 0] [Q 0], then per tile [dO next] [Q next]
+  // (empty groups past the last tile), so waiting for all but the newest one means "dO has
+  // landed" and waiting for all means "Q has landed".
+  if (num_iters > 0) {
+    const T* k = static_cast<const T*>(p.k) + b * p.k_stride.batch + hk * p.k_stride.head +
+                 n0 * p.k_stride.row;
+    const T* v = static_cast<const T*>(p.v) + b * p.v_stride.batch + hk * p.v_stride.head +
+                 n0 * p.v_stride.row;
+    load_tile_x4<kBN, kDim, kNT>(sK, kLd, k, p.k_stride.row, rows_k, E, vec, tid);
+    load_tile_x4<kBN, kDim, kNT>(sV, kLd, v, p.v_stride.row, rows_k, Ev, vec, tid);
+    load_do(0);
+    load_q(0);
+  }
+
+  float dk[kTK][4 * kCG], dv[kTK][4 * kCG];
+#pragma unroll
+  for (int i = 0; i < kTK; ++i)
+#pragma unroll
+    for (int d = 0; d < 4 * kCG; ++d) dk[i][d] = dv[i][d] = 0.f;
+
+  for (int64_t it = 0; it < num_iters; ++it) {
+    const int64_t h = head_of(it), m0 = row_of(it);
+    const int64_t bh = b * p.heads_q + h;
+    // LSE (exponent domain) and D of the thread's query columns; rows past len_q get
+    // LSE = -inf, which masks them.
+    float lse[kTQ], dsum[kTQ];
+#pragma unroll
+    for (int j = 0; j < kTQ; ++j) {
+      const int64_t m = m0 + c + 16 * j;
+      const bool ok = m < p.len_q;
+      lse[j] = ok ? Exp::from_lse(static_cast<const float*>(p.lse)[bh * p.len_q + m])
+                  : neg_inf<float>();
+      dsum[j] = ok ? dsum_g[bh * p.len_q + m] : 0.f;
+    }
+
+    float s[kTK][kTQ], dp[kTK][kTQ];
+#pragma unroll
+    for (int i = 0; i < kTK; ++i)
+#pragma unroll
+      for (int j = 0; j < kTQ; ++j) s[i][j] = dp[i][j] = 0.f;
+    cp_async_wait<1>();
+    __syncthreads();  // K, V and this dO visible to all
+    kvres_rows_x_rows<kTK, kTQ, kLd>(dp, sV, sdO, Ev, r, c);
+    cp_async_wait<0>();
+    __syncthreads();  // this Q visible to all
+    kvres_rows_x_rows<kTK, kTQ, kLd>(s, sK, sQ, E, r, c);
+
+    // P = exp(scale S - LSE), dS = P (dP - D); both 0 wherever the key is not visible, so
+    // values there (even NaN/inf) never reach a gradient. Tiles every row sees in full (most
+    // of them) skip the per-element mask.
+    const bool all_visible = n0 + kBN <= p.len_k && mask.visible(m0, n0 + kBN - 1);
+#pragma unroll
+    for (int i = 0; i < kTK; ++i) {
+      const int64_t n = n0 + r + 16 * i;
+#pragma unroll
+      for (int j = 0; j < kTQ; ++j) {
+        const bool vis = lse[j] != neg_inf<float>() &&
+                         (all_visible || (n < p.len_k && mask.visible(m0 + c + 16 * j, n)));
+        const float pr = vis ? Exp::exp(fmaf(s[i][j], score_scale, -lse[j])) : 0.f;
+        sPt[(r + 16 * i) * kLdP + c + 16 * j] = pr;
+        sdSt[(r + 16 * i) * kLdP + c + 16 * j] = vis ? pr * (dp[i][j] - dsum[j]) : 0.f;
+      }
+    }
+    __syncthreads();  // P^T and dS^T visible to all
+    kvres_grad<Tr>(dv, sPt, sdO, r, c);
+    __syncthreads();  // sdO free
+    if (it + 1 < num_iters) load_do(it + 1); else cp_async_commit();
+    kvres_grad<Tr>(dk, sdSt, sQ, r, c);
+    if (dq_accum) {
+      // dQ[r*4 + i][64g + 4c + e] += sum_n dS^T[n][r*4 + i] K[n][64g + 4c + e].
+      float dq[kTQ][4 * kCG];
+#pragma unroll
+      for (int i = 0; i < kTQ; ++i)
+#pragma unroll
+        for (int d = 0; d < 4 * kCG; ++d) dq[i][d] = 0.f;
+#pragma unroll 4
+      for (int n = 0; n < kBN; ++n) {
+        float a[kTQ], bk[kCG][4];
+        lds(a, sdSt + n * kLdP + r * kTQ);
+#pragma unroll
+        for (int g = 0; g < kCG; ++g) lds(bk[g], sK + n * kLd + 64 * g + 4 * c);
+#pragma unroll
+        for (int i = 0; i < kTQ; ++i)
+#pragma unroll
+          for (int g = 0; g < kCG; ++g)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dq[i][4 * g + e] = fmaf(a[i], bk[g][e], dq[i][4 * g + e]);
+      }
+      float* dq_h = dq_accum + bh * p.len_q * E;
+#pragma unroll
+      for (int i = 0; i < kTQ; ++i) {
+        const int64_t m = m0 + r * kTQ + i;
+        if (m >= p.len_q) continue;
+#pragma unroll
+        for (int g = 0; g < kCG; ++g) {
+          const int d = 64 * g + 4 * c;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+          // One 16-byte reduction instead of four (accumulator rows are 16-byte aligned when
+          // E % 4 == 0).
+          if (E % 4 == 0 && d + 4 <= E) {
+            atomicAdd(reinterpret_cast<float4*>(dq_h + m * E + d),
+                      make_float4(dq[i][4 * g], dq[i][4 * g + 1], dq[i][4 * g + 2], dq[i][4 * g + 3]));
+            continue;
+          }
+#endif
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            if (d + e < E) atomicAdd(dq_h + m * E + d + e, dq[i][4 * g + e]);
+        }
+      }
+    }
+    __syncthreads();  // sQ, sdSt free
+    if (it + 1 < num_iters) load_q(it + 1); else cp_async_commit();
+  }
+
+  T* dk_g = static_cast<T*>(p.dk) + b * p.dk_stride.batch + hk * p.dk_stride.head;
+  T* dv_g = static_cast<T*>(p.dv) + b * p.dv_stride.batch + hk * p.dv_stride.head;
+  const float scale = float(p.scale);
+#pragma unroll
+  for (int i = 0; i < kTK; ++i) {
+    const int64_t n = n0 + r + 16 * i;
+    if (n >= p.len_k) continue;
+#pragma unroll
+    for (int g = 0; g < kCG; ++g)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int d = 64 * g + 4 * c + e;
+        if (d < E) dk_g[n * p.dk_stride.row + d] = from_acc<T>(dk[i][4 * g + e] * scale);
+        if (d < Ev) dv_g[n * p.dv_stride.row + d] = from_acc<T>(dv[i][4 * g + e]);
+      }
+  }
+}
+
+template <class T, int kDim>
+bool bwd_dkdv_kvres(const BwdParams& p, const void* dsum, void* dq_accum, cudaStream_t stream) {
+  using Tr = KvresTraits<kDim>;
+  int dev = 0, max_optin = 0;
+  check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
+  check_cuda(cudaDeviceGetAttribute(&max_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev),
+             "cudaDeviceGetAttribute(MaxSharedMemoryPerBlockOptin)");
+  if (Tr::kSmemBytes > size_t(max_optin)) return false;
+  const int64_t num_n_tiles = (p.len_k + Tr::kBlockN - 1) / Tr::kBlockN;
+  const int64_t blocks = num_n_tiles * p.heads_kv * p.batch;
+  if (blocks > 0x7fffffff)
+    throw std::runtime_error("flashattn_ext CUDA backend: bwd_dkdv_kvres_kernel grid too large");
+  const bool vec =
+      rows_aligned_x4<T>(p.q, p.q_stride.batch, p.q_stride.head, p.q_stride.row) &&
+      rows_aligned_x4<T>(p.k, p.k_stride.batch, p.k_stride.head, p.k_stride.row) &&
+      rows_aligned_x4<T>(p.v, p.v_stride.batch, p.v_stride.head, p.v_stride.row) &&
+      rows_aligned_x4<T>(p.dout, p.dout_stride.batch, p.dout_stride.head, p.dout_stride.row);
+  auto kernel = bwd_dkdv_kvres_kernel<T, kDim>;
+  set_smem(kernel, Tr::kSmemBytes, "bwd_dkdv_kvres_kernel");
+  kernel<<<unsigned(blocks), Tr::kThreads, Tr::kSmemBytes, stream>>>(
+      p, static_cast<const float*>(dsum), static_cast<float*>(dq_accum), int(num_n_tiles), vec);
+  check_launch("bwd_dkdv_kvres_kernel");
+  return true;
+}
+
+}  // namespace flashattn::cuda::simt
