@@ -25,22 +25,38 @@ void mask_tile(const FwdParams& p, A* s, int64_t ld, int64_t row0, int64_t rows,
   }
 }
 
-// max(a, b), but NaN if either is NaN: a NaN score must poison its row as in PyTorch, not
-// be skipped (a row whose max stays -inf would be taken for a fully masked one).
-template <class T>
-inline T nan_max(T a, T b) {
-  return (b > a || b != b) ? b : a;
+// Horizontal reduction of a vector in log2(width) steps: a lane-by-lane loop chains `width`
+// dependent operations on every row of every tile.
+template <class A, class Op>
+inline A reduce_lanes(vec_t<A> v, Op op) {
+  constexpr int W = Vec<A>::width;
+  A t[W];
+  std::memcpy(t, &v, sizeof(v));
+  for (int s = W / 2; s > 0; s /= 2)
+    for (int i = 0; i < s; ++i) t[i] = op(t[i], t[i + s]);
+  return t[0];
 }
 
+// Largest score of a row. NaN scores are not seen here (a plain max is cheaper); they
+// reach the output through exp, except in a row with nothing else visible, which
+// OnlineSoftmax::update checks for.
 template <class A>
 A row_max(const A* x, int64_t n) {
   using V = vec_t<A>;
   constexpr int W = Vec<A>::width;
   V m = vbroadcast(kNegInf<A>);
-  for (int64_t c = 0; c < n; c += W) m = nan_max(m, vload(x + c));
-  A out = kNegInf<A>;
-  for (int i = 0; i < W; ++i) out = nan_max(out, A(m[i]));
-  return out;
+  for (int64_t c = 0; c < n; c += W) {
+    const V v = vload(x + c);
+    m = v > m ? v : m;
+  }
+  return reduce_lanes<A>(m, [](A a, A b) { return a > b ? a : b; });
+}
+
+template <class A>
+bool any_nan(const A* x, int64_t n) {
+  bool found = false;
+  for (int64_t c = 0; c < n; ++c) found |= x[c] != x[c];
+  return found;
 }
 
 // x = exp(x - shift) in place; returns the sum.
@@ -54,9 +70,7 @@ A exp_shifted(A* x, int64_t n, A shift) {
     vstore(x + c, e);
     sum += e;
   }
-  A out = 0;
-  for (int i = 0; i < W; ++i) out += sum[i];
-  return out;
+  return reduce_lanes<A>(sum, [](A a, A b) { return a + b; });
 }
 
 template <class A>
@@ -80,8 +94,12 @@ struct OnlineSoftmax {
   void update(A* s, int64_t ld, int64_t cols_padded, A* o, int64_t ld_o) {
     for (int64_t r = 0; r < rows; ++r) {
       A* sr = s + r * ld;
-      const A m_new = nan_max(m[r], row_max(sr, cols_padded));
-      if (m_new == kNegInf<A>) {  // nothing visible yet: this tile adds nothing
+      const A m_new = std::max(m[r], row_max(sr, cols_padded));
+      if (m_new == kNegInf<A>) {  // nothing visible yet: this tile adds nothing...
+        if (any_nan(sr, cols_padded)) {  // ...unless its scores are NaN: poison the row, as torch
+          m[r] = l[r] = std::numeric_limits<A>::quiet_NaN();
+          continue;  // the NaN scores stay in sr and reach O through P V
+        }
         std::fill(sr, sr + cols_padded, A(0));
         continue;
       }
