@@ -1,5 +1,8 @@
 // CPU forward: for each (batch, head, query tile), stream key/value tiles through a tiled
-// online softmax. Extra memory is one tile set per thread; nothing of size len_q x len_k.
+// online softmax. A task owns one (batch, kv head) and a share of its query tiles, for every
+// query head of the GQA group, so the transposed key tiles it builds serve all of them.
+// Extra memory per thread is one tile set and the transposed keys of one head: O(len_k),
+// nothing of size len_q x len_k.
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -19,12 +22,16 @@ namespace {
 template <class A>
 struct FwdScratch {
   int64_t ld_qk, ld_v;  // padded head dims of q/k and of v/out
-  std::vector<A> q, kt, v, s, o, m, l;
+  // Key tiles of the task's (batch, kv head), transposed (ld_qk x kFwdTileK each); the first
+  // `transposed` of them are filled.
+  std::vector<A> kt;
+  int64_t transposed = 0;
+  std::vector<A> q, v, s, o, m, l;
   explicit FwdScratch(const FwdParams& p)
       : ld_qk(round_up(p.head_dim, kPanel<A>)),
         ld_v(round_up(p.head_dim_v, kPanel<A>)),
+        kt(round_up(p.len_k, kFwdTileK) * ld_qk),
         q(kFwdTileQ * ld_qk),
-        kt(ld_qk * kFwdTileK),
         v(kFwdTileK * ld_v),
         s(kFwdTileQ * kFwdTileK),
         o(kFwdTileQ * ld_v),
@@ -47,9 +54,15 @@ void fwd_tile(const FwdParams& p, FwdScratch<A>& w, int64_t b, int64_t h, int64_
   for (int64_t col0 = 0; col0 < keys; col0 += kFwdTileK) {
     const int64_t cols = std::min(kFwdTileK, keys - col0);
     const int64_t cols_padded = round_up(cols, kPanel<A>);
-    load_rows_transposed<A>(t, row_ptr(p.k, p.k_stride, t, b, hk, col0), p.k_stride.row, cols, p.head_dim,
-                            w.kt.data(), kFwdTileK, cols_padded);
-    gemm<A>(rows, cols_padded, p.head_dim, w.q.data(), w.ld_qk, w.kt.data(), kFwdTileK, w.s.data(), kFwdTileK, false);
+    A* kt = w.kt.data() + col0 * w.ld_qk;
+    if (col0 / kFwdTileK >= w.transposed) {  // tiles are visited in order, so this is the next one
+      // A tile cut short by the causal limit is transposed whole: later query tiles see more.
+      const int64_t tile_keys = std::min(kFwdTileK, p.len_k - col0);
+      load_rows_transposed<A>(t, row_ptr(p.k, p.k_stride, t, b, hk, col0), p.k_stride.row, tile_keys,
+                              p.head_dim, kt, kFwdTileK, round_up(tile_keys, kPanel<A>));
+      w.transposed = col0 / kFwdTileK + 1;
+    }
+    gemm<A>(rows, cols_padded, p.head_dim, w.q.data(), w.ld_qk, kt, kFwdTileK, w.s.data(), kFwdTileK, false);
     mask_tile(p, w.s.data(), kFwdTileK, row0, rows, col0, cols, cols_padded);
     sm.update(w.s.data(), kFwdTileK, cols_padded, w.o.data(), w.ld_v);
     load_rows<A>(t, row_ptr(p.v, p.v_stride, t, b, hk, col0), p.v_stride.row, cols, p.head_dim_v, A(1),
@@ -66,13 +79,19 @@ void fwd_tile(const FwdParams& p, FwdScratch<A>& w, int64_t b, int64_t h, int64_
 template <class A>
 void fwd_impl(const FwdParams& p) {
   const int64_t n_tiles = (p.len_q + kFwdTileQ - 1) / kFwdTileQ;
-  const int64_t n_heads = p.batch * p.heads_q;
-  // Under a causal mask later query tiles cost more: hand them out first.
-  run_tasks(n_heads * n_tiles, [&] {
-    return [&p, w = FwdScratch<A>(p), n_heads, n_tiles](int64_t task) mutable {
-      const int64_t tile = p.causal ? n_tiles - 1 - task / n_heads : task / n_heads;
-      const int64_t bh = task % n_heads;
-      fwd_tile<A>(p, w, bh / p.heads_q, bh % p.heads_q, tile * kFwdTileQ);
+  const int64_t n_groups = p.batch * p.heads_kv;
+  // Share a (batch, kv head)'s query tiles among as many tasks as it takes to give every
+  // thread work; each share interleaves the tiles (s, s + shares, ...) so that causal work,
+  // which grows with the tile index, spreads evenly.
+  const int64_t threads = torch::stable::get_num_threads();
+  const int64_t shares = std::clamp<int64_t>((2 * threads + n_groups - 1) / n_groups, 1, n_tiles);
+  run_tasks(n_groups * shares, [&] {
+    return [&p, w = FwdScratch<A>(p), shares, n_tiles](int64_t task) mutable {
+      const int64_t g = task / shares, share = task % shares;
+      const int64_t b = g / p.heads_kv, hk = g % p.heads_kv;
+      w.transposed = 0;
+      for (int64_t h = hk * p.group(); h < (hk + 1) * p.group(); ++h)
+        for (int64_t tile = share; tile < n_tiles; tile += shares) fwd_tile<A>(p, w, b, h, tile * kFwdTileQ);
     };
   });
 }
