@@ -22,15 +22,20 @@ namespace {
 template <class A>
 struct FwdScratch {
   int64_t ld_qk, ld_v;  // padded head dims of q/k and of v/out
-  // Key tiles of the task's (batch, kv head), transposed (ld_qk x kFwdTileK each); the first
-  // `transposed` of them are filled.
+  // Key tiles of the task's (batch, kv head), transposed (ld_qk x kFwdTileK each): slots for
+  // the first `cached` tiles, the first `transposed` of them filled, and one more slot that
+  // later tiles are transposed into each time. The cache is capped so that very long keys
+  // on many threads do not multiply memory.
+  static constexpr int64_t kCacheBytes = int64_t(8) << 20;
+  int64_t cached, transposed = 0;
   std::vector<A> kt;
-  int64_t transposed = 0;
   std::vector<A> q, v, s, o, m, l;
   explicit FwdScratch(const FwdParams& p)
       : ld_qk(round_up(p.head_dim, kPanel<A>)),
         ld_v(round_up(p.head_dim_v, kPanel<A>)),
-        kt(round_up(p.len_k, kFwdTileK) * ld_qk),
+        cached(std::min((p.len_k + kFwdTileK - 1) / kFwdTileK,
+                        kCacheBytes / int64_t(sizeof(A) * ld_qk * kFwdTileK))),
+        kt((cached + 1) * ld_qk * kFwdTileK),
         q(kFwdTileQ * ld_qk),
         v(kFwdTileK * ld_v),
         s(kFwdTileQ * kFwdTileK),
@@ -54,13 +59,14 @@ void fwd_tile(const FwdParams& p, FwdScratch<A>& w, int64_t b, int64_t h, int64_
   for (int64_t col0 = 0; col0 < keys; col0 += kFwdTileK) {
     const int64_t cols = std::min(kFwdTileK, keys - col0);
     const int64_t cols_padded = round_up(cols, kPanel<A>);
-    A* kt = w.kt.data() + col0 * w.ld_qk;
-    if (col0 / kFwdTileK >= w.transposed) {  // tiles are visited in order, so this is the next one
+    const int64_t tile = col0 / kFwdTileK;
+    A* kt = w.kt.data() + std::min(tile, w.cached) * w.ld_qk * kFwdTileK;
+    if (tile >= w.transposed) {  // tiles are visited in order: this is the next one, or uncached
       // A tile cut short by the causal limit is transposed whole: later query tiles see more.
       const int64_t tile_keys = std::min(kFwdTileK, p.len_k - col0);
       load_rows_transposed<A>(t, row_ptr(p.k, p.k_stride, t, b, hk, col0), p.k_stride.row, tile_keys,
                               p.head_dim, kt, kFwdTileK, round_up(tile_keys, kPanel<A>));
-      w.transposed = col0 / kFwdTileK + 1;
+      if (tile < w.cached) w.transposed = tile + 1;
     }
     gemm<A>(rows, cols_padded, p.head_dim, w.q.data(), w.ld_qk, kt, kFwdTileK, w.s.data(), kFwdTileK, false);
     mask_tile(p, w.s.data(), kFwdTileK, row0, rows, col0, cols, cols_padded);
