@@ -17,17 +17,14 @@ constexpr int64_t kFwdTileK = 128;
 constexpr int64_t kTileQ = 64;
 constexpr int64_t kTileK = 64;
 
-// Number of keys (from 0) that any of query rows [row_begin, row_end) can see.
-inline int64_t visible_keys(const FwdParams& p, int64_t row_end) {
-  if (!p.causal) return p.len_k;
-  return std::clamp<int64_t>(row_end - 1 + p.causal_offset + 1, 0, p.len_k);
-}
-
 // Keys [0, n) visible to query row `row` (n may be 0: a fully masked row).
 inline int64_t row_visible_keys(const FwdParams& p, int64_t row) {
   if (!p.causal) return p.len_k;
   return std::clamp<int64_t>(row + p.causal_offset + 1, 0, p.len_k);
 }
+
+// Number of keys (from 0) that any of query rows [.., row_end) can see: the last row sees most.
+inline int64_t visible_keys(const FwdParams& p, int64_t row_end) { return row_visible_keys(p, row_end - 1); }
 
 // First query row that sees key `key` under the causal mask.
 inline int64_t first_row_seeing(const FwdParams& p, int64_t key) {

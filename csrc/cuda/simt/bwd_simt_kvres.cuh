@@ -22,6 +22,7 @@
 #include "../common/mask.cuh"
 #include "../common/online_softmax.cuh"
 #include "launch.h"
+#include "tile_gemm.cuh"
 #include "smem_vec.cuh"
 #include "tile_load_x4.cuh"
 
@@ -42,28 +43,6 @@ struct KvresTraits {
       size_t(2 * (kBlockN + kBlockM) * kLd + 2 * kBlockN * kLdP) * sizeof(float);
   static_assert(kDim % 64 == 0, "output columns come in 64-wide groups");
 };
-
-// acc[i][j] += sum_d A[r + 16i][d] * B[c + 16j][d] over d < dmax (zero-padded to 4).
-template <int kTI, int kTJ, int kLd>
-__device__ __forceinline__ void kvres_rows_x_rows(float (&acc)[kTI][kTJ], const float* A,
-                                                  const float* B, int dmax, int r, int c) {
-  const float* a0 = A + r * kLd;
-  const float* b0 = B + c * kLd;
-#pragma unroll 2
-  for (int d = 0; d < dmax; d += 4) {
-    float a[kTI][4], b[kTJ][4];
-#pragma unroll
-    for (int i = 0; i < kTI; ++i) lds(a[i], a0 + 16 * i * kLd + d);
-#pragma unroll
-    for (int j = 0; j < kTJ; ++j) lds(b[j], b0 + 16 * j * kLd + d);
-#pragma unroll
-    for (int dd = 0; dd < 4; ++dd)
-#pragma unroll
-      for (int i = 0; i < kTI; ++i)
-#pragma unroll
-        for (int j = 0; j < kTJ; ++j) acc[i][j] = fmaf(a[i][dd], b[j][dd], acc[i][j]);
-  }
-}
 
 // acc[i][4g + e] += sum_q At[r + 16i][q] * B[q][64g + 4c + e] over the whole query tile.
 template <class Tr>
@@ -190,10 +169,10 @@ __global__ void __launch_bounds__(KvresTraits<kDim>::kThreads, 1)
       for (int j = 0; j < kTQ; ++j) s[i][j] = dp[i][j] = 0.f;
     cp_async_wait<1>();
     __syncthreads();  // K, V and this dO visible to all
-    kvres_rows_x_rows<kTK, kTQ, kLd>(dp, sV, sdO, Ev, r, c);
+    gemm_rows_x_rows_interleaved<kTK, kTQ, kLd, 16>(dp, sV, sdO, Ev, r, c);
     cp_async_wait<0>();
     __syncthreads();  // this Q visible to all
-    kvres_rows_x_rows<kTK, kTQ, kLd>(s, sK, sQ, E, r, c);
+    gemm_rows_x_rows_interleaved<kTK, kTQ, kLd, 16>(s, sK, sQ, E, r, c);
 
     // P = exp(scale S - LSE), dS = P (dP - D); both 0 wherever the key is not visible, so
     // values there (even NaN/inf) never reach a gradient. Tiles every row sees in full (most

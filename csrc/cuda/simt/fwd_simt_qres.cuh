@@ -18,6 +18,7 @@
 #include "../common/mask.cuh"
 #include "../common/online_softmax.cuh"
 #include "launch.h"
+#include "tile_gemm.cuh"
 #include "smem_vec.cuh"
 #include "tile_load_x4.cuh"
 
@@ -116,25 +117,7 @@ __global__ void __launch_bounds__(QresTraits<kDim>::kThreads, 1)
     for (int i = 0; i < kTM; ++i)
 #pragma unroll
       for (int j = 0; j < kTN; ++j) s[i][j] = 0.f;
-    {
-      const float* a0 = sQ + r * kLd;
-      const float* b0 = sK + c * kLd;
-      // Columns past E are zero in both tiles, so the last group of 4 needs no care.
-#pragma unroll 2
-      for (int kk0 = 0; kk0 < E; kk0 += 4) {
-        float a[kTM][4], bk[kTN][4];
-#pragma unroll
-        for (int i = 0; i < kTM; ++i) lds(a[i], a0 + kRG * i * kLd + kk0);
-#pragma unroll
-        for (int j = 0; j < kTN; ++j) lds(bk[j], b0 + 16 * j * kLd + kk0);
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
-#pragma unroll
-          for (int i = 0; i < kTM; ++i)
-#pragma unroll
-            for (int j = 0; j < kTN; ++j) s[i][j] = fmaf(a[i][kk], bk[j][kk], s[i][j]);
-      }
-    }
+    gemm_rows_x_rows_interleaved<kTM, kTN, kLd, kRG>(s, sQ, sK, E, r, c);
     __syncthreads();  // sK free; the previous P V product is done with sP
     if (n0 + kBN < n_end) load_k(n0 + kBN); else cp_async_commit();
 

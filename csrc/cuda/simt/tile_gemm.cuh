@@ -75,4 +75,29 @@ __device__ __forceinline__ void gemm_rows_x_cols(Acc (&acc)[4][kVec], const Acc*
   }
 }
 
+// The large-tile kernels' variant (fwd_simt_qres, bwd_simt_kvres): a thread's rows are
+// interleaved, r + kStepA i, and the depth is a run-time bound.
+// acc[i][j] += sum_d A[r + kStepA i][d] * B[c + 16 j][d] over d < dmax; rows are kLd apart
+// and zero-padded past dmax up to a multiple of 4, so the last group needs no care.
+template <int kTI, int kTJ, int kLd, int kStepA>
+__device__ __forceinline__ void gemm_rows_x_rows_interleaved(float (&acc)[kTI][kTJ], const float* A, const float* B,
+                                                             int dmax, int r, int c) {
+  const float* a0 = A + r * kLd;
+  const float* b0 = B + c * kLd;
+#pragma unroll 2
+  for (int d = 0; d < dmax; d += 4) {
+    float a[kTI][4], b[kTJ][4];
+#pragma unroll
+    for (int i = 0; i < kTI; ++i) lds(a[i], a0 + kStepA * i * kLd + d);
+#pragma unroll
+    for (int j = 0; j < kTJ; ++j) lds(b[j], b0 + 16 * j * kLd + d);
+#pragma unroll
+    for (int dd = 0; dd < 4; ++dd)
+#pragma unroll
+      for (int i = 0; i < kTI; ++i)
+#pragma unroll
+        for (int j = 0; j < kTJ; ++j) acc[i][j] = fmaf(a[i][dd], b[j][dd], acc[i][j]);
+  }
+}
+
 }  // namespace flashattn::cuda::simt
