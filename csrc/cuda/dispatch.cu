@@ -8,6 +8,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cstdlib>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -15,6 +17,7 @@
 #include "api.h"
 #include "common/check.h"
 #include "simt/launch.h"
+#include "sm80/launch.h"
 
 namespace flashattn::cuda {
 
@@ -44,10 +47,24 @@ void check_dims(const FwdParams& p) {
                              " not a multiple of heads_kv " + std::to_string(p.heads_kv));
 }
 
+// FLASHATTN_CUDA_KERNELS=simt keeps to the portable kernels (to test them on GPUs where the
+// tensor-core ones would be taken).
+bool tensor_core_kernels_allowed() {
+  static const bool allowed = [] {
+    const char* v = std::getenv("FLASHATTN_CUDA_KERNELS");
+    return v == nullptr || std::strcmp(v, "simt") != 0;
+  }();
+  return allowed;
+}
+
 template <class T>
 void fwd_typed(const FwdParams& p, cudaStream_t stream) {
+  const int64_t e_max = p.head_dim > p.head_dim_v ? p.head_dim : p.head_dim_v;
+  if (tensor_core_kernels_allowed()) {
+    if (e_max <= 64 && sm80::fwd<T, 64>(p, stream)) return;
+    if (e_max > 64 && e_max <= 128 && sm80::fwd<T, 128>(p, stream)) return;
+  }
   if constexpr (!std::is_same_v<T, double>) {
-    const int64_t e_max = p.head_dim > p.head_dim_v ? p.head_dim : p.head_dim_v;
     if (e_max <= 64 && simt::fwd_qres<T, 64>(p, stream)) return;
     if (e_max > 64 && e_max <= 128 && simt::fwd_qres<T, 128>(p, stream)) return;
   }

@@ -20,6 +20,16 @@ __device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src
 #endif
 }
 
+// As cp_async_16, but writes 16 zero bytes (reading nothing) when `valid` is false; `gmem_src`
+// must still be a valid address.
+__device__ __forceinline__ void cp_async_16_zfill(void* smem_dst, const void* gmem_src, bool valid) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem_src),
+               "r"(valid ? 16 : 0));
+#endif
+}
+
 __device__ __forceinline__ void cp_async_commit() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.commit_group;\n" ::);

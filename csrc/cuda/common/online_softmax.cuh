@@ -28,15 +28,16 @@ template <> struct ExpDomain<double> {
   static __device__ __forceinline__ double from_lse(double lse) { return lse; }
 };
 
-// Reductions over the 16 lanes (one half-warp) that share a row group.
-template <class Acc> __device__ __forceinline__ Acc reduce_max_16lanes(Acc x) {
+// Reductions over the kLanes consecutive lanes that share a row: a half-warp in the SIMT
+// kernels, the 4 lanes of a quad in the tensor-core ones.
+template <int kLanes, class Acc> __device__ __forceinline__ Acc reduce_max_lanes(Acc x) {
 #pragma unroll
-  for (int off = 8; off > 0; off >>= 1) x = acc_max(x, __shfl_xor_sync(0xffffffffu, x, off));
+  for (int off = kLanes / 2; off > 0; off >>= 1) x = acc_max(x, __shfl_xor_sync(0xffffffffu, x, off));
   return x;
 }
-template <class Acc> __device__ __forceinline__ Acc reduce_sum_16lanes(Acc x) {
+template <int kLanes, class Acc> __device__ __forceinline__ Acc reduce_sum_lanes(Acc x) {
 #pragma unroll
-  for (int off = 8; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+  for (int off = kLanes / 2; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
   return x;
 }
 
@@ -45,12 +46,12 @@ template <class Acc> __device__ __forceinline__ Acc reduce_sum_16lanes(Acc x) {
 // accumulator. `row_sum` stays a per-thread partial sum (every lane of the row group shares
 // `row_max`, so partials add up at the end). A row with no visible key so far keeps max -inf,
 // sum 0 and a zero accumulator; using 0 as the base avoids (-inf) - (-inf).
-template <class Acc, int N>
+template <int kLanes, class Acc, int N>
 __device__ __forceinline__ Acc online_softmax_step(Acc (&s)[N], Acc& row_max, Acc& row_sum) {
   Acc tile_max = s[0];
 #pragma unroll
   for (int j = 1; j < N; ++j) tile_max = acc_max(tile_max, s[j]);
-  tile_max = reduce_max_16lanes(tile_max);
+  tile_max = reduce_max_lanes<kLanes>(tile_max);
   const Acc new_max = acc_max(row_max, tile_max);
   const Acc base = new_max == neg_inf<Acc>() ? Acc(0) : new_max;
   const Acc alpha = ExpDomain<Acc>::exp(row_max - base);

@@ -105,7 +105,7 @@ __global__ void __launch_bounds__(FwdTraits<T, kTier>::kThreads, 2)
         const int64_t n = n0 + c + 16 * j;
         s[i][j] = (n < p.len_k && mask.visible(m, n)) ? s[i][j] * score_scale : neg_inf<Acc>();
       }
-      const Acc alpha = online_softmax_step(s[i], row_max[i], row_sum[i]);
+      const Acc alpha = online_softmax_step<16>(s[i], row_max[i], row_sum[i]);
 #pragma unroll
       for (int ch = 0; ch < kNC; ++ch)
 #pragma unroll
@@ -131,7 +131,7 @@ __global__ void __launch_bounds__(FwdTraits<T, kTier>::kThreads, 2)
   Acc* lse = static_cast<Acc*>(p.lse) + (b * p.heads_q + h) * p.len_q;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const Acc l = reduce_sum_16lanes(row_sum[i]);
+    const Acc l = reduce_sum_lanes<16>(row_sum[i]);
     const int64_t m = m0 + r * 4 + i;
     if (m >= p.len_q) continue;
     // l == 0 only when no key is visible: out = 0, lse = -inf. A NaN l propagates.

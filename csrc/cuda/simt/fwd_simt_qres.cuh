@@ -132,7 +132,7 @@ __global__ void __launch_bounds__(QresTraits<kDim>::kThreads, 1)
         s[i][j] = (all_visible || (n < p.len_k && mask.visible(m, n))) ? s[i][j] * score_scale
                                                                        : neg_inf<float>();
       }
-      const float alpha = online_softmax_step(s[i], row_max[i], row_sum[i]);
+      const float alpha = online_softmax_step<16>(s[i], row_max[i], row_sum[i]);
 #pragma unroll
       for (int d = 0; d < 4 * kCG; ++d) acc[i][d] *= alpha;
 #pragma unroll
@@ -172,7 +172,7 @@ __global__ void __launch_bounds__(QresTraits<kDim>::kThreads, 1)
   float* lse = static_cast<float*>(p.lse) + (b * p.heads_q + h) * p.len_q;
 #pragma unroll
   for (int i = 0; i < kTM; ++i) {
-    const float l = reduce_sum_16lanes(row_sum[i]);
+    const float l = reduce_sum_lanes<16>(row_sum[i]);
     const int64_t m = m0 + r + kRG * i;
     if (m >= p.len_q) continue;
     // l == 0 only when no key is visible: out = 0, lse = -inf. A NaN l propagates.

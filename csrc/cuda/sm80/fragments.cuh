@@ -1,0 +1,184 @@
+// One warp-level product step per element type, behind one interface, so that the attention
+// kernels are written once for fp16, bf16, fp32 and fp64.
+//
+// Every product is built from 16x8 accumulator atoms: lane (g, t) = (lane / 4, lane % 4) holds
+// c[0], c[1] at row g, columns 2t, 2t+1 and c[2], c[3] at row g + 8 (the layout of mma.sync's
+// fp32 D, and of two fp64 m8n8 D's stacked). A k-step covers kK columns of A (rows of B):
+//   fp16/bf16  m16n8k16, kK = 16, operands through ldmatrix;
+//   fp32       three m16n8k8 tf32 products (a_hi b_lo + a_lo b_hi + a_hi b_hi, where x_hi is x
+//              rounded to tf32 and x_lo the rounded remainder): close to fp32 accuracy at tensor-
+//              core speed; kK = 8;
+//   fp64       four m8n8k4 DMMAs; kK = 8.
+// For fp32 and fp64 the lane holding k = t (and t + 4) in the instruction is fed k = 2t (and
+// 2t + 1) of the step instead. Any permutation of k gives the same sum when A and B follow it,
+// and this one makes a lane's A operand exactly the pair of accumulator columns it already
+// holds (P in P V, dS in dS K) and lets it read both k's of a row with one vector load.
+//
+// Interface (s points at the step's first element, ld is the smem row pitch in elements):
+//   load_a(A, s, ld, lane)      A rows 0..15, k 0..kK-1 from row-major smem (s at (row0, k0))
+//   load_b2_nk(B, s, ld, lane)  two B atoms (n 0..7, 8..15) from smem stored [n][k]
+//   load_b2_kn(B, s, ld, lane)  two B atoms from smem stored [k][n]
+//   a_from_acc(A, c)            A from accumulator atoms c[0] (and c[1] for fp16/bf16: kK = 16
+//                               spans two 8-column atoms)
+//   mma(c, A, B)                c += A B
+//   store_pair(dst, x, y)       two adjacent output elements
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "../common/mma.cuh"
+
+namespace flashattn::cuda::sm80 {
+
+template <class Elem> struct Mma;
+
+// fp16 and bf16 share everything but the instruction and the packing.
+template <class Elem, class Elem2>
+struct Mma16Bit {
+  using Acc = float;
+  static constexpr int kK = 16;
+  struct A { uint32_t r[4]; };
+  struct B { uint32_t r[2]; };
+
+  // Lane l addresses row l % 8 (+8 for matrices 1 and 3) and column 8 * (l / 16): matrices
+  // (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15).
+  static __device__ __forceinline__ void load_a(A& a, const Elem* s, int ld, int lane) {
+    ldmatrix_x4(a.r, s + ((lane & 7) + (lane & 8)) * ld + ((lane >> 4) << 3));
+  }
+  // Matrices (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15).
+  static __device__ __forceinline__ void load_b2_nk(B (&b)[2], const Elem* s, int ld, int lane) {
+    uint32_t r[4];
+    ldmatrix_x4(r, s + ((lane & 7) + ((lane >> 4) << 3)) * ld + (lane & 8));
+    b[0].r[0] = r[0]; b[0].r[1] = r[1]; b[1].r[0] = r[2]; b[1].r[1] = r[3];
+  }
+  // Transposed matrices (k 0-7, n 0-7), (k 8-15, n 0-7), (k 0-7, n 8-15), (k 8-15, n 8-15).
+  static __device__ __forceinline__ void load_b2_kn(B (&b)[2], const Elem* s, int ld, int lane) {
+    uint32_t r[4];
+    ldmatrix_x4_trans(r, s + ((lane & 7) + (lane & 8)) * ld + ((lane >> 4) << 3));
+    b[0].r[0] = r[0]; b[0].r[1] = r[1]; b[1].r[0] = r[2]; b[1].r[1] = r[3];
+  }
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    Elem2 v;
+    if constexpr (std::is_same_v<Elem, __half>) v = __floats2half2_rn(lo, hi);
+    else v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+  static __device__ __forceinline__ void a_from_acc(A& a, const float (*c)[4]) {
+    a.r[0] = pack(c[0][0], c[0][1]);
+    a.r[1] = pack(c[0][2], c[0][3]);
+    a.r[2] = pack(c[1][0], c[1][1]);
+    a.r[3] = pack(c[1][2], c[1][3]);
+  }
+  static __device__ __forceinline__ void store_pair(Elem* dst, float x, float y) {
+    *reinterpret_cast<uint32_t*>(dst) = pack(x, y);
+  }
+};
+
+template <> struct Mma<__half> : Mma16Bit<__half, __half2> {
+  static __device__ __forceinline__ void mma(float (&c)[4], const A& a, const B& b) { mma_f16(c, a.r, b.r); }
+};
+template <> struct Mma<__nv_bfloat16> : Mma16Bit<__nv_bfloat16, __nv_bfloat162> {
+  static __device__ __forceinline__ void mma(float (&c)[4], const A& a, const B& b) { mma_bf16(c, a.r, b.r); }
+};
+
+// Slots of A (fp32 and fp64): [0] (g, 2t), [1] (g + 8, 2t), [2] (g, 2t + 1), [3] (g + 8, 2t + 1);
+// of B: [0] (k 2t, n g), [1] (k 2t + 1, n g).
+template <> struct Mma<float> {
+  using Acc = float;
+  static constexpr int kK = 8;
+  struct A { uint32_t hi[4], lo[4]; };
+  struct B { uint32_t hi[2], lo[2]; };
+
+  static __device__ __forceinline__ void split(float x, uint32_t& hi, uint32_t& lo) {
+    hi = to_tf32(x);
+    lo = to_tf32(x - __uint_as_float(hi));
+  }
+  static __device__ __forceinline__ void load_a(A& a, const float* s, int ld, int lane) {
+    const int g = lane >> 2, t = lane & 3;
+    const float2 top = *reinterpret_cast<const float2*>(s + g * ld + 2 * t);
+    const float2 bot = *reinterpret_cast<const float2*>(s + (g + 8) * ld + 2 * t);
+    split(top.x, a.hi[0], a.lo[0]);
+    split(bot.x, a.hi[1], a.lo[1]);
+    split(top.y, a.hi[2], a.lo[2]);
+    split(bot.y, a.hi[3], a.lo[3]);
+  }
+  static __device__ __forceinline__ void load_b2_nk(B (&b)[2], const float* s, int ld, int lane) {
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const float2 v = *reinterpret_cast<const float2*>(s + (8 * i + g) * ld + 2 * t);
+      split(v.x, b[i].hi[0], b[i].lo[0]);
+      split(v.y, b[i].hi[1], b[i].lo[1]);
+    }
+  }
+  static __device__ __forceinline__ void load_b2_kn(B (&b)[2], const float* s, int ld, int lane) {
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      split(s[2 * t * ld + 8 * i + g], b[i].hi[0], b[i].lo[0]);
+      split(s[(2 * t + 1) * ld + 8 * i + g], b[i].hi[1], b[i].lo[1]);
+    }
+  }
+  static __device__ __forceinline__ void a_from_acc(A& a, const float (*c)[4]) {
+    split(c[0][0], a.hi[0], a.lo[0]);
+    split(c[0][2], a.hi[1], a.lo[1]);
+    split(c[0][1], a.hi[2], a.lo[2]);
+    split(c[0][3], a.hi[3], a.lo[3]);
+  }
+  // The small cross terms first, so they are not lost against the large one.
+  static __device__ __forceinline__ void mma(float (&c)[4], const A& a, const B& b) {
+    mma_tf32(c, a.lo, b.hi);
+    mma_tf32(c, a.hi, b.lo);
+    mma_tf32(c, a.hi, b.hi);
+  }
+  static __device__ __forceinline__ void store_pair(float* dst, float x, float y) {
+    *reinterpret_cast<float2*>(dst) = make_float2(x, y);
+  }
+};
+
+template <> struct Mma<double> {
+  using Acc = double;
+  static constexpr int kK = 8;
+  struct A { double v[4]; };
+  struct B { double v[2]; };
+
+  static __device__ __forceinline__ void load_a(A& a, const double* s, int ld, int lane) {
+    const int g = lane >> 2, t = lane & 3;
+    const double2 top = *reinterpret_cast<const double2*>(s + g * ld + 2 * t);
+    const double2 bot = *reinterpret_cast<const double2*>(s + (g + 8) * ld + 2 * t);
+    a.v[0] = top.x; a.v[1] = bot.x; a.v[2] = top.y; a.v[3] = bot.y;
+  }
+  static __device__ __forceinline__ void load_b2_nk(B (&b)[2], const double* s, int ld, int lane) {
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const double2 v = *reinterpret_cast<const double2*>(s + (8 * i + g) * ld + 2 * t);
+      b[i].v[0] = v.x; b[i].v[1] = v.y;
+    }
+  }
+  static __device__ __forceinline__ void load_b2_kn(B (&b)[2], const double* s, int ld, int lane) {
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      b[i].v[0] = s[2 * t * ld + 8 * i + g];
+      b[i].v[1] = s[(2 * t + 1) * ld + 8 * i + g];
+    }
+  }
+  static __device__ __forceinline__ void a_from_acc(A& a, const double (*c)[4]) {
+    a.v[0] = c[0][0]; a.v[1] = c[0][2]; a.v[2] = c[0][1]; a.v[3] = c[0][3];
+  }
+  static __device__ __forceinline__ void mma(double (&c)[4], const A& a, const B& b) {
+    mma_f64(c[0], c[1], a.v[0], b.v[0]);
+    mma_f64(c[0], c[1], a.v[2], b.v[1]);
+    mma_f64(c[2], c[3], a.v[1], b.v[0]);
+    mma_f64(c[2], c[3], a.v[3], b.v[1]);
+  }
+  static __device__ __forceinline__ void store_pair(double* dst, double x, double y) {
+    *reinterpret_cast<double2*>(dst) = make_double2(x, y);
+  }
+};
+
+}  // namespace flashattn::cuda::sm80

@@ -1,0 +1,216 @@
+// Tensor-core forward (sm_80+), one kernel for fp16, bf16, fp32 (3xTF32) and fp64 (DMMA)
+// through the per-type product steps of fragments.cuh.
+//
+// One block per (batch, query head, kBM-row query tile); each warp owns 16 * kMW query rows.
+// Q stays in smem; K and V tiles of kBN keys are double-buffered and prefetched with cp.async
+// while the current pair is used. Per key tile a warp forms S = Q K^T in registers, applies
+// the causal / ragged-edge mask only on tiles that need it, runs the online softmax on its
+// rows (row statistics reduce over a quad) and adds P V into the O accumulators, P taken
+// straight from the S registers. O and the LSE are written once at the end.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <stdexcept>
+
+#include "../../params.h"
+#include "../common/check.h"
+#include "../common/mask.cuh"
+#include "../common/online_softmax.cuh"
+#include "fragments.cuh"
+#include "tile_copy.cuh"
+#include "tile_config.h"
+
+namespace flashattn::cuda::sm80 {
+
+template <class Elem, int kDim>
+__global__ void __launch_bounds__(FwdConfig<Elem, kDim>::kThreads)
+    fwd_kernel(const FwdParams p, int num_m_tiles) {
+  using Cfg = FwdConfig<Elem, kDim>;
+  using M = Mma<Elem>;
+  using Acc = typename M::Acc;
+  using Exp = ExpDomain<Acc>;
+  constexpr int kBM = Cfg::kBM, kBN = Cfg::kBN, kMW = Cfg::kMW, kLd = Cfg::kLd;
+  constexpr int kThreads = Cfg::kThreads;
+  constexpr int kNA = kBN / 8;   // S atoms per warp row group
+  constexpr int kDA = kDim / 8;  // O atoms per warp row group
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  Elem* sQ = reinterpret_cast<Elem*>(smem_raw);
+  Elem* sK = sQ + kBM * kLd;
+  Elem* sV = sK + 2 * kBN * kLd;
+
+  // Heaviest (last, under causal masking) query tiles first.
+  int64_t bid = blockIdx.x;
+  const int mt = num_m_tiles - 1 - int(bid % num_m_tiles);
+  bid /= num_m_tiles;
+  const int64_t h = bid % p.heads_q;
+  const int64_t b = bid / p.heads_q;
+  const int64_t hk = h / (p.heads_q / p.heads_kv);
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int wrow = warp * 16 * kMW;  // first row of this warp in the tile
+  const int64_t m0 = int64_t(mt) * kBM;
+  const int rows_q = int(p.len_q - m0 < kBM ? p.len_q - m0 : kBM);
+  const CausalMask mask{p.causal, p.causal_offset};
+  const Acc score_scale = Exp::score_scale(p.scale);
+  const int E = int(p.head_dim), Ev = int(p.head_dim_v);
+
+  const Elem* q = static_cast<const Elem*>(p.q) + b * p.q_stride.batch + h * p.q_stride.head +
+                  m0 * p.q_stride.row;
+  const Elem* k = static_cast<const Elem*>(p.k) + b * p.k_stride.batch + hk * p.k_stride.head;
+  const Elem* v = static_cast<const Elem*>(p.v) + b * p.v_stride.batch + hk * p.v_stride.head;
+
+  const int64_t n_end = mask.key_end(m0 + rows_q - 1, p.len_k);
+  auto load_kv = [&](int64_t n0, int buf) {
+    const int rows_k = int(p.len_k - n0 < kBN ? p.len_k - n0 : kBN);
+    copy_tile_async<kBN, kDim, kThreads>(sK + buf * kBN * kLd, kLd, k + n0 * p.k_stride.row,
+                                         p.k_stride.row, rows_k, E, tid);
+    copy_tile_async<kBN, kDim, kThreads>(sV + buf * kBN * kLd, kLd, v + n0 * p.v_stride.row,
+                                         p.v_stride.row, rows_k, Ev, tid);
+  };
+  if (n_end > 0) {
+    copy_tile_async<kBM, kDim, kThreads>(sQ, kLd, q, p.q_stride.row, rows_q, E, tid);
+    load_kv(0, 0);
+  }
+  cp_async_commit();
+
+  Acc o[kMW][kDA][4];
+  Acc row_max[kMW][2], row_sum[kMW][2];
+#pragma unroll
+  for (int mw = 0; mw < kMW; ++mw) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      row_max[mw][r] = neg_inf<Acc>();
+      row_sum[mw][r] = Acc(0);
+    }
+#pragma unroll
+    for (int d = 0; d < kDA; ++d)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[mw][d][e] = Acc(0);
+  }
+
+  int buf = 0;
+  for (int64_t n0 = 0; n0 < n_end; n0 += kBN, buf ^= 1) {
+    cp_async_wait<0>();
+    __syncthreads();  // this K/V landed for all; every warp is done with the other buffer
+    if (n0 + kBN < n_end) load_kv(n0 + kBN, buf ^ 1);
+    cp_async_commit();
+    const Elem* k_s = sK + buf * kBN * kLd;
+    const Elem* v_s = sV + buf * kBN * kLd;
+
+    Acc s[kMW][kNA][4];
+#pragma unroll
+    for (int mw = 0; mw < kMW; ++mw)
+#pragma unroll
+      for (int j = 0; j < kNA; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mw][j][e] = Acc(0);
+#pragma unroll
+    for (int kk = 0; kk < kDim; kk += M::kK) {
+      typename M::A a[kMW];
+#pragma unroll
+      for (int mw = 0; mw < kMW; ++mw) M::load_a(a[mw], sQ + (wrow + 16 * mw) * kLd + kk, kLd, lane);
+#pragma unroll
+      for (int j = 0; j < kNA; j += 2) {
+        typename M::B bf[2];
+        M::load_b2_nk(bf, k_s + 8 * j * kLd + kk, kLd, lane);
+#pragma unroll
+        for (int mw = 0; mw < kMW; ++mw) {
+          M::mma(s[mw][j], a[mw], bf[0]);
+          M::mma(s[mw][j + 1], a[mw], bf[1]);
+        }
+      }
+    }
+
+    // Tiles every row of the block sees in full (most of them) skip the per-element mask.
+    const bool all_visible = n0 + kBN <= p.len_k && mask.visible(m0, n0 + kBN - 1);
+#pragma unroll
+    for (int mw = 0; mw < kMW; ++mw) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int64_t m = m0 + wrow + 16 * mw + g + 8 * r;
+        Acc row[2 * kNA];
+#pragma unroll
+        for (int j = 0; j < kNA; ++j)
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const int64_t n = n0 + 8 * j + 2 * t + c;
+            const Acc x = s[mw][j][2 * r + c];
+            row[2 * j + c] = (all_visible || (n < p.len_k && mask.visible(m, n))) ? x * score_scale
+                                                                                  : neg_inf<Acc>();
+          }
+        const Acc alpha = online_softmax_step<4>(row, row_max[mw][r], row_sum[mw][r]);
+#pragma unroll
+        for (int j = 0; j < kNA; ++j)
+#pragma unroll
+          for (int c = 0; c < 2; ++c) s[mw][j][2 * r + c] = row[2 * j + c];
+#pragma unroll
+        for (int d = 0; d < kDA; ++d)
+#pragma unroll
+          for (int c = 0; c < 2; ++c) o[mw][d][2 * r + c] *= alpha;
+      }
+    }
+
+#pragma unroll
+    for (int kk = 0; kk < kBN; kk += M::kK) {
+      typename M::A a[kMW];
+#pragma unroll
+      for (int mw = 0; mw < kMW; ++mw) M::a_from_acc(a[mw], &s[mw][kk / 8]);
+#pragma unroll
+      for (int d = 0; d < kDA; d += 2) {
+        typename M::B bf[2];
+        M::load_b2_kn(bf, v_s + kk * kLd + 8 * d, kLd, lane);
+#pragma unroll
+        for (int mw = 0; mw < kMW; ++mw) {
+          M::mma(o[mw][d], a[mw], bf[0]);
+          M::mma(o[mw][d + 1], a[mw], bf[1]);
+        }
+      }
+    }
+  }
+
+  Elem* out = static_cast<Elem*>(p.out) + b * p.out_stride.batch + h * p.out_stride.head;
+  Acc* lse = static_cast<Acc*>(p.lse) + (b * p.heads_q + h) * p.len_q;
+#pragma unroll
+  for (int mw = 0; mw < kMW; ++mw) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const Acc l = reduce_sum_lanes<4>(row_sum[mw][r]);
+      const int64_t m = m0 + wrow + 16 * mw + g + 8 * r;
+      if (m >= p.len_q) continue;
+      // l == 0 only when no key is visible: out = 0, lse = -inf. A NaN l propagates.
+      const bool empty = l == Acc(0);
+      const Acc inv = empty ? Acc(0) : Acc(1) / l;
+      Elem* o_row = out + m * p.out_stride.row;
+#pragma unroll
+      for (int d = 0; d < kDA; ++d) {
+        const int col = 8 * d + 2 * t;
+        if (col < Ev) M::store_pair(o_row + col, o[mw][d][2 * r] * inv, o[mw][d][2 * r + 1] * inv);
+      }
+      if (t == 0) lse[m] = empty ? neg_inf<Acc>() : Exp::lse(row_max[mw][r], l);
+    }
+  }
+}
+
+template <class Elem, int kDim>
+bool fwd(const FwdParams& p, cudaStream_t stream) {
+  using Cfg = FwdConfig<Elem, kDim>;
+  if (!tensor_cores_usable(Cfg::kSmemBytes)) return false;
+  if (!rows_aligned_16<Elem>(p.q, p.q_stride.batch, p.q_stride.head, p.q_stride.row, p.head_dim) ||
+      !rows_aligned_16<Elem>(p.k, p.k_stride.batch, p.k_stride.head, p.k_stride.row, p.head_dim) ||
+      !rows_aligned_16<Elem>(p.v, p.v_stride.batch, p.v_stride.head, p.v_stride.row, p.head_dim_v) ||
+      !pairs_aligned<Elem>(p.out, p.out_stride))
+    return false;
+  const int64_t num_m_tiles = (p.len_q + Cfg::kBM - 1) / Cfg::kBM;
+  const int64_t blocks = num_m_tiles * p.heads_q * p.batch;
+  if (blocks > 0x7fffffff) throw std::runtime_error("flashattn_ext CUDA backend: forward grid too large");
+  auto kernel = fwd_kernel<Elem, kDim>;
+  set_smem(kernel, Cfg::kSmemBytes, "sm80::fwd_kernel");
+  kernel<<<unsigned(blocks), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, int(num_m_tiles));
+  check_launch("sm80::fwd_kernel");
+  return true;
+}
+
+}  // namespace flashattn::cuda::sm80

@@ -1,0 +1,16 @@
+// Host launchers of the tensor-core kernels (sm_80+), instantiated per head-dim tier in
+// fwd_sm80_hdim*.cu and picked by dispatch.cu. Each returns false, launching nothing, when
+// the call is outside what the kernel serves (GPU older than sm_80, too little smem, head
+// dims above kDim, operands not 16-byte aligned); dispatch then takes the SIMT kernels.
+#pragma once
+#include <cuda_runtime.h>
+
+#include "../../params.h"
+
+namespace flashattn::cuda::sm80 {
+
+// Forward for head_dim and head_dim_v both <= kDim (64 or 128).
+template <class Elem, int kDim>
+bool fwd(const FwdParams& p, cudaStream_t stream);
+
+}  // namespace flashattn::cuda::sm80

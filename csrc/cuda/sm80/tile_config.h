@@ -1,0 +1,53 @@
+// Tile shapes of the tensor-core kernels per element type and head-dim tier, and the host
+// checks that decide whether they can run.
+//
+// Shapes (measured on the H200; see benchmarks/NOTES_sm80.md):
+//   fp16/bf16: 4 warps x 32 query rows, 64-key tiles (fits 2 blocks per SM up to dim 128).
+//   fp32: 8 warps x 16 rows; each operand is split into two tf32 halves in registers, so a
+//         warp holds one 16-row group to stay within 255 registers.
+//   fp64: 4 warps x 16 rows, 32-key tiles: the fp64 accumulators take twice the registers.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+#include "../../params.h"
+#include "../common/check.h"
+
+namespace flashattn::cuda::sm80 {
+
+template <class Elem, int kDim>
+struct FwdConfig {
+  static constexpr bool kHalf = sizeof(Elem) == 2;
+  static constexpr bool kDouble = std::is_same_v<Elem, double>;
+  static constexpr int kWarps = kHalf ? 4 : kDouble ? 4 : 8;
+  static constexpr int kMW = kHalf ? 2 : 1;  // 16-row groups per warp
+  static constexpr int kBN = kDouble ? 32 : 64;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kBM = 16 * kMW * kWarps;
+  static constexpr int kLd = kDim + 8;  // smem row pitch in elements
+  static constexpr size_t kSmemBytes = size_t(kBM + 4 * kBN) * kLd * sizeof(Elem);
+  static_assert(kDim % 16 == 0 && kBN % 16 == 0, "products step over pairs of 8-wide atoms");
+};
+
+// Compute capability 8.0 or newer and `smem` bytes of shared memory per block available.
+inline bool tensor_cores_usable(size_t smem) {
+  int dev = 0, major = 0, max_optin = 0;
+  check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
+  check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev),
+             "cudaDeviceGetAttribute(ComputeCapabilityMajor)");
+  check_cuda(cudaDeviceGetAttribute(&max_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev),
+             "cudaDeviceGetAttribute(MaxSharedMemoryPerBlockOptin)");
+  return major >= 8 && smem <= size_t(max_optin);
+}
+
+// Outputs are written two adjacent elements at a time.
+template <class Elem>
+bool pairs_aligned(const void* base, const Strides& s) {
+  return reinterpret_cast<uintptr_t>(base) % (2 * sizeof(Elem)) == 0 && s.batch % 2 == 0 &&
+         s.head % 2 == 0 && s.row % 2 == 0;
+}
+
+}  // namespace flashattn::cuda::sm80

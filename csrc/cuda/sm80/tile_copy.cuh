@@ -1,0 +1,39 @@
+// Global -> shared tile copies for the tensor-core kernels: 16-byte cp.async chunks, rows
+// padded by 8 elements in smem (conflict-free ldmatrix and fragment loads), everything outside
+// the valid rows and columns zero-filled so the products need no bounds checks and garbage
+// (or NaN) past a ragged edge never meets a zero probability. The host checks that pointers,
+// row strides and the valid column counts are multiples of 16 bytes.
+#pragma once
+#include <cstdint>
+
+#include "../common/cp_async.cuh"
+
+namespace flashattn::cuda::sm80 {
+
+template <class Elem>
+__host__ __device__ constexpr int chunk_elems() { return 16 / int(sizeof(Elem)); }
+
+// Rows `kRows` x columns `kCols` from `g` (rows `g_ld` elements apart) into `s` (pitch `ld`).
+template <int kRows, int kCols, int kThreads, class Elem>
+__device__ __forceinline__ void copy_tile_async(Elem* s, int ld, const Elem* g, int64_t g_ld,
+                                                int rows, int cols, int tid) {
+  constexpr int kChunk = chunk_elems<Elem>();
+  constexpr int kPerRow = kCols / kChunk;
+  static_assert(kCols % kChunk == 0, "tile width is a whole number of 16-byte chunks");
+#pragma unroll
+  for (int i = tid; i < kRows * kPerRow; i += kThreads) {
+    const int r = i / kPerRow, c = (i % kPerRow) * kChunk;
+    const bool valid = r < rows && c < cols;
+    cp_async_16_zfill(s + r * ld + c, valid ? g + r * g_ld + c : g, valid);
+  }
+}
+
+// Host side: every address the copies form is 16-byte aligned.
+template <class Elem>
+bool rows_aligned_16(const void* base, int64_t s0, int64_t s1, int64_t s2, int64_t cols) {
+  constexpr int64_t kChunk = 16 / int64_t(sizeof(Elem));
+  return reinterpret_cast<uintptr_t>(base) % 16 == 0 && s0 % kChunk == 0 && s1 % kChunk == 0 &&
+         s2 % kChunk == 0 && cols % kChunk == 0;
+}
+
+}  // namespace flashattn::cuda::sm80
