@@ -1,5 +1,6 @@
-// CUDA backend entry points: pick the SIMT kernel by dtype and head-dim tier, lay out the
-// backward workspace, and run the kernel sequence on the caller's stream.
+// CUDA backend entry points: pick the tensor-core (sm80/) or SIMT kernel by arch, dtype and
+// head-dim tier, lay out the backward workspace, and run the kernel sequence on the caller's
+// stream.
 //
 // Backward workspace: [D = rowsum(dO * O): acc, (batch, heads_q, len_q)] padded to 256 bytes,
 // then, on the non-deterministic path only, the dQ accumulator [acc, (batch, heads_q, len_q,
@@ -100,14 +101,18 @@ void bwd_typed(const BwdParams& p, cudaStream_t stream) {
   }
   simt::bwd_dot_do_o<T>(p, dsum, stream);
 
-  bool kvres = false;
+  bool dkdv_done = false;  // dK, dV (and the atomic dQ when not deterministic)
+  if (tensor_core_kernels_allowed()) {
+    if (e_max <= 64) dkdv_done = sm80::bwd_dkdv<T, 64>(p, dsum, dq_accum, stream);
+    else if (e_max <= 128) dkdv_done = sm80::bwd_dkdv<T, 128>(p, dsum, dq_accum, stream);
+  }
   if constexpr (!std::is_same_v<T, double>) {
-    if (e_max <= 64) kvres = simt::bwd_dkdv_kvres<T, 64>(p, dsum, dq_accum, stream);
-    else if (e_max <= 128) kvres = simt::bwd_dkdv_kvres<T, 128>(p, dsum, dq_accum, stream);
+    if (!dkdv_done && e_max <= 64) dkdv_done = simt::bwd_dkdv_kvres<T, 64>(p, dsum, dq_accum, stream);
+    else if (!dkdv_done && e_max <= 128) dkdv_done = simt::bwd_dkdv_kvres<T, 128>(p, dsum, dq_accum, stream);
   }
   auto run_tier = [&](auto tier_tag) {
     constexpr int kTier = decltype(tier_tag)::value;
-    if (!kvres) simt::bwd_dkdv<T, kTier>(p, dsum, dq_accum, splits, stream);
+    if (!dkdv_done) simt::bwd_dkdv<T, kTier>(p, dsum, dq_accum, splits, stream);
     if (p.deterministic) simt::bwd_dq<T, kTier>(p, dsum, num_slices(p.head_dim, kTier), stream);
   };
   switch (tier) {

@@ -1,5 +1,5 @@
 // Host launchers of the tensor-core kernels (sm_80+), instantiated per head-dim tier in
-// fwd_sm80_hdim*.cu and picked by dispatch.cu. Each returns false, launching nothing, when
+// fwd_sm80_hdim*.cu / bwd_sm80_hdim*.cu and picked by dispatch.cu. Each returns false, launching nothing, when
 // the call is outside what the kernel serves (GPU older than sm_80, too little smem, head
 // dims above kDim, operands not 16-byte aligned); dispatch then takes the SIMT kernels.
 #pragma once
@@ -12,5 +12,11 @@ namespace flashattn::cuda::sm80 {
 // Forward for head_dim and head_dim_v both <= kDim (64 or 128).
 template <class Elem, int kDim>
 bool fwd(const FwdParams& p, cudaStream_t stream);
+
+// dK and dV for head_dim and head_dim_v both <= kDim (64 or 128), and, when `dq_accum` is
+// not null, dQ / scale added atomically into it (accumulator type, contiguous (batch,
+// heads_q, len_q, head_dim)). `dsum` holds D = rowsum(dO * O) - dlse (accumulator type).
+template <class Elem, int kDim>
+bool bwd_dkdv(const BwdParams& p, const void* dsum, void* dq_accum, cudaStream_t stream);
 
 }  // namespace flashattn::cuda::sm80

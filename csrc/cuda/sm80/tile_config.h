@@ -32,6 +32,24 @@ struct FwdConfig {
   static_assert(kDim % 16 == 0 && kBN % 16 == 0, "products step over pairs of 8-wide atoms");
 };
 
+// Backward (dK/dV kernel): 16 keys per warp, kBN = 16 * kWarps keys per block, query tiles of
+// kBM rows. fp64 at dims above 64 would need 256 registers for dK and dV alone: not served.
+template <class Elem, int kDim>
+struct BwdConfig {
+  using Acc = std::conditional_t<std::is_same_v<Elem, double>, double, float>;
+  static constexpr bool kHalf = sizeof(Elem) == 2;
+  static constexpr bool kDouble = std::is_same_v<Elem, double>;
+  static constexpr bool kServed = !(kDouble && kDim > 64);
+  static constexpr int kWarps = kHalf ? 8 : 4;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kBN = 16 * kWarps;
+  static constexpr int kBM = (kHalf || (kDim <= 64 && !kDouble)) ? 64 : 32;
+  static constexpr int kLd = kDim + 8;   // K, V, Q, dO rows
+  static constexpr int kLdS = kBN + 8;   // dS rows
+  static constexpr size_t kSmemBytes =
+      size_t((2 * kBN + 4 * kBM) * kLd + kBM * kLdS) * sizeof(Elem) + 4 * kBM * sizeof(Acc);
+};
+
 // Compute capability 8.0 or newer and `smem` bytes of shared memory per block available.
 inline bool tensor_cores_usable(size_t smem) {
   int dev = 0, major = 0, max_optin = 0;

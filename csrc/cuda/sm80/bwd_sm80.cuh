@@ -1,0 +1,280 @@
+// Tensor-core backward (sm_80+): dK, dV, and (when `dq_accum` is given) dQ added atomically,
+// one kernel for fp16, bf16, fp32 (3xTF32 family) and fp64 through fragments.cuh.
+//
+// One block per (batch, kv head, kBN-key tile); each warp owns 16 keys. K and V stay in smem;
+// the block walks every query head of the group and every kBM-row query tile that can see its
+// keys, with Q, dO, LSE and D double-buffered (the next tile loads while this one is used).
+// Working on the transposed products keeps everything a warp needs in its registers:
+//   S^T = K Q^T and dP^T = V dO^T            (warp rows = its keys)
+//   P^T = exp(scale S^T - LSE), dS^T = P^T (dP^T - D)    elementwise, in registers
+//   dV += P^T dO, dK += dS^T Q               (A operands taken straight from P^T / dS^T)
+// dQ = dS K needs dS by query row, so dS^T goes through smem once per tile; warps then split
+// that product by (16-row group, column group) and add their part into the fp32 (fp64)
+// accumulator. The deterministic path leaves dQ to a separate kernel.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <stdexcept>
+
+#include "../../params.h"
+#include "../common/check.h"
+#include "../common/mask.cuh"
+#include "../common/online_softmax.cuh"
+#include "fragments.cuh"
+#include "tile_config.h"
+#include "tile_copy.cuh"
+
+namespace flashattn::cuda::sm80 {
+
+// Adds a pair of adjacent accumulator values into global memory.
+__device__ __forceinline__ void atomic_add_pair(float* dst, float x, float y) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  atomicAdd(reinterpret_cast<float2*>(dst), make_float2(x, y));
+#else
+  atomicAdd(dst, x);
+  atomicAdd(dst + 1, y);
+#endif
+}
+__device__ __forceinline__ void atomic_add_pair(double* dst, double x, double y) {
+  atomicAdd(dst, x);
+  atomicAdd(dst + 1, y);
+}
+
+template <class Elem, int kDim>
+__global__ void __launch_bounds__(BwdConfig<Elem, kDim>::kThreads)
+    bwd_dkdv_kernel(const BwdParams p, const typename Mma<Elem>::Acc* dsum_g,
+                    typename Mma<Elem>::Acc* dq_accum, int num_n_tiles) {
+  using Cfg = BwdConfig<Elem, kDim>;
+  using M = Mma<Elem>;
+  using Acc = typename M::Acc;
+  using Exp = ExpDomain<Acc>;
+  constexpr int kBM = Cfg::kBM, kBN = Cfg::kBN, kLd = Cfg::kLd, kLdS = Cfg::kLdS;
+  constexpr int kThreads = Cfg::kThreads, kWarps = Cfg::kWarps;
+  constexpr int kQA = kBM / 8;   // S^T atoms of a warp (8 query rows each)
+  constexpr int kDA = kDim / 8;  // dK / dV atoms of a warp
+  // dQ split: warp -> (16-row group, column group of kDim / kColGroups).
+  constexpr int kRowGroups = kBM / 16, kColGroups = kWarps / kRowGroups;
+  constexpr int kQCols = kDim / kColGroups, kQCA = kQCols / 8;
+  static_assert(kWarps % kRowGroups == 0 && kQCA % 2 == 0, "dQ split");
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  Elem* sK = reinterpret_cast<Elem*>(smem_raw);
+  Elem* sV = sK + kBN * kLd;
+  Elem* sQ = sV + kBN * kLd;        // [2][kBM][kLd]
+  Elem* sdO = sQ + 2 * kBM * kLd;   // [2][kBM][kLd]
+  Elem* sdS = sdO + 2 * kBM * kLd;  // [kBM][kLdS]
+  Acc* sLse = reinterpret_cast<Acc*>(sdS + kBM * kLdS);  // [2][kBM], exponent domain
+  Acc* sD = sLse + 2 * kBM;                                // [2][kBM]
+
+  int64_t bid = blockIdx.x;
+  const int nt = int(bid % num_n_tiles);  // early key tiles (most query rows under causal) first
+  bid /= num_n_tiles;
+  const int64_t hk = bid % p.heads_kv;
+  const int64_t b = bid / p.heads_kv;
+  const int64_t group = p.heads_q / p.heads_kv;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int wkey = warp * 16;
+  const int64_t n0 = int64_t(nt) * kBN;
+  const int rows_k = int(p.len_k - n0 < kBN ? p.len_k - n0 : kBN);
+  const int E = int(p.head_dim), Ev = int(p.head_dim_v);
+  const CausalMask mask{p.causal, p.causal_offset};
+  const Acc score_scale = Exp::score_scale(p.scale);
+
+  const Elem* k = static_cast<const Elem*>(p.k) + b * p.k_stride.batch + hk * p.k_stride.head;
+  const Elem* v = static_cast<const Elem*>(p.v) + b * p.v_stride.batch + hk * p.v_stride.head;
+  copy_tile_async<kBN, kDim, kThreads>(sK, kLd, k + n0 * p.k_stride.row, p.k_stride.row, rows_k, E, tid);
+  copy_tile_async<kBN, kDim, kThreads>(sV, kLd, v + n0 * p.v_stride.row, p.v_stride.row, rows_k, Ev, tid);
+
+  // Query rows before first_query(n0) see none of these keys.
+  const int64_t m_begin = mask.first_query(n0) / kBM * kBM;
+  const int64_t m_iters = m_begin < p.len_q ? (p.len_q - m_begin + kBM - 1) / kBM : 0;
+  const int64_t num_iters = m_iters * group;
+
+  auto load_q_tile = [&](int64_t it, int buf) {
+    const int64_t h = hk * group + it / m_iters;
+    const int64_t m0 = m_begin + (it % m_iters) * kBM;
+    const int rows = int(p.len_q - m0 < kBM ? p.len_q - m0 : kBM);
+    const Elem* q = static_cast<const Elem*>(p.q) + b * p.q_stride.batch + h * p.q_stride.head +
+                    m0 * p.q_stride.row;
+    const Elem* dout = static_cast<const Elem*>(p.dout) + b * p.dout_stride.batch +
+                       h * p.dout_stride.head + m0 * p.dout_stride.row;
+    copy_tile_async<kBM, kDim, kThreads>(sQ + buf * kBM * kLd, kLd, q, p.q_stride.row, rows, E, tid);
+    copy_tile_async<kBM, kDim, kThreads>(sdO + buf * kBM * kLd, kLd, dout, p.dout_stride.row, rows, Ev, tid);
+    // Rows past len_q get LSE = -inf, which masks them below.
+    const int64_t bh = b * p.heads_q + h;
+    for (int i = tid; i < kBM; i += kThreads) {
+      const bool ok = i < rows;
+      sLse[buf * kBM + i] =
+          ok ? Exp::from_lse(static_cast<const Acc*>(p.lse)[bh * p.len_q + m0 + i]) : neg_inf<Acc>();
+      sD[buf * kBM + i] = ok ? dsum_g[bh * p.len_q + m0 + i] : Acc(0);
+    }
+  };
+  if (num_iters > 0) load_q_tile(0, 0);
+  cp_async_commit();
+
+  Acc dk[kDA][4], dv[kDA][4];
+#pragma unroll
+  for (int d = 0; d < kDA; ++d)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk[d][e] = dv[d][e] = Acc(0);
+
+  int buf = 0;
+  for (int64_t it = 0; it < num_iters; ++it, buf ^= 1) {
+    const int64_t h = hk * group + it / m_iters;
+    const int64_t m0 = m_begin + (it % m_iters) * kBM;
+    cp_async_wait<0>();
+    __syncthreads();  // this tile landed for all; every warp is done with the other buffers
+    if (it + 1 < num_iters) load_q_tile(it + 1, buf ^ 1);
+    cp_async_commit();
+    const Elem* q_s = sQ + buf * kBM * kLd;
+    const Elem* do_s = sdO + buf * kBM * kLd;
+    const Acc* lse_s = sLse + buf * kBM;
+    const Acc* d_s = sD + buf * kBM;
+
+    Acc st[kQA][4], dpt[kQA][4];
+#pragma unroll
+    for (int j = 0; j < kQA; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) st[j][e] = dpt[j][e] = Acc(0);
+#pragma unroll
+    for (int kk = 0; kk < kDim; kk += M::kK) {
+      typename M::A ak, av;
+      M::load_a(ak, sK + wkey * kLd + kk, kLd, lane);
+      M::load_a(av, sV + wkey * kLd + kk, kLd, lane);
+#pragma unroll
+      for (int j = 0; j < kQA; j += 2) {
+        typename M::B bq[2], bo[2];
+        M::load_b2_nk(bq, q_s + 8 * j * kLd + kk, kLd, lane);
+        M::load_b2_nk(bo, do_s + 8 * j * kLd + kk, kLd, lane);
+        M::mma(st[j], ak, bq[0]);
+        M::mma(st[j + 1], ak, bq[1]);
+        M::mma(dpt[j], av, bo[0]);
+        M::mma(dpt[j + 1], av, bo[1]);
+      }
+    }
+
+    // P^T and dS^T, both 0 wherever the key is not visible (so values there, even NaN or
+    // inf, never reach a gradient). Tiles every row sees in full skip the per-element mask.
+    const bool all_visible = n0 + kBN <= p.len_k && mask.visible(m0, n0 + kBN - 1);
+#pragma unroll
+    for (int j = 0; j < kQA; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = 8 * j + 2 * t + (e & 1);  // query row in the tile
+        const int64_t n = n0 + wkey + g + 8 * (e >> 1);
+        const Acc lse = lse_s[row];
+        const bool vis = lse != neg_inf<Acc>() &&
+                         (all_visible || (n < p.len_k && mask.visible(m0 + row, n)));
+        const Acc pr = vis ? Exp::exp(st[j][e] * score_scale - lse) : Acc(0);
+        st[j][e] = pr;
+        dpt[j][e] = vis ? pr * (dpt[j][e] - d_s[row]) : Acc(0);
+      }
+
+#pragma unroll
+    for (int kk = 0; kk < kBM; kk += M::kK) {
+      typename M::A ap, ads;
+      M::a_from_acc(ap, &st[kk / 8]);
+      M::a_from_acc(ads, &dpt[kk / 8]);
+#pragma unroll
+      for (int d = 0; d < kDA; d += 2) {
+        typename M::B bo[2], bq[2];
+        M::load_b2_kn(bo, do_s + kk * kLd + 8 * d, kLd, lane);
+        M::load_b2_kn(bq, q_s + kk * kLd + 8 * d, kLd, lane);
+        M::mma(dv[d], ap, bo[0]);
+        M::mma(dv[d + 1], ap, bo[1]);
+        M::mma(dk[d], ads, bq[0]);
+        M::mma(dk[d + 1], ads, bq[1]);
+      }
+    }
+
+    if (dq_accum != nullptr) {
+      // dS by query row into smem: sdS[row][key].
+#pragma unroll
+      for (int j = 0; j < kQA; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          sdS[(8 * j + 2 * t + (e & 1)) * kLdS + wkey + g + 8 * (e >> 1)] = Elem(dpt[j][e]);
+      __syncthreads();
+      const int rg = warp % kRowGroups, cg = warp / kRowGroups;
+      Acc dq[kQCA][4];
+#pragma unroll
+      for (int d = 0; d < kQCA; ++d)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dq[d][e] = Acc(0);
+#pragma unroll
+      for (int kk = 0; kk < kBN; kk += M::kK) {
+        typename M::A a;
+        M::load_a(a, sdS + 16 * rg * kLdS + kk, kLdS, lane);
+#pragma unroll
+        for (int d = 0; d < kQCA; d += 2) {
+          typename M::B bk[2];
+          M::load_b2_kn(bk, sK + kk * kLd + cg * kQCols + 8 * d, kLd, lane);
+          M::mma(dq[d], a, bk[0]);
+          M::mma(dq[d + 1], a, bk[1]);
+        }
+      }
+      Acc* dq_row = dq_accum + ((b * p.heads_q + h) * p.len_q + m0) * E;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = 16 * rg + g + 8 * r;
+        if (m0 + row >= p.len_q) continue;
+#pragma unroll
+        for (int d = 0; d < kQCA; ++d) {
+          const int col = cg * kQCols + 8 * d + 2 * t;
+          if (col < E) atomic_add_pair(dq_row + int64_t(row) * E + col, dq[d][2 * r], dq[d][2 * r + 1]);
+        }
+      }
+    }
+  }
+
+  Elem* dk_g = static_cast<Elem*>(p.dk) + b * p.dk_stride.batch + hk * p.dk_stride.head;
+  Elem* dv_g = static_cast<Elem*>(p.dv) + b * p.dv_stride.batch + hk * p.dv_stride.head;
+  const Acc scale = Acc(p.scale);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int key = wkey + g + 8 * r;
+    if (key >= rows_k) continue;
+#pragma unroll
+    for (int d = 0; d < kDA; ++d) {
+      const int col = 8 * d + 2 * t;
+      if (col < E)
+        M::store_pair(dk_g + (n0 + key) * p.dk_stride.row + col, dk[d][2 * r] * scale,
+                      dk[d][2 * r + 1] * scale);
+      if (col < Ev)
+        M::store_pair(dv_g + (n0 + key) * p.dv_stride.row + col, dv[d][2 * r], dv[d][2 * r + 1]);
+    }
+  }
+}
+
+template <class Elem, int kDim>
+bool bwd_dkdv(const BwdParams& p, const void* dsum, void* dq_accum, cudaStream_t stream) {
+  using Cfg = BwdConfig<Elem, kDim>;
+  if constexpr (!Cfg::kServed) {
+    return false;
+  } else {
+    if (!tensor_cores_usable(Cfg::kSmemBytes)) return false;
+    if (!rows_aligned_16<Elem>(p.q, p.q_stride.batch, p.q_stride.head, p.q_stride.row, p.head_dim) ||
+        !rows_aligned_16<Elem>(p.k, p.k_stride.batch, p.k_stride.head, p.k_stride.row, p.head_dim) ||
+        !rows_aligned_16<Elem>(p.v, p.v_stride.batch, p.v_stride.head, p.v_stride.row, p.head_dim_v) ||
+        !rows_aligned_16<Elem>(p.dout, p.dout_stride.batch, p.dout_stride.head, p.dout_stride.row,
+                               p.head_dim_v) ||
+        !pairs_aligned<Elem>(p.dk, p.dk_stride) || !pairs_aligned<Elem>(p.dv, p.dv_stride) ||
+        p.head_dim % 2 != 0)
+      return false;
+    using Acc = typename Mma<Elem>::Acc;
+    const int64_t num_n_tiles = (p.len_k + Cfg::kBN - 1) / Cfg::kBN;
+    const int64_t blocks = num_n_tiles * p.heads_kv * p.batch;
+    if (blocks > 0x7fffffff) throw std::runtime_error("flashattn_ext CUDA backend: backward grid too large");
+    auto kernel = bwd_dkdv_kernel<Elem, kDim>;
+    set_smem(kernel, Cfg::kSmemBytes, "sm80::bwd_dkdv_kernel");
+    kernel<<<unsigned(blocks), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
+        p, static_cast<const Acc*>(dsum), static_cast<Acc*>(dq_accum), int(num_n_tiles));
+    check_launch("sm80::bwd_dkdv_kernel");
+    return true;
+  }
+}
+
+}  // namespace flashattn::cuda::sm80
