@@ -20,6 +20,7 @@
 #include "../../params.h"
 #include "../common/check.h"
 #include "../common/mask.cuh"
+#include "../common/numeric.cuh"
 #include "../common/online_softmax.cuh"
 #include "fragments.cuh"
 #include "tile_config.h"
@@ -196,7 +197,7 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim>::kThreads)
       for (int j = 0; j < kQA; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e)
-          sdS[(8 * j + 2 * t + (e & 1)) * kLdS + wkey + g + 8 * (e >> 1)] = Elem(dpt[j][e]);
+          sdS[(8 * j + 2 * t + (e & 1)) * kLdS + wkey + g + 8 * (e >> 1)] = from_acc<Elem>(dpt[j][e]);
       __syncthreads();
       const int rg = warp % kRowGroups, cg = warp / kRowGroups;
       Acc dq[kQCA][4];
