@@ -106,6 +106,11 @@ void bwd_typed(const BwdParams& p, cudaStream_t stream) {
     if (e_max <= 64) dkdv_done = sm80::bwd_dkdv<T, 64>(p, dsum, dq_accum, stream);
     else if (e_max <= 128) dkdv_done = sm80::bwd_dkdv<T, 128>(p, dsum, dq_accum, stream);
   }
+  bool dq_done = false;  // dQ of the deterministic path
+  if (p.deterministic && tensor_core_kernels_allowed()) {
+    if (e_max <= 64) dq_done = sm80::bwd_dq<T, 64>(p, dsum, stream);
+    else if (e_max <= 128) dq_done = sm80::bwd_dq<T, 128>(p, dsum, stream);
+  }
   if constexpr (!std::is_same_v<T, double>) {
     if (!dkdv_done && e_max <= 64) dkdv_done = simt::bwd_dkdv_kvres<T, 64>(p, dsum, dq_accum, stream);
     else if (!dkdv_done && e_max <= 128) dkdv_done = simt::bwd_dkdv_kvres<T, 128>(p, dsum, dq_accum, stream);
@@ -113,7 +118,7 @@ void bwd_typed(const BwdParams& p, cudaStream_t stream) {
   auto run_tier = [&](auto tier_tag) {
     constexpr int kTier = decltype(tier_tag)::value;
     if (!dkdv_done) simt::bwd_dkdv<T, kTier>(p, dsum, dq_accum, splits, stream);
-    if (p.deterministic) simt::bwd_dq<T, kTier>(p, dsum, num_slices(p.head_dim, kTier), stream);
+    if (p.deterministic && !dq_done) simt::bwd_dq<T, kTier>(p, dsum, num_slices(p.head_dim, kTier), stream);
   };
   switch (tier) {
     case 32: run_tier(std::integral_constant<int, 32>{}); break;

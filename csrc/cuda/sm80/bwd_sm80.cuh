@@ -1,5 +1,5 @@
 // Tensor-core backward (sm_80+): dK, dV, and (when `dq_accum` is given) dQ added atomically,
-// one kernel for fp16, bf16, fp32 (3xTF32 family) and fp64 through fragments.cuh.
+// one kernel for fp16, bf16 and fp64 through fragments.cuh, and the deterministic dQ kernel.
 //
 // One block per (batch, kv head, kBN-key tile); each warp owns 16 keys. K and V stay in smem;
 // the block walks every query head of the group and every kBM-row query tile that can see its
@@ -250,21 +250,191 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim>::kThreads)
   }
 }
 
+// Deterministic dQ: one block per (batch, query head, kBM-row query tile), each warp owning 16
+// rows, walking the key tiles in order (no atomics): S = Q K^T and dP = dO V^T in registers,
+// dS = P (dP - D), dQ += dS K with dS straight from registers.
+template <class Elem, int kDim>
+__global__ void __launch_bounds__(DqConfig<Elem, kDim>::kThreads)
+    bwd_dq_kernel(const BwdParams p, const typename Mma<Elem>::Acc* dsum_g, int num_m_tiles) {
+  using Cfg = DqConfig<Elem, kDim>;
+  using M = Mma<Elem>;
+  using Acc = typename M::Acc;
+  using Exp = ExpDomain<Acc>;
+  constexpr int kBM = Cfg::kBM, kBN = Cfg::kBN, kLd = Cfg::kLd, kThreads = Cfg::kThreads;
+  constexpr int kNA = kBN / 8, kDA = kDim / 8;
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  Elem* sQ = reinterpret_cast<Elem*>(smem_raw);
+  Elem* sdO = sQ + kBM * kLd;
+  Elem* sK = sdO + kBM * kLd;     // [2][kBN][kLd]
+  Elem* sV = sK + 2 * kBN * kLd;  // [2][kBN][kLd]
+
+  int64_t bid = blockIdx.x;
+  const int mt = num_m_tiles - 1 - int(bid % num_m_tiles);
+  bid /= num_m_tiles;
+  const int64_t h = bid % p.heads_q;
+  const int64_t b = bid / p.heads_q;
+  const int64_t hk = h / (p.heads_q / p.heads_kv);
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int wrow = warp * 16;
+  const int64_t m0 = int64_t(mt) * kBM;
+  const int rows_q = int(p.len_q - m0 < kBM ? p.len_q - m0 : kBM);
+  const CausalMask mask{p.causal, p.causal_offset};
+  const Acc score_scale = Exp::score_scale(p.scale);
+  const int E = int(p.head_dim), Ev = int(p.head_dim_v);
+  const int64_t bh = b * p.heads_q + h;
+
+  const Elem* q = static_cast<const Elem*>(p.q) + b * p.q_stride.batch + h * p.q_stride.head +
+                  m0 * p.q_stride.row;
+  const Elem* dout = static_cast<const Elem*>(p.dout) + b * p.dout_stride.batch +
+                     h * p.dout_stride.head + m0 * p.dout_stride.row;
+  const Elem* k = static_cast<const Elem*>(p.k) + b * p.k_stride.batch + hk * p.k_stride.head;
+  const Elem* v = static_cast<const Elem*>(p.v) + b * p.v_stride.batch + hk * p.v_stride.head;
+
+  const int64_t n_end = mask.key_end(m0 + rows_q - 1, p.len_k);
+  auto load_kv = [&](int64_t n0, int buf) {
+    const int rows_k = int(p.len_k - n0 < kBN ? p.len_k - n0 : kBN);
+    copy_tile_async<kBN, kDim, kThreads>(sK + buf * kBN * kLd, kLd, k + n0 * p.k_stride.row,
+                                         p.k_stride.row, rows_k, E, tid);
+    copy_tile_async<kBN, kDim, kThreads>(sV + buf * kBN * kLd, kLd, v + n0 * p.v_stride.row,
+                                         p.v_stride.row, rows_k, Ev, tid);
+  };
+  if (n_end > 0) {
+    copy_tile_async<kBM, kDim, kThreads>(sQ, kLd, q, p.q_stride.row, rows_q, E, tid);
+    copy_tile_async<kBM, kDim, kThreads>(sdO, kLd, dout, p.dout_stride.row, rows_q, Ev, tid);
+    load_kv(0, 0);
+  }
+  cp_async_commit();
+
+  // LSE (exponent domain; -inf masks rows past len_q) and D of the lane's two rows.
+  Acc lse[2], dsum[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t m = m0 + wrow + g + 8 * r;
+    const bool ok = m < p.len_q;
+    lse[r] = ok ? Exp::from_lse(static_cast<const Acc*>(p.lse)[bh * p.len_q + m]) : neg_inf<Acc>();
+    dsum[r] = ok ? dsum_g[bh * p.len_q + m] : Acc(0);
+  }
+
+  Acc dq[kDA][4];
+#pragma unroll
+  for (int d = 0; d < kDA; ++d)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dq[d][e] = Acc(0);
+
+  int buf = 0;
+  for (int64_t n0 = 0; n0 < n_end; n0 += kBN, buf ^= 1) {
+    cp_async_wait<0>();
+    __syncthreads();
+    if (n0 + kBN < n_end) load_kv(n0 + kBN, buf ^ 1);
+    cp_async_commit();
+    const Elem* k_s = sK + buf * kBN * kLd;
+    const Elem* v_s = sV + buf * kBN * kLd;
+
+    Acc s[kNA][4], dp[kNA][4];
+#pragma unroll
+    for (int j = 0; j < kNA; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[j][e] = dp[j][e] = Acc(0);
+#pragma unroll
+    for (int kk = 0; kk < kDim; kk += M::kK) {
+      typename M::A aq, ao;
+      M::load_a(aq, sQ + wrow * kLd + kk, kLd, lane);
+      M::load_a(ao, sdO + wrow * kLd + kk, kLd, lane);
+#pragma unroll
+      for (int j = 0; j < kNA; j += 2) {
+        typename M::B bk[2], bv[2];
+        M::load_b2_nk(bk, k_s + 8 * j * kLd + kk, kLd, lane);
+        M::load_b2_nk(bv, v_s + 8 * j * kLd + kk, kLd, lane);
+        M::mma(s[j], aq, bk[0]);
+        M::mma(s[j + 1], aq, bk[1]);
+        M::mma(dp[j], ao, bv[0]);
+        M::mma(dp[j + 1], ao, bv[1]);
+      }
+    }
+
+    const bool all_visible = n0 + kBN <= p.len_k && mask.visible(m0, n0 + kBN - 1);
+#pragma unroll
+    for (int j = 0; j < kNA; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = e >> 1;
+        const int64_t m = m0 + wrow + g + 8 * r;
+        const int64_t n = n0 + 8 * j + 2 * t + (e & 1);
+        const bool vis = lse[r] != neg_inf<Acc>() && (all_visible || (n < p.len_k && mask.visible(m, n)));
+        const Acc pr = vis ? Exp::exp(s[j][e] * score_scale - lse[r]) : Acc(0);
+        dp[j][e] = vis ? pr * (dp[j][e] - dsum[r]) : Acc(0);
+      }
+
+#pragma unroll
+    for (int kk = 0; kk < kBN; kk += M::kK) {
+      typename M::A a;
+      M::a_from_acc(a, &dp[kk / 8]);
+#pragma unroll
+      for (int d = 0; d < kDA; d += 2) {
+        typename M::B bk[2];
+        M::load_b2_kn(bk, k_s + kk * kLd + 8 * d, kLd, lane);
+        M::mma(dq[d], a, bk[0]);
+        M::mma(dq[d + 1], a, bk[1]);
+      }
+    }
+  }
+
+  Elem* dq_g = static_cast<Elem*>(p.dq) + b * p.dq_stride.batch + h * p.dq_stride.head;
+  const Acc scale = Acc(p.scale);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t m = m0 + wrow + g + 8 * r;
+    if (m >= p.len_q) continue;
+#pragma unroll
+    for (int d = 0; d < kDA; ++d) {
+      const int col = 8 * d + 2 * t;
+      if (col < E) M::store_pair(dq_g + m * p.dq_stride.row + col, dq[d][2 * r] * scale, dq[d][2 * r + 1] * scale);
+    }
+  }
+}
+
+// Operands every kernel here reads through 16-byte copies, and outputs written in pairs.
+template <class Elem>
+bool bwd_operands_aligned(const BwdParams& p) {
+  return rows_aligned_16<Elem>(p.q, p.q_stride.batch, p.q_stride.head, p.q_stride.row, p.head_dim) &&
+         rows_aligned_16<Elem>(p.k, p.k_stride.batch, p.k_stride.head, p.k_stride.row, p.head_dim) &&
+         rows_aligned_16<Elem>(p.v, p.v_stride.batch, p.v_stride.head, p.v_stride.row, p.head_dim_v) &&
+         rows_aligned_16<Elem>(p.dout, p.dout_stride.batch, p.dout_stride.head, p.dout_stride.row,
+                               p.head_dim_v) &&
+         pairs_aligned<Elem>(p.dk, p.dk_stride) && pairs_aligned<Elem>(p.dv, p.dv_stride) &&
+         pairs_aligned<Elem>(p.dq, p.dq_stride);
+}
+
+template <class Elem, int kDim>
+bool bwd_dq(const BwdParams& p, const void* dsum, cudaStream_t stream) {
+  using Cfg = DqConfig<Elem, kDim>;
+  if constexpr (!Cfg::kServed) {
+    return false;
+  } else {
+    if (!tensor_cores_usable(Cfg::kSmemBytes) || !bwd_operands_aligned<Elem>(p)) return false;
+    using Acc = typename Mma<Elem>::Acc;
+    const int64_t num_m_tiles = (p.len_q + Cfg::kBM - 1) / Cfg::kBM;
+    const int64_t blocks = num_m_tiles * p.heads_q * p.batch;
+    if (blocks > 0x7fffffff) throw std::runtime_error("flashattn_ext CUDA backend: backward grid too large");
+    auto kernel = bwd_dq_kernel<Elem, kDim>;
+    set_smem(kernel, Cfg::kSmemBytes, "sm80::bwd_dq_kernel");
+    kernel<<<unsigned(blocks), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
+        p, static_cast<const Acc*>(dsum), int(num_m_tiles));
+    check_launch("sm80::bwd_dq_kernel");
+    return true;
+  }
+}
+
 template <class Elem, int kDim>
 bool bwd_dkdv(const BwdParams& p, const void* dsum, void* dq_accum, cudaStream_t stream) {
   using Cfg = BwdConfig<Elem, kDim>;
   if constexpr (!Cfg::kServed) {
     return false;
   } else {
-    if (!tensor_cores_usable(Cfg::kSmemBytes)) return false;
-    if (!rows_aligned_16<Elem>(p.q, p.q_stride.batch, p.q_stride.head, p.q_stride.row, p.head_dim) ||
-        !rows_aligned_16<Elem>(p.k, p.k_stride.batch, p.k_stride.head, p.k_stride.row, p.head_dim) ||
-        !rows_aligned_16<Elem>(p.v, p.v_stride.batch, p.v_stride.head, p.v_stride.row, p.head_dim_v) ||
-        !rows_aligned_16<Elem>(p.dout, p.dout_stride.batch, p.dout_stride.head, p.dout_stride.row,
-                               p.head_dim_v) ||
-        !pairs_aligned<Elem>(p.dk, p.dk_stride) || !pairs_aligned<Elem>(p.dv, p.dv_stride) ||
-        p.head_dim % 2 != 0)
-      return false;
+    if (!tensor_cores_usable(Cfg::kSmemBytes) || !bwd_operands_aligned<Elem>(p)) return false;
     using Acc = typename Mma<Elem>::Acc;
     const int64_t num_n_tiles = (p.len_k + Cfg::kBN - 1) / Cfg::kBN;
     const int64_t blocks = num_n_tiles * p.heads_kv * p.batch;

@@ -5,11 +5,10 @@
 // c[0], c[1] at row g, columns 2t, 2t+1 and c[2], c[3] at row g + 8 (the layout of mma.sync's
 // fp32 D, and of two fp64 m8n8 D's stacked). A k-step covers kK columns of A (rows of B):
 //   fp16/bf16  m16n8k16, kK = 16, operands through ldmatrix;
-//   fp32       four m16n8k8 tf32 products (a_lo b_lo + a_hi b_lo + a_lo b_hi + a_hi b_hi, where
-//              x_hi is x rounded to tf32 and x_lo the rounded remainder): each operand is kept
-//              to ~22 bits, near fp32 accuracy at tensor-core speed. (The usual three-term
-//              form drops a_lo b_lo, as large as the rounding of x_lo itself; measured on the
-//              H200 it left the output error 2.4x that of torch's fp32 math path.) kK = 8;
+//   fp32       three m16n8k8 tf32 products (a_hi b_lo + a_lo b_hi + a_hi b_hi, where x_hi is x
+//              rounded to tf32 and x_lo the rounded remainder): each operand kept to ~22 bits,
+//              near fp32 accuracy at tensor-core speed (a fourth term, a_lo b_lo, measurably
+//              changed nothing: see the tile partial sums in fwd_sm80.cuh for what did); kK = 8;
 //   fp64       four m8n8k4 DMMAs; kK = 8.
 // For fp32 and fp64 the lane holding k = t (and t + 4) in the instruction is fed k = 2t (and
 // 2t + 1) of the step instead. Any permutation of k gives the same sum when A and B follow it,
@@ -130,9 +129,8 @@ template <> struct Mma<float> {
     split(c[0][1], a.hi[2], a.lo[2]);
     split(c[0][3], a.hi[3], a.lo[3]);
   }
-  // The small terms first, so they are not lost against the large one.
+  // The small cross terms first, so they are not lost against the large one.
   static __device__ __forceinline__ void mma(float (&c)[4], const A& a, const B& b) {
-    mma_tf32(c, a.lo, b.lo);
     mma_tf32(c, a.lo, b.hi);
     mma_tf32(c, a.hi, b.lo);
     mma_tf32(c, a.hi, b.hi);

@@ -19,4 +19,8 @@ bool fwd(const FwdParams& p, cudaStream_t stream);
 template <class Elem, int kDim>
 bool bwd_dkdv(const BwdParams& p, const void* dsum, void* dq_accum, cudaStream_t stream);
 
+// dQ written directly (deterministic path), for the dims bwd_dkdv serves.
+template <class Elem, int kDim>
+bool bwd_dq(const BwdParams& p, const void* dsum, cudaStream_t stream);
+
 }  // namespace flashattn::cuda::sm80

@@ -34,12 +34,15 @@ struct FwdConfig {
 
 // Backward (dK/dV kernel): 16 keys per warp, kBN = 16 * kWarps keys per block, query tiles of
 // kBM rows. fp64 at dims above 64 would need 256 registers for dK and dV alone: not served.
+// fp32 is not served either: dK and dV sum over every query row, and the truncating tf32
+// accumulation (see fwd_sm80.cuh) needs per-tile partials there that do not fit beside them in
+// registers; measured at 11 TFLOP/s with 4 warps per SM, the SIMT kernel (31) is faster.
 template <class Elem, int kDim>
 struct BwdConfig {
   using Acc = std::conditional_t<std::is_same_v<Elem, double>, double, float>;
   static constexpr bool kHalf = sizeof(Elem) == 2;
   static constexpr bool kDouble = std::is_same_v<Elem, double>;
-  static constexpr bool kServed = !(kDouble && kDim > 64);
+  static constexpr bool kServed = !(kDouble && kDim > 64) && !std::is_same_v<Elem, float>;
   static constexpr int kWarps = kHalf ? 8 : 4;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kBN = 16 * kWarps;
@@ -48,6 +51,19 @@ struct BwdConfig {
   static constexpr int kLdS = kBN + 8;   // dS rows
   static constexpr size_t kSmemBytes =
       size_t((2 * kBN + 4 * kBM) * kLd + kBM * kLdS) * sizeof(Elem) + 4 * kBM * sizeof(Acc);
+};
+
+// Deterministic dQ kernel: 4 warps x 16 query rows, key tiles as the forward's. Served where
+// the dK/dV kernel is.
+template <class Elem, int kDim>
+struct DqConfig {
+  static constexpr bool kServed = BwdConfig<Elem, kDim>::kServed;
+  static constexpr int kWarps = 4;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kBM = 16 * kWarps;
+  static constexpr int kBN = std::is_same_v<Elem, double> ? 32 : 64;
+  static constexpr int kLd = kDim + 8;
+  static constexpr size_t kSmemBytes = size_t(2 * kBM + 4 * kBN) * kLd * sizeof(Elem);
 };
 
 // Compute capability 8.0 or newer and `smem` bytes of shared memory per block available.
