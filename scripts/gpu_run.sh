@@ -28,13 +28,20 @@ if [[ " $STEPS " == *" test "* ]]; then
   run_step test
   python3 -m pytest -q -x ${PYTEST_ARGS:-tests} 2>&1 | tee "$OUT/tests.log" | tail -25
   status=$(( status | ${PIPESTATUS[0]} ))
+  # The portable kernels too, where the tensor-core ones would otherwise be taken.
+  FLASHATTN_CUDA_KERNELS=simt python3 -m pytest -q -x -k cuda tests/test_accuracy.py tests/test_autograd.py \
+    2>&1 | tee "$OUT/tests_simt.log" | tail -3
+  status=$(( status | ${PIPESTATUS[0]} ))
 fi
 if [[ " $STEPS " == *" sanitize "* ]]; then
   run_step sanitize
-  for tool in memcheck racecheck; do
-    compute-sanitizer --tool $tool --error-exitcode 9 python3 scripts/sanitize_cases.py 2>&1 \
-      | tee -a "$OUT/sanitize.log" | tail -4
-    status=$(( status | ${PIPESTATUS[0]} ))
+  for kernels in default simt; do
+    for tool in memcheck racecheck; do
+      echo "--- $tool, kernels: $kernels" | tee -a "$OUT/sanitize.log"
+      FLASHATTN_CUDA_KERNELS=$kernels compute-sanitizer --tool $tool --error-exitcode 9 \
+        python3 scripts/sanitize_cases.py 2>&1 | tee -a "$OUT/sanitize.log" | tail -4
+      status=$(( status | ${PIPESTATUS[0]} ))
+    done
   done
 fi
 if [[ " $STEPS " == *" bench "* ]]; then

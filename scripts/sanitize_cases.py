@@ -1,5 +1,6 @@
 """A small representative set of CUDA forward and backward calls for compute-sanitizer
-(memcheck, racecheck): ragged lengths, both causal alignments, GQA, every dtype."""
+(memcheck, racecheck): ragged lengths, both causal alignments, GQA, every dtype, and both the
+tensor-core (sm80/) and the SIMT kernels (run it again with FLASHATTN_CUDA_KERNELS=simt)."""
 import torch
 
 import flashattn_ext  # noqa: F401
@@ -9,6 +10,7 @@ CASES = [  # (dtype, batch, heads_q, heads_kv, len_q, len_k, head_dim, head_dim_
     (torch.bfloat16, 2, 2, 2, 130, 65, 128, 128, 2),
     (torch.float16, 1, 4, 2, 33, 33, 80, 80, 1),
     (torch.float64, 1, 1, 1, 17, 40, 256, 32, 2),
+    (torch.float64, 1, 2, 1, 70, 45, 64, 48, 1),
 ]
 
 for dtype, b, hq, hk, lq, lk, e, ev, causal in CASES:
