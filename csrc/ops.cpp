@@ -15,6 +15,7 @@
 #include <tuple>
 #include <vector>
 
+#include "common/dropout.h"
 #include "cpu/api.h"
 #include "params.h"
 #ifdef FLASHATTN_WITH_CUDA
@@ -160,6 +161,150 @@ void fill_common(FwdParams& p, const Tensor& q, const Tensor& k, const Tensor& v
   p.causal_offset = causal == kCausalBottomRight ? d.len_k - d.len_q : 0;
 }
 
+// The optional features of one call, as the ops receive them (flashattn_ext/ops.py passes
+// them by keyword; every default is "off").
+struct Features {
+  std::optional<Tensor> attn_bias;
+  int64_t window_left = -1, window_right = -1;
+  std::optional<Tensor> alibi_slopes;
+  double softcap = 0.0;
+  double dropout_p = 0.0;
+  std::optional<Tensor> rng_state;
+  std::optional<Tensor> cu_seqlens_q, cu_seqlens_k;
+  int64_t max_seqlen_q = 0, max_seqlen_k = 0;
+
+  bool varlen() const { return cu_seqlens_q.has_value() || cu_seqlens_k.has_value(); }
+  // Name of the first feature on, for the CUDA backend's refusal; null when none is on.
+  const char* first_on() const {
+    if (attn_bias.has_value()) return "attn_bias";
+    if (window_left != -1 || window_right != -1) return "window_size";
+    if (alibi_slopes.has_value()) return "alibi_slopes";
+    if (softcap != 0.0) return "softcap";
+    if (dropout_p != 0.0) return "dropout_p";
+    if (varlen()) return "cu_seqlens (variable-length batches)";
+    return nullptr;
+  }
+};
+
+// Both on the CPU, or both on one CUDA device (a meta tensor is on neither).
+bool same_device(const Tensor& a, const Tensor& b) {
+  return (a.is_cpu() && b.is_cpu()) || (a.is_cuda() && b.is_cuda() && a.get_device_index() == b.get_device_index());
+}
+
+// Checks a cu_seqlens tensor and returns its longest sequence. Its values are read here, so
+// it must be on the CPU (the CUDA backend refuses variable-length batches for now).
+int64_t check_cu_seqlens(const Tensor& cu, const char* name, const Tensor& q, int64_t batch_plus_one, int64_t total,
+                         int64_t max_seqlen, const char* max_name) {
+  STD_TORCH_CHECK(cu.scalar_type() == ScalarType::Int, "flashattn: argument '", name, "' must have dtype int32, got ",
+                  dtype_name(cu.scalar_type()));
+  STD_TORCH_CHECK(cu.dim() == 1 && cu.size(0) >= 1 && cu.is_contiguous(), "flashattn: argument '", name,
+                  "' must be a contiguous 1-D tensor of batch + 1 >= 1 offsets, got shape ", shape_str(cu));
+  STD_TORCH_CHECK(cu.size(0) == batch_plus_one, "flashattn: arguments 'cu_seqlens_q' and 'cu_seqlens_k' must have "
+                  "the same length (batch + 1), got ", batch_plus_one, " and ", cu.size(0));
+  STD_TORCH_CHECK(same_device(cu, q), "flashattn: argument '", name, "' is on device ", device_str(cu),
+                  " but 'q' is on ", device_str(q), "; they must be on the same device");
+  const int32_t* c = static_cast<const int32_t*>(cu.const_data_ptr());
+  STD_TORCH_CHECK(c[0] == 0, "flashattn: argument '", name, "' must start at 0, got ", c[0]);
+  int64_t longest = 0;
+  for (int64_t i = 0; i + 1 < cu.size(0); ++i) {
+    STD_TORCH_CHECK(c[i + 1] >= c[i], "flashattn: argument '", name, "' must be non-decreasing, got ", c[i],
+                    " then ", c[i + 1], " at index ", i + 1);
+    longest = std::max<int64_t>(longest, c[i + 1] - c[i]);
+  }
+  STD_TORCH_CHECK(c[cu.size(0) - 1] == total, "flashattn: argument '", name, "' must end at the total number of rows ",
+                  total, ", got ", c[cu.size(0) - 1]);
+  STD_TORCH_CHECK(max_seqlen >= longest, "flashattn: argument '", max_name, "' (", max_seqlen,
+                  ") is smaller than the longest sequence in '", name, "' (", longest, ")");
+  return longest;
+}
+
+// Checks the features against q (shape and device) and fills them into p. `batch` is the
+// number of sequences: q's batch, or len(cu_seqlens) - 1 for a variable-length batch.
+void check_and_fill_features(FwdParams& p, const Features& f, const Tensor& q, const Tensor& k, const Dims& d,
+                             int64_t causal) {
+  if (q.is_cuda()) {
+    const char* on = f.first_on();
+    STD_TORCH_CHECK(on == nullptr, "flashattn: ", on, " is not supported on CUDA yet (the CPU backend has it); ",
+                    "call it without this feature or with CPU tensors");
+  }
+  STD_TORCH_CHECK(f.window_left >= -1 && f.window_right >= -1, "flashattn: argument 'window_size' must be (left, "
+                  "right) with each >= 0, or -1 for unbounded, got (", f.window_left, ", ", f.window_right, ")");
+  STD_TORCH_CHECK(f.softcap >= 0.0, "flashattn: argument 'softcap' must be >= 0 (0 = off), got ", f.softcap);
+  STD_TORCH_CHECK(f.dropout_p >= 0.0 && f.dropout_p < 1.0, "flashattn: argument 'dropout_p' must be in [0, 1), got ",
+                  f.dropout_p);
+  p.window_left = f.window_left;
+  p.window_right = f.window_right;
+  p.softcap = f.softcap;
+  p.dropout_p = f.dropout_p;
+
+  if (f.varlen()) {
+    STD_TORCH_CHECK(f.cu_seqlens_q.has_value() && f.cu_seqlens_k.has_value(),
+                    "flashattn: 'cu_seqlens_q' and 'cu_seqlens_k' must be given together");
+    STD_TORCH_CHECK(d.batch == 1, "flashattn: with cu_seqlens, q, k and v must be (1, heads, total, head_dim) views "
+                    "of packed (total, heads, head_dim) tensors, got batch size ", d.batch);
+    STD_TORCH_CHECK(!f.attn_bias.has_value(), "flashattn: the combination attn_bias + cu_seqlens (variable-length "
+                    "batches) is not supported; give a padded batch to use a mask");
+    const int64_t n = f.cu_seqlens_q->dim() == 1 ? f.cu_seqlens_q->size(0) : 0;
+    check_cu_seqlens(*f.cu_seqlens_q, "cu_seqlens_q", q, n, d.len_q, f.max_seqlen_q, "max_seqlen_q");
+    check_cu_seqlens(*f.cu_seqlens_k, "cu_seqlens_k", q, n, d.len_k, f.max_seqlen_k, "max_seqlen_k");
+    p.cu_seqlens_q = static_cast<const int32_t*>(f.cu_seqlens_q->const_data_ptr());
+    p.cu_seqlens_k = static_cast<const int32_t*>(f.cu_seqlens_k->const_data_ptr());
+    p.batch = n - 1;
+    p.total_q = d.len_q;
+    p.len_q = f.max_seqlen_q;
+    p.len_k = f.max_seqlen_k;
+    p.causal_bottom_right = causal == kCausalBottomRight;
+  }
+
+  if (f.alibi_slopes.has_value()) {
+    const Tensor& a = *f.alibi_slopes;
+    const bool shape_ok = (a.dim() == 1 && a.size(0) == d.heads_q) ||
+                          (a.dim() == 2 && a.size(0) == p.batch && a.size(1) == d.heads_q);
+    STD_TORCH_CHECK(shape_ok, "flashattn: argument 'alibi_slopes' must have shape [", d.heads_q, "] (heads) or [",
+                    p.batch, ", ", d.heads_q, "] (batch, heads), got ", shape_str(a));
+    STD_TORCH_CHECK(a.scalar_type() == ScalarType::Float, "flashattn: argument 'alibi_slopes' must have dtype "
+                    "float32, got ", dtype_name(a.scalar_type()));
+    STD_TORCH_CHECK(a.numel() == 0 || a.stride(a.dim() - 1) == 1, "flashattn: argument 'alibi_slopes' must have a "
+                    "contiguous last dimension (stride 1)");
+    STD_TORCH_CHECK(same_device(a, q), "flashattn: argument 'alibi_slopes' is on device ", device_str(a),
+                    " but 'q' is on ", device_str(q), "; they must be on the same device");
+    p.alibi_slopes = static_cast<const float*>(a.const_data_ptr());
+    p.alibi_batch_stride = a.dim() == 2 ? a.stride(0) : 0;
+  }
+
+  if (f.attn_bias.has_value()) {
+    const Tensor& m = *f.attn_bias;
+    const int64_t full[4] = {d.batch, d.heads_q, d.len_q, d.len_k};
+    bool shape_ok = m.dim() == 4;
+    for (int64_t i = 0; shape_ok && i < 4; ++i) shape_ok = m.size(i) == full[i] || m.size(i) == 1;
+    STD_TORCH_CHECK(shape_ok, "flashattn: argument 'attn_bias' must have shape [", d.batch, ", ", d.heads_q, ", ",
+                    d.len_q, ", ", d.len_k, "] (batch, heads, len_q, len_k), each dimension possibly 1 "
+                    "(broadcast), got ", shape_str(m));
+    const ScalarType t = m.scalar_type();
+    STD_TORCH_CHECK(t == ScalarType::Bool || t == q.scalar_type() || t == ScalarType::Float,
+                    "flashattn: argument 'attn_bias' has dtype ", dtype_name(t), "; it must be bool (True = take "
+                    "part), or float in the query's dtype (", dtype_name(q.scalar_type()), ") or float32");
+    STD_TORCH_CHECK(same_device(m, q), "flashattn: argument 'attn_bias' is on device ", device_str(m),
+                    " but 'q' is on ", device_str(q), "; they must be on the same device");
+    p.bias_kind = t == ScalarType::Bool ? BiasKind::kBool : BiasKind::kFloat;
+    if (t != ScalarType::Bool) p.bias_dtype = to_dtype(t, "attn_bias");
+    p.bias = m.const_data_ptr();
+    for (int64_t i = 0; i < 4; ++i) p.bias_stride[i] = m.size(i) == 1 ? 0 : m.stride(i);
+  }
+
+  if (f.dropout_p > 0.0) {
+    STD_TORCH_CHECK(f.rng_state.has_value(), "flashattn: dropout_p > 0 needs argument 'rng_state' (int64 [seed, "
+                    "offset] on the CPU)");
+    const Tensor& r = *f.rng_state;
+    STD_TORCH_CHECK(r.is_cpu() && r.scalar_type() == ScalarType::Long && r.dim() == 1 && r.size(0) == 2,
+                    "flashattn: argument 'rng_state' must be an int64 CPU tensor [seed, offset], got shape ",
+                    shape_str(r), " and dtype ", dtype_name(r.scalar_type()));
+    const int64_t* st = static_cast<const int64_t*>(r.const_data_ptr());
+    p.dropout_seed = uint64_t(st[0]);
+    p.dropout_offset = uint32_t(uint64_t(st[1]));
+  }
+}
+
 #ifdef FLASHATTN_WITH_CUDA
 void* current_cuda_stream(const Tensor& t) {
   void* stream = nullptr;
@@ -171,9 +316,18 @@ void* current_cuda_stream(const Tensor& t) {
 
 // `deterministic` is kept for the backward (autograd passes it on); the forward has no
 // order-dependent reductions.
-std::tuple<Tensor, Tensor> fwd(Tensor q, Tensor k, Tensor v, double scale, int64_t causal, bool deterministic) {
+std::tuple<Tensor, Tensor> fwd(Tensor q, Tensor k, Tensor v, double scale, int64_t causal, bool deterministic,
+                               std::optional<Tensor> attn_bias, int64_t window_left, int64_t window_right,
+                               std::optional<Tensor> alibi_slopes, double softcap, double dropout_p,
+                               std::optional<Tensor> rng_state, std::optional<Tensor> cu_seqlens_q,
+                               std::optional<Tensor> cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k) {
   (void)deterministic;
+  const Features f{attn_bias, window_left, window_right, alibi_slopes, softcap, dropout_p, rng_state,
+                   cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k};
   const Dims d = check_qkv(q, k, v, causal);
+  FwdParams p;
+  fill_common(p, q, k, v, d, scale, causal);
+  check_and_fill_features(p, f, q, k, d, causal);
   Tensor out = empty_like_layout(q, d.heads_q, d.len_q, d.head_dim_v, q.scalar_type());
   Tensor lse = torch::stable::empty({d.batch, d.heads_q, d.len_q}, lse_type(q.scalar_type()), std::nullopt,
                                     q.device());
@@ -183,8 +337,6 @@ std::tuple<Tensor, Tensor> fwd(Tensor q, Tensor k, Tensor v, double scale, int64
     torch::stable::fill_(lse, -std::numeric_limits<double>::infinity());
     return {out, lse};
   }
-  FwdParams p;
-  fill_common(p, q, k, v, d, scale, causal);
   p.out = out.mutable_data_ptr();
   p.out_stride = strides_of(out);
   p.lse = lse.mutable_data_ptr();
@@ -202,9 +354,23 @@ std::tuple<Tensor, Tensor> fwd(Tensor q, Tensor k, Tensor v, double scale, int64
   return {out, lse};
 }
 
-std::tuple<Tensor, Tensor, Tensor> bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse,
-                                       std::optional<Tensor> dlse, double scale, int64_t causal, bool deterministic) {
+// Returns dq, dk, dv and the gradient of a float attn_bias: (batch, heads_q, len_q, len_k) in
+// lse's dtype when bias_requires_grad (the caller sums it over the bias's broadcast
+// dimensions), else an empty tensor.
+std::tuple<Tensor, Tensor, Tensor, Tensor> bwd(
+    Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, std::optional<Tensor> dlse, double scale,
+    int64_t causal, bool deterministic, std::optional<Tensor> attn_bias, int64_t window_left, int64_t window_right,
+    std::optional<Tensor> alibi_slopes, double softcap, double dropout_p, std::optional<Tensor> rng_state,
+    std::optional<Tensor> cu_seqlens_q, std::optional<Tensor> cu_seqlens_k, int64_t max_seqlen_q,
+    int64_t max_seqlen_k, bool bias_requires_grad) {
+  const Features f{attn_bias, window_left, window_right, alibi_slopes, softcap, dropout_p, rng_state,
+                   cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k};
   const Dims d = check_qkv(q, k, v, causal);
+  BwdParams p;
+  fill_common(p, q, k, v, d, scale, causal);
+  check_and_fill_features(p, f, q, k, d, causal);
+  STD_TORCH_CHECK(!bias_requires_grad || p.bias_kind == BiasKind::kFloat, "flashattn: bias_requires_grad needs a "
+                  "float 'attn_bias'");
   check_attn_tensor(dout, "dout");
   check_attn_tensor(out, "out");
   check_same_device_dtype(q, "q", dout, "dout");
@@ -234,14 +400,16 @@ std::tuple<Tensor, Tensor, Tensor> bwd(Tensor dout, Tensor q, Tensor k, Tensor v
   Tensor dq = empty_like_layout(q, d.heads_q, d.len_q, d.head_dim, q.scalar_type());
   Tensor dk = empty_like_layout(k, d.heads_kv, d.len_k, d.head_dim, q.scalar_type());
   Tensor dv = empty_like_layout(v, d.heads_kv, d.len_k, d.head_dim_v, q.scalar_type());
+  Tensor dbias = torch::stable::empty({bias_requires_grad ? d.batch : 0, d.heads_q, d.len_q, d.len_k},
+                                      lse_type(q.scalar_type()), std::nullopt, q.device());
+  torch::stable::zero_(dbias);  // the backend writes only the scores it visits
   if (d.batch * d.heads_q * d.len_q * d.len_k == 0) {  // nothing attends to anything
     torch::stable::zero_(dq);
     torch::stable::zero_(dk);
     torch::stable::zero_(dv);
-    return {dq, dk, dv};
+    return {dq, dk, dv, dbias};
   }
-  BwdParams p;
-  fill_common(p, q, k, v, d, scale, causal);
+  p.dbias = bias_requires_grad ? dbias.mutable_data_ptr() : nullptr;
   p.out = const_cast<void*>(out.const_data_ptr());
   p.out_stride = strides_of(out);
   p.lse = const_cast<void*>(lse.const_data_ptr());
@@ -276,24 +444,58 @@ std::tuple<Tensor, Tensor, Tensor> bwd(Tensor dout, Tensor q, Tensor k, Tensor v
                            "nvcc and a CUDA build of torch present");
 #endif
   }
-  return {dq, dk, dv};
+  return {dq, dk, dv, dbias};
+}
+
+// Test helper: the dropout keep mask (true = kept) that fwd and bwd apply to a padded batch
+// of this shape, (batch, heads, len_q, len_k) bool on the CPU; sequence b of a variable-length
+// batch uses [b, :, :len_q_b, :len_k_b] of it.
+Tensor dropout_mask(Tensor rng_state, int64_t batch, int64_t heads, int64_t len_q, int64_t len_k, double dropout_p) {
+  STD_TORCH_CHECK(batch >= 0 && heads >= 0 && len_q >= 0 && len_k >= 0 && batch * heads * len_q * len_k <= (1 << 28),
+                  "flashattn: dropout_mask is a test helper for small shapes; got ", batch, " x ", heads, " x ",
+                  len_q, " x ", len_k);
+  STD_TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "flashattn: argument 'dropout_p' must be in [0, 1), got ",
+                  dropout_p);
+  STD_TORCH_CHECK(rng_state.is_cpu() && rng_state.scalar_type() == ScalarType::Long && rng_state.dim() == 1 &&
+                      rng_state.size(0) == 2,
+                  "flashattn: argument 'rng_state' must be an int64 CPU tensor [seed, offset], got shape ",
+                  shape_str(rng_state), " and dtype ", dtype_name(rng_state.scalar_type()));
+  const int64_t* st = static_cast<const int64_t*>(rng_state.const_data_ptr());
+  const uint64_t seed = uint64_t(st[0]);
+  const uint32_t offset = uint32_t(uint64_t(st[1]));
+  const uint32_t threshold = dropout_threshold(dropout_p);
+  Tensor mask = torch::stable::empty({batch, heads, len_q, len_k}, ScalarType::Bool);
+  bool* m = static_cast<bool*>(mask.mutable_data_ptr());
+  for (int64_t bh = 0; bh < batch * heads; ++bh)
+    for (int64_t i = 0; i < len_q; ++i)
+      for (int64_t j = 0; j < len_k; ++j)
+        *m++ = dropout_bits(seed, offset, bh, i, j / 4).x[j % 4] >= threshold;
+  return mask;
 }
 
 }  // namespace
 }  // namespace flashattn
 
 STABLE_TORCH_LIBRARY(flashattn, m) {
+  // The optional features (defaults: off) are documented in flashattn_ext/ops.py.
   m.def(
-      "fwd(Tensor q, Tensor k, Tensor v, float scale, int causal, bool deterministic=False) -> "
-      "(Tensor out, Tensor lse)");
+      "fwd(Tensor q, Tensor k, Tensor v, float scale, int causal, bool deterministic=False, "
+      "Tensor? attn_bias=None, int window_left=-1, int window_right=-1, Tensor? alibi_slopes=None, "
+      "float softcap=0.0, float dropout_p=0.0, Tensor? rng_state=None, Tensor? cu_seqlens_q=None, "
+      "Tensor? cu_seqlens_k=None, int max_seqlen_q=0, int max_seqlen_k=0) -> (Tensor out, Tensor lse)");
   m.def(
       "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, float scale, "
-      "int causal, bool deterministic) -> (Tensor dq, Tensor dk, Tensor dv)");
+      "int causal, bool deterministic, Tensor? attn_bias=None, int window_left=-1, int window_right=-1, "
+      "Tensor? alibi_slopes=None, float softcap=0.0, float dropout_p=0.0, Tensor? rng_state=None, "
+      "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, int max_seqlen_q=0, int max_seqlen_k=0, "
+      "bool bias_requires_grad=False) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dbias)");
+  m.def("dropout_mask(Tensor rng_state, int batch, int heads, int len_q, int len_k, float dropout_p) -> Tensor");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(flashattn, CPU, m) {
   m.impl("fwd", TORCH_BOX(&flashattn::fwd));
   m.impl("bwd", TORCH_BOX(&flashattn::bwd));
+  m.impl("dropout_mask", TORCH_BOX(&flashattn::dropout_mask));
 }
 
 #ifdef FLASHATTN_WITH_CUDA

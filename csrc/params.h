@@ -8,6 +8,10 @@ namespace flashattn {
 
 enum class DType : int { kFloat64 = 0, kFloat32 = 1, kBFloat16 = 2, kFloat16 = 3 };
 
+// What the attention bias tensor is: none, a bool mask (false = the score is masked out), or
+// a float tensor added to the scores (SDPA's attn_mask).
+enum class BiasKind : int { kNone = 0, kBool = 1, kFloat = 2 };
+
 // Tensors are addressed as [batch][head][row][col] with element strides for the
 // first three dimensions; the last dimension (head_dim) is always contiguous.
 struct Strides {
@@ -39,7 +43,56 @@ struct FwdParams {
   bool causal = false;
   int64_t causal_offset = 0;
 
+  // ---- Optional features, each off at its default. A backend must not be called with a
+  // feature it does not implement (ops.cpp refuses such calls); the per-score math they share
+  // lives in csrc/common/ so that every backend computes the same scores and dropout masks.
+  // Order on each score: s = scale q.k; softcap; + ALiBi; + bias; band and bias masks -> -inf;
+  // softmax; dropout of the probabilities.
+
+  // Bias / mask (SDPA attn_mask) broadcast to (batch, heads_q, len_q, len_k) through element
+  // strides (0 along broadcast dimensions), read in place. A float bias is in bias_dtype.
+  BiasKind bias_kind = BiasKind::kNone;
+  DType bias_dtype = DType::kFloat32;
+  const void* bias = nullptr;
+  int64_t bias_stride[4] = {0, 0, 0, 0};
+
+  // Sliding window, aligned bottom-right as flash-attn's: query row i sees key j only if
+  // i + len_k - len_q - window_left <= j <= i + len_k - len_q + window_right; -1 = unbounded.
+  int64_t window_left = -1, window_right = -1;
+
+  // ALiBi: -slope * |i + len_k - len_q - j| added to each score, slope (fp32) at
+  // alibi_slopes[b * alibi_batch_stride + h] (stride 0: one slope per head for the batch).
+  const float* alibi_slopes = nullptr;
+  int64_t alibi_batch_stride = 0;
+
+  // Softcap: s = softcap * tanh(s / softcap) on the scaled scores; 0 = off.
+  double softcap = 0.0;
+
+  // Dropout of the attention probabilities (kept ones scaled by 1 / (1 - p)); the keep mask is
+  // a function of (seed, offset, batch, head, row, column) alone (common/dropout.h).
+  double dropout_p = 0.0;
+  uint64_t dropout_seed = 0;
+  uint32_t dropout_offset = 0;
+
+  // Variable-length batch (cu_seqlens_q != null): q, k, v, out are (1, heads, total, dim) and
+  // sequence b holds rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of q/out and
+  // [cu_seqlens_k[b], cu_seqlens_k[b + 1]) of k/v (int32, on the tensors' device). `batch` is
+  // the number of sequences, len_q / len_k the longest ones, total_q the rows of q; lse is
+  // (1, heads_q, total_q). Causal and window offsets are taken per sequence, the causal one
+  // bottom-right when causal_bottom_right (else top-left).
+  const int32_t* cu_seqlens_q = nullptr;
+  const int32_t* cu_seqlens_k = nullptr;
+  int64_t total_q = 0;
+  bool causal_bottom_right = false;
+
   int64_t group() const { return heads_q / heads_kv; }  // query heads per kv head (GQA)
+  bool has_window() const { return window_left >= 0 || window_right >= 0; }
+  bool is_varlen() const { return cu_seqlens_q != nullptr; }
+  // True when any optional feature is on (backends without them take this as "not mine").
+  bool has_features() const {
+    return bias_kind != BiasKind::kNone || has_window() || alibi_slopes != nullptr || softcap > 0.0 ||
+           dropout_p > 0.0 || is_varlen();
+  }
 };
 
 // The backends are only called with batch, heads, len_q and len_k all >= 1;
@@ -63,6 +116,10 @@ struct BwdParams : FwdParams {
   size_t workspace_bytes = 0;
   // Bitwise-identical gradients run to run (no order-dependent atomics).
   bool deterministic = false;
+  // Gradient of a float bias, or null: dL/d(score) per (batch, heads_q, len_q, len_k),
+  // contiguous, in lse's dtype. The backend writes the scores it visits; the caller zeroes
+  // it first and sums it over the bias's broadcast dimensions afterwards.
+  void* dbias = nullptr;
 };
 
 inline size_t dtype_size(DType t) {

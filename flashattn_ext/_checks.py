@@ -82,3 +82,122 @@ def check_fwd_args(q, k, v, causal):
     if causal not in (0, 1, 2):
         raise RuntimeError(f"flashattn: argument 'causal' must be 0 (none), 1 (top-left) or 2 (bottom-right), "
                            f"got {causal}")
+
+
+def _same_device(a, b):
+    return a.device == b.device
+
+
+def _first_feature_on(attn_bias, window_left, window_right, alibi_slopes, softcap, dropout_p, cu_seqlens_q,
+                      cu_seqlens_k):
+    if attn_bias is not None:
+        return "attn_bias"
+    if window_left != -1 or window_right != -1:
+        return "window_size"
+    if alibi_slopes is not None:
+        return "alibi_slopes"
+    if softcap != 0.0:
+        return "softcap"
+    if dropout_p != 0.0:
+        return "dropout_p"
+    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+        return "cu_seqlens (variable-length batches)"
+    return None
+
+
+def _check_cu_seqlens_meta(cu, name, q, n):
+    if cu.dtype != torch.int32:
+        raise RuntimeError(f"flashattn: argument '{name}' must have dtype int32, got {_dtype_name(cu.dtype)}")
+    if cu.dim() != 1 or cu.shape[0] < 1 or not cu.is_contiguous():
+        raise RuntimeError(f"flashattn: argument '{name}' must be a contiguous 1-D tensor of batch + 1 >= 1 offsets, "
+                           f"got shape {_shape(cu)}")
+    if cu.shape[0] != n:
+        raise RuntimeError(f"flashattn: arguments 'cu_seqlens_q' and 'cu_seqlens_k' must have the same length "
+                           f"(batch + 1), got {n} and {cu.shape[0]}")
+    if not _same_device(cu, q):
+        raise RuntimeError(f"flashattn: argument '{name}' is on device {cu.device} but 'q' is on {q.device}; they "
+                           f"must be on the same device")
+
+
+def check_cu_seqlens_values(cu, name, total, max_seqlen, max_name):
+    """The value checks of check_cu_seqlens in csrc/ops.cpp (they read the tensor, so they run
+    on the public API in eager mode, not on fake tensors)."""
+    c = cu.tolist()
+    if c[0] != 0:
+        raise RuntimeError(f"flashattn: argument '{name}' must start at 0, got {c[0]}")
+    for i in range(len(c) - 1):
+        if c[i + 1] < c[i]:
+            raise RuntimeError(f"flashattn: argument '{name}' must be non-decreasing, got {c[i]} then {c[i + 1]} "
+                               f"at index {i + 1}")
+    if c[-1] != total:
+        raise RuntimeError(f"flashattn: argument '{name}' must end at the total number of rows {total}, got {c[-1]}")
+    longest = max((b - a for a, b in zip(c, c[1:])), default=0)
+    if max_seqlen < longest:
+        raise RuntimeError(f"flashattn: argument '{max_name}' ({max_seqlen}) is smaller than the longest sequence "
+                           f"in '{name}' ({longest})")
+
+
+def check_features(q, k, causal, attn_bias=None, window_left=-1, window_right=-1, alibi_slopes=None, softcap=0.0,
+                   dropout_p=0.0, rng_state=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0,
+                   max_seqlen_k=0):
+    """The checks of check_and_fill_features in csrc/ops.cpp that need no tensor values
+    (q, k already passed check_fwd_args)."""
+    if q.device.type == "cuda":
+        on = _first_feature_on(attn_bias, window_left, window_right, alibi_slopes, softcap, dropout_p, cu_seqlens_q,
+                               cu_seqlens_k)
+        if on is not None:
+            raise NotImplementedError(f"flashattn: {on} is not supported on CUDA yet (the CPU backend has it); call "
+                                      f"it without this feature or with CPU tensors")
+    if window_left < -1 or window_right < -1:
+        raise RuntimeError(f"flashattn: argument 'window_size' must be (left, right) with each >= 0, or -1 for "
+                           f"unbounded, got ({window_left}, {window_right})")
+    if not softcap >= 0.0:
+        raise RuntimeError(f"flashattn: argument 'softcap' must be >= 0 (0 = off), got {softcap}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise RuntimeError(f"flashattn: argument 'dropout_p' must be in [0, 1), got {dropout_p}")
+    batch, heads_q, len_q = q.shape[0], q.shape[1], q.shape[2]
+    len_k = k.shape[2]
+    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+        if cu_seqlens_q is None or cu_seqlens_k is None:
+            raise RuntimeError("flashattn: 'cu_seqlens_q' and 'cu_seqlens_k' must be given together")
+        if batch != 1:
+            raise RuntimeError(f"flashattn: with cu_seqlens, q, k and v must be (1, heads, total, head_dim) views of "
+                               f"packed (total, heads, head_dim) tensors, got batch size {batch}")
+        if attn_bias is not None:
+            raise RuntimeError("flashattn: the combination attn_bias + cu_seqlens (variable-length batches) is not "
+                               "supported; give a padded batch to use a mask")
+        n = cu_seqlens_q.shape[0] if cu_seqlens_q.dim() == 1 else 0
+        _check_cu_seqlens_meta(cu_seqlens_q, "cu_seqlens_q", q, n)
+        _check_cu_seqlens_meta(cu_seqlens_k, "cu_seqlens_k", q, n)
+        batch = n - 1
+    if alibi_slopes is not None:
+        a = alibi_slopes
+        if not ((a.dim() == 1 and a.shape[0] == heads_q) or (a.dim() == 2 and tuple(a.shape) == (batch, heads_q))):
+            raise RuntimeError(f"flashattn: argument 'alibi_slopes' must have shape [{heads_q}] (heads) or [{batch}, "
+                               f"{heads_q}] (batch, heads), got {_shape(a)}")
+        if a.dtype != torch.float32:
+            raise RuntimeError(f"flashattn: argument 'alibi_slopes' must have dtype float32, got {_dtype_name(a.dtype)}")
+        if a.numel() > 0 and a.stride(-1) != 1:
+            raise RuntimeError("flashattn: argument 'alibi_slopes' must have a contiguous last dimension (stride 1)")
+        if not _same_device(a, q):
+            raise RuntimeError(f"flashattn: argument 'alibi_slopes' is on device {a.device} but 'q' is on {q.device}; "
+                               f"they must be on the same device")
+    if attn_bias is not None:
+        m = attn_bias
+        full = (batch, heads_q, len_q, len_k)
+        if m.dim() != 4 or any(s not in (f, 1) for s, f in zip(m.shape, full)):
+            raise RuntimeError(f"flashattn: argument 'attn_bias' must have shape [{batch}, {heads_q}, {len_q}, {len_k}] "
+                               f"(batch, heads, len_q, len_k), each dimension possibly 1 (broadcast), got {_shape(m)}")
+        if m.dtype not in (torch.bool, q.dtype, torch.float32):
+            raise RuntimeError(f"flashattn: argument 'attn_bias' has dtype {_dtype_name(m.dtype)}; it must be bool "
+                               f"(True = take part), or float in the query's dtype ({_dtype_name(q.dtype)}) or float32")
+        if not _same_device(m, q):
+            raise RuntimeError(f"flashattn: argument 'attn_bias' is on device {m.device} but 'q' is on {q.device}; "
+                               f"they must be on the same device")
+    if dropout_p > 0.0:
+        if rng_state is None:
+            raise RuntimeError("flashattn: dropout_p > 0 needs argument 'rng_state' (int64 [seed, offset] on the CPU)")
+        r = rng_state
+        if r.device.type != "cpu" or r.dtype != torch.int64 or r.dim() != 1 or r.shape[0] != 2:
+            raise RuntimeError(f"flashattn: argument 'rng_state' must be an int64 CPU tensor [seed, offset], got shape "
+                               f"{_shape(r)} and dtype {_dtype_name(r.dtype)}")

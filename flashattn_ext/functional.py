@@ -4,38 +4,72 @@ import math
 
 import torch
 
-from ._checks import check_fwd_args
-from .ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, CAUSAL_TOP_LEFT
+from ._checks import check_cu_seqlens_values, check_features, check_fwd_args
+from .ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, CAUSAL_TOP_LEFT, new_rng_state
 
 
-def _attention(q, k, v, scale, causal, deterministic):
+def checked_fwd(q, k, v, scale, causal, deterministic=False, **features):
+    """flashattn::fwd after every check of csrc/ops.cpp, in Python (so that bad input raises
+    a Python exception on every torch; see _checks.py); `features` as the op names them."""
     check_fwd_args(q, k, v, causal)
+    check_features(q, k, causal, **features)
+    cu_q, cu_k = features.get("cu_seqlens_q"), features.get("cu_seqlens_k")
+    if cu_q is not None and not torch.compiler.is_compiling():
+        check_cu_seqlens_values(cu_q, "cu_seqlens_q", q.shape[2], features.get("max_seqlen_q", 0), "max_seqlen_q")
+        check_cu_seqlens_values(cu_k, "cu_seqlens_k", k.shape[2], features.get("max_seqlen_k", 0), "max_seqlen_k")
+    return torch.ops.flashattn.fwd(q, k, v, scale, causal, deterministic, **features)
+
+
+def _attention(q, k, v, scale, causal, deterministic, attn_bias=None, window_size=(-1, -1), alibi_slopes=None,
+               softcap=0.0, dropout_p=0.0, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0):
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] > 0 else 1.0
-    return torch.ops.flashattn.fwd(q, k, v, float(scale), causal, deterministic)
+    dropout_p = float(dropout_p)
+    return checked_fwd(q, k, v, float(scale), causal, deterministic, attn_bias=attn_bias,
+                       window_left=int(window_size[0]), window_right=int(window_size[1]), alibi_slopes=alibi_slopes,
+                       softcap=float(softcap), dropout_p=dropout_p,
+                       rng_state=new_rng_state() if dropout_p > 0.0 else None, cu_seqlens_q=cu_seqlens_q,
+                       cu_seqlens_k=cu_seqlens_k, max_seqlen_q=int(max_seqlen_q), max_seqlen_k=int(max_seqlen_k))
 
 
-def _not_yet(name, value, issue_text):
-    raise NotImplementedError(f"flashattn_ext: {name}={value!r} is not supported yet ({issue_text}); "
-                              f"call it with the default value")
+def _check_tensors(names_and_tensors, rank_rule):
+    for name, t in names_and_tensors:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"flashattn_ext: {name} must be a torch.Tensor, got {type(t).__name__}")
+        rank_rule(name, t)
+
+
+def _sdpa_mask(attn_mask, target):
+    """attn_mask broadcast (a view, no copy) to `target` = (*lead, H, L, S)."""
+    if not isinstance(attn_mask, torch.Tensor):
+        raise TypeError(f"flashattn_ext: attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
+    shape = tuple(attn_mask.shape)
+    if len(shape) > len(target) or any(s not in (1, t) for s, t in zip(reversed(shape), reversed(target))):
+        raise ValueError(f"flashattn_ext: attn_mask of shape {shape} does not broadcast to (*batch, heads, L, S) = "
+                         f"{tuple(target)}")
+    if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+        raise ValueError(f"flashattn_ext: attn_mask must be bool (True = take part) or float (added to the scores), "
+                         f"got dtype {attn_mask.dtype}")
+    return attn_mask.expand(target)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False):
     """Drop-in for torch.nn.functional.scaled_dot_product_attention on (..., H, L, E) tensors.
 
-    The causal mask is aligned top-left, as SDPA's is_causal. Key/value heads may divide the
-    query heads when enable_gqa=True. The value head dim may differ from the query's."""
-    if attn_mask is not None:
-        _not_yet("attn_mask", type(attn_mask).__name__, "arbitrary masks come with the feature-set issue")
-    if dropout_p != 0.0:
-        _not_yet("dropout_p", dropout_p, "dropout comes with the feature-set issue")
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"flashattn_ext: {name} must be a torch.Tensor, got {type(t).__name__}")
+    attn_mask: bool (True = take part) or float (added to the scores, in the query's dtype
+    or float32), broadcastable to (..., H, L, S); read in place through its strides. A float
+    mask that requires grad gets its gradient. The causal mask is aligned top-left, as SDPA's
+    is_causal, and cannot be combined with attn_mask (as in SDPA). dropout_p drops attention
+    probabilities (seeded from torch's generator). Key/value heads may divide the query heads
+    when enable_gqa=True. The value head dim may differ from the query's. A row with no key
+    to attend to gives 0."""
+    def at_least_3d(name, t):
         if t.dim() < 3:
             raise ValueError(f"flashattn_ext: {name} must have at least 3 dimensions (..., heads, seq_len, "
                              f"head_dim), got shape {tuple(t.shape)}")
+
+    _check_tensors((("query", query), ("key", key), ("value", value)), at_least_3d)
     lead = query.shape[:-3]
     for name, t in (("key", key), ("value", value)):
         if t.shape[:-3] != lead:
@@ -45,13 +79,27 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if hq != hk and not enable_gqa:
         raise ValueError(f"flashattn_ext: query has {hq} heads and key has {hk}; pass enable_gqa=True for "
                          f"grouped-query attention, or give them the same number of heads")
+    if attn_mask is not None and is_causal:
+        raise RuntimeError("flashattn_ext: attn_mask and is_causal=True cannot be given together (as in torch "
+                           "SDPA); fold the causal mask into attn_mask")
 
     def to_4d(t):
         return t.reshape((-1,) + tuple(t.shape[-3:])) if t.dim() != 4 else t
 
+    if attn_mask is not None:
+        attn_mask = to_4d(_sdpa_mask(attn_mask, tuple(lead) + (hq, query.shape[-2], key.shape[-2])))
     out, _ = _attention(to_4d(query), to_4d(key), to_4d(value), scale,
-                        CAUSAL_TOP_LEFT if is_causal else CAUSAL_NONE, False)
+                        CAUSAL_TOP_LEFT if is_causal else CAUSAL_NONE, False, attn_bias=attn_mask,
+                        dropout_p=dropout_p)
     return out.reshape(tuple(lead) + tuple(out.shape[1:])) if query.dim() != 4 else out
+
+
+def _window(window_size):
+    try:
+        left, right = window_size
+        return int(left), int(right)
+    except (TypeError, ValueError):
+        raise ValueError(f"flashattn_ext: window_size must be a pair (left, right) of ints, got {window_size!r}")
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -59,23 +107,51 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     """flash-attn 2's flash_attn_func on (batch, seq_len, heads, head_dim) tensors.
 
     The causal mask is aligned bottom-right (query i sees keys j <= i + len_k - len_q).
-    Returns out (batch, seq_len_q, heads, head_dim_v), and with return_lse=True also the
-    row log-sum-exp (batch, heads, seq_len_q) in float32 (float64 for float64 inputs)."""
-    if dropout_p != 0.0:
-        _not_yet("dropout_p", dropout_p, "dropout comes with the feature-set issue")
-    if tuple(window_size) != (-1, -1):
-        _not_yet("window_size", tuple(window_size), "sliding windows come with the feature-set issue")
-    if softcap != 0.0:
-        _not_yet("softcap", softcap, "softcap comes with the feature-set issue")
-    if alibi_slopes is not None:
-        _not_yet("alibi_slopes", type(alibi_slopes).__name__, "ALiBi comes with the feature-set issue")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"flashattn_ext: {name} must be a torch.Tensor, got {type(t).__name__}")
+    window_size=(left, right): query i sees keys i + len_k - len_q - left <= j <= i + len_k
+    - len_q + right (-1 = unbounded; with causal, right is capped at 0). softcap > 0 maps the
+    scaled scores s to softcap * tanh(s / softcap). alibi_slopes, float32 (heads,) or
+    (batch, heads), adds -slope * |i + len_k - len_q - j|. dropout_p drops attention
+    probabilities (seeded from torch's generator). Returns out (batch, seq_len_q, heads,
+    head_dim_v), and with return_lse=True also the row log-sum-exp (batch, heads, seq_len_q)
+    of the scores the softmax took, in float32 (float64 for float64 inputs)."""
+    def four_d(name, t):
         if t.dim() != 4:
             raise ValueError(f"flashattn_ext: {name} must have 4 dimensions (batch, seq_len, heads, head_dim), "
                              f"got shape {tuple(t.shape)}")
+
+    _check_tensors((("q", q), ("k", k), ("v", v)), four_d)
     out, lse = _attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale,
-                          CAUSAL_BOTTOM_RIGHT if causal else CAUSAL_NONE, bool(deterministic))
+                          CAUSAL_BOTTOM_RIGHT if causal else CAUSAL_NONE, bool(deterministic),
+                          window_size=_window(window_size), alibi_slopes=alibi_slopes, softcap=softcap,
+                          dropout_p=dropout_p)
     out = out.transpose(1, 2)
     return (out, lse) if return_lse else out
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_lse=False):
+    """flash-attn 2's flash_attn_varlen_func on packed (total, heads, head_dim) tensors.
+
+    Sequence b is rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q and cu_seqlens_k[b]:
+    cu_seqlens_k[b + 1] of k and v (int32, starting at 0, non-decreasing, ending at the
+    total); max_seqlen_q / max_seqlen_k bound their lengths. Every option acts per sequence as
+    in flash_attn_func (alibi_slopes may be (batch, heads) with batch = len(cu_seqlens) - 1).
+    Returns out (total_q, heads, head_dim_v), and with return_lse=True also lse (heads,
+    total_q), flash-attn's packed layout."""
+    def three_d(name, t):
+        if t.dim() != 3:
+            raise ValueError(f"flashattn_ext: {name} must have 3 dimensions (total, heads, head_dim), "
+                             f"got shape {tuple(t.shape)}")
+
+    _check_tensors((("q", q), ("k", k), ("v", v)), three_d)
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"flashattn_ext: {name} must be a torch.Tensor, got {type(t).__name__}")
+    out, lse = _attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], softmax_scale,
+                          CAUSAL_BOTTOM_RIGHT if causal else CAUSAL_NONE, bool(deterministic),
+                          window_size=_window(window_size), alibi_slopes=alibi_slopes, softcap=softcap,
+                          dropout_p=dropout_p, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                          max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    out = out[0].transpose(0, 1)
+    return (out, lse[0]) if return_lse else out

@@ -1,11 +1,29 @@
 """The two ops, flashattn::fwd and flashattn::bwd (C++), with their fake kernels for
-torch.compile and the autograd formula that connects them."""
+torch.compile and the autograd formula that connects them.
+
+Optional features of both ops (keyword arguments; each default is "off"):
+  attn_bias      bool (True = take part) or float tensor added to the scores, shape
+                 (batch, heads_q, len_q, len_k) with any dimension 1 or of stride 0 (broadcast)
+  window_left, window_right   sliding window aligned bottom-right (flash-attn), -1 = unbounded
+  alibi_slopes   float32 (heads_q,) or (batch, heads_q): -slope * |i + len_k - len_q - j| added
+  softcap        softcap * tanh(s / softcap) on the scaled scores, before bias and masks
+  dropout_p, rng_state        dropout of the probabilities; rng_state = int64 CPU [seed, offset]
+  cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k   variable-length batch: q, k, v are
+                 (1, heads, total, dim) views, lse is (1, heads_q, total_q)
+flashattn::bwd also takes bias_requires_grad and returns the bias gradient as a fourth tensor."""
 import torch
 
 from . import _C  # noqa: F401  (loading the library registers the ops)
-from ._checks import check_fwd_args, check_same_device
+from ._checks import check_features, check_fwd_args, check_same_device
 
 CAUSAL_NONE, CAUSAL_TOP_LEFT, CAUSAL_BOTTOM_RIGHT = 0, 1, 2
+
+# The feature arguments shared by fwd and bwd, in schema order, with their defaults.
+FEATURES = (("attn_bias", None), ("window_left", -1), ("window_right", -1), ("alibi_slopes", None),
+            ("softcap", 0.0), ("dropout_p", 0.0), ("rng_state", None), ("cu_seqlens_q", None),
+            ("cu_seqlens_k", None), ("max_seqlen_q", 0), ("max_seqlen_k", 0))
+_N_FIXED_FWD_ARGS = 6  # q, k, v, scale, causal, deterministic
+_BIAS_INDEX = _N_FIXED_FWD_ARGS  # attn_bias is the first feature argument
 
 
 def _lse_dtype(dtype):
@@ -21,26 +39,53 @@ def _empty_like_layout(like, heads, length, dim):
     return like.new_empty((b, heads, length, dim))
 
 
+def new_rng_state():
+    """[seed, offset] for one dropout call, drawn from torch's default CPU generator, so that
+    torch.manual_seed reproduces the call (on CPU and on CUDA alike)."""
+    return torch.randint(0, 2**63 - 1, (2,), dtype=torch.int64, device="cpu")
+
+
+def dropout_mask(rng_state, batch, heads, len_q, len_k, dropout_p):
+    """Test helper: the keep mask (True = kept) of the ops' dropout for rng_state, as a bool
+    (batch, heads, len_q, len_k) CPU tensor; small shapes only."""
+    return torch.ops.flashattn.dropout_mask(rng_state, batch, heads, len_q, len_k, float(dropout_p))
+
+
 @torch.library.register_fake("flashattn::fwd")
-def _fwd_fake(q, k, v, scale, causal, deterministic=False):
+def _fwd_fake(q, k, v, scale, causal, deterministic=False, attn_bias=None, window_left=-1, window_right=-1,
+              alibi_slopes=None, softcap=0.0, dropout_p=0.0, rng_state=None, cu_seqlens_q=None, cu_seqlens_k=None,
+              max_seqlen_q=0, max_seqlen_k=0):
     check_fwd_args(q, k, v, causal)
+    check_features(q, k, causal, attn_bias, window_left, window_right, alibi_slopes, softcap, dropout_p, rng_state,
+                   cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     out = _empty_like_layout(q, q.shape[1], q.shape[2], v.shape[3])
     lse = q.new_empty((q.shape[0], q.shape[1], q.shape[2]), dtype=_lse_dtype(q.dtype))
     return out, lse
 
 
 @torch.library.register_fake("flashattn::bwd")
-def _bwd_fake(dout, q, k, v, out, lse, dlse, scale, causal, deterministic):
+def _bwd_fake(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, attn_bias=None, window_left=-1,
+              window_right=-1, alibi_slopes=None, softcap=0.0, dropout_p=0.0, rng_state=None, cu_seqlens_q=None,
+              cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, bias_requires_grad=False):
     check_same_device(q=q, k=k, v=v, dout=dout, out=out, lse=lse, dlse=dlse)
+    dbias = q.new_empty((q.shape[0] if bias_requires_grad else 0, q.shape[1], q.shape[2], k.shape[2]),
+                        dtype=_lse_dtype(q.dtype))
     return (_empty_like_layout(q, q.shape[1], q.shape[2], q.shape[3]),
             _empty_like_layout(k, k.shape[1], k.shape[2], k.shape[3]),
-            _empty_like_layout(v, v.shape[1], v.shape[2], v.shape[3]))
+            _empty_like_layout(v, v.shape[1], v.shape[2], v.shape[3]), dbias)
 
 
 def _fwd_setup_context(ctx, inputs, output):
-    q, k, v, scale, causal, deterministic = inputs
+    # `inputs` holds the arguments as the caller passed them (trailing defaults left out).
+    q, k, v, scale, causal = inputs[:5]
+    deterministic = inputs[5] if len(inputs) > 5 else False
+    ctx.n_inputs = len(inputs)
+    features = dict(FEATURES)
+    features.update(zip((name for name, _ in FEATURES), inputs[_N_FIXED_FWD_ARGS:]))
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.feature_tensors = [name for name, value in features.items() if isinstance(value, torch.Tensor)]
+    ctx.save_for_backward(q, k, v, out, lse, *(features[name] for name in ctx.feature_tensors))
+    ctx.features = {name: value for name, value in features.items() if not isinstance(value, torch.Tensor)}
     ctx.scale, ctx.causal, ctx.deterministic = scale, causal, deterministic
     ctx.set_materialize_grads(False)
 
@@ -52,14 +97,23 @@ def _last_dim_contiguous(t):
 
 
 def _fwd_backward(ctx, dout, dlse):
-    q, k, v, out, lse = ctx.saved_tensors
+    q, k, v, out, lse, *tensors = ctx.saved_tensors
+    features = dict(ctx.features, **dict(zip(ctx.feature_tensors, tensors)))
+    bias = features["attn_bias"]
+    bias_grad = bias is not None and bias.is_floating_point() and ctx.needs_input_grad[_BIAS_INDEX]
     if dout is None:
         dout = torch.zeros_like(out)
     if dlse is not None:
         dlse = dlse.contiguous()
-    dq, dk, dv = torch.ops.flashattn.bwd(_last_dim_contiguous(dout), q, k, v, out, lse, dlse, ctx.scale,
-                                         ctx.causal, ctx.deterministic or torch.are_deterministic_algorithms_enabled())
-    return dq, dk, dv, None, None, None
+    dq, dk, dv, dbias = torch.ops.flashattn.bwd(
+        _last_dim_contiguous(dout), q, k, v, out, lse, dlse, ctx.scale, ctx.causal,
+        ctx.deterministic or torch.are_deterministic_algorithms_enabled(), bias_requires_grad=bias_grad, **features)
+    if bias_grad:  # sum over the dimensions the bias broadcast along (given as size 1)
+        broadcast = [d for d in range(4) if bias.shape[d] == 1 and dbias.shape[d] != 1]
+        dbias = (dbias.sum(broadcast, keepdim=True) if broadcast else dbias).to(bias.dtype)
+    else:
+        dbias = None
+    return ((dq, dk, dv, None, None, None, dbias) + (None,) * (len(FEATURES) - 1))[:ctx.n_inputs]
 
 
 def _bwd_setup_context(ctx, inputs, output):

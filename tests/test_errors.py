@@ -1,5 +1,5 @@
 """Bad input gets a clear error naming the argument and the rule (DESIGN §3); NaN/Inf inputs
-propagate as in torch and never crash; unsupported features raise NotImplementedError."""
+propagate as in torch and never crash; features a backend lacks raise NotImplementedError."""
 import re
 
 import pytest
@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import flashattn_ext
-from flashattn_ext.functional import _attention
+from flashattn_ext.functional import checked_fwd
 from reference import BOTTOM_RIGHT, NONE, TOP_LEFT, attention, make_qkv, ours
 
 bwd = torch.ops.flashattn.bwd
@@ -27,7 +27,7 @@ def fwd(request):
         if not STABLE_ABI_RAISES:
             pytest.skip("this torch crashes on exceptions from stable-ABI kernels (scripts/probe)")
         return torch.ops.flashattn.fwd
-    return lambda q, k, v, scale, causal: _attention(q, k, v, scale, causal, False)
+    return lambda q, k, v, scale, causal, **features: checked_fwd(q, k, v, scale, causal, **features)
 
 
 def _qkv(device, dtype=torch.float32, hq=2, hkv=2, lq=5, lk=6, e=8, ev=8, b=1):
@@ -143,8 +143,8 @@ def _call_bwd(a):
 
 
 def test_bwd_accepts_its_forward(device):
-    dq, dk, dv = _call_bwd(_bwd_args(device))
-    assert dq.shape == (1, 2, 5, 8) and dk.shape == dv.shape == (1, 2, 6, 8)
+    dq, dk, dv, dbias = _call_bwd(_bwd_args(device))
+    assert dq.shape == (1, 2, 5, 8) and dk.shape == dv.shape == (1, 2, 6, 8) and dbias.numel() == 0
 
 
 @pytest.mark.parametrize("name,bad,match", [
@@ -198,30 +198,7 @@ def test_nan_inf_propagate_like_torch(device, where, value, causal, dtype):
         assert t.grad.shape == t.shape
 
 
-# ---- unsupported features and wrapper checks ----
-
-def test_sdpa_not_implemented(device):
-    q, k, v = _qkv(device)
-    with pytest.raises(NotImplementedError, match="attn_mask"):
-        flashattn_ext.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(5, 6, dtype=torch.bool,
-                                                                                 device=device))
-    with pytest.raises(NotImplementedError, match="dropout_p=0.1"):
-        flashattn_ext.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
-
-
-@pytest.mark.parametrize("kwargs,name", [
-    (dict(dropout_p=0.1), "dropout_p"),
-    (dict(window_size=(4, 0)), "window_size"),
-    (dict(softcap=30.0), "softcap"),
-    (dict(alibi_slopes="slopes"), "alibi_slopes"),
-])
-def test_flash_attn_func_not_implemented(device, kwargs, name):
-    q, k, v = (t.transpose(1, 2) for t in _qkv(device))
-    if name == "alibi_slopes":
-        kwargs = dict(alibi_slopes=torch.ones(2, device=device))
-    with pytest.raises(NotImplementedError, match=name):
-        flashattn_ext.flash_attn_func(q, k, v, **kwargs)
-
+# ---- wrapper checks ----
 
 def test_sdpa_enable_gqa_required(device):
     q, k, v = _qkv(device, hq=4, hkv=2)
@@ -242,3 +219,133 @@ def test_wrapper_shapes(device):
         flashattn_ext.flash_attn_func(q, k, v[0])
     with pytest.raises(TypeError, match="k must be a torch.Tensor"):
         flashattn_ext.flash_attn_func(q, k.tolist(), v)
+
+
+# ---- the optional features (flashattn::fwd's checks, and the public functions') ----
+
+def _cu(*values, dtype=torch.int32):
+    return torch.tensor(values, dtype=dtype)
+
+
+@pytest.mark.parametrize("features,match", [
+    (dict(attn_bias=torch.ones(1, 2, 5, 7, dtype=torch.bool)),
+     r"argument 'attn_bias' must have shape \[1, 2, 5, 6\] \(batch, heads, len_q, len_k\), each dimension "
+     r"possibly 1 \(broadcast\), got \[1, 2, 5, 7\]"),
+    (dict(attn_bias=torch.ones(5, 6, dtype=torch.bool)), r"argument 'attn_bias' must have shape .*got \[5, 6\]"),
+    (dict(attn_bias=torch.ones(1, 1, 5, 6, dtype=torch.int32)),
+     r"argument 'attn_bias' has dtype int32; it must be bool \(True = take part\), or float in the query's dtype "
+     r"\(float32\) or float32"),
+    (dict(attn_bias=torch.ones(1, 1, 5, 6, dtype=torch.float64)), r"argument 'attn_bias' has dtype float64"),
+    (dict(attn_bias=torch.ones(1, 1, 5, 6, device="meta")), r"argument 'attn_bias' is on device meta"),
+    (dict(dropout_p=-0.1), r"argument 'dropout_p' must be in \[0, 1\), got -0.1"),
+    (dict(dropout_p=1.0), r"argument 'dropout_p' must be in \[0, 1\), got 1"),
+    (dict(dropout_p=0.5), r"dropout_p > 0 needs argument 'rng_state'"),
+    (dict(dropout_p=0.5, rng_state=torch.zeros(3, dtype=torch.int64)),
+     r"argument 'rng_state' must be an int64 CPU tensor \[seed, offset\], got shape \[3\]"),
+    (dict(window_left=-2), r"argument 'window_size' must be \(left, right\) with each >= 0, or -1 for unbounded, "
+                           r"got \(-2, -1\)"),
+    (dict(window_right=-5), r"argument 'window_size' .*got \(-1, -5\)"),
+    (dict(softcap=-1.0), r"argument 'softcap' must be >= 0 \(0 = off\), got -1"),
+    (dict(alibi_slopes=torch.ones(3)), r"argument 'alibi_slopes' must have shape \[2\] \(heads\) or \[1, 2\] "
+                                       r"\(batch, heads\), got \[3\]"),
+    (dict(alibi_slopes=torch.ones(2, 2)), r"argument 'alibi_slopes' must have shape .*got \[2, 2\]"),
+    (dict(alibi_slopes=torch.ones(2, dtype=torch.float64)),
+     r"argument 'alibi_slopes' must have dtype float32, got float64"),
+], ids=["bias_shape", "bias_rank", "bias_int", "bias_float64", "bias_meta", "p_negative", "p_one", "no_rng",
+        "rng_shape", "window_left", "window_right", "softcap", "slopes_shape", "slopes_batch", "slopes_dtype"])
+def test_feature_arguments(fwd, features, match):
+    q, k, v = _qkv("cpu")
+    with pytest.raises(RuntimeError, match=match):
+        fwd(q, k, v, 1.0, NONE, **features)
+
+
+def _varlen(cu_q=(0, 2, 5), cu_k=(0, 4, 6), max_q=3, max_k=4, **features):
+    """q, k, v packed as (1, heads, total, dim) views with two sequences, and the varlen
+    arguments of the op (`features` override or add to them)."""
+    q, k, v = (t.transpose(1, 2).reshape(1, -1, 2, 8).transpose(1, 2) for t in _qkv("cpu", b=1))
+    return (q, k, v), dict(dict(cu_seqlens_q=_cu(*cu_q), cu_seqlens_k=_cu(*cu_k), max_seqlen_q=max_q,
+                                max_seqlen_k=max_k), **features)
+
+
+def test_varlen_accepts_valid_arguments(fwd):
+    (q, k, v), features = _varlen()
+    out, lse = fwd(q, k, v, 1.0, NONE, **features)
+    assert out.shape == (1, 2, 5, 8) and lse.shape == (1, 2, 5)
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(cu_seqlens_q=_cu(0, 2, 5, dtype=torch.int64)), r"argument 'cu_seqlens_q' must have dtype int32, got int64"),
+    (dict(cu_seqlens_k=_cu(0, 4, 6, dtype=torch.int64)), r"argument 'cu_seqlens_k' must have dtype int32, got int64"),
+    (dict(cu_q=(0, 3, 2, 5), cu_k=(0, 1, 2, 6)),
+     r"argument 'cu_seqlens_q' must be non-decreasing, got 3 then 2 at index 2"),
+    (dict(cu_k=(0, 2)), r"arguments 'cu_seqlens_q' and 'cu_seqlens_k' must have the same length \(batch \+ 1\), "
+                        r"got 3 and 2"),
+    (dict(cu_q=(0, 2, 4)), r"argument 'cu_seqlens_q' must end at the total number of rows 5, got 4"),
+    (dict(cu_k=(1, 4, 6)), r"argument 'cu_seqlens_k' must start at 0, got 1"),
+    (dict(max_q=2), r"argument 'max_seqlen_q' \(2\) is smaller than the longest sequence in 'cu_seqlens_q' \(3\)"),
+    (dict(cu_seqlens_k=None), r"'cu_seqlens_q' and 'cu_seqlens_k' must be given together"),
+    (dict(attn_bias=torch.ones(1, 2, 5, 6, dtype=torch.bool)),
+     r"the combination attn_bias \+ cu_seqlens \(variable-length batches\) is not supported"),
+    (dict(alibi_slopes=torch.ones(3, 2)), r"argument 'alibi_slopes' must have shape \[2\] \(heads\) or \[2, 2\]"),
+], ids=["q_int64", "k_int64", "decreasing", "lengths_differ", "wrong_total", "k_start", "max_too_small",
+        "k_missing", "with_bias", "slopes_batch"])
+def test_varlen_arguments(fwd, change, match):
+    (q, k, v), features = _varlen(**change)
+    with pytest.raises(RuntimeError, match=match):
+        fwd(q, k, v, 1.0, NONE, **features)
+
+
+def test_varlen_batch_must_be_one(fwd):
+    q, k, v = _qkv("cpu", b=2)
+    with pytest.raises(RuntimeError, match=r"with cu_seqlens, q, k and v must be \(1, heads, total, head_dim\) views "
+                                           r"of packed \(total, heads, head_dim\) tensors, got batch size 2"):
+        fwd(q, k, v, 1.0, NONE, cu_seqlens_q=_cu(0, 5), cu_seqlens_k=_cu(0, 6), max_seqlen_q=5, max_seqlen_k=6)
+
+
+def test_bias_requires_grad_needs_float_bias(device):
+    if not STABLE_ABI_RAISES:
+        pytest.skip("this torch crashes on exceptions from stable-ABI kernels (scripts/probe)")
+    a = _bwd_args("cpu")
+    with pytest.raises(RuntimeError, match="bias_requires_grad needs a float 'attn_bias'"):
+        bwd(a["dout"], a["q"], a["k"], a["v"], a["out"], a["lse"], None, 0.5, NONE, False,
+            attn_bias=torch.ones(1, 2, 5, 6, dtype=torch.bool), bias_requires_grad=True)
+
+
+@pytest.mark.parametrize("features,name", [
+    (dict(attn_bias=torch.ones(1, 1, 5, 6, dtype=torch.bool)), "attn_bias"),
+    (dict(window_left=3), "window_size"),
+    (dict(alibi_slopes=torch.ones(2)), "alibi_slopes"),
+    (dict(softcap=5.0), "softcap"),
+    (dict(dropout_p=0.1, rng_state=torch.zeros(2, dtype=torch.int64)), "dropout_p"),
+])
+def test_features_refused_on_cuda(fwd, features, name):
+    """Until the CUDA kernels have the optional features, CUDA calls with one raise
+    NotImplementedError naming it (a RuntimeError from the op itself)."""
+    if not torch.cuda.is_available() or not flashattn_ext.has_cuda_kernels():
+        pytest.skip("needs a CUDA device with the CUDA kernels built")
+    q, k, v = _qkv("cuda")
+    features = {n: t.cuda() if isinstance(t, torch.Tensor) and n != "rng_state" else t for n, t in features.items()}
+    with pytest.raises(RuntimeError, match=f"flashattn: {name} is not supported on CUDA yet"):
+        fwd(q, k, v, 1.0, NONE, **features)
+
+
+def test_public_feature_arguments(device):
+    q, k, v = _qkv(device)
+    with pytest.raises(RuntimeError, match="attn_mask and is_causal=True cannot be given together"):
+        flashattn_ext.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(5, 6, dtype=torch.bool,
+                                                                                 device=device), is_causal=True)
+    with pytest.raises(ValueError, match=r"attn_mask of shape \(4, 6\) does not broadcast to \(\*batch, heads, L, S\) "
+                                         r"= \(1, 2, 5, 6\)"):
+        flashattn_ext.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(4, 6, device=device))
+    with pytest.raises(ValueError, match="attn_mask must be bool .* got dtype torch.int64"):
+        flashattn_ext.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(5, 6, dtype=torch.int64,
+                                                                                 device=device))
+    with pytest.raises(RuntimeError, match=r"argument 'dropout_p' must be in \[0, 1\), got 1.5"):
+        flashattn_ext.scaled_dot_product_attention(q, k, v, dropout_p=1.5)
+    ql, kl, vl = (t.transpose(1, 2) for t in (q, k, v))
+    with pytest.raises(ValueError, match=r"window_size must be a pair \(left, right\) of ints, got 3"):
+        flashattn_ext.flash_attn_func(ql, kl, vl, window_size=3)
+    with pytest.raises(ValueError, match=r"q must have 3 dimensions \(total, heads, head_dim\)"):
+        flashattn_ext.flash_attn_varlen_func(ql, kl[0], vl[0], _cu(0, 5), _cu(0, 6), 5, 6)
+    with pytest.raises(TypeError, match="cu_seqlens_k must be a torch.Tensor"):
+        flashattn_ext.flash_attn_varlen_func(ql[0], kl[0], vl[0], _cu(0, 5), [0, 6], 5, 6)

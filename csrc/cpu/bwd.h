@@ -1,4 +1,4 @@
-// CPU backward. A task owns one (batch, kv head) and a slice of its key tiles; for each key
+// CPU backward. A task owns one (sequence, kv head) and a slice of its key tiles; for each key
 // tile it walks every query tile of every query head in the GQA group, recomputes
 // P = exp(S - lse) and accumulates dK, dV in its tile and dQ in its slice of the workspace.
 // Slices are summed in a fixed order, so gradients are bitwise reproducible run to run.
@@ -10,6 +10,7 @@
 #include "../params.h"
 #include "gemm.h"
 #include "parallel.h"
+#include "scores.h"
 #include "softmax.h"
 #include "tile_io.h"
 #include "tiles.h"
@@ -19,9 +20,9 @@ namespace {
 
 int64_t acc_size(const BwdParams& p) { return p.dtype == DType::kFloat64 ? 8 : 4; }
 
-// Workspace layout, in the compute type A:
-//   dq_acc [slices][batch][heads_q][len_q][ld_qk]   per-slice dQ sums (scale not yet applied)
-//   delta  [batch][heads_q][len_q]                   D = rowsum(dO * O) - dlse
+// Workspace layout, in the compute type A, rows as stored (tensor_batches x tensor_rows):
+//   dq_acc [slices][batches][heads_q][rows][ld_qk]   per-slice dQ sums (scale not yet applied)
+//   delta  [batches][heads_q][rows]                  D = rowsum(dO * O) - dlse
 struct BwdLayout {
   int64_t slices, ld_qk, n_key_tiles;
   explicit BwdLayout(const BwdParams& p) {
@@ -33,14 +34,16 @@ struct BwdLayout {
     const int64_t threads = torch::stable::get_num_threads();
     slices = std::clamp<int64_t>((threads + groups - 1) / groups, 1, n_key_tiles);
   }
-  int64_t dq_elems(const BwdParams& p) const { return slices * p.batch * p.heads_q * p.len_q * ld_qk; }
-  int64_t delta_elems(const BwdParams& p) const { return p.batch * p.heads_q * p.len_q; }
+  int64_t dq_elems(const BwdParams& p) const { return slices * delta_elems(p) * ld_qk; }
+  int64_t delta_elems(const BwdParams& p) const { return tensor_batches(p) * p.heads_q * tensor_rows(p); }
 };
 
 template <class A>
 struct BwdScratch {
   int64_t ld_qk, ld_v;
   std::vector<A> k, kt, vt, dk, dv, q, dout, s, dp;
+  std::vector<A> tanh;         // tanh(s / softcap) of the tile, for softcap's derivative
+  std::vector<uint8_t> keep;   // dropout keep mask of the tile
   explicit BwdScratch(const BwdParams& p)
       : ld_qk(round_up(p.head_dim, kPanel<A>)),
         ld_v(round_up(p.head_dim_v, kPanel<A>)),
@@ -52,7 +55,9 @@ struct BwdScratch {
         q(kTileQ * ld_qk),
         dout(kTileQ * ld_v),
         s(kTileQ * kTileK),
-        dp(kTileQ * kTileK) {}
+        dp(kTileQ * kTileK),
+        tanh(kTileQ * kTileK),
+        keep(kTileQ * kTileK) {}
 };
 
 // D = rowsum(dO * O) - dlse for rows [row0, row0 + rows) of one head. `dout` and `out`
@@ -60,8 +65,8 @@ struct BwdScratch {
 template <class A>
 void compute_delta(const BwdParams& p, int64_t ld_v, A* dout, A* out, int64_t b, int64_t h, int64_t row0,
                    A* delta) {
-  const A* dlse = p.dlse ? static_cast<const A*>(p.dlse) + (b * p.heads_q + h) * p.len_q + row0 : nullptr;
-  const int64_t rows = std::min(kTileQ, p.len_q - row0);
+  const A* dlse = p.dlse ? static_cast<const A*>(p.dlse) + (b * p.heads_q + h) * tensor_rows(p) + row0 : nullptr;
+  const int64_t rows = std::min(kTileQ, tensor_rows(p) - row0);
   const DType t = p.dtype;
   load_rows<A>(t, row_ptr(p.dout, p.dout_stride, t, b, h, row0), p.dout_stride.row, rows, p.head_dim_v, A(1), dout,
                ld_v, ld_v);
@@ -74,58 +79,98 @@ void compute_delta(const BwdParams& p, int64_t ld_v, A* dout, A* out, int64_t b,
   }
 }
 
-// One key tile of one (batch, kv head) against every query tile of its group.
+// dS = P * (dP - D) on a tile, in place of P. Under dropout, P V used the kept
+// probabilities scaled by 1 / (1 - p), so dP is masked and scaled the same way first.
 template <class A>
-void bwd_key_tile(const BwdParams& p, const BwdLayout& lay, BwdScratch<A>& w, A* dq_acc, const A* delta_all,
-                  int64_t b, int64_t hk, int64_t col0) {
+void softmax_grad(const BwdParams& p, const BwdScratch<A>& w, A* s, int64_t rows, int64_t cols_padded,
+                  const A* delta) {
+  const A* dp = w.dp.data();
+  const A inv_keep = A(1) / A(1 - p.dropout_p);
+  for (int64_t r = 0; r < rows; ++r) {
+    A* sr = s + r * kTileK;
+    const A* dpr = dp + r * kTileK;
+    if (p.dropout_p > 0.0) {
+      const uint8_t* kr = w.keep.data() + r * kTileK;
+      for (int64_t c = 0; c < cols_padded; ++c) sr[c] = sr[c] * ((kr[c] ? dpr[c] * inv_keep : A(0)) - delta[r]);
+    } else {
+      for (int64_t c = 0; c < cols_padded; ++c) sr[c] = sr[c] * (dpr[c] - delta[r]);
+    }
+  }
+}
+
+// One key tile of one (sequence, kv head) against every query tile of its group that sees it.
+template <class A>
+void bwd_key_tile(const BwdParams& p, BwdScratch<A>& w, A* dq_acc, const A* delta_all, const Seq& sq, int64_t hk,
+                  int64_t col0) {
   const DType t = p.dtype;
-  const int64_t cols = std::min(kTileK, p.len_k - col0);
+  const int64_t cols = std::min(kTileK, sq.len_k - col0);
   const int64_t cols_padded = round_up(cols, kPanel<A>);
   const int64_t ld_qk = w.ld_qk, ld_v = w.ld_v;
-  const char* k_rows = row_ptr(p.k, p.k_stride, t, b, hk, col0);
-  const char* v_rows = row_ptr(p.v, p.v_stride, t, b, hk, col0);
+  const char* k_rows = row_ptr(p.k, p.k_stride, t, sq.tb, hk, sq.k0 + col0);
+  const char* v_rows = row_ptr(p.v, p.v_stride, t, sq.tb, hk, sq.k0 + col0);
   load_rows<A>(t, k_rows, p.k_stride.row, cols, p.head_dim, A(1), w.k.data(), ld_qk, ld_qk);
   load_rows_transposed<A>(t, k_rows, p.k_stride.row, cols, p.head_dim, w.kt.data(), kTileK, cols_padded);
   load_rows_transposed<A>(t, v_rows, p.v_stride.row, cols, p.head_dim_v, w.vt.data(), kTileK, cols_padded);
   std::fill(w.dk.begin(), w.dk.end(), A(0));
   std::fill(w.dv.begin(), w.dv.end(), A(0));
 
-  const int64_t first_row = first_row_seeing(p, col0) / kTileQ * kTileQ;
+  // Query rows that see some key of the tile (the band moves right with the row).
+  const int64_t row_begin = sq.band.row_begin(col0, sq.len_q) / kTileQ * kTileQ;
+  const int64_t row_end = sq.band.row_end(col0 + cols - 1, sq.len_q);
+  const A inv_keep = A(1) / A(1 - p.dropout_p);
+  A* s = w.s.data();
   for (int64_t h = hk * p.group(); h < (hk + 1) * p.group(); ++h) {
-    const int64_t bh = b * p.heads_q + h;
-    for (int64_t row0 = first_row; row0 < p.len_q; row0 += kTileQ) {
-      const int64_t rows = std::min(kTileQ, p.len_q - row0);
-      load_rows<A>(t, row_ptr(p.q, p.q_stride, t, b, h, row0), p.q_stride.row, rows, p.head_dim,
+    for (int64_t row0 = row_begin; row0 < row_end; row0 += kTileQ) {
+      const int64_t rows = std::min(kTileQ, sq.len_q - row0);
+      load_rows<A>(t, row_ptr(p.q, p.q_stride, t, sq.tb, h, sq.q0 + row0), p.q_stride.row, rows, p.head_dim,
                    A(p.scale), w.q.data(), ld_qk, ld_qk);
-      load_rows<A>(t, row_ptr(p.dout, p.dout_stride, t, b, h, row0), p.dout_stride.row, rows, p.head_dim_v, A(1),
-                   w.dout.data(), ld_v, ld_v);
-      const A* lse = static_cast<const A*>(p.lse) + bh * p.len_q + row0;
-      const A* delta = delta_all + bh * p.len_q + row0;
+      load_rows<A>(t, row_ptr(p.dout, p.dout_stride, t, sq.tb, h, sq.q0 + row0), p.dout_stride.row, rows,
+                   p.head_dim_v, A(1), w.dout.data(), ld_v, ld_v);
+      const int64_t ri = sq.row_index(p, h, row0);
+      const A* lse = static_cast<const A*>(p.lse) + ri;
+      const A* delta = delta_all + ri;
 
-      // P = exp(scale Q K^T - lse)
-      gemm<A>(rows, cols_padded, p.head_dim, w.q.data(), ld_qk, w.kt.data(), kTileK, w.s.data(), kTileK, false);
-      mask_tile(p, w.s.data(), kTileK, row0, rows, col0, cols, cols_padded);
-      recompute_probs(w.s.data(), kTileK, rows, cols_padded, lse);
-      // dV += P^T dO
-      gemm_tn<A>(cols, ld_v, rows, w.s.data(), kTileK, w.dout.data(), ld_v, w.dv.data(), ld_v, true);
-      // dS = P * (dO V^T - D)
+      // P = exp(S - lse), S the scores of the forward
+      gemm<A>(rows, cols_padded, p.head_dim, w.q.data(), ld_qk, w.kt.data(), kTileK, s, kTileK, false);
+      const TilePos pos{sq, h, row0, rows, col0, cols, cols_padded};
+      prepare_scores(p, pos, s, kTileK, p.softcap > 0.0 ? w.tanh.data() : nullptr);
+      recompute_probs(s, kTileK, rows, cols_padded, lse);
+      // dV += P^T dO, with P as the forward multiplied V by (after dropout)
+      if (p.dropout_p > 0.0) {
+        uint8_t* keep = w.keep.data();
+        A* pd = w.dp.data();
+        for_each_dropout(p, pos, [keep](int64_t r, int64_t c, bool k) { keep[r * kTileK + c] = k; });
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t c = 0; c < cols_padded; ++c)
+            pd[r * kTileK + c] = keep[r * kTileK + c] ? s[r * kTileK + c] * inv_keep : A(0);
+        gemm_tn<A>(cols, ld_v, rows, pd, kTileK, w.dout.data(), ld_v, w.dv.data(), ld_v, true);
+      } else {
+        gemm_tn<A>(cols, ld_v, rows, s, kTileK, w.dout.data(), ld_v, w.dv.data(), ld_v, true);
+      }
+      // dS = P * (dO V^T - D): the gradient of the scores that the softmax took
       gemm<A>(rows, cols_padded, p.head_dim_v, w.dout.data(), ld_v, w.vt.data(), kTileK, w.dp.data(), kTileK,
               false);
-      for (int64_t r = 0; r < rows; ++r) {
-        A* sr = w.s.data() + r * kTileK;
-        const A* dpr = w.dp.data() + r * kTileK;
-        for (int64_t c = 0; c < cols_padded; ++c) sr[c] = sr[c] * (dpr[c] - delta[r]);
+      softmax_grad(p, w, s, rows, cols_padded, delta);
+      if (p.dbias) {  // the bias was added to the scores as they are now
+        A* db = static_cast<A*>(p.dbias) + ((sq.b * p.heads_q + h) * p.len_q + row0) * p.len_k + col0;
+        for (int64_t r = 0; r < rows; ++r) std::copy(s + r * kTileK, s + r * kTileK + cols, db + r * p.len_k);
+      }
+      if (p.softcap > 0.0) {  // back through s = softcap * tanh(s / softcap)
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t c = 0; c < cols; ++c) {
+            const A th = w.tanh[r * kTileK + c];
+            s[r * kTileK + c] *= A(1) - th * th;
+          }
       }
       // dK += dS^T (scale Q);  dQ += dS K (scale applied when the slices are summed)
-      gemm_tn<A>(cols, ld_qk, rows, w.s.data(), kTileK, w.q.data(), ld_qk, w.dk.data(), ld_qk, true);
-      gemm<A>(rows, ld_qk, cols, w.s.data(), kTileK, w.k.data(), ld_qk, dq_acc + (bh * p.len_q + row0) * ld_qk,
-              ld_qk, true);
+      gemm_tn<A>(cols, ld_qk, rows, s, kTileK, w.q.data(), ld_qk, w.dk.data(), ld_qk, true);
+      gemm<A>(rows, ld_qk, cols, s, kTileK, w.k.data(), ld_qk, dq_acc + ri * ld_qk, ld_qk, true);
     }
   }
-  store_rows<A>(t, row_ptr(p.dk, p.dk_stride, t, b, hk, col0), p.dk_stride.row, cols, p.head_dim,
+  store_rows<A>(t, row_ptr(p.dk, p.dk_stride, t, sq.tb, hk, sq.k0 + col0), p.dk_stride.row, cols, p.head_dim,
                 A(1), w.dk.data(), ld_qk);
-  store_rows<A>(t, row_ptr(p.dv, p.dv_stride, t, b, hk, col0), p.dv_stride.row, cols, p.head_dim_v, A(1),
-                w.dv.data(), ld_v);
+  store_rows<A>(t, row_ptr(p.dv, p.dv_stride, t, sq.tb, hk, sq.k0 + col0), p.dv_stride.row, cols, p.head_dim_v,
+                A(1), w.dv.data(), ld_v);
 }
 
 template <class A>
@@ -133,34 +178,36 @@ void bwd_impl(const BwdParams& p) {
   const BwdLayout lay(p);
   A* dq_acc = static_cast<A*>(p.workspace);
   A* delta = dq_acc + lay.dq_elems(p);
-  const int64_t n_heads = p.batch * p.heads_q;
-  const int64_t n_row_tiles = (p.len_q + kTileQ - 1) / kTileQ;
-  const int64_t slice_elems = n_heads * p.len_q * lay.ld_qk;
+  // Passes 1 and 3 walk the rows as stored (all sequences of a varlen batch are one run).
+  const int64_t n_heads = tensor_batches(p) * p.heads_q;
+  const int64_t rows_per_head = tensor_rows(p);
+  const int64_t n_row_tiles = (rows_per_head + kTileQ - 1) / kTileQ;
+  const int64_t slice_elems = n_heads * rows_per_head * lay.ld_qk;
 
   // Pass 1: D for every row, and zeroed dQ accumulators.
   const int64_t ld_v = round_up(p.head_dim_v, kPanel<A>);
   run_tasks(n_heads * n_row_tiles, [&] {
     return [&, dout = std::vector<A>(kTileQ * ld_v), out = std::vector<A>(kTileQ * ld_v)](int64_t task) mutable {
       const int64_t bh = task / n_row_tiles, row0 = task % n_row_tiles * kTileQ;
-      const int64_t rows = std::min(kTileQ, p.len_q - row0);
+      const int64_t rows = std::min(kTileQ, rows_per_head - row0);
       compute_delta(p, ld_v, dout.data(), out.data(), bh / p.heads_q, bh % p.heads_q, row0,
-                    delta + bh * p.len_q + row0);
+                    delta + bh * rows_per_head + row0);
       for (int64_t s = 0; s < lay.slices; ++s) {
-        A* acc = dq_acc + s * slice_elems + (bh * p.len_q + row0) * lay.ld_qk;
+        A* acc = dq_acc + s * slice_elems + (bh * rows_per_head + row0) * lay.ld_qk;
         std::fill(acc, acc + rows * lay.ld_qk, A(0));
       }
     };
   });
 
-  // Pass 2: slice s of a (batch, kv head) takes key tiles s, s + slices, ... (interleaved so
-  // that causal work spreads evenly).
+  // Pass 2: slice s of a (sequence, kv head) takes key tiles s, s + slices, ... (interleaved
+  // so that causal work spreads evenly).
   const int64_t n_groups = p.batch * p.heads_kv;
   run_tasks(n_groups * lay.slices, [&] {
     return [&, w = BwdScratch<A>(p)](int64_t task) mutable {
       const int64_t g = task / lay.slices, s = task % lay.slices;
-      for (int64_t tile = s; tile < lay.n_key_tiles; tile += lay.slices)
-        bwd_key_tile<A>(p, lay, w, dq_acc + s * slice_elems, delta, g / p.heads_kv, g % p.heads_kv,
-                        tile * kTileK);
+      const Seq sq = sequence(p, g / p.heads_kv);
+      for (int64_t tile = s; tile < lay.n_key_tiles && tile * kTileK < sq.len_k; tile += lay.slices)
+        bwd_key_tile<A>(p, w, dq_acc + s * slice_elems, delta, sq, g % p.heads_kv, tile * kTileK);
     };
   });
 
@@ -168,8 +215,8 @@ void bwd_impl(const BwdParams& p) {
   run_tasks(n_heads * n_row_tiles, [&] {
     return [&](int64_t task) {
       const int64_t bh = task / n_row_tiles, row0 = task % n_row_tiles * kTileQ;
-      const int64_t rows = std::min(kTileQ, p.len_q - row0);
-      A* acc = dq_acc + (bh * p.len_q + row0) * lay.ld_qk;
+      const int64_t rows = std::min(kTileQ, rows_per_head - row0);
+      A* acc = dq_acc + (bh * rows_per_head + row0) * lay.ld_qk;
       for (int64_t s = 1; s < lay.slices; ++s) {
         const A* part = acc + s * slice_elems;
         for (int64_t i = 0; i < rows * lay.ld_qk; ++i) acc[i] += part[i];

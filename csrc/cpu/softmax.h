@@ -1,5 +1,5 @@
-// Row-wise softmax pieces on a tile of scores: causal masking, the online (running max and
-// sum) update used by the forward, and the recomputation of P from the saved LSE used by
+// Row-wise softmax pieces on a tile of scores: the online (running max and sum) update used
+// by the forward, and the recomputation of P from the saved LSE used by
 // the backward. Rows are padded to the panel width, a multiple of the vector width.
 #pragma once
 #include <algorithm>
@@ -14,16 +14,6 @@ namespace flashattn::cpu::FLASHATTN_CPU_ISA {
 
 template <class A>
 constexpr A kNegInf = -std::numeric_limits<A>::infinity();
-
-// Scores of keys a row may not see (causal, or past the tile's last key) become -inf.
-template <class A>
-void mask_tile(const FwdParams& p, A* s, int64_t ld, int64_t row0, int64_t rows, int64_t col0, int64_t cols,
-               int64_t cols_padded) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t visible = std::clamp<int64_t>(row_visible_keys(p, row0 + r) - col0, 0, cols);
-    std::fill(s + r * ld + visible, s + r * ld + cols_padded, kNegInf<A>);
-  }
-}
 
 // Horizontal reduction of a vector in log2(width) steps: a lane-by-lane loop chains `width`
 // dependent operations on every row of every tile.
@@ -110,14 +100,15 @@ struct OnlineSoftmax {
     }
   }
 
-  // o /= l and lse = m + log(l); a row that saw no key gets o = 0 and lse = -inf.
-  void finish(A* o, int64_t ld_o, A* lse) const {
+  // o *= out_scale / l and lse = m + log(l); a row that saw no key gets o = 0 and lse = -inf.
+  // (out_scale is 1 / (1 - p) under dropout.)
+  void finish(A* o, int64_t ld_o, A* lse, A out_scale) const {
     for (int64_t r = 0; r < rows; ++r) {
       if (l[r] == A(0)) {
         std::fill(o + r * ld_o, o + (r + 1) * ld_o, A(0));
         lse[r] = kNegInf<A>;
       } else {
-        scale_row(o + r * ld_o, ld_o, A(1) / l[r]);
+        scale_row(o + r * ld_o, ld_o, out_scale / l[r]);
         lse[r] = m[r] + std::log(l[r]);
       }
     }
