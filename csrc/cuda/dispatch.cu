@@ -48,22 +48,28 @@ void check_dims(const FwdParams& p) {
                              " not a multiple of heads_kv " + std::to_string(p.heads_kv));
 }
 
-// FLASHATTN_CUDA_KERNELS=simt keeps to the portable kernels (to test them on GPUs where the
-// tensor-core ones would be taken).
+// The tensor-core kernels (sm80/) serve fp16, bf16 and fp64. fp32 stays on the SIMT kernels:
+// a 3xTF32 tensor-core forward was measured (H200, commit 933d59f) at 0.87-1.09x SDPA-efficient
+// but with 5x torch's fp32 error on large logits (scores ~1e4: tf32 pairs keep ~22 bits).
+// FLASHATTN_CUDA_KERNELS=simt keeps every dtype on the portable kernels (to test them on GPUs
+// where the tensor-core ones would be taken).
+template <class T>
 bool tensor_core_kernels_allowed() {
   static const bool allowed = [] {
     const char* v = std::getenv("FLASHATTN_CUDA_KERNELS");
     return v == nullptr || std::strcmp(v, "simt") != 0;
   }();
-  return allowed;
+  return !std::is_same_v<T, float> && allowed;
 }
 
 template <class T>
 void fwd_typed(const FwdParams& p, cudaStream_t stream) {
   const int64_t e_max = p.head_dim > p.head_dim_v ? p.head_dim : p.head_dim_v;
-  if (tensor_core_kernels_allowed()) {
-    if (e_max <= 64 && sm80::fwd<T, 64>(p, stream)) return;
-    if (e_max > 64 && e_max <= 128 && sm80::fwd<T, 128>(p, stream)) return;
+  if constexpr (!std::is_same_v<T, float>) {
+    if (tensor_core_kernels_allowed<T>()) {
+      if (e_max <= 64 && sm80::fwd<T, 64>(p, stream)) return;
+      if (e_max > 64 && e_max <= 128 && sm80::fwd<T, 128>(p, stream)) return;
+    }
   }
   if constexpr (!std::is_same_v<T, double>) {
     if (e_max <= 64 && simt::fwd_qres<T, 64>(p, stream)) return;
@@ -102,14 +108,14 @@ void bwd_typed(const BwdParams& p, cudaStream_t stream) {
   simt::bwd_dot_do_o<T>(p, dsum, stream);
 
   bool dkdv_done = false;  // dK, dV (and the atomic dQ when not deterministic)
-  if (tensor_core_kernels_allowed()) {
-    if (e_max <= 64) dkdv_done = sm80::bwd_dkdv<T, 64>(p, dsum, dq_accum, stream);
-    else if (e_max <= 128) dkdv_done = sm80::bwd_dkdv<T, 128>(p, dsum, dq_accum, stream);
-  }
-  bool dq_done = false;  // dQ of the deterministic path
-  if (p.deterministic && tensor_core_kernels_allowed()) {
-    if (e_max <= 64) dq_done = sm80::bwd_dq<T, 64>(p, dsum, stream);
-    else if (e_max <= 128) dq_done = sm80::bwd_dq<T, 128>(p, dsum, stream);
+  bool dq_done = false;    // dQ of the deterministic path
+  if constexpr (!std::is_same_v<T, float>) {
+    if (tensor_core_kernels_allowed<T>()) {
+      if (e_max <= 64) dkdv_done = sm80::bwd_dkdv<T, 64>(p, dsum, dq_accum, stream);
+      else if (e_max <= 128) dkdv_done = sm80::bwd_dkdv<T, 128>(p, dsum, dq_accum, stream);
+      if (p.deterministic && e_max <= 64) dq_done = sm80::bwd_dq<T, 64>(p, dsum, stream);
+      else if (p.deterministic && e_max <= 128) dq_done = sm80::bwd_dq<T, 128>(p, dsum, stream);
+    }
   }
   if constexpr (!std::is_same_v<T, double>) {
     if (!dkdv_done && e_max <= 64) dkdv_done = simt::bwd_dkdv_kvres<T, 64>(p, dsum, dq_accum, stream);

@@ -1,7 +1,6 @@
 // Warp-level tensor-core instructions (sm_80+) as small inline functions: mma.sync for
-// fp16/bf16 (m16n8k16), tf32 (m16n8k8) and fp64 (m8n8k4), ldmatrix, and the fp32 -> tf32
-// rounding used to split an fp32 value into two tf32 terms. On older archs the bodies compile
-// to nothing; dispatch never launches the kernels that use them there.
+// fp16/bf16 (m16n8k16) and fp64 (m8n8k4), and ldmatrix. On older archs the bodies compile to
+// nothing; dispatch never launches the kernels that use them there.
 #pragma once
 #include <cstdint>
 
@@ -32,17 +31,6 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], 
 #endif
 }
 
-// D += A B, A 16x8 tf32 (4 regs), B 8x8 tf32 (2 regs), D 16x8 fp32.
-__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-#ifdef FLASHATTN_MMA_SM80
-  asm volatile(
-      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-#endif
-}
-
 // D += A B in fp64, A 8x4 (lane: row lane/4, col lane%4), B 4x8 (row lane%4, col lane/4),
 // D 8x8 (row lane/4, cols 2*(lane%4) + {0, 1}).
 __device__ __forceinline__ void mma_f64(double& d0, double& d1, double a, double b) {
@@ -51,15 +39,6 @@ __device__ __forceinline__ void mma_f64(double& d0, double& d1, double a, double
                : "+d"(d0), "+d"(d1)
                : "d"(a), "d"(b));
 #endif
-}
-
-// fp32 rounded to the nearest tf32 (10 mantissa bits), returned as the 32-bit pattern.
-__device__ __forceinline__ uint32_t to_tf32(float x) {
-  uint32_t r = 0;
-#ifdef FLASHATTN_MMA_SM80
-  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
-#endif
-  return r;
 }
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {

@@ -3,14 +3,12 @@
 
 namespace flashattn::cuda::sm80 {
 template bool bwd_dkdv<double, 128>(const BwdParams&, const void*, void*, cudaStream_t);
-template bool bwd_dkdv<float, 128>(const BwdParams&, const void*, void*, cudaStream_t);
 template bool bwd_dkdv<__nv_bfloat16, 128>(const BwdParams&, const void*, void*, cudaStream_t);
 template bool bwd_dkdv<__half, 128>(const BwdParams&, const void*, void*, cudaStream_t);
 }  // namespace flashattn::cuda::sm80
 
 namespace flashattn::cuda::sm80 {
 template bool bwd_dq<double, 128>(const BwdParams&, const void*, cudaStream_t);
-template bool bwd_dq<float, 128>(const BwdParams&, const void*, cudaStream_t);
 template bool bwd_dq<__nv_bfloat16, 128>(const BwdParams&, const void*, cudaStream_t);
 template bool bwd_dq<__half, 128>(const BwdParams&, const void*, cudaStream_t);
 }  // namespace flashattn::cuda::sm80

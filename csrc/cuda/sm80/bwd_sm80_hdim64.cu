@@ -3,14 +3,12 @@
 
 namespace flashattn::cuda::sm80 {
 template bool bwd_dkdv<double, 64>(const BwdParams&, const void*, void*, cudaStream_t);
-template bool bwd_dkdv<float, 64>(const BwdParams&, const void*, void*, cudaStream_t);
 template bool bwd_dkdv<__nv_bfloat16, 64>(const BwdParams&, const void*, void*, cudaStream_t);
 template bool bwd_dkdv<__half, 64>(const BwdParams&, const void*, void*, cudaStream_t);
 }  // namespace flashattn::cuda::sm80
 
 namespace flashattn::cuda::sm80 {
 template bool bwd_dq<double, 64>(const BwdParams&, const void*, cudaStream_t);
-template bool bwd_dq<float, 64>(const BwdParams&, const void*, cudaStream_t);
 template bool bwd_dq<__nv_bfloat16, 64>(const BwdParams&, const void*, cudaStream_t);
 template bool bwd_dq<__half, 64>(const BwdParams&, const void*, cudaStream_t);
 }  // namespace flashattn::cuda::sm80

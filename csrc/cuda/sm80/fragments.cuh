@@ -1,19 +1,15 @@
 // One warp-level product step per element type, behind one interface, so that the attention
-// kernels are written once for fp16, bf16, fp32 and fp64.
+// kernels are written once for fp16, bf16 and fp64.
 //
 // Every product is built from 16x8 accumulator atoms: lane (g, t) = (lane / 4, lane % 4) holds
 // c[0], c[1] at row g, columns 2t, 2t+1 and c[2], c[3] at row g + 8 (the layout of mma.sync's
 // fp32 D, and of two fp64 m8n8 D's stacked). A k-step covers kK columns of A (rows of B):
 //   fp16/bf16  m16n8k16, kK = 16, operands through ldmatrix;
-//   fp32       three m16n8k8 tf32 products (a_hi b_lo + a_lo b_hi + a_hi b_hi, where x_hi is x
-//              rounded to tf32 and x_lo the rounded remainder): each operand kept to ~22 bits,
-//              near fp32 accuracy at tensor-core speed (a fourth term, a_lo b_lo, measurably
-//              changed nothing: see the tile partial sums in fwd_sm80.cuh for what did); kK = 8;
 //   fp64       four m8n8k4 DMMAs; kK = 8.
-// For fp32 and fp64 the lane holding k = t (and t + 4) in the instruction is fed k = 2t (and
-// 2t + 1) of the step instead. Any permutation of k gives the same sum when A and B follow it,
+// For fp64 the lane holding k = t in the instruction's two halves is fed k = 2t and 2t + 1
+// of the step instead. Any permutation of k gives the same sum when A and B follow it,
 // and this one makes a lane's A operand exactly the pair of accumulator columns it already
-// holds (P in P V, dS in dS K) and lets it read both k's of a row with one vector load.
+// holds (P in P V, dS in dS K) and lets it read both k's of a row with one 16-byte load.
 //
 // Interface (s points at the step's first element, ld is the smem row pitch in elements):
 //   load_a(A, s, ld, lane)      A rows 0..15, k 0..kK-1 from row-major smem (s at (row0, k0))
@@ -85,61 +81,8 @@ template <> struct Mma<__nv_bfloat16> : Mma16Bit<__nv_bfloat16, __nv_bfloat162> 
   static __device__ __forceinline__ void mma(float (&c)[4], const A& a, const B& b) { mma_bf16(c, a.r, b.r); }
 };
 
-// Slots of A (fp32 and fp64): [0] (g, 2t), [1] (g + 8, 2t), [2] (g, 2t + 1), [3] (g + 8, 2t + 1);
-// of B: [0] (k 2t, n g), [1] (k 2t + 1, n g).
-template <> struct Mma<float> {
-  using Acc = float;
-  static constexpr int kK = 8;
-  struct A { uint32_t hi[4], lo[4]; };
-  struct B { uint32_t hi[2], lo[2]; };
-
-  static __device__ __forceinline__ void split(float x, uint32_t& hi, uint32_t& lo) {
-    hi = to_tf32(x);
-    lo = to_tf32(x - __uint_as_float(hi));
-  }
-  static __device__ __forceinline__ void load_a(A& a, const float* s, int ld, int lane) {
-    const int g = lane >> 2, t = lane & 3;
-    const float2 top = *reinterpret_cast<const float2*>(s + g * ld + 2 * t);
-    const float2 bot = *reinterpret_cast<const float2*>(s + (g + 8) * ld + 2 * t);
-    split(top.x, a.hi[0], a.lo[0]);
-    split(bot.x, a.hi[1], a.lo[1]);
-    split(top.y, a.hi[2], a.lo[2]);
-    split(bot.y, a.hi[3], a.lo[3]);
-  }
-  static __device__ __forceinline__ void load_b2_nk(B (&b)[2], const float* s, int ld, int lane) {
-    const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const float2 v = *reinterpret_cast<const float2*>(s + (8 * i + g) * ld + 2 * t);
-      split(v.x, b[i].hi[0], b[i].lo[0]);
-      split(v.y, b[i].hi[1], b[i].lo[1]);
-    }
-  }
-  static __device__ __forceinline__ void load_b2_kn(B (&b)[2], const float* s, int ld, int lane) {
-    const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      split(s[2 * t * ld + 8 * i + g], b[i].hi[0], b[i].lo[0]);
-      split(s[(2 * t + 1) * ld + 8 * i + g], b[i].hi[1], b[i].lo[1]);
-    }
-  }
-  static __device__ __forceinline__ void a_from_acc(A& a, const float (*c)[4]) {
-    split(c[0][0], a.hi[0], a.lo[0]);
-    split(c[0][2], a.hi[1], a.lo[1]);
-    split(c[0][1], a.hi[2], a.lo[2]);
-    split(c[0][3], a.hi[3], a.lo[3]);
-  }
-  // The small cross terms first, so they are not lost against the large one.
-  static __device__ __forceinline__ void mma(float (&c)[4], const A& a, const B& b) {
-    mma_tf32(c, a.lo, b.hi);
-    mma_tf32(c, a.hi, b.lo);
-    mma_tf32(c, a.hi, b.hi);
-  }
-  static __device__ __forceinline__ void store_pair(float* dst, float x, float y) {
-    *reinterpret_cast<float2*>(dst) = make_float2(x, y);
-  }
-};
-
+// Slots of A: [0] (g, 2t), [1] (g + 8, 2t), [2] (g, 2t + 1), [3] (g + 8, 2t + 1); of B: [0] (k 2t,
+// n g), [1] (k 2t + 1, n g).
 template <> struct Mma<double> {
   using Acc = double;
   static constexpr int kK = 8;

@@ -1,5 +1,5 @@
-// Tensor-core forward (sm_80+), one kernel for fp16, bf16, fp32 (3xTF32) and fp64 (DMMA)
-// through the per-type product steps of fragments.cuh.
+// Tensor-core forward (sm_80+), one kernel for fp16, bf16 and fp64 (DMMA) through the per-type
+// product steps of fragments.cuh.
 //
 // One block per (batch, query head, kBM-row query tile); each warp owns 16 * kMW query rows.
 // Q stays in smem; K and V tiles of kBN keys are double-buffered and prefetched with cp.async
@@ -12,7 +12,6 @@
 
 #include <cstdint>
 #include <stdexcept>
-#include <type_traits>
 
 #include "../../params.h"
 #include "../common/check.h"
@@ -77,7 +76,6 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim>::kThreads)
   }
   cp_async_commit();
 
-  constexpr bool kTilePartials = std::is_same_v<Elem, float>;
   Acc o[kMW][kDA][4];
   Acc row_max[kMW][2], row_sum[kMW][2];
 #pragma unroll
@@ -152,51 +150,28 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim>::kThreads)
       }
     }
 
-    // O = alpha O + P V. The product goes straight into O, or, for fp32, into a zeroed tile
-    // accumulator added to O afterwards: tf32 tensor cores truncate when they add into the
-    // accumulator, and over a long row those one-sided errors add up (measured 5x the error
-    // of torch's fp32 math path at 1000 keys); one rounded add per tile keeps it at fp32's.
-    auto add_pv = [&](Acc (&acc)[kMW][kDA][4]) {
+    // O = alpha O + P V, P taken straight from the S registers.
 #pragma unroll
-      for (int kk = 0; kk < kBN; kk += M::kK) {
-        typename M::A a[kMW];
+    for (int mw = 0; mw < kMW; ++mw)
 #pragma unroll
-        for (int mw = 0; mw < kMW; ++mw) M::a_from_acc(a[mw], &s[mw][kk / 8]);
+      for (int d = 0; d < kDA; ++d)
 #pragma unroll
-        for (int d = 0; d < kDA; d += 2) {
-          typename M::B bf[2];
-          M::load_b2_kn(bf, v_s + kk * kLd + 8 * d, kLd, lane);
+        for (int e = 0; e < 4; ++e) o[mw][d][e] *= alpha[mw][e >> 1];
 #pragma unroll
-          for (int mw = 0; mw < kMW; ++mw) {
-            M::mma(acc[mw][d], a[mw], bf[0]);
-            M::mma(acc[mw][d + 1], a[mw], bf[1]);
-          }
+    for (int kk = 0; kk < kBN; kk += M::kK) {
+      typename M::A a[kMW];
+#pragma unroll
+      for (int mw = 0; mw < kMW; ++mw) M::a_from_acc(a[mw], &s[mw][kk / 8]);
+#pragma unroll
+      for (int d = 0; d < kDA; d += 2) {
+        typename M::B bf[2];
+        M::load_b2_kn(bf, v_s + kk * kLd + 8 * d, kLd, lane);
+#pragma unroll
+        for (int mw = 0; mw < kMW; ++mw) {
+          M::mma(o[mw][d], a[mw], bf[0]);
+          M::mma(o[mw][d + 1], a[mw], bf[1]);
         }
       }
-    };
-    if constexpr (kTilePartials) {
-      Acc pv[kMW][kDA][4];
-#pragma unroll
-      for (int mw = 0; mw < kMW; ++mw)
-#pragma unroll
-        for (int d = 0; d < kDA; ++d)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) pv[mw][d][e] = Acc(0);
-      add_pv(pv);
-#pragma unroll
-      for (int mw = 0; mw < kMW; ++mw)
-#pragma unroll
-        for (int d = 0; d < kDA; ++d)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) o[mw][d][e] = o[mw][d][e] * alpha[mw][e >> 1] + pv[mw][d][e];
-    } else {
-#pragma unroll
-      for (int mw = 0; mw < kMW; ++mw)
-#pragma unroll
-        for (int d = 0; d < kDA; ++d)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) o[mw][d][e] *= alpha[mw][e >> 1];
-      add_pv(o);
     }
   }
 

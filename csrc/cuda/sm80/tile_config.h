@@ -3,9 +3,9 @@
 //
 // Shapes (measured on the H200; see benchmarks/NOTES_sm80.md):
 //   fp16/bf16: 4 warps x 32 query rows, 64-key tiles (fits 2 blocks per SM up to dim 128).
-//   fp32: 8 warps x 16 rows; each operand is split into two tf32 halves in registers, so a
-//         warp holds one 16-row group to stay within 255 registers.
-//   fp64: 4 warps x 16 rows, 32-key tiles: the fp64 accumulators take twice the registers.
+//   fp64: 16 rows per warp (the fp64 accumulators take twice the registers); dim 64: 4 warps,
+//         32-key tiles (2 blocks per SM); dim 128: 8 warps, 16-key tiles (1 block per SM, 8
+//         warps to hide the DMMA latency).
 #pragma once
 #include <cuda_runtime.h>
 
@@ -22,9 +22,9 @@ template <class Elem, int kDim>
 struct FwdConfig {
   static constexpr bool kHalf = sizeof(Elem) == 2;
   static constexpr bool kDouble = std::is_same_v<Elem, double>;
-  static constexpr int kWarps = kHalf ? 4 : kDouble ? 4 : 8;
+  static constexpr int kWarps = kDouble && kDim > 64 ? 8 : 4;
   static constexpr int kMW = kHalf ? 2 : 1;  // 16-row groups per warp
-  static constexpr int kBN = kDouble ? 32 : 64;
+  static constexpr int kBN = kDouble ? (kDim > 64 ? 16 : 32) : 64;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kBM = 16 * kMW * kWarps;
   static constexpr int kLd = kDim + 8;  // smem row pitch in elements
@@ -34,19 +34,16 @@ struct FwdConfig {
 
 // Backward (dK/dV kernel): 16 keys per warp, kBN = 16 * kWarps keys per block, query tiles of
 // kBM rows. fp64 at dims above 64 would need 256 registers for dK and dV alone: not served.
-// fp32 is not served either: dK and dV sum over every query row, and the truncating tf32
-// accumulation (see fwd_sm80.cuh) needs per-tile partials there that do not fit beside them in
-// registers; measured at 11 TFLOP/s with 4 warps per SM, the SIMT kernel (31) is faster.
 template <class Elem, int kDim>
 struct BwdConfig {
   using Acc = std::conditional_t<std::is_same_v<Elem, double>, double, float>;
   static constexpr bool kHalf = sizeof(Elem) == 2;
   static constexpr bool kDouble = std::is_same_v<Elem, double>;
-  static constexpr bool kServed = !(kDouble && kDim > 64) && !std::is_same_v<Elem, float>;
+  static constexpr bool kServed = !(kDouble && kDim > 64);
   static constexpr int kWarps = kHalf ? 8 : 4;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kBN = 16 * kWarps;
-  static constexpr int kBM = (kHalf || (kDim <= 64 && !kDouble)) ? 64 : 32;
+  static constexpr int kBM = kHalf ? 64 : 32;
   static constexpr int kLd = kDim + 8;   // K, V, Q, dO rows
   static constexpr int kLdS = kBN + 8;   // dS rows
   static constexpr size_t kSmemBytes =
