@@ -414,7 +414,8 @@ bool bwd_dq(const BwdParams& p, const void* dsum, cudaStream_t stream) {
   if constexpr (!Cfg::kServed) {
     return false;
   } else {
-    if (!tensor_cores_usable(Cfg::kSmemBytes) || !bwd_operands_aligned<Elem>(p)) return false;
+    if (p.has_features() || !tensor_cores_usable(Cfg::kSmemBytes) || !bwd_operands_aligned<Elem>(p))
+      return false;
     using Acc = typename Mma<Elem>::Acc;
     const int64_t num_m_tiles = (p.len_q + Cfg::kBM - 1) / Cfg::kBM;
     const int64_t blocks = num_m_tiles * p.heads_q * p.batch;
@@ -434,7 +435,8 @@ bool bwd_dkdv(const BwdParams& p, const void* dsum, void* dq_accum, cudaStream_t
   if constexpr (!Cfg::kServed) {
     return false;
   } else {
-    if (!tensor_cores_usable(Cfg::kSmemBytes) || !bwd_operands_aligned<Elem>(p)) return false;
+    if (p.has_features() || !tensor_cores_usable(Cfg::kSmemBytes) || !bwd_operands_aligned<Elem>(p))
+      return false;
     using Acc = typename Mma<Elem>::Acc;
     const int64_t num_n_tiles = (p.len_k + Cfg::kBN - 1) / Cfg::kBN;
     const int64_t blocks = num_n_tiles * p.heads_kv * p.batch;

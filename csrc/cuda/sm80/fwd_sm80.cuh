@@ -201,7 +201,7 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim>::kThreads)
 template <class Elem, int kDim>
 bool fwd(const FwdParams& p, cudaStream_t stream) {
   using Cfg = FwdConfig<Elem, kDim>;
-  if (!tensor_cores_usable(Cfg::kSmemBytes)) return false;
+  if (p.has_features() || !tensor_cores_usable(Cfg::kSmemBytes)) return false;
   if (!rows_aligned_16<Elem>(p.q, p.q_stride.batch, p.q_stride.head, p.q_stride.row, p.head_dim) ||
       !rows_aligned_16<Elem>(p.k, p.k_stride.batch, p.k_stride.head, p.k_stride.row, p.head_dim) ||
       !rows_aligned_16<Elem>(p.v, p.v_stride.batch, p.v_stride.head, p.v_stride.row, p.head_dim_v) ||

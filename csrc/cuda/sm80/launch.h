@@ -1,7 +1,8 @@
 // Host launchers of the tensor-core kernels (sm_80+), instantiated per head-dim tier in
 // fwd_sm80_hdim*.cu / bwd_sm80_hdim*.cu and picked by dispatch.cu. Each returns false, launching nothing, when
 // the call is outside what the kernel serves (GPU older than sm_80, too little smem, head
-// dims above kDim, operands not 16-byte aligned); dispatch then takes the SIMT kernels.
+// dims above kDim, operands not 16-byte aligned, any optional feature of Params on: masks,
+// window, ALiBi, softcap, dropout, varlen); dispatch then takes the SIMT kernels.
 #pragma once
 #include <cuda_runtime.h>
 
