@@ -157,6 +157,17 @@ def test_dropout(feature_device, dtype, causal, p):
                    [q, k, v])
 
 
+def test_dropout_bits_are_philox_4x32_10():
+    """Seed 0, offset 0: columns 0-3 of row 0 of head 0 take the words of Philox-4x32-10 at
+    counter 0, key 0 (Random123's known answer 6627e8d5 e169c58d bc57ac4c 9b00dbd8); a score
+    is kept iff its word is at least p * 2^32."""
+    words = [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]
+    zero = torch.zeros(2, dtype=torch.int64)
+    for threshold in sorted(words) + [w + 1 for w in words]:
+        keep = dropout_mask(zero, 1, 1, 1, 4, threshold / 2**32)[0, 0, 0]
+        assert keep.tolist() == [w >= threshold for w in words], hex(threshold)
+
+
 @pytest.mark.parametrize("p", [0.17, 0.5])
 def test_dropout_keep_fraction_and_mask(feature_device, p):
     """With q = 0 every probability is 1 / len_k and v = identity reads the keep mask out of

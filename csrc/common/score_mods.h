@@ -17,6 +17,7 @@ constexpr int64_t kUnbounded = int64_t(1) << 60;
 struct Band {
   int64_t lo, hi;
 
+  FLASHATTN_HD bool visible(int64_t row, int64_t key) const { return key >= row + lo && key <= row + hi; }
   FLASHATTN_HD int64_t key_begin(int64_t row, int64_t len_k) const { return clamp(row + lo, len_k); }
   FLASHATTN_HD int64_t key_end(int64_t row, int64_t len_k) const { return clamp(row + hi + 1, len_k); }
   // Query rows [row_begin, row_end) see key `key`.

@@ -115,8 +115,8 @@ void bwd_key_tile(const BwdParams& p, BwdScratch<A>& w, A* dq_acc, const A* delt
   std::fill(w.dv.begin(), w.dv.end(), A(0));
 
   // Query rows that see some key of the tile (the band moves right with the row).
-  const int64_t row_begin = sq.band.row_begin(col0, sq.len_q) / kTileQ * kTileQ;
-  const int64_t row_end = sq.band.row_end(col0 + cols - 1, sq.len_q);
+  const int64_t row_begin = sq.row_begin(col0) / kTileQ * kTileQ;
+  const int64_t row_end = sq.row_end(col0 + cols - 1);
   const A inv_keep = A(1) / A(1 - p.dropout_p);
   A* s = w.s.data();
   for (int64_t h = hk * p.group(); h < (hk + 1) * p.group(); ++h) {
@@ -126,7 +126,7 @@ void bwd_key_tile(const BwdParams& p, BwdScratch<A>& w, A* dq_acc, const A* delt
                    A(p.scale), w.q.data(), ld_qk, ld_qk);
       load_rows<A>(t, row_ptr(p.dout, p.dout_stride, t, sq.tb, h, sq.q0 + row0), p.dout_stride.row, rows,
                    p.head_dim_v, A(1), w.dout.data(), ld_v, ld_v);
-      const int64_t ri = sq.row_index(p, h, row0);
+      const int64_t ri = sq.row_index(p.heads_q, h, row0);
       const A* lse = static_cast<const A*>(p.lse) + ri;
       const A* delta = delta_all + ri;
 

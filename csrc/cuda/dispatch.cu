@@ -15,6 +15,7 @@
 #include <string>
 #include <type_traits>
 
+#include "../common/sequence.h"
 #include "api.h"
 #include "common/check.h"
 #include "simt/launch.h"
@@ -37,6 +38,9 @@ int num_slices(int64_t dim, int tier) { return int((dim + tier - 1) / tier); }
 size_t acc_size(DType t) { return t == DType::kFloat64 ? 8 : 4; }
 
 size_t align_up(size_t x) { return (x + 255) / 256 * 256; }
+
+// Rows of q as stored, over all heads (a variable-length batch has batch 1 of total_q rows).
+int64_t stored_rows(const FwdParams& p) { return tensor_batches(p) * p.heads_q * tensor_rows(p); }
 
 void check_dims(const FwdParams& p) {
   if (p.head_dim < 1 || p.head_dim > 256 || p.head_dim_v < 1 || p.head_dim_v > 256)
@@ -99,9 +103,8 @@ void bwd_typed(const BwdParams& p, cudaStream_t stream) {
   void* dsum = ws;
   void* dq_accum = nullptr;
   if (!p.deterministic) {
-    dq_accum = ws + align_up(size_t(p.batch * p.heads_q * p.len_q) * acc_size(p.dtype));
-    check_cuda(cudaMemsetAsync(dq_accum, 0,
-                               size_t(p.batch * p.heads_q * p.len_q * p.head_dim) * acc_size(p.dtype),
+    dq_accum = ws + align_up(size_t(stored_rows(p)) * acc_size(p.dtype));
+    check_cuda(cudaMemsetAsync(dq_accum, 0, size_t(stored_rows(p) * p.head_dim) * acc_size(p.dtype),
                                stream),
                "cudaMemsetAsync(dq accumulator)");
   }
@@ -150,7 +153,7 @@ void run_fwd(const FwdParams& p, void* stream) {
 }
 
 size_t bwd_workspace_bytes(const BwdParams& p) {
-  const size_t rows = size_t(p.batch * p.heads_q * p.len_q);
+  const size_t rows = size_t(stored_rows(p));
   size_t bytes = align_up(rows * acc_size(p.dtype));
   if (!p.deterministic) bytes += rows * size_t(p.head_dim) * acc_size(p.dtype);
   return bytes;

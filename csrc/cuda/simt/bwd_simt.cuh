@@ -9,12 +9,16 @@
 //
 // bwd_dq_simt_kernel (deterministic path): one block per (batch, query head, query tile,
 // slice) loops over key tiles and keeps dQ in registers, so no atomics are needed.
+//
+// The optional features (common/features.cuh) act in bwd_probs, in the kFeatures variants
+// only (so that the plain ones keep their registers); blocks of a variable-length batch past
+// the end of their sequence exit.
 #pragma once
 #include <cstdint>
 #include <type_traits>
 
 #include "../common/check.h"
-#include "../common/mask.cuh"
+#include "../common/features.cuh"
 #include "../common/online_softmax.cuh"
 #include "launch.h"
 #include "tile_config.cuh"
@@ -88,27 +92,63 @@ __device__ __forceinline__ void bwd_scores(Acc (&s)[4][Tr::kTN], Acc (&dp)[4][Tr
   }
 }
 
+// The features of one (sequence, query head) that the backward applies to its tiles; dbias
+// (dL/dS of a float bias, (len_q, len_k) row-major for this head) is null unless the block
+// writes it.
+template <class Acc>
+struct BwdFeatures {
+  const Seq& sq;
+  ScoreMods<Acc> mods;
+  DropoutMask<Acc> drop;
+  Acc* dbias;
+};
+
 // Turns s into P = exp(scale S - LSE) and dp into dS = P (dP - D); both 0 wherever the key is
 // not visible (masked, past len_k, row past len_q, or a fully masked row with LSE = -inf), so
-// that values there (even NaN/inf) never reach a gradient.
-template <class Tr, class Acc>
+// that values there (even NaN/inf) never reach a gradient. With features: S is the score the
+// softmax took (softcap, ALiBi, bias), s becomes the probability as P V used it (dropped ones
+// 0, kept ones / (1 - p)), dP is masked and scaled the same way, dS goes to dbias before the
+// softcap's derivative enters it.
+template <class Tr, bool kFeatures, class Acc>
 __device__ __forceinline__ void bwd_probs(Acc (&s)[4][Tr::kTN], Acc (&dp)[4][Tr::kTN],
                                           const Acc (&lse)[4], const Acc (&dsum)[4],
-                                          int64_t m0, int64_t n0, int64_t len_k,
-                                          const CausalMask& mask, Acc score_scale, int tid) {
+                                          int64_t m0, int64_t n0, const BwdFeatures<Acc>& f,
+                                          Acc score_scale, int tid) {
   const int r = tid >> 4, c = tid & 15;
+  const Seq& sq = f.sq;
+  const bool plain = !kFeatures || (!f.mods.any && !f.drop.on && f.dbias == nullptr);
+  const Acc to_domain = ExpDomain<Acc>::score_scale(1.0);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int64_t m = m0 + r * 4 + i;
 #pragma unroll
     for (int j = 0; j < Tr::kTN; ++j) {
       const int64_t n = n0 + c + 16 * j;
-      const bool vis = lse[i] != neg_inf<Acc>() && n < len_k && mask.visible(m, n);
-      const Acc pr = vis ? ExpDomain<Acc>::exp(fma(s[i][j], score_scale, -lse[i])) : Acc(0);
-      dp[i][j] = vis ? pr * (dp[i][j] - dsum[i]) : Acc(0);
-      s[i][j] = pr;
+      const bool vis = lse[i] != neg_inf<Acc>() && n < sq.len_k && sq.band.visible(m, n);
+      if (plain) {
+        const Acc pr = vis ? ExpDomain<Acc>::exp(fma(s[i][j], score_scale, -lse[i])) : Acc(0);
+        dp[i][j] = vis ? pr * (dp[i][j] - dsum[i]) : Acc(0);
+        s[i][j] = pr;
+        continue;
+      }
+      Acc th = 0;
+      const Acc x = vis ? f.mods.score(s[i][j], m, n, &th) : neg_inf<Acc>();
+      const Acc pr = x != neg_inf<Acc>() ? ExpDomain<Acc>::exp(fma(x, to_domain, -lse[i])) : Acc(0);
+      const Acc kept = !f.drop.on ? Acc(1) : (vis && f.drop.keep(m, n)) ? f.drop.inv_keep : Acc(0);
+      const bool live = x != neg_inf<Acc>();
+      Acc ds = live ? pr * (dp[i][j] * kept - dsum[i]) : Acc(0);
+      if (f.dbias && vis) f.dbias[m * sq.len_k + n] = ds;
+      if (f.mods.softcap > Acc(0)) ds *= Acc(1) - th * th;
+      dp[i][j] = ds;
+      s[i][j] = live ? pr * kept : Acc(0);
     }
   }
+}
+
+// The bias-gradient rows of (sequence, head h) when the kernel writes them, else null.
+template <class Acc>
+__device__ __forceinline__ Acc* dbias_of(const BwdParams& p, const Seq& sq, int64_t h) {
+  return p.dbias ? static_cast<Acc*>(p.dbias) + (sq.b * p.heads_q + h) * sq.len_q * sq.len_k : nullptr;
 }
 
 // LSE (in the kernel's exponent domain) and D of the thread's 4 query rows; rows past len_q
@@ -135,7 +175,7 @@ __device__ __forceinline__ void store_transposed(Acc* dst, const Acc (&x)[4][Tr:
     sts4(dst + (c + 16 * j) * Tr::kLdP + r * 4, x[0][j], x[1][j], x[2][j], x[3][j]);
 }
 
-template <class T, int kTier, bool kWide>
+template <class T, int kTier, bool kWide, bool kFeatures>
 __global__ void __launch_bounds__(BwdTraits<T, kTier, kWide>::kThreads, 2)
     bwd_dkdv_simt_kernel(const BwdParams p, const acc_t<T>* dsum_g, acc_t<T>* dq_accum,
                          int num_n_tiles, int num_splits) {
@@ -161,22 +201,22 @@ __global__ void __launch_bounds__(BwdTraits<T, kTier, kWide>::kThreads, 2)
     const int split = int(bid % num_splits);
     bid /= num_splits;
     const int64_t hk = bid % p.heads_kv;
-    const int64_t b = bid / p.heads_kv;
+    const Seq sq = kFeatures ? sequence(p, bid / p.heads_kv) : plain_sequence(p, bid / p.heads_kv);
     const int64_t group = p.heads_q / p.heads_kv;
+    const int64_t n0 = int64_t(nt) * kB;
+    if (n0 >= sq.len_k) return;  // past the end of a shorter sequence (the whole block)
 
     const int tid = threadIdx.x, r = tid >> 4, c = tid & 15;
     const int E = int(p.head_dim), Ev = int(p.head_dim_v);
     const int e_max = E > Ev ? E : Ev;
     const int d0 = split * kTier;
-    const int64_t n0 = int64_t(nt) * kB;
-    const int rows_k = int(p.len_k - n0 < kB ? p.len_k - n0 : kB);
-    const CausalMask mask{p.causal, p.causal_offset};
+    const int rows_k = int(sq.len_k - n0 < kB ? sq.len_k - n0 : kB);
     const Acc score_scale = ExpDomain<Acc>::score_scale(p.scale);
 
-    const T* k = static_cast<const T*>(p.k) + b * p.k_stride.batch + hk * p.k_stride.head +
-                 n0 * p.k_stride.row;
-    const T* v = static_cast<const T*>(p.v) + b * p.v_stride.batch + hk * p.v_stride.head +
-                 n0 * p.v_stride.row;
+    const T* k = static_cast<const T*>(p.k) + sq.tb * p.k_stride.batch + hk * p.k_stride.head +
+                 (sq.k0 + n0) * p.k_stride.row;
+    const T* v = static_cast<const T*>(p.v) + sq.tb * p.v_stride.batch + hk * p.v_stride.head +
+                 (sq.k0 + n0) * p.v_stride.row;
 
     Acc dk[kNC][4][kVec], dv[kNC][4][kVec];
 #pragma unroll
@@ -186,26 +226,32 @@ __global__ void __launch_bounds__(BwdTraits<T, kTier, kWide>::kThreads, 2)
 #pragma unroll
         for (int e = 0; e < kVec; ++e) dk[ch][i][e] = dv[ch][i][e] = 0;
 
-    const int64_t m_begin = mask.first_query(n0) / kB * kB;
+    // Query rows that see some key of the tile (the band moves right with the row).
+    const int64_t m_begin = sq.row_begin(n0) / kB * kB;
+    const int64_t m_end = sq.row_end(n0 + rows_k - 1);
     for (int64_t g = 0; g < group; ++g) {
       const int64_t h = hk * group + g;
-      const int64_t bh = b * p.heads_q + h;
-      const T* q_h = static_cast<const T*>(p.q) + b * p.q_stride.batch + h * p.q_stride.head;
-      const T* do_h =
-          static_cast<const T*>(p.dout) + b * p.dout_stride.batch + h * p.dout_stride.head;
-      const Acc* lse_h = static_cast<const Acc*>(p.lse) + bh * p.len_q;
-      const Acc* dsum_h = dsum_g + bh * p.len_q;
-      Acc* dq_h = dq_accum ? dq_accum + bh * p.len_q * E : nullptr;
+      const int64_t row0 = sq.row_index(p.heads_q, h, 0);
+      const T* q_h = static_cast<const T*>(p.q) + sq.tb * p.q_stride.batch + h * p.q_stride.head +
+                     sq.q0 * p.q_stride.row;
+      const T* do_h = static_cast<const T*>(p.dout) + sq.tb * p.dout_stride.batch +
+                      h * p.dout_stride.head + sq.q0 * p.dout_stride.row;
+      const Acc* lse_h = static_cast<const Acc*>(p.lse) + row0;
+      const Acc* dsum_h = dsum_g + row0;
+      Acc* dq_h = dq_accum ? dq_accum + row0 * E : nullptr;
+      // Every split recomputes the same dS; the first one writes the bias gradient.
+      const BwdFeatures<Acc> f{sq, ScoreMods<Acc>(p, sq, h), DropoutMask<Acc>(p, sq, h),
+                               split == 0 ? dbias_of<Acc>(p, sq, h) : nullptr};
 
-      for (int64_t m0 = m_begin; m0 < p.len_q; m0 += kB) {
-        const int rows_q = int(p.len_q - m0 < kB ? p.len_q - m0 : kB);
+      for (int64_t m0 = m_begin; m0 < m_end; m0 += kB) {
+        const int rows_q = int(sq.len_q - m0 < kB ? sq.len_q - m0 : kB);
         const T* q = q_h + m0 * p.q_stride.row;
         const T* dout = do_h + m0 * p.dout_stride.row;
         Acc s[4][kTN], dp[4][kTN], lse[4], dsum[4];
         bwd_scores<Tr>(s, dp, smem, q, p.q_stride.row, dout, p.dout_stride.row, rows_q, k,
                        p.k_stride.row, v, p.v_stride.row, rows_k, E, Ev, tid);
-        load_row_stats(lse, dsum, lse_h, dsum_h, m0, p.len_q, tid);
-        bwd_probs<Tr>(s, dp, lse, dsum, m0, n0, p.len_k, mask, score_scale, tid);
+        load_row_stats(lse, dsum, lse_h, dsum_h, m0, sq.len_q, tid);
+        bwd_probs<Tr, kFeatures>(s, dp, lse, dsum, m0, n0, f, score_scale, tid);
         store_transposed<Tr>(sPt, s, tid);
         store_transposed<Tr>(sdSt, dp, tid);
 
@@ -233,7 +279,7 @@ __global__ void __launch_bounds__(BwdTraits<T, kTier, kWide>::kThreads, 2)
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
                   const int64_t m = m0 + r * 4 + i;
-                  if (m >= p.len_q) continue;
+                  if (m >= sq.len_q) continue;
 #pragma unroll
                   for (int e = 0; e < kVec; ++e) {
                     const int d = dc + c * kVec + e;
@@ -247,13 +293,15 @@ __global__ void __launch_bounds__(BwdTraits<T, kTier, kWide>::kThreads, 2)
       }
     }
 
-    T* dk_g = static_cast<T*>(p.dk) + b * p.dk_stride.batch + hk * p.dk_stride.head;
-    T* dv_g = static_cast<T*>(p.dv) + b * p.dv_stride.batch + hk * p.dv_stride.head;
+    T* dk_g = static_cast<T*>(p.dk) + sq.tb * p.dk_stride.batch + hk * p.dk_stride.head +
+              sq.k0 * p.dk_stride.row;
+    T* dv_g = static_cast<T*>(p.dv) + sq.tb * p.dv_stride.batch + hk * p.dv_stride.head +
+              sq.k0 * p.dv_stride.row;
     const Acc scale = Acc(p.scale);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int64_t n = n0 + r * 4 + i;
-      if (n >= p.len_k) continue;
+      if (n >= sq.len_k) continue;
 #pragma unroll
       for (int ch = 0; ch < kNC; ++ch)
 #pragma unroll
@@ -266,7 +314,7 @@ __global__ void __launch_bounds__(BwdTraits<T, kTier, kWide>::kThreads, 2)
   }
 }
 
-template <class T, int kTier>
+template <class T, int kTier, bool kFeatures>
 __global__ void __launch_bounds__(BwdTraits<T, kTier, true>::kThreads, 2)
     bwd_dq_simt_kernel(const BwdParams p, const acc_t<T>* dsum_g, int num_m_tiles,
                        int num_splits) {
@@ -286,28 +334,30 @@ __global__ void __launch_bounds__(BwdTraits<T, kTier, true>::kThreads, 2)
   const int split = int(bid % num_splits);
   bid /= num_splits;
   const int64_t h = bid % p.heads_q;
-  const int64_t b = bid / p.heads_q;
+  const Seq sq = kFeatures ? sequence(p, bid / p.heads_q) : plain_sequence(p, bid / p.heads_q);
   const int64_t hk = h / (p.heads_q / p.heads_kv);
-  const int64_t bh = b * p.heads_q + h;
+  const int64_t m0 = int64_t(mt) * kB;
+  if (m0 >= sq.len_q) return;  // past the end of a shorter sequence (the whole block)
+  const int64_t row0 = sq.row_index(p.heads_q, h, 0);
 
   const int tid = threadIdx.x, r = tid >> 4, c = tid & 15;
   const int E = int(p.head_dim), Ev = int(p.head_dim_v);
   const int d0 = split * kTier;
-  const int64_t m0 = int64_t(mt) * kB;
-  const int rows_q = int(p.len_q - m0 < kB ? p.len_q - m0 : kB);
-  const CausalMask mask{p.causal, p.causal_offset};
+  const int rows_q = int(sq.len_q - m0 < kB ? sq.len_q - m0 : kB);
   const Acc score_scale = ExpDomain<Acc>::score_scale(p.scale);
+  const BwdFeatures<Acc> f{sq, ScoreMods<Acc>(p, sq, h), DropoutMask<Acc>(p, sq, h), nullptr};
 
-  const T* q = static_cast<const T*>(p.q) + b * p.q_stride.batch + h * p.q_stride.head +
-               m0 * p.q_stride.row;
-  const T* dout = static_cast<const T*>(p.dout) + b * p.dout_stride.batch +
-                  h * p.dout_stride.head + m0 * p.dout_stride.row;
-  const T* k_h = static_cast<const T*>(p.k) + b * p.k_stride.batch + hk * p.k_stride.head;
-  const T* v_h = static_cast<const T*>(p.v) + b * p.v_stride.batch + hk * p.v_stride.head;
+  const T* q = static_cast<const T*>(p.q) + sq.tb * p.q_stride.batch + h * p.q_stride.head +
+               (sq.q0 + m0) * p.q_stride.row;
+  const T* dout = static_cast<const T*>(p.dout) + sq.tb * p.dout_stride.batch +
+                  h * p.dout_stride.head + (sq.q0 + m0) * p.dout_stride.row;
+  const T* k_h = static_cast<const T*>(p.k) + sq.tb * p.k_stride.batch + hk * p.k_stride.head +
+                 sq.k0 * p.k_stride.row;
+  const T* v_h = static_cast<const T*>(p.v) + sq.tb * p.v_stride.batch + hk * p.v_stride.head +
+                 sq.k0 * p.v_stride.row;
 
   Acc lse[4], dsum[4];
-  load_row_stats(lse, dsum, static_cast<const Acc*>(p.lse) + bh * p.len_q, dsum_g + bh * p.len_q,
-                 m0, p.len_q, tid);
+  load_row_stats(lse, dsum, static_cast<const Acc*>(p.lse) + row0, dsum_g + row0, m0, sq.len_q, tid);
 
   Acc dq[kNC][4][kVec];
 #pragma unroll
@@ -317,15 +367,15 @@ __global__ void __launch_bounds__(BwdTraits<T, kTier, true>::kThreads, 2)
 #pragma unroll
       for (int e = 0; e < kVec; ++e) dq[ch][i][e] = 0;
 
-  const int64_t n_end = mask.key_end(m0 + rows_q - 1, p.len_k);
-  for (int64_t n0 = 0; n0 < n_end; n0 += kB) {
-    const int rows_k = int(p.len_k - n0 < kB ? p.len_k - n0 : kB);
+  const int64_t n_end = sq.key_end(m0 + rows_q - 1);
+  for (int64_t n0 = sq.key_begin(m0) / kB * kB; n0 < n_end; n0 += kB) {
+    const int rows_k = int(sq.len_k - n0 < kB ? sq.len_k - n0 : kB);
     const T* k = k_h + n0 * p.k_stride.row;
     const T* v = v_h + n0 * p.v_stride.row;
     Acc s[4][kTN], dp[4][kTN];
     bwd_scores<Tr>(s, dp, smem, q, p.q_stride.row, dout, p.dout_stride.row, rows_q, k,
                    p.k_stride.row, v, p.v_stride.row, rows_k, E, Ev, tid);
-    bwd_probs<Tr>(s, dp, lse, dsum, m0, n0, p.len_k, mask, score_scale, tid);
+    bwd_probs<Tr, kFeatures>(s, dp, lse, dsum, m0, n0, f, score_scale, tid);
     store_transposed<Tr>(sdSt, dp, tid);
 #pragma unroll
     for (int ch = 0; ch < kNC; ++ch) {
@@ -339,12 +389,13 @@ __global__ void __launch_bounds__(BwdTraits<T, kTier, true>::kThreads, 2)
     }
   }
 
-  T* dq_g = static_cast<T*>(p.dq) + b * p.dq_stride.batch + h * p.dq_stride.head;
+  T* dq_g = static_cast<T*>(p.dq) + sq.tb * p.dq_stride.batch + h * p.dq_stride.head +
+            sq.q0 * p.dq_stride.row;
   const Acc scale = Acc(p.scale);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int64_t m = m0 + r * 4 + i;
-    if (m >= p.len_q) continue;
+    if (m >= sq.len_q) continue;
 #pragma unroll
     for (int ch = 0; ch < kNC; ++ch)
 #pragma unroll
@@ -369,7 +420,8 @@ void launch_dkdv(const BwdParams& p, const void* dsum, void* dq_accum, int num_s
   const int64_t num_n_tiles = (p.len_k + Tr::kBlock - 1) / Tr::kBlock;
   const unsigned blocks =
       grid_size(num_n_tiles * num_splits * p.heads_kv * p.batch, "bwd_dkdv_simt_kernel");
-  auto kernel = bwd_dkdv_simt_kernel<T, kTier, kWide>;
+  auto kernel = p.has_features() ? bwd_dkdv_simt_kernel<T, kTier, kWide, true>
+                                  : bwd_dkdv_simt_kernel<T, kTier, kWide, false>;
   set_smem(kernel, Tr::kDkdvSmemBytes, "bwd_dkdv_simt_kernel");
   kernel<<<blocks, Tr::kThreads, Tr::kDkdvSmemBytes, stream>>>(
       p, static_cast<const Acc*>(dsum), static_cast<Acc*>(dq_accum), int(num_n_tiles),
@@ -384,7 +436,7 @@ void bwd_dkdv(const BwdParams& p, const void* dsum, void* dq_accum, int num_spli
     launch_dkdv<T, kTier, true>(p, dsum, dq_accum, num_splits, stream);
   } else {
     cudaFuncAttributes attr{};
-    check_cuda(cudaFuncGetAttributes(&attr, bwd_dkdv_simt_kernel<T, kTier, true>),
+    check_cuda(cudaFuncGetAttributes(&attr, bwd_dkdv_simt_kernel<T, kTier, true, false>),
                "cudaFuncGetAttributes(bwd_dkdv_simt_kernel)");
     if (attr.ptxVersion >= 80)
       launch_dkdv<T, kTier, true>(p, dsum, dq_accum, num_splits, stream);
@@ -400,7 +452,7 @@ void bwd_dq(const BwdParams& p, const void* dsum, int num_splits, cudaStream_t s
   const int64_t num_m_tiles = (p.len_q + Tr::kBlock - 1) / Tr::kBlock;
   const unsigned blocks =
       grid_size(num_m_tiles * num_splits * p.heads_q * p.batch, "bwd_dq_simt_kernel");
-  auto kernel = bwd_dq_simt_kernel<T, kTier>;
+  auto kernel = p.has_features() ? bwd_dq_simt_kernel<T, kTier, true> : bwd_dq_simt_kernel<T, kTier, false>;
   set_smem(kernel, Tr::kDqSmemBytes, "bwd_dq_simt_kernel");
   kernel<<<blocks, Tr::kThreads, Tr::kDqSmemBytes, stream>>>(
       p, static_cast<const Acc*>(dsum), int(num_m_tiles), num_splits);

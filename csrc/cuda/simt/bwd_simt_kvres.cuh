@@ -263,6 +263,7 @@ __global__ void __launch_bounds__(KvresTraits<kDim>::kThreads, 1)
 template <class T, int kDim>
 bool bwd_dkdv_kvres(const BwdParams& p, const void* dsum, void* dq_accum, cudaStream_t stream) {
   using Tr = KvresTraits<kDim>;
+  if (p.has_features()) return false;  // the optional features are in the general SIMT kernels only
   int dev = 0, max_optin = 0;
   check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
   check_cuda(cudaDeviceGetAttribute(&max_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev),

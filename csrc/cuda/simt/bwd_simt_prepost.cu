@@ -1,8 +1,10 @@
 // Small backward kernels around the main ones: D = rowsum(dO * O) before, and the conversion of
-// the atomic dQ accumulator into dq after.
+// the atomic dQ accumulator into dq after. Both walk the rows as stored (a variable-length
+// batch is one run of total_q rows per head).
 #include <cstdint>
 #include <type_traits>
 
+#include "../../common/sequence.h"
 #include "../common/check.h"
 #include "../common/numeric.cuh"
 #include "launch.h"
@@ -17,13 +19,14 @@ constexpr int kThreads = 256;
 template <class T>
 __global__ void __launch_bounds__(kThreads) dot_do_o_kernel(const BwdParams p, acc_t<T>* dsum) {
   using Acc = acc_t<T>;
-  const int64_t rows = p.batch * p.heads_q * p.len_q;
+  const int64_t len = tensor_rows(p);
+  const int64_t rows = tensor_batches(p) * p.heads_q * len;
   const int lane = threadIdx.x & 31;
   const int64_t warps = int64_t(gridDim.x) * (kThreads / 32);
   for (int64_t row = int64_t(blockIdx.x) * (kThreads / 32) + threadIdx.x / 32; row < rows;
        row += warps) {
-    const int64_t m = row % p.len_q;
-    const int64_t bh = row / p.len_q;
+    const int64_t m = row % len;
+    const int64_t bh = row / len;
     const int64_t h = bh % p.heads_q, b = bh / p.heads_q;
     const T* dout = static_cast<const T*>(p.dout) + b * p.dout_stride.batch +
                     h * p.dout_stride.head + m * p.dout_stride.row;
@@ -42,14 +45,15 @@ template <class T>
 __global__ void __launch_bounds__(kThreads)
     dq_convert_kernel(const BwdParams p, const acc_t<T>* dq_accum) {
   using Acc = acc_t<T>;
-  const int64_t total = p.batch * p.heads_q * p.len_q * p.head_dim;
+  const int64_t len = tensor_rows(p);
+  const int64_t total = tensor_batches(p) * p.heads_q * len * p.head_dim;
   const Acc scale = Acc(p.scale);
   for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < total;
        i += int64_t(gridDim.x) * kThreads) {
     const int64_t d = i % p.head_dim;
     const int64_t row = i / p.head_dim;
-    const int64_t m = row % p.len_q;
-    const int64_t bh = row / p.len_q;
+    const int64_t m = row % len;
+    const int64_t bh = row / len;
     const int64_t h = bh % p.heads_q, b = bh / p.heads_q;
     T* dq = static_cast<T*>(p.dq) + b * p.dq_stride.batch + h * p.dq_stride.head +
             m * p.dq_stride.row;
@@ -66,7 +70,7 @@ unsigned capped_blocks(int64_t work, int64_t per_block) {
 
 template <class T>
 void bwd_dot_do_o(const BwdParams& p, void* dsum, cudaStream_t stream) {
-  const int64_t rows = p.batch * p.heads_q * p.len_q;
+  const int64_t rows = tensor_batches(p) * p.heads_q * tensor_rows(p);
   dot_do_o_kernel<T><<<capped_blocks(rows, kThreads / 32), kThreads, 0, stream>>>(
       p, static_cast<acc_t<T>*>(dsum));
   check_launch("dot_do_o_kernel");
@@ -74,7 +78,7 @@ void bwd_dot_do_o(const BwdParams& p, void* dsum, cudaStream_t stream) {
 
 template <class T>
 void bwd_dq_convert(const BwdParams& p, const void* dq_accum, cudaStream_t stream) {
-  const int64_t total = p.batch * p.heads_q * p.len_q * p.head_dim;
+  const int64_t total = tensor_batches(p) * p.heads_q * tensor_rows(p) * p.head_dim;
   dq_convert_kernel<T><<<capped_blocks(total, kThreads), kThreads, 0, stream>>>(
       p, static_cast<const acc_t<T>*>(dq_accum));
   check_launch("dq_convert_kernel");

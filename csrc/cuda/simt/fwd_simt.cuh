@@ -2,12 +2,15 @@
 // Query and key tiles are streamed through smem in head-dim chunks to form the score tile in
 // registers; the online softmax turns it into probabilities (kept transposed in smem), which
 // multiply value chunks into the output accumulator held in registers. O and LSE are written
-// once at the end.
+// once at the end. The optional features (common/features.cuh) act on the score tile in the
+// kFeatures variant only, so that the plain one keeps its registers; a variable-length batch
+// runs one block per tile of its longest sequence, and blocks past the end of their sequence
+// exit.
 #pragma once
 #include <cstdint>
 
 #include "../common/check.h"
-#include "../common/mask.cuh"
+#include "../common/features.cuh"
 #include "../common/online_softmax.cuh"
 #include "launch.h"
 #include "tile_config.cuh"
@@ -29,7 +32,7 @@ struct FwdTraits : SimtTraits<T, kTier> {
       size_t(kChunkElems + Base::kBlock * Base::kLdP) * sizeof(Acc);
 };
 
-template <class T, int kTier>
+template <class T, int kTier, bool kFeatures>
 __global__ void __launch_bounds__(FwdTraits<T, kTier>::kThreads, 2)
     fwd_simt_kernel(const FwdParams p, int num_m_tiles, int num_splits) {
   using Tr = FwdTraits<T, kTier>;
@@ -50,21 +53,26 @@ __global__ void __launch_bounds__(FwdTraits<T, kTier>::kThreads, 2)
   const int split = int(bid % num_splits);
   bid /= num_splits;
   const int64_t h = bid % p.heads_q;
-  const int64_t b = bid / p.heads_q;
+  const Seq sq = kFeatures ? sequence(p, bid / p.heads_q) : plain_sequence(p, bid / p.heads_q);
   const int64_t hk = h / (p.heads_q / p.heads_kv);  // group() is host-only
+  const int64_t m0 = int64_t(mt) * kB;
+  if (m0 >= sq.len_q) return;  // past the end of a shorter sequence (the whole block)
 
   const int tid = threadIdx.x, r = tid >> 4, c = tid & 15;
   const int E = int(p.head_dim), Ev = int(p.head_dim_v);
   const int d0 = split * kTier;
-  const int64_t m0 = int64_t(mt) * kB;
-  const int rows_q = int(p.len_q - m0 < kB ? p.len_q - m0 : kB);
-  const CausalMask mask{p.causal, p.causal_offset};
+  const int rows_q = int(sq.len_q - m0 < kB ? sq.len_q - m0 : kB);
   const Acc score_scale = Exp::score_scale(p.scale);
+  const Acc to_domain = Exp::score_scale(1.0);  // natural-log scores -> the exponent domain
+  const ScoreMods<Acc> mods(p, sq, h);
+  const DropoutMask<Acc> drop(p, sq, h);
 
-  const T* q = static_cast<const T*>(p.q) + b * p.q_stride.batch + h * p.q_stride.head +
-               m0 * p.q_stride.row;
-  const T* k = static_cast<const T*>(p.k) + b * p.k_stride.batch + hk * p.k_stride.head;
-  const T* v = static_cast<const T*>(p.v) + b * p.v_stride.batch + hk * p.v_stride.head;
+  const T* q = static_cast<const T*>(p.q) + sq.tb * p.q_stride.batch + h * p.q_stride.head +
+               (sq.q0 + m0) * p.q_stride.row;
+  const T* k = static_cast<const T*>(p.k) + sq.tb * p.k_stride.batch + hk * p.k_stride.head +
+               sq.k0 * p.k_stride.row;
+  const T* v = static_cast<const T*>(p.v) + sq.tb * p.v_stride.batch + hk * p.v_stride.head +
+               sq.k0 * p.v_stride.row;
 
   Acc acc[kNC][4][kVec];
   Acc row_max[4], row_sum[4];
@@ -78,9 +86,10 @@ __global__ void __launch_bounds__(FwdTraits<T, kTier>::kThreads, 2)
       for (int e = 0; e < kVec; ++e) acc[ch][i][e] = 0;
   }
 
-  const int64_t n_end = mask.key_end(m0 + rows_q - 1, p.len_k);
-  for (int64_t n0 = 0; n0 < n_end; n0 += kB) {
-    const int rows_k = int(p.len_k - n0 < kB ? p.len_k - n0 : kB);
+  // The band of visible keys moves right with the row; key tiles outside it are skipped.
+  const int64_t n_end = sq.key_end(m0 + rows_q - 1);
+  for (int64_t n0 = sq.key_begin(m0) / kB * kB; n0 < n_end; n0 += kB) {
+    const int rows_k = int(sq.len_k - n0 < kB ? sq.len_k - n0 : kB);
     Acc s[4][kTN];
 #pragma unroll
     for (int i = 0; i < 4; ++i)
@@ -103,9 +112,21 @@ __global__ void __launch_bounds__(FwdTraits<T, kTier>::kThreads, 2)
 #pragma unroll
       for (int j = 0; j < kTN; ++j) {
         const int64_t n = n0 + c + 16 * j;
-        s[i][j] = (n < p.len_k && mask.visible(m, n)) ? s[i][j] * score_scale : neg_inf<Acc>();
+        const bool vis = n < sq.len_k && sq.band.visible(m, n);
+        if (!kFeatures || !mods.any) {
+          s[i][j] = vis ? s[i][j] * score_scale : neg_inf<Acc>();
+        } else {
+          Acc th;
+          const bool in = vis && m < sq.len_q;  // the bias is read only in range
+          s[i][j] = in ? mods.score(s[i][j], m, n, &th) * to_domain : neg_inf<Acc>();
+        }
       }
       const Acc alpha = online_softmax_step<16>(s[i], row_max[i], row_sum[i]);
+      if (kFeatures && drop.on) {  // row_sum keeps every probability; only P V sees the dropped ones as 0
+#pragma unroll
+        for (int j = 0; j < kTN; ++j)
+          if (!drop.keep(m, n0 + c + 16 * j)) s[i][j] = 0;
+      }
 #pragma unroll
       for (int ch = 0; ch < kNC; ++ch)
 #pragma unroll
@@ -127,16 +148,17 @@ __global__ void __launch_bounds__(FwdTraits<T, kTier>::kThreads, 2)
     }
   }
 
-  T* out = static_cast<T*>(p.out) + b * p.out_stride.batch + h * p.out_stride.head;
-  Acc* lse = static_cast<Acc*>(p.lse) + (b * p.heads_q + h) * p.len_q;
+  T* out = static_cast<T*>(p.out) + sq.tb * p.out_stride.batch + h * p.out_stride.head +
+           sq.q0 * p.out_stride.row;
+  Acc* lse = static_cast<Acc*>(p.lse) + sq.row_index(p.heads_q, h, 0);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const Acc l = reduce_sum_lanes<16>(row_sum[i]);
     const int64_t m = m0 + r * 4 + i;
-    if (m >= p.len_q) continue;
+    if (m >= sq.len_q) continue;
     // l == 0 only when no key is visible: out = 0, lse = -inf. A NaN l propagates.
     const bool empty = l == Acc(0);
-    const Acc inv = empty ? Acc(0) : Acc(1) / l;
+    const Acc inv = empty ? Acc(0) : (kFeatures && drop.on ? drop.inv_keep : Acc(1)) / l;
     T* o = out + m * p.out_stride.row;
 #pragma unroll
     for (int ch = 0; ch < kNC; ++ch)
@@ -155,7 +177,7 @@ void fwd(const FwdParams& p, int num_splits, cudaStream_t stream) {
   const int64_t num_m_tiles = (p.len_q + Tr::kBlock - 1) / Tr::kBlock;
   const int64_t blocks = num_m_tiles * num_splits * p.heads_q * p.batch;
   if (blocks > 0x7fffffff) throw std::runtime_error("flashattn_ext CUDA backend: forward grid too large");
-  auto kernel = fwd_simt_kernel<T, kTier>;
+  auto kernel = p.has_features() ? fwd_simt_kernel<T, kTier, true> : fwd_simt_kernel<T, kTier, false>;
   set_smem(kernel, Tr::kSmemBytes, "fwd_simt_kernel");
   kernel<<<unsigned(blocks), Tr::kThreads, Tr::kSmemBytes, stream>>>(p, int(num_m_tiles), num_splits);
   check_launch("fwd_simt_kernel");

@@ -193,6 +193,7 @@ __global__ void __launch_bounds__(QresTraits<kDim>::kThreads, 1)
 template <class T, int kDim>
 bool fwd_qres(const FwdParams& p, cudaStream_t stream) {
   using Tr = QresTraits<kDim>;
+  if (p.has_features()) return false;  // the optional features are in the general SIMT kernels only
   int dev = 0, max_optin = 0;
   check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
   check_cuda(cudaDeviceGetAttribute(&max_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev),

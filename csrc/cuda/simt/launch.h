@@ -13,7 +13,8 @@ void fwd(const FwdParams& p, int num_splits, cudaStream_t stream);
 
 // Forward with the query tile resident in smem (fp32 accumulation only): head_dim and
 // head_dim_v both <= kDim (64 or 128), one block per query tile. Returns false, launching
-// nothing, on a device whose smem per block is too small (sm_75 at kDim 128).
+// nothing, on a device whose smem per block is too small (sm_75 at kDim 128), or when an
+// optional feature is on (only fwd has them).
 template <class T, int kDim>
 bool fwd_qres(const FwdParams& p, cudaStream_t stream);
 
@@ -29,7 +30,8 @@ void bwd_dkdv(const BwdParams& p, const void* d, void* dq_accum, int num_splits,
 
 // dK/dV (and dQ as bwd_dkdv does) with the key tile resident in smem (fp32 accumulation only):
 // head_dim and head_dim_v both <= kDim (64 or 128). Returns false, launching nothing, on a
-// device whose smem per block is too small.
+// device whose smem per block is too small, or when an optional feature is on (only
+// bwd_dkdv has them).
 template <class T, int kDim>
 bool bwd_dkdv_kvres(const BwdParams& p, const void* d, void* dq_accum, cudaStream_t stream);
 

@@ -1,0 +1,65 @@
+// One sequence of the batch, as every backend sees it: where its rows sit in the tensors, its
+// lengths, and the band of keys each of its query rows sees. Padded batches: tensor batch b,
+// rows from 0. Variable-length batches: tensor batch 0, rows from the cumulative lengths.
+// Positions used for masks, ALiBi and dropout are those within the sequence.
+#pragma once
+#include <cstdint>
+
+#include "../params.h"
+#include "hd.h"
+#include "score_mods.h"
+
+namespace flashattn {
+
+struct Seq {
+  int64_t b;              // sequence index (ALiBi slopes, bias, dropout)
+  int64_t tb;             // batch index into q, k, v, out and their gradients
+  int64_t q0, k0;         // first row of the sequence in q/out and in k/v
+  int64_t len_q, len_k;
+  int64_t rows_per_head;  // rows of one head in lse, dlse and the row-indexed workspaces
+  Band band;
+
+  FLASHATTN_HD int64_t key_begin(int64_t row) const { return band.key_begin(row, len_k); }
+  FLASHATTN_HD int64_t key_end(int64_t row) const { return band.key_end(row, len_k); }
+  FLASHATTN_HD int64_t row_begin(int64_t key) const { return band.row_begin(key, len_q); }
+  FLASHATTN_HD int64_t row_end(int64_t key) const { return band.row_end(key, len_q); }
+  // Index of (head h, row) in lse-shaped (batches, heads_q, rows_per_head) arrays.
+  FLASHATTN_HD int64_t row_index(int64_t heads_q, int64_t h, int64_t row) const {
+    return (tb * heads_q + h) * rows_per_head + q0 + row;
+  }
+};
+
+// Batches and rows per head of the q-shaped tensors (lse, dq, the row workspaces) as stored.
+FLASHATTN_HD int64_t tensor_batches(const FwdParams& p) { return p.cu_seqlens_q ? 1 : p.batch; }
+FLASHATTN_HD int64_t tensor_rows(const FwdParams& p) { return p.cu_seqlens_q ? p.total_q : p.len_q; }
+
+// Sequence b of a padded batch with no window: what sequence() gives then, from fields a
+// compiler can fold (kernels without the optional features take this one).
+FLASHATTN_HD Seq plain_sequence(const FwdParams& p, int64_t b) {
+  return Seq{b, b, 0, 0, p.len_q, p.len_k, p.len_q, make_band(p.causal, p.causal_offset, -1, -1, p.len_q, p.len_k)};
+}
+
+FLASHATTN_HD Seq sequence(const FwdParams& p, int64_t b) {
+  Seq s;
+  s.b = b;
+  int64_t causal_offset = p.causal_offset;
+  if (p.cu_seqlens_q) {
+    s.tb = 0;
+    s.q0 = p.cu_seqlens_q[b];
+    s.k0 = p.cu_seqlens_k[b];
+    s.len_q = p.cu_seqlens_q[b + 1] - s.q0;
+    s.len_k = p.cu_seqlens_k[b + 1] - s.k0;
+    s.rows_per_head = p.total_q;
+    causal_offset = p.causal_bottom_right ? s.len_k - s.len_q : 0;
+  } else {
+    s.tb = b;
+    s.q0 = s.k0 = 0;
+    s.len_q = p.len_q;
+    s.len_k = p.len_k;
+    s.rows_per_head = p.len_q;
+  }
+  s.band = make_band(p.causal, causal_offset, p.window_left, p.window_right, s.len_q, s.len_k);
+  return s;
+}
+
+}  // namespace flashattn
