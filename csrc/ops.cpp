@@ -174,16 +174,6 @@ struct Features {
   int64_t max_seqlen_q = 0, max_seqlen_k = 0;
 
   bool varlen() const { return cu_seqlens_q.has_value() || cu_seqlens_k.has_value(); }
-  // Name of the first feature on, for the CUDA backend's refusal; null when none is on.
-  const char* first_on() const {
-    if (attn_bias.has_value()) return "attn_bias";
-    if (window_left != -1 || window_right != -1) return "window_size";
-    if (alibi_slopes.has_value()) return "alibi_slopes";
-    if (softcap != 0.0) return "softcap";
-    if (dropout_p != 0.0) return "dropout_p";
-    if (varlen()) return "cu_seqlens (variable-length batches)";
-    return nullptr;
-  }
 };
 
 // Both on the CPU, or both on one CUDA device (a meta tensor is on neither).
@@ -191,8 +181,8 @@ bool same_device(const Tensor& a, const Tensor& b) {
   return (a.is_cpu() && b.is_cpu()) || (a.is_cuda() && b.is_cuda() && a.get_device_index() == b.get_device_index());
 }
 
-// Checks a cu_seqlens tensor and returns its longest sequence. Its values are read here, so
-// it must be on the CPU (the CUDA backend refuses variable-length batches for now).
+// Checks a cu_seqlens tensor and returns its longest sequence. Its values are read on the
+// host: a CUDA tensor is copied there first (a sync, the price of never reading out of bounds).
 int64_t check_cu_seqlens(const Tensor& cu, const char* name, const Tensor& q, int64_t batch_plus_one, int64_t total,
                          int64_t max_seqlen, const char* max_name) {
   STD_TORCH_CHECK(cu.scalar_type() == ScalarType::Int, "flashattn: argument '", name, "' must have dtype int32, got ",
@@ -203,7 +193,8 @@ int64_t check_cu_seqlens(const Tensor& cu, const char* name, const Tensor& q, in
                   "the same length (batch + 1), got ", batch_plus_one, " and ", cu.size(0));
   STD_TORCH_CHECK(same_device(cu, q), "flashattn: argument '", name, "' is on device ", device_str(cu),
                   " but 'q' is on ", device_str(q), "; they must be on the same device");
-  const int32_t* c = static_cast<const int32_t*>(cu.const_data_ptr());
+  const Tensor host = cu.is_cpu() ? cu : torch::stable::to(cu, torch::stable::Device(torch::headeronly::DeviceType::CPU));
+  const int32_t* c = static_cast<const int32_t*>(host.const_data_ptr());
   STD_TORCH_CHECK(c[0] == 0, "flashattn: argument '", name, "' must start at 0, got ", c[0]);
   int64_t longest = 0;
   for (int64_t i = 0; i + 1 < cu.size(0); ++i) {
@@ -222,11 +213,6 @@ int64_t check_cu_seqlens(const Tensor& cu, const char* name, const Tensor& q, in
 // number of sequences: q's batch, or len(cu_seqlens) - 1 for a variable-length batch.
 void check_and_fill_features(FwdParams& p, const Features& f, const Tensor& q, const Tensor& k, const Dims& d,
                              int64_t causal) {
-  if (q.is_cuda()) {
-    const char* on = f.first_on();
-    STD_TORCH_CHECK(on == nullptr, "flashattn: ", on, " is not supported on CUDA yet (the CPU backend has it); ",
-                    "call it without this feature or with CPU tensors");
-  }
   STD_TORCH_CHECK(f.window_left >= -1 && f.window_right >= -1, "flashattn: argument 'window_size' must be (left, "
                   "right) with each >= 0, or -1 for unbounded, got (", f.window_left, ", ", f.window_right, ")");
   STD_TORCH_CHECK(f.softcap >= 0.0, "flashattn: argument 'softcap' must be >= 0 (0 = off), got ", f.softcap);

@@ -88,23 +88,6 @@ def _same_device(a, b):
     return a.device == b.device
 
 
-def _first_feature_on(attn_bias, window_left, window_right, alibi_slopes, softcap, dropout_p, cu_seqlens_q,
-                      cu_seqlens_k):
-    if attn_bias is not None:
-        return "attn_bias"
-    if window_left != -1 or window_right != -1:
-        return "window_size"
-    if alibi_slopes is not None:
-        return "alibi_slopes"
-    if softcap != 0.0:
-        return "softcap"
-    if dropout_p != 0.0:
-        return "dropout_p"
-    if cu_seqlens_q is not None or cu_seqlens_k is not None:
-        return "cu_seqlens (variable-length batches)"
-    return None
-
-
 def _check_cu_seqlens_meta(cu, name, q, n):
     if cu.dtype != torch.int32:
         raise RuntimeError(f"flashattn: argument '{name}' must have dtype int32, got {_dtype_name(cu.dtype)}")
@@ -142,12 +125,6 @@ def check_features(q, k, causal, attn_bias=None, window_left=-1, window_right=-1
                    max_seqlen_k=0):
     """The checks of check_and_fill_features in csrc/ops.cpp that need no tensor values
     (q, k already passed check_fwd_args)."""
-    if q.device.type == "cuda":
-        on = _first_feature_on(attn_bias, window_left, window_right, alibi_slopes, softcap, dropout_p, cu_seqlens_q,
-                               cu_seqlens_k)
-        if on is not None:
-            raise NotImplementedError(f"flashattn: {on} is not supported on CUDA yet (the CPU backend has it); call "
-                                      f"it without this feature or with CPU tensors")
     if window_left < -1 or window_right < -1:
         raise RuntimeError(f"flashattn: argument 'window_size' must be (left, right) with each >= 0, or -1 for "
                            f"unbounded, got ({window_left}, {window_right})")

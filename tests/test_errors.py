@@ -1,5 +1,5 @@
 """Bad input gets a clear error naming the argument and the rule (DESIGN §3); NaN/Inf inputs
-propagate as in torch and never crash; features a backend lacks raise NotImplementedError."""
+propagate as in torch and never crash."""
 import re
 
 import pytest
@@ -309,24 +309,6 @@ def test_bias_requires_grad_needs_float_bias(device):
     with pytest.raises(RuntimeError, match="bias_requires_grad needs a float 'attn_bias'"):
         bwd(a["dout"], a["q"], a["k"], a["v"], a["out"], a["lse"], None, 0.5, NONE, False,
             attn_bias=torch.ones(1, 2, 5, 6, dtype=torch.bool), bias_requires_grad=True)
-
-
-@pytest.mark.parametrize("features,name", [
-    (dict(attn_bias=torch.ones(1, 1, 5, 6, dtype=torch.bool)), "attn_bias"),
-    (dict(window_left=3), "window_size"),
-    (dict(alibi_slopes=torch.ones(2)), "alibi_slopes"),
-    (dict(softcap=5.0), "softcap"),
-    (dict(dropout_p=0.1, rng_state=torch.zeros(2, dtype=torch.int64)), "dropout_p"),
-])
-def test_features_refused_on_cuda(fwd, features, name):
-    """Until the CUDA kernels have the optional features, CUDA calls with one raise
-    NotImplementedError naming it (a RuntimeError from the op itself)."""
-    if not torch.cuda.is_available() or not flashattn_ext.has_cuda_kernels():
-        pytest.skip("needs a CUDA device with the CUDA kernels built")
-    q, k, v = _qkv("cuda")
-    features = {n: t.cuda() if isinstance(t, torch.Tensor) and n != "rng_state" else t for n, t in features.items()}
-    with pytest.raises(RuntimeError, match=f"flashattn: {name} is not supported on CUDA yet"):
-        fwd(q, k, v, 1.0, NONE, **features)
 
 
 def test_public_feature_arguments(device):

@@ -62,11 +62,11 @@ def _mask(kind, shape, dtype, device):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("kind", ["bool", "float"])
 @pytest.mark.parametrize("shape", list(MASK_SHAPES.values()), ids=list(MASK_SHAPES))
-def test_attn_bias(feature_device, dtype, kind, shape):
+def test_attn_bias(device, dtype, kind, shape):
     """Through the op, broadcast dimensions given as size 1; the float bias gets its gradient
     (summed over those dimensions)."""
-    q, k, v = _qkv(dtype, feature_device)
-    m = _mask(kind, shape, dtype, feature_device)
+    q, k, v = _qkv(dtype, device)
+    m = _mask(kind, shape, dtype, device)
     if kind == "bool":
         got = check_features(_op(0.3, NONE, attn_bias=m), _ref(0.3, NONE, bias=m), [q, k, v])
     else:
@@ -76,9 +76,9 @@ def test_attn_bias(feature_device, dtype, kind, shape):
     assert dead.any() and torch.all(got["lse"][dead] == float("-inf")) and torch.all(got["out"][dead] == 0)
 
 
-def test_float32_bias_with_bfloat16_inputs(feature_device):
-    q, k, v = _qkv(torch.bfloat16, feature_device)
-    m = _mask("float32", (2, 1, 70, 150), torch.bfloat16, feature_device)
+def test_float32_bias_with_bfloat16_inputs(device):
+    q, k, v = _qkv(torch.bfloat16, device)
+    m = _mask("float32", (2, 1, 70, 150), torch.bfloat16, device)
     got = check_features(_op(0.3, NONE, attn_bias=None), _ref(0.3, NONE, bias=None), [q, k, v, m])
     assert got["grad3"].dtype == torch.float32
 
@@ -86,17 +86,17 @@ def test_float32_bias_with_bfloat16_inputs(feature_device):
 @pytest.mark.parametrize("lead", [(), (2,), (2, 3)], ids=["3d", "4d", "5d"])
 @pytest.mark.parametrize("mask_shape", [(9, 13), (4, 1, 13), (1, 9, 13)], ids=["LS", "H1S", "1LS"])
 @pytest.mark.parametrize("kind", ["bool", "float"])
-def test_sdpa_attn_mask_matches_torch(feature_device, lead, mask_shape, kind):
+def test_sdpa_attn_mask_matches_torch(device, lead, mask_shape, kind):
     """flashattn_ext.scaled_dot_product_attention(attn_mask=...) equals torch's in float64,
     gradients (of the float mask too) included."""
-    q, k, v = (torch.randn(lead + (4, n, 16), dtype=torch.float64, device=feature_device, requires_grad=True)
+    q, k, v = (torch.randn(lead + (4, n, 16), dtype=torch.float64, device=device, requires_grad=True)
                for n in (9, 13, 13))
     if kind == "bool":
-        m = torch.rand(mask_shape, device=feature_device) > 0.3
+        m = torch.rand(mask_shape, device=device) > 0.3
         m[..., 0] = True  # no fully masked row (torch's result for those changed across versions)
         leaves = (q, k, v)
     else:
-        m = torch.randn(mask_shape, dtype=torch.float64, device=feature_device, requires_grad=True)
+        m = torch.randn(mask_shape, dtype=torch.float64, device=device, requires_grad=True)
         leaves = (q, k, v, m)
     out = flashattn_ext.scaled_dot_product_attention(q, k, v, attn_mask=m)
     expected = F.scaled_dot_product_attention(q, k, v, attn_mask=m)
@@ -116,9 +116,9 @@ WINDOWS = [(16, 0), (0, 16), (40, -1), (-1, 3)]
 @pytest.mark.parametrize("window", WINDOWS, ids=[f"{l}_{r}" for l, r in WINDOWS])
 @pytest.mark.parametrize("causal,lq,lk", [(NONE, 300, 200), (BOTTOM_RIGHT, 150, 300), (TOP_LEFT, 300, 300)],
                          ids=["none_300x200", "bottom_right_150x300", "top_left_300x300"])
-def test_window(feature_device, dtype, window, causal, lq, lk):
+def test_window(device, dtype, window, causal, lq, lk):
     """Lengths past the forward's 256-row and 128-key tiles: whole tiles are skipped."""
-    q, k, v = _qkv(dtype, feature_device, b=1, lq=lq, lk=lk)
+    q, k, v = _qkv(dtype, device, b=1, lq=lq, lk=lk)
     features = dict(window_left=window[0], window_right=window[1])
     check_features(_op(0.25, causal, **features), _ref(0.25, causal, window=window), [q, k, v])
 
@@ -126,17 +126,17 @@ def test_window(feature_device, dtype, window, causal, lq, lk):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("causal", [NONE, BOTTOM_RIGHT], ids=["none", "bottom_right"])
 @pytest.mark.parametrize("per_batch", [False, True], ids=["H", "BH"])
-def test_alibi(feature_device, dtype, causal, per_batch):
-    q, k, v = _qkv(dtype, feature_device, lq=90, lk=70)
-    slopes = torch.rand((2, 4) if per_batch else (4,), device=feature_device)
+def test_alibi(device, dtype, causal, per_batch):
+    q, k, v = _qkv(dtype, device, lq=90, lk=70)
+    slopes = torch.rand((2, 4) if per_batch else (4,), device=device)
     check_features(_op(0.25, causal, alibi_slopes=slopes), _ref(0.25, causal, alibi=slopes), [q, k, v])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("causal", [NONE, BOTTOM_RIGHT], ids=["none", "bottom_right"])
-def test_softcap(feature_device, dtype, causal):
+def test_softcap(device, dtype, causal):
     """Scores up to ~20 against a cap of 5: the cap bends most of them."""
-    q, k, v = _qkv(dtype, feature_device, lq=90, lk=70, mult=2.0)
+    q, k, v = _qkv(dtype, device, lq=90, lk=70, mult=2.0)
     check_features(_op(0.25, causal, softcap=5.0), _ref(0.25, causal, softcap=5.0), [q, k, v])
 
 
@@ -149,10 +149,10 @@ def _rng(seed):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("causal", [NONE, TOP_LEFT], ids=["none", "top_left"])
 @pytest.mark.parametrize("p", [0.1, 0.6])
-def test_dropout(feature_device, dtype, causal, p):
+def test_dropout(device, dtype, causal, p):
     """Against the reference with the keep mask of the test helper (the same Philox stream)."""
-    q, k, v = _qkv(dtype, feature_device, lq=90, lk=140)
-    keep = dropout_mask(_rng(7), 2, 4, 90, 140, p).to(feature_device)
+    q, k, v = _qkv(dtype, device, lq=90, lk=140)
+    keep = dropout_mask(_rng(7), 2, 4, 90, 140, p).to(device)
     check_features(_op(0.25, causal, dropout_p=p, rng_state=_rng(7)), _ref(0.25, causal, keep=keep, dropout_p=p),
                    [q, k, v])
 
@@ -169,14 +169,14 @@ def test_dropout_bits_are_philox_4x32_10():
 
 
 @pytest.mark.parametrize("p", [0.17, 0.5])
-def test_dropout_keep_fraction_and_mask(feature_device, p):
+def test_dropout_keep_fraction_and_mask(device, p):
     """With q = 0 every probability is 1 / len_k and v = identity reads the keep mask out of
     the output: it equals the helper's mask (the same on every device), and the kept
     fraction over 2M scores is within 1% of 1 - p."""
     b, h, lq, lk = 2, 4, 1024, 256
-    q = torch.zeros(b, h, lq, 8, device=feature_device)
-    k = torch.randn(b, h, lk, 8, device=feature_device)
-    v = torch.eye(lk, device=feature_device).expand(b, h, lk, lk)
+    q = torch.zeros(b, h, lq, 8, device=device)
+    k = torch.randn(b, h, lk, 8, device=device)
+    v = torch.eye(lk, device=device).expand(b, h, lk, lk)
     out, _ = op(q, k, v, 1.0, NONE, dropout_p=p, rng_state=_rng(3))
     kept = out * lk * (1 - p)
     assert torch.all((kept - kept.round()).abs() < 1e-3)
@@ -185,9 +185,9 @@ def test_dropout_keep_fraction_and_mask(feature_device, p):
     assert abs(kept.double().mean().item() - (1 - p)) < 0.01 * (1 - p)
 
 
-def test_dropout_seeded_by_torch(feature_device):
+def test_dropout_seeded_by_torch(device):
     """torch.manual_seed reproduces a call (output and gradients); another seed gives another mask."""
-    q, k, v = (t.detach().transpose(1, 2) for t in _qkv(torch.float32, feature_device, hq=2, hkv=2))
+    q, k, v = (t.detach().transpose(1, 2) for t in _qkv(torch.float32, device, hq=2, hkv=2))
 
     def run(seed):
         torch.manual_seed(seed)
@@ -203,22 +203,22 @@ def test_dropout_seeded_by_torch(feature_device):
 # ---- combinations ----
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_window_alibi_softcap_dropout_gqa(feature_device, dtype):
-    q, k, v = _qkv(dtype, feature_device, lq=140, lk=100, mult=2.0)
-    slopes = torch.rand(2, 4, device=feature_device)
-    keep = dropout_mask(_rng(5), 2, 4, 140, 100, 0.2).to(feature_device)
+def test_window_alibi_softcap_dropout_gqa(device, dtype):
+    q, k, v = _qkv(dtype, device, lq=140, lk=100, mult=2.0)
+    slopes = torch.rand(2, 4, device=device)
+    keep = dropout_mask(_rng(5), 2, 4, 140, 100, 0.2).to(device)
     fn = _op(0.25, BOTTOM_RIGHT, window_left=30, window_right=-1, alibi_slopes=slopes, softcap=4.0, dropout_p=0.2,
              rng_state=_rng(5))
     ref = _ref(0.25, BOTTOM_RIGHT, window=(30, -1), alibi=slopes, softcap=4.0, keep=keep, dropout_p=0.2)
-    check_features(fn, ref, [q, k, v], dlse=torch.randn(2, 4, 140, device=feature_device))
+    check_features(fn, ref, [q, k, v], dlse=torch.randn(2, 4, 140, device=device))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("causal", CAUSAL_MODES, ids=CAUSAL_IDS)
-def test_bias_with_causal_softcap_dropout(feature_device, dtype, causal):
-    q, k, v = _qkv(dtype, feature_device, lq=70, lk=90)
-    m = _mask("float", (2, 1, 70, 90), dtype, feature_device)
-    keep = dropout_mask(_rng(9), 2, 4, 70, 90, 0.3).to(feature_device)
+def test_bias_with_causal_softcap_dropout(device, dtype, causal):
+    q, k, v = _qkv(dtype, device, lq=70, lk=90)
+    m = _mask("float", (2, 1, 70, 90), dtype, device)
+    keep = dropout_mask(_rng(9), 2, 4, 70, 90, 0.3).to(device)
     fn = _op(0.25, causal, attn_bias=None, softcap=3.0, dropout_p=0.3, rng_state=_rng(9))
     ref = _ref(0.25, causal, bias=None, softcap=3.0, keep=keep, dropout_p=0.3)
     check_features(fn, ref, [q, k, v, m])
@@ -239,14 +239,14 @@ def _packed(lens_q, lens_k, dtype, device, hq=4, hkv=2, e=16):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("features", ["plain", "window_alibi_softcap"])
 @pytest.mark.parametrize("lens", list(LENS.values()), ids=list(LENS))
-def test_varlen_equals_each_sequence_alone(feature_device, dtype, causal, features, lens):
+def test_varlen_equals_each_sequence_alone(device, dtype, causal, features, lens):
     """Sequences of lengths 0 to 300 (some with no key), each compared with flash_attn_func
     on that sequence alone: out and lse identical, gradients equal to rounding."""
     lens_q, lens_k = lens
-    q, k, v, cu_q, cu_k = _packed(lens_q, lens_k, dtype, feature_device)
+    q, k, v, cu_q, cu_k = _packed(lens_q, lens_k, dtype, device)
     n = len(lens_q)
     opts = dict(causal=causal)
-    slopes = torch.rand(n, 4, device=feature_device)
+    slopes = torch.rand(n, 4, device=device)
     if features != "plain":
         opts.update(window_size=(20, 3), softcap=4.0)
     out, lse = flashattn_ext.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), return_lse=True,
@@ -267,11 +267,11 @@ def test_varlen_equals_each_sequence_alone(feature_device, dtype, causal, featur
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_varlen_dropout(feature_device, dtype):
+def test_varlen_dropout(device, dtype):
     """Sequence b uses [b, :, :len_q, :len_k] of the helper's mask for the batch of sequences."""
     lens_q, lens_k = [30, 0, 70], [50, 10, 40]
-    q, k, v, cu_q, cu_k = _packed(lens_q, lens_k, dtype, feature_device)
-    keep = dropout_mask(_rng(11), 3, 4, 70, 50, 0.25).to(feature_device)
+    q, k, v, cu_q, cu_k = _packed(lens_q, lens_k, dtype, device)
+    keep = dropout_mask(_rng(11), 3, 4, 70, 50, 0.25).to(device)
     out, lse = op(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], 0.25, BOTTOM_RIGHT,
                   dropout_p=0.25, rng_state=_rng(11), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=70,
                   max_seqlen_k=50)

@@ -30,24 +30,24 @@ GRADCHECK_CASES = {
 
 
 @pytest.mark.parametrize("case", list(GRADCHECK_CASES))
-def test_gradcheck(feature_device, case):
+def test_gradcheck(device, case):
     causal, features = GRADCHECK_CASES[case]
-    features = features(feature_device)
-    q, k, v = _leaves(feature_device)
+    features = features(device)
+    q, k, v = _leaves(device)
     assert torch.autograd.gradcheck(lambda *t: op(*t, 0.7, causal, **features), (q, k, v))
 
 
 @pytest.mark.parametrize("shape", [(1, 2, 6, 9), (1, 1, 6, 9), (1, 2, 1, 9)], ids=["full", "B1LS", "BH1S"])
-def test_gradcheck_float_bias(feature_device, shape):
+def test_gradcheck_float_bias(device, shape):
     """The bias gradient too, summed over the bias's broadcast dimensions."""
-    q, k, v = _leaves(feature_device)
-    bias = torch.randn(shape, dtype=torch.float64, device=feature_device, requires_grad=True)
+    q, k, v = _leaves(device)
+    bias = torch.randn(shape, dtype=torch.float64, device=device, requires_grad=True)
     assert torch.autograd.gradcheck(lambda *t: op(*t[:3], 0.7, TOP_LEFT, attn_bias=t[3]), (q, k, v, bias))
 
 
-def test_gradcheck_sdpa_mask_and_dropout(feature_device):
-    q, k, v = _leaves(feature_device, hkv=2)
-    mask = torch.randn(6, 9, dtype=torch.float64, device=feature_device, requires_grad=True)
+def test_gradcheck_sdpa_mask_and_dropout(device):
+    q, k, v = _leaves(device, hkv=2)
+    mask = torch.randn(6, 9, dtype=torch.float64, device=device, requires_grad=True)
 
     def fn(*t):
         torch.manual_seed(3)  # the same dropout mask for every evaluation
@@ -56,12 +56,12 @@ def test_gradcheck_sdpa_mask_and_dropout(feature_device):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_gradcheck_varlen(feature_device, causal):
-    cu_q = torch.tensor([0, 3, 3, 8], dtype=torch.int32, device=feature_device)
-    cu_k = torch.tensor([0, 4, 6, 11], dtype=torch.int32, device=feature_device)
-    q, k, v = (torch.randn(n, 2, 3, dtype=torch.float64, device=feature_device, requires_grad=True)
+def test_gradcheck_varlen(device, causal):
+    cu_q = torch.tensor([0, 3, 3, 8], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, 4, 6, 11], dtype=torch.int32, device=device)
+    q, k, v = (torch.randn(n, 2, 3, dtype=torch.float64, device=device, requires_grad=True)
                for n in (8, 11, 11))
-    slopes = torch.rand(3, 2, device=feature_device)
+    slopes = torch.rand(3, 2, device=device)
     assert torch.autograd.gradcheck(
         lambda *t: flashattn_ext.flash_attn_varlen_func(*t, cu_q, cu_k, 5, 5, causal=causal, window_size=(3, 1),
                                                         alibi_slopes=slopes, return_lse=True), (q, k, v))
@@ -79,9 +79,9 @@ OPCHECK_CASES = {
 
 
 @pytest.mark.parametrize("case", list(OPCHECK_CASES))
-def test_opcheck(feature_device, case):
-    features = OPCHECK_CASES[case](feature_device)
-    q, k, v = (torch.randn(s, device=feature_device, requires_grad=True)
+def test_opcheck(device, case):
+    features = OPCHECK_CASES[case](device)
+    q, k, v = (torch.randn(s, device=device, requires_grad=True)
                for s in ((2, 4, 6, 8), (2, 2, 9, 8), (2, 2, 9, 8)))
     torch.library.opcheck(op, (q, k, v, 0.3, BOTTOM_RIGHT, False), features)
     out, lse = op(q, k, v, 0.3, BOTTOM_RIGHT, **features)
@@ -92,10 +92,10 @@ def test_opcheck(feature_device, case):
     torch.library.opcheck(torch.ops.flashattn.bwd, bwd_args, dict(features, bias_requires_grad=bias_grad))
 
 
-def test_opcheck_varlen(feature_device):
-    cu_q = torch.tensor([0, 3, 3, 8], dtype=torch.int32, device=feature_device)
-    cu_k = torch.tensor([0, 4, 6, 11], dtype=torch.int32, device=feature_device)
-    q, k, v = (torch.randn(1, 2, n, 8, device=feature_device, requires_grad=True) for n in (8, 11, 11))
+def test_opcheck_varlen(device):
+    cu_q = torch.tensor([0, 3, 3, 8], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, 4, 6, 11], dtype=torch.int32, device=device)
+    q, k, v = (torch.randn(1, 2, n, 8, device=device, requires_grad=True) for n in (8, 11, 11))
     features = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=5, max_seqlen_k=5)
     torch.library.opcheck(op, (q, k, v, 0.3, BOTTOM_RIGHT, False), features)
 
@@ -120,18 +120,18 @@ def _compare_compiled(fn, leaves):
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
 
 
-def test_compile_sdpa_mask_dropout(feature_device):
-    q, k, v = (torch.randn(2, 4, n, 16, device=feature_device) for n in (12, 20, 20))
-    mask = torch.randn(12, 20, device=feature_device)
+def test_compile_sdpa_mask_dropout(device):
+    q, k, v = (torch.randn(2, 4, n, 16, device=device) for n in (12, 20, 20))
+    mask = torch.randn(12, 20, device=device)
 
     def fn(q, k, v, mask):
         return flashattn_ext.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.2)
     _compare_compiled(fn, (q, k, v, mask))
 
 
-def test_compile_flash_attn_window_alibi_softcap(feature_device):
-    q, k, v = (torch.randn(2, n, 4, 16, device=feature_device) for n in (12, 20, 20))
-    slopes = torch.rand(4, device=feature_device)
+def test_compile_flash_attn_window_alibi_softcap(device):
+    q, k, v = (torch.randn(2, n, 4, 16, device=device) for n in (12, 20, 20))
+    slopes = torch.rand(4, device=device)
 
     def fn(q, k, v):
         return flashattn_ext.flash_attn_func(q, k, v, causal=True, window_size=(5, 0), alibi_slopes=slopes,
@@ -139,10 +139,10 @@ def test_compile_flash_attn_window_alibi_softcap(feature_device):
     _compare_compiled(fn, (q, k, v))
 
 
-def test_compile_varlen(feature_device):
-    cu_q = torch.tensor([0, 3, 3, 8], dtype=torch.int32, device=feature_device)
-    cu_k = torch.tensor([0, 4, 6, 11], dtype=torch.int32, device=feature_device)
-    q, k, v = (torch.randn(n, 2, 8, device=feature_device) for n in (8, 11, 11))
+def test_compile_varlen(device):
+    cu_q = torch.tensor([0, 3, 3, 8], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, 4, 6, 11], dtype=torch.int32, device=device)
+    q, k, v = (torch.randn(n, 2, 8, device=device) for n in (8, 11, 11))
 
     def fn(q, k, v):
         return flashattn_ext.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 5, causal=True)
@@ -151,9 +151,9 @@ def test_compile_varlen(feature_device):
 
 # ---- determinism ----
 
-def test_deterministic_with_features(feature_device):
-    q, k, v = (torch.randn(2, n, 4, 32, device=feature_device) for n in (300, 257, 257))
-    slopes = torch.rand(4, device=feature_device)
+def test_deterministic_with_features(device):
+    q, k, v = (torch.randn(2, n, 4, 32, device=device) for n in (300, 257, 257))
+    slopes = torch.rand(4, device=device)
 
     def run():
         return _grads(lambda *t: flashattn_ext.flash_attn_func(*t, dropout_p=0.1, window_size=(100, 10),
