@@ -211,7 +211,7 @@ int64_t check_cu_seqlens(const Tensor& cu, const char* name, const Tensor& q, in
 
 // Checks the features against q (shape and device) and fills them into p. `batch` is the
 // number of sequences: q's batch, or len(cu_seqlens) - 1 for a variable-length batch.
-void check_and_fill_features(FwdParams& p, const Features& f, const Tensor& q, const Tensor& k, const Dims& d,
+void check_and_fill_features(FwdParams& p, const Features& f, const Tensor& q, const Dims& d,
                              int64_t causal) {
   STD_TORCH_CHECK(f.window_left >= -1 && f.window_right >= -1, "flashattn: argument 'window_size' must be (left, "
                   "right) with each >= 0, or -1 for unbounded, got (", f.window_left, ", ", f.window_right, ")");
@@ -313,7 +313,7 @@ std::tuple<Tensor, Tensor> fwd(Tensor q, Tensor k, Tensor v, double scale, int64
   const Dims d = check_qkv(q, k, v, causal);
   FwdParams p;
   fill_common(p, q, k, v, d, scale, causal);
-  check_and_fill_features(p, f, q, k, d, causal);
+  check_and_fill_features(p, f, q, d, causal);
   Tensor out = empty_like_layout(q, d.heads_q, d.len_q, d.head_dim_v, q.scalar_type());
   Tensor lse = torch::stable::empty({d.batch, d.heads_q, d.len_q}, lse_type(q.scalar_type()), std::nullopt,
                                     q.device());
@@ -354,7 +354,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> bwd(
   const Dims d = check_qkv(q, k, v, causal);
   BwdParams p;
   fill_common(p, q, k, v, d, scale, causal);
-  check_and_fill_features(p, f, q, k, d, causal);
+  check_and_fill_features(p, f, q, d, causal);
   STD_TORCH_CHECK(!bias_requires_grad || p.bias_kind == BiasKind::kFloat, "flashattn: bias_requires_grad needs a "
                   "float 'attn_bias'");
   check_attn_tensor(dout, "dout");

@@ -6,6 +6,7 @@
 #pragma once
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "../common/dropout.h"
 #include "../common/score_mods.h"
@@ -13,6 +14,7 @@
 #include "softmax.h"
 #include "tile_io.h"
 #include "tiles.h"
+#include "vec.h"
 
 namespace flashattn::cpu::FLASHATTN_CPU_ISA {
 
@@ -52,20 +54,35 @@ void apply_bias(const FwdParams& p, const TilePos& t, A* s, int64_t ld) {
   });
 }
 
-// Turns scale Q K^T into the scores the softmax takes. With softcap, `tanh_out` (if given)
-// receives tanh(s / softcap) for the backward's derivative. Keys outside a row's band and
-// the padding past the tile's last key become -inf.
+// s = softcap * tanh(s / softcap) on the tile (padding included); `tanh_out` (if given)
+// receives tanh(s / softcap) for the backward's derivative. float takes the vector tanh.
+template <class A>
+void apply_softcap(const FwdParams& p, const TilePos& t, A* s, int64_t ld, A* tanh_out) {
+  const A cap = A(p.softcap);
+  for (int64_t r = 0; r < t.rows; ++r) {
+    A* sr = s + r * ld;
+    A* tr = tanh_out ? tanh_out + r * ld : nullptr;
+    if constexpr (std::is_same_v<A, float>) {
+      for (int64_t c = 0; c < t.cols_padded; c += Vec<float>::width) {
+        const vec_t<float> th = vtanh(vload(sr + c) / cap);
+        if (tr) vstore(tr + c, th);
+        vstore(sr + c, th * cap);
+      }
+    } else {
+      for (int64_t c = 0; c < t.cols; ++c) {
+        const A th = softcap_tanh(sr[c], cap);
+        if (tr) tr[c] = th;
+        sr[c] = cap * th;
+      }
+    }
+  }
+}
+
+// Turns scale Q K^T into the scores the softmax takes: softcap, ALiBi, bias. Keys outside a
+// row's band and the padding past the tile's last key become -inf.
 template <class A>
 void prepare_scores(const FwdParams& p, const TilePos& t, A* s, int64_t ld, A* tanh_out = nullptr) {
-  if (p.softcap > 0.0) {
-    const A cap = A(p.softcap);
-    for (int64_t r = 0; r < t.rows; ++r)
-      for (int64_t c = 0; c < t.cols; ++c) {
-        const A th = softcap_tanh(s[r * ld + c], cap);
-        if (tanh_out) tanh_out[r * ld + c] = th;
-        s[r * ld + c] = cap * th;
-      }
-  }
+  if (p.softcap > 0.0) apply_softcap(p, t, s, ld, tanh_out);
   if (p.alibi_slopes) add_alibi(p, t, s, ld);
   if (p.bias_kind != BiasKind::kNone) apply_bias(p, t, s, ld);
   for (int64_t r = 0; r < t.rows; ++r) {
@@ -77,16 +94,47 @@ void prepare_scores(const FwdParams& p, const TilePos& t, A* s, int64_t ld, A* t
   }
 }
 
-// Calls f(r, c, keep) for every score of the tile (c < cols), keep = the dropout decision.
-// col0 is a multiple of 4 (tiles are), so each Philox call serves four columns of one row.
+// Philox-4x32-10 (common/philox.h) on a vector of counters at once, one per lane.
+struct PhiloxLanes {
+  using U32 = vec_t<uint32_t>;
+  typedef uint64_t U64 __attribute__((vector_size(2 * kVecBytes)));
+  U32 x[4];
+
+  void run(uint32_t key0, uint32_t key1) {
+    for (int round = 0; round < 10; ++round) {
+      const U64 p0 = __builtin_convertvector(x[0], U64) * uint64_t(0xD2511F53u);
+      const U64 p1 = __builtin_convertvector(x[2], U64) * uint64_t(0xCD9E8D57u);
+      const U32 hi0 = __builtin_convertvector(p0 >> 32, U32), lo0 = __builtin_convertvector(p0, U32);
+      const U32 hi1 = __builtin_convertvector(p1 >> 32, U32), lo1 = __builtin_convertvector(p1, U32);
+      x[0] = hi1 ^ x[1] ^ key0;
+      x[1] = lo1;
+      x[2] = hi0 ^ x[3] ^ key1;
+      x[3] = lo0;
+      key0 += 0x9E3779B9u;
+      key1 += 0xBB67AE85u;
+    }
+  }
+};
+
+// Calls f(r, c, keep) for every score of the tile (c < cols), keep = the dropout decision of
+// common/dropout.h. col0 is a multiple of 4 (tiles are), so a lane's Philox call serves four
+// columns of one row; a vector of lanes serves 4 * width columns.
 template <class F>
 void for_each_dropout(const FwdParams& p, const TilePos& t, F&& f) {
+  using U32 = vec_t<uint32_t>;
+  constexpr int W = Vec<uint32_t>::width;
   const uint32_t threshold = dropout_threshold(p.dropout_p);
-  const int64_t bh = t.sq.b * p.heads_q + t.h;
+  const uint32_t key0 = uint32_t(p.dropout_seed), key1 = uint32_t(p.dropout_seed >> 32);
+  const uint32_t bh = uint32_t(t.sq.b * p.heads_q + t.h);
+  U32 lane{};
+  for (int i = 0; i < W; ++i) lane[i] = uint32_t(i);
   for (int64_t r = 0; r < t.rows; ++r)
-    for (int64_t c = 0; c < t.cols; c += 4) {
-      const Philox4 bits = dropout_bits(p.dropout_seed, p.dropout_offset, bh, t.row0 + r, (t.col0 + c) / 4);
-      for (int i = 0; i < 4 && c + i < t.cols; ++i) f(r, c + i, bits.x[i] >= threshold);
+    for (int64_t c = 0; c < t.cols; c += 4 * W) {
+      PhiloxLanes ph{{lane + uint32_t((t.col0 + c) / 4), vbroadcast(uint32_t(t.row0 + r)), vbroadcast(bh),
+                      vbroadcast(p.dropout_offset)}};
+      ph.run(key0, key1);
+      for (int g = 0; g < W; ++g)
+        for (int i = 0; i < 4 && c + 4 * g + i < t.cols; ++i) f(r, c + 4 * g + i, ph.x[i][g] >= threshold);
     }
 }
 
