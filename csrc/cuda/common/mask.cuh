@@ -17,6 +17,11 @@ struct CausalMask {
     const int64_t end = m_last + offset + 1;
     return end < len_k ? end : len_k;
   }
+  // How many of the `width` keys from n0 on query row m sees (they are a prefix: 0..width).
+  __device__ __forceinline__ int visible_prefix(int64_t m, int64_t n0, int64_t len_k, int width) const {
+    const int64_t count = key_end(m, len_k) - n0;
+    return count <= 0 ? 0 : count >= width ? width : int(count);
+  }
   // First query row that sees key n (rows before it see no key >= n).
   __device__ __forceinline__ int64_t first_query(int64_t n) const {
     if (!enabled) return 0;

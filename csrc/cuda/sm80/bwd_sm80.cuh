@@ -165,10 +165,11 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim>::kThreads)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int row = 8 * j + 2 * t + (e & 1);  // query row in the tile
-        const int64_t n = n0 + wkey + g + 8 * (e >> 1);
         const Acc lse = lse_s[row];
-        const bool vis = lse != neg_inf<Acc>() &&
-                         (all_visible || (n < p.len_k && mask.visible(m0 + row, n)));
+        bool vis = lse != neg_inf<Acc>();
+        // Uniform over the block; only masked tiles pay for the causal / ragged-edge test.
+        if (!all_visible)
+          vis = vis && g + 8 * (e >> 1) < mask.visible_prefix(m0 + row, n0 + wkey, p.len_k, 16);
         const Acc pr = vis ? Exp::exp(st[j][e] * score_scale - lse) : Acc(0);
         st[j][e] = pr;
         dpt[j][e] = vis ? pr * (dpt[j][e] - d_s[row]) : Acc(0);
@@ -355,15 +356,19 @@ __global__ void __launch_bounds__(DqConfig<Elem, kDim>::kThreads)
       }
     }
 
+    // Keys of this tile each row sees (a prefix); the test is skipped on all-visible tiles.
     const bool all_visible = n0 + kBN <= p.len_k && mask.visible(m0, n0 + kBN - 1);
+    int visible[2] = {kBN, kBN};
+    if (!all_visible) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) visible[r] = mask.visible_prefix(m0 + wrow + g + 8 * r, n0, p.len_k, kBN);
+    }
 #pragma unroll
     for (int j = 0; j < kNA; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = e >> 1;
-        const int64_t m = m0 + wrow + g + 8 * r;
-        const int64_t n = n0 + 8 * j + 2 * t + (e & 1);
-        const bool vis = lse[r] != neg_inf<Acc>() && (all_visible || (n < p.len_k && mask.visible(m, n)));
+        const bool vis = lse[r] != neg_inf<Acc>() && 8 * j + 2 * t + (e & 1) < visible[r];
         const Acc pr = vis ? Exp::exp(s[j][e] * score_scale - lse[r]) : Acc(0);
         dp[j][e] = vis ? pr * (dp[j][e] - dsum[r]) : Acc(0);
       }

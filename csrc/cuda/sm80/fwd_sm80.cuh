@@ -131,17 +131,20 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim>::kThreads)
     for (int mw = 0; mw < kMW; ++mw) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const int64_t m = m0 + wrow + 16 * mw + g + 8 * r;
         Acc row[2 * kNA];
 #pragma unroll
         for (int j = 0; j < kNA; ++j)
 #pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            const int64_t n = n0 + 8 * j + 2 * t + c;
-            const Acc x = s[mw][j][2 * r + c];
-            row[2 * j + c] = (all_visible || (n < p.len_k && mask.visible(m, n))) ? x * score_scale
-                                                                                  : neg_inf<Acc>();
-          }
+          for (int c = 0; c < 2; ++c) row[2 * j + c] = s[mw][j][2 * r + c] * score_scale;
+        // Uniform over the block; a masked tile compares 32-bit column indices.
+        if (!all_visible) {
+          const int visible = mask.visible_prefix(m0 + wrow + 16 * mw + g + 8 * r, n0, p.len_k, kBN);
+#pragma unroll
+          for (int j = 0; j < kNA; ++j)
+#pragma unroll
+            for (int c = 0; c < 2; ++c)
+              if (8 * j + 2 * t + c >= visible) row[2 * j + c] = neg_inf<Acc>();
+        }
         alpha[mw][r] = online_softmax_step<4>(row, row_max[mw][r], row_sum[mw][r]);
 #pragma unroll
         for (int j = 0; j < kNA; ++j)
