@@ -13,6 +13,8 @@ from reference import BOTTOM_RIGHT, CAUSAL_IDS, CAUSAL_MODES, NONE, TOP_LEFT
 
 DTYPES = [torch.float64, torch.float32, torch.bfloat16]
 DTYPE_IDS = ["fp64", "fp32", "bf16"]
+ALL_DTYPES = DTYPES + [torch.float16]  # for the combination tests
+ALL_DTYPE_IDS = DTYPE_IDS + ["fp16"]
 op = torch.ops.flashattn.fwd
 
 
@@ -202,7 +204,7 @@ def test_dropout_seeded_by_torch(device):
 
 # ---- combinations ----
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=ALL_DTYPE_IDS)
 def test_window_alibi_softcap_dropout_gqa(device, dtype):
     q, k, v = _qkv(dtype, device, lq=140, lk=100, mult=2.0)
     slopes = torch.rand(2, 4, device=device)
@@ -213,7 +215,7 @@ def test_window_alibi_softcap_dropout_gqa(device, dtype):
     check_features(fn, ref, [q, k, v], dlse=torch.randn(2, 4, 140, device=device))
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=ALL_DTYPE_IDS)
 @pytest.mark.parametrize("causal", CAUSAL_MODES, ids=CAUSAL_IDS)
 def test_bias_with_causal_softcap_dropout(device, dtype, causal):
     q, k, v = _qkv(dtype, device, lq=70, lk=90)
