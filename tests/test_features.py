@@ -194,7 +194,7 @@ def test_dropout_seeded_by_torch(device):
     def run(seed):
         torch.manual_seed(seed)
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        out = flashattn_ext.flash_attn_func(*leaves, dropout_p=0.3)
+        out = flashattn_ext.flash_attn_func(*leaves, dropout_p=0.3, deterministic=True)
         return [out.detach()] + list(torch.autograd.grad(out.square().sum(), leaves))
 
     first, again, other = run(1), run(1), run(2)
@@ -228,6 +228,17 @@ def test_bias_with_causal_softcap_dropout(device, dtype, causal):
 
 # ---- variable-length batches ----
 
+def _assert_equal_to_rounding(got, expected):
+    """Within a few roundings of the dtype, relative to the largest magnitude (at least 1);
+    infinities (lse of rows with no key) at the same places."""
+    rel = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2**-6, torch.float16: 2**-8}[got.dtype]
+    assert torch.equal(got.isinf(), expected.isinf()) and torch.equal(got[got.isinf()], expected[expected.isinf()])
+    fin = ~expected.isinf()
+    if fin.any():
+        scale = max(expected[fin].abs().max().item(), 1.0)
+        assert (got[fin].double() - expected[fin].double()).abs().max().item() <= rel * scale
+
+
 LENS = {"mixed": ([5, 0, 130, 300, 1], [7, 3, 130, 200, 0]), "equal": ([64, 64], [64, 64])}
 
 
@@ -243,7 +254,9 @@ def _packed(lens_q, lens_k, dtype, device, hq=4, hkv=2, e=16):
 @pytest.mark.parametrize("lens", list(LENS.values()), ids=list(LENS))
 def test_varlen_equals_each_sequence_alone(device, dtype, causal, features, lens):
     """Sequences of lengths 0 to 300 (some with no key), each compared with flash_attn_func
-    on that sequence alone: out and lse identical, gradients equal to rounding."""
+    on that sequence alone: out and lse identical on CPU (the same kernel; on CUDA a plain
+    call may take a tensor-core kernel, so there equal to rounding), gradients equal to
+    rounding."""
     lens_q, lens_k = lens
     q, k, v, cu_q, cu_k = _packed(lens_q, lens_k, dtype, device)
     n = len(lens_q)
@@ -261,11 +274,14 @@ def test_varlen_equals_each_sequence_alone(device, dtype, causal, features, lens
         alone = [t[r].detach()[None].requires_grad_() for t, r in zip((q, k, v), rows)]
         o, l = flashattn_ext.flash_attn_func(*alone, return_lse=True,
                                              alibi_slopes=None if features == "plain" else slopes[b:b + 1], **opts)
-        assert torch.equal(o[0], out[rows[0]]) and torch.equal(l[0], lse[:, rows[0]])
+        if device == "cpu":
+            assert torch.equal(o[0], out[rows[0]]) and torch.equal(l[0], lse[:, rows[0]])
+        _assert_equal_to_rounding(out[rows[0]], o[0])
+        _assert_equal_to_rounding(lse[:, rows[0]], l[0])
         if o.numel() == 0:
             continue
         for g_alone, g, r in zip(torch.autograd.grad(o, alone, dout[rows[0]][None]), grads, rows):
-            torch.testing.assert_close(g_alone[0], g[r])
+            _assert_equal_to_rounding(g[r], g_alone[0])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
