@@ -43,7 +43,7 @@ __device__ __forceinline__ void atomic_add_pair(double* dst, double x, double y)
 }
 
 template <class Elem, int kDim>
-__global__ void __launch_bounds__(BwdConfig<Elem, kDim>::kThreads)
+__global__ void __launch_bounds__(BwdConfig<Elem, kDim>::kThreads, BwdConfig<Elem, kDim>::kMinBlocks)
     bwd_dkdv_kernel(const BwdParams p, const typename Mma<Elem>::Acc* dsum_g,
                     typename Mma<Elem>::Acc* dq_accum, int num_n_tiles) {
   using Cfg = BwdConfig<Elem, kDim>;

@@ -22,10 +22,11 @@ template <class Elem, int kDim>
 struct FwdConfig {
   static constexpr bool kHalf = sizeof(Elem) == 2;
   static constexpr bool kDouble = std::is_same_v<Elem, double>;
-  static constexpr int kWarps = kDouble && kDim > 64 ? 8 : 4;
-  static constexpr int kMW = kHalf ? 2 : 1;  // 16-row groups per warp
-  static constexpr int kBN = kDouble ? (kDim > 64 ? 16 : 32) : (kDim > 64 ? 32 : 64);
+  static constexpr int kWarps = kHalf || kDim > 64 ? 8 : 4;
+  static constexpr int kMW = 1;  // 16-row groups per warp
+  static constexpr int kBN = kDouble ? (kDim > 64 ? 16 : 32) : 64;
   static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kMinBlocks = kHalf ? 2 : 1;  // per SM: fp16/bf16 are held to 128 registers
   static constexpr int kBM = 16 * kMW * kWarps;
   static constexpr int kLd = kDim + 8;  // smem row pitch in elements
   static constexpr size_t kSmemBytes = size_t(kBM + 4 * kBN) * kLd * sizeof(Elem);
@@ -43,7 +44,10 @@ struct BwdConfig {
   static constexpr int kWarps = kHalf ? 8 : 4;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kBN = 16 * kWarps;
-  static constexpr int kBM = kHalf ? 64 : 32;
+  // fp16/bf16 at dim 64: 32-row query tiles keep a thread within 128 registers, so two
+  // blocks (16 warps) share an SM.
+  static constexpr int kBM = kHalf && kDim > 64 ? 64 : 32;
+  static constexpr int kMinBlocks = kHalf && kDim <= 64 ? 2 : 1;
   static constexpr int kLd = kDim + 8;   // K, V, Q, dO rows
   static constexpr int kLdS = kBN + 8;   // dS rows
   static constexpr size_t kSmemBytes =
