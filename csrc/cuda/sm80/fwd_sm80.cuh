@@ -24,7 +24,7 @@
 namespace flashattn::cuda::sm80 {
 
 template <class Elem, int kDim>
-__global__ void __launch_bounds__(FwdConfig<Elem, kDim>::kThreads, FwdConfig<Elem, kDim>::kMinBlocks)
+__global__ void __launch_bounds__(FwdConfig<Elem, kDim>::kThreads)
     fwd_kernel(const FwdParams p, int num_m_tiles) {
   using Cfg = FwdConfig<Elem, kDim>;
   using M = Mma<Elem>;
