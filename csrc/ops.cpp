@@ -181,9 +181,10 @@ bool same_device(const Tensor& a, const Tensor& b) {
   return (a.is_cpu() && b.is_cpu()) || (a.is_cuda() && b.is_cuda() && a.get_device_index() == b.get_device_index());
 }
 
-// Checks a cu_seqlens tensor and returns its longest sequence. Its values are read on the
-// host: a CUDA tensor is copied there first (a sync, the price of never reading out of bounds).
-int64_t check_cu_seqlens(const Tensor& cu, const char* name, const Tensor& q, int64_t batch_plus_one, int64_t total,
+// Checks a cu_seqlens tensor, and that max_seqlen covers its longest sequence. Its values are
+// read on the host: a CUDA tensor is copied there first (a sync, the price of never reading
+// out of bounds).
+void check_cu_seqlens(const Tensor& cu, const char* name, const Tensor& q, int64_t batch_plus_one, int64_t total,
                          int64_t max_seqlen, const char* max_name) {
   STD_TORCH_CHECK(cu.scalar_type() == ScalarType::Int, "flashattn: argument '", name, "' must have dtype int32, got ",
                   dtype_name(cu.scalar_type()));
@@ -206,11 +207,10 @@ int64_t check_cu_seqlens(const Tensor& cu, const char* name, const Tensor& q, in
                   total, ", got ", c[cu.size(0) - 1]);
   STD_TORCH_CHECK(max_seqlen >= longest, "flashattn: argument '", max_name, "' (", max_seqlen,
                   ") is smaller than the longest sequence in '", name, "' (", longest, ")");
-  return longest;
 }
 
-// Checks the features against q (shape and device) and fills them into p. `batch` is the
-// number of sequences: q's batch, or len(cu_seqlens) - 1 for a variable-length batch.
+// Checks the features against q's shape and device and fills them into p. A variable-length
+// batch turns p's batch into the number of sequences and its lengths into the longest ones.
 void check_and_fill_features(FwdParams& p, const Features& f, const Tensor& q, const Dims& d,
                              int64_t causal) {
   STD_TORCH_CHECK(f.window_left >= -1 && f.window_right >= -1, "flashattn: argument 'window_size' must be (left, "
@@ -282,8 +282,9 @@ void check_and_fill_features(FwdParams& p, const Features& f, const Tensor& q, c
     STD_TORCH_CHECK(f.rng_state.has_value(), "flashattn: dropout_p > 0 needs argument 'rng_state' (int64 [seed, "
                     "offset] on the CPU)");
     const Tensor& r = *f.rng_state;
-    STD_TORCH_CHECK(r.is_cpu() && r.scalar_type() == ScalarType::Long && r.dim() == 1 && r.size(0) == 2,
-                    "flashattn: argument 'rng_state' must be an int64 CPU tensor [seed, offset], got shape ",
+    STD_TORCH_CHECK(r.is_cpu() && r.scalar_type() == ScalarType::Long && r.dim() == 1 && r.size(0) == 2 &&
+                        r.is_contiguous(),
+                    "flashattn: argument 'rng_state' must be a contiguous int64 CPU tensor [seed, offset], got shape ",
                     shape_str(r), " and dtype ", dtype_name(r.scalar_type()));
     const int64_t* st = static_cast<const int64_t*>(r.const_data_ptr());
     p.dropout_seed = uint64_t(st[0]);
@@ -443,8 +444,8 @@ Tensor dropout_mask(Tensor rng_state, int64_t batch, int64_t heads, int64_t len_
   STD_TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "flashattn: argument 'dropout_p' must be in [0, 1), got ",
                   dropout_p);
   STD_TORCH_CHECK(rng_state.is_cpu() && rng_state.scalar_type() == ScalarType::Long && rng_state.dim() == 1 &&
-                      rng_state.size(0) == 2,
-                  "flashattn: argument 'rng_state' must be an int64 CPU tensor [seed, offset], got shape ",
+                      rng_state.size(0) == 2 && rng_state.is_contiguous(),
+                  "flashattn: argument 'rng_state' must be a contiguous int64 CPU tensor [seed, offset], got shape ",
                   shape_str(rng_state), " and dtype ", dtype_name(rng_state.scalar_type()));
   const int64_t* st = static_cast<const int64_t*>(rng_state.const_data_ptr());
   const uint64_t seed = uint64_t(st[0]);

@@ -175,6 +175,6 @@ def check_features(q, k, causal, attn_bias=None, window_left=-1, window_right=-1
         if rng_state is None:
             raise RuntimeError("flashattn: dropout_p > 0 needs argument 'rng_state' (int64 [seed, offset] on the CPU)")
         r = rng_state
-        if r.device.type != "cpu" or r.dtype != torch.int64 or r.dim() != 1 or r.shape[0] != 2:
-            raise RuntimeError(f"flashattn: argument 'rng_state' must be an int64 CPU tensor [seed, offset], got shape "
-                               f"{_shape(r)} and dtype {_dtype_name(r.dtype)}")
+        if r.device.type != "cpu" or r.dtype != torch.int64 or r.dim() != 1 or r.shape[0] != 2 or not r.is_contiguous():
+            raise RuntimeError(f"flashattn: argument 'rng_state' must be a contiguous int64 CPU tensor [seed, offset], "
+                               f"got shape {_shape(r)} and dtype {_dtype_name(r.dtype)}")

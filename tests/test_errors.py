@@ -241,7 +241,9 @@ def _cu(*values, dtype=torch.int32):
     (dict(dropout_p=1.0), r"argument 'dropout_p' must be in \[0, 1\), got 1"),
     (dict(dropout_p=0.5), r"dropout_p > 0 needs argument 'rng_state'"),
     (dict(dropout_p=0.5, rng_state=torch.zeros(3, dtype=torch.int64)),
-     r"argument 'rng_state' must be an int64 CPU tensor \[seed, offset\], got shape \[3\]"),
+     r"argument 'rng_state' must be a contiguous int64 CPU tensor \[seed, offset\], got shape \[3\]"),
+    (dict(dropout_p=0.5, rng_state=torch.zeros(4, dtype=torch.int64)[::2]),
+     r"argument 'rng_state' must be a contiguous int64 CPU tensor .*got shape \[2\]"),
     (dict(window_left=-2), r"argument 'window_size' must be \(left, right\) with each >= 0, or -1 for unbounded, "
                            r"got \(-2, -1\)"),
     (dict(window_right=-5), r"argument 'window_size' .*got \(-1, -5\)"),
@@ -252,7 +254,8 @@ def _cu(*values, dtype=torch.int32):
     (dict(alibi_slopes=torch.ones(2, dtype=torch.float64)),
      r"argument 'alibi_slopes' must have dtype float32, got float64"),
 ], ids=["bias_shape", "bias_rank", "bias_int", "bias_float64", "bias_meta", "p_negative", "p_one", "no_rng",
-        "rng_shape", "window_left", "window_right", "softcap", "slopes_shape", "slopes_batch", "slopes_dtype"])
+        "rng_shape", "rng_strided", "window_left", "window_right", "softcap", "slopes_shape", "slopes_batch",
+        "slopes_dtype"])
 def test_feature_arguments(fwd, features, match):
     q, k, v = _qkv("cpu")
     with pytest.raises(RuntimeError, match=match):
