@@ -73,6 +73,9 @@ void fwd_typed(const FwdParams& p, cudaStream_t stream) {
     if (tensor_core_kernels_allowed<T>()) {
       if (e_max <= 64 && sm80::fwd<T, 64>(p, stream)) return;
       if (e_max > 64 && e_max <= 128 && sm80::fwd<T, 128>(p, stream)) return;
+      if constexpr (sizeof(T) == 2) {
+        if (e_max > 128 && e_max <= 256 && sm80::fwd<T, 256>(p, stream)) return;
+      }
     }
   }
   if constexpr (!std::is_same_v<T, double>) {

@@ -10,7 +10,7 @@
 
 namespace flashattn::cuda::sm80 {
 
-// Forward for head_dim and head_dim_v both <= kDim (64 or 128).
+// Forward for head_dim and head_dim_v both <= kDim (64 or 128; 256 for fp16/bf16).
 template <class Elem, int kDim>
 bool fwd(const FwdParams& p, cudaStream_t stream);
 
