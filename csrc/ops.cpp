@@ -194,7 +194,8 @@ void check_cu_seqlens(const Tensor& cu, const char* name, const Tensor& q, int64
                   "the same length (batch + 1), got ", batch_plus_one, " and ", cu.size(0));
   STD_TORCH_CHECK(same_device(cu, q), "flashattn: argument '", name, "' is on device ", device_str(cu),
                   " but 'q' is on ", device_str(q), "; they must be on the same device");
-  const Tensor host = cu.is_cpu() ? cu : torch::stable::to(cu, torch::stable::Device(torch::headeronly::DeviceType::CPU));
+  const Tensor host =
+      cu.is_cpu() ? cu : torch::stable::to(cu, torch::stable::Device(torch::headeronly::DeviceType::CPU));
   const int32_t* c = static_cast<const int32_t*>(host.const_data_ptr());
   STD_TORCH_CHECK(c[0] == 0, "flashattn: argument '", name, "' must start at 0, got ", c[0]);
   int64_t longest = 0;

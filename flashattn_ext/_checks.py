@@ -153,7 +153,8 @@ def check_features(q, k, causal, attn_bias=None, window_left=-1, window_right=-1
             raise RuntimeError(f"flashattn: argument 'alibi_slopes' must have shape [{heads_q}] (heads) or [{batch}, "
                                f"{heads_q}] (batch, heads), got {_shape(a)}")
         if a.dtype != torch.float32:
-            raise RuntimeError(f"flashattn: argument 'alibi_slopes' must have dtype float32, got {_dtype_name(a.dtype)}")
+            raise RuntimeError(f"flashattn: argument 'alibi_slopes' must have dtype float32, got "
+                               f"{_dtype_name(a.dtype)}")
         if a.numel() > 0 and a.stride(-1) != 1:
             raise RuntimeError("flashattn: argument 'alibi_slopes' must have a contiguous last dimension (stride 1)")
         if not _same_device(a, q):
@@ -163,8 +164,9 @@ def check_features(q, k, causal, attn_bias=None, window_left=-1, window_right=-1
         m = attn_bias
         full = (batch, heads_q, len_q, len_k)
         if m.dim() != 4 or any(s not in (f, 1) for s, f in zip(m.shape, full)):
-            raise RuntimeError(f"flashattn: argument 'attn_bias' must have shape [{batch}, {heads_q}, {len_q}, {len_k}] "
-                               f"(batch, heads, len_q, len_k), each dimension possibly 1 (broadcast), got {_shape(m)}")
+            raise RuntimeError(f"flashattn: argument 'attn_bias' must have shape [{batch}, {heads_q}, {len_q}, "
+                               f"{len_k}] (batch, heads, len_q, len_k), each dimension possibly 1 (broadcast), got "
+                               f"{_shape(m)}")
         if m.dtype not in (torch.bool, q.dtype, torch.float32):
             raise RuntimeError(f"flashattn: argument 'attn_bias' has dtype {_dtype_name(m.dtype)}; it must be bool "
                                f"(True = take part), or float in the query's dtype ({_dtype_name(q.dtype)}) or float32")
