@@ -226,6 +226,22 @@ def test_bias_with_causal_softcap_dropout(device, dtype, causal):
     check_features(fn, ref, [q, k, v, m])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("head_dim,head_dim_v", [(96, 96), (64, 200), (256, 256)])
+def test_features_with_head_dims(device, dtype, head_dim, head_dim_v):
+    """Every feature at head dims that the CUDA kernels cut into column slices (a block per
+    slice recomputes the scores; one of them writes the bias gradient)."""
+    q, k, v = _qkv(dtype, device, b=1, hq=2, hkv=1, lq=70, lk=90, e=head_dim, ev=head_dim_v)
+    m = _mask("float", (1, 2, 70, 90), dtype, device)
+    slopes = torch.rand(2, device=device)
+    keep = dropout_mask(_rng(4), 1, 2, 70, 90, 0.2).to(device)
+    fn = _op(head_dim**-0.5, BOTTOM_RIGHT, attn_bias=None, window_left=40, alibi_slopes=slopes, softcap=6.0,
+             dropout_p=0.2, rng_state=_rng(4))
+    ref = _ref(head_dim**-0.5, BOTTOM_RIGHT, bias=None, window=(40, -1), alibi=slopes, softcap=6.0, keep=keep,
+               dropout_p=0.2)
+    check_features(fn, ref, [q, k, v, m])
+
+
 # ---- variable-length batches ----
 
 def _assert_equal_to_rounding(got, expected):
