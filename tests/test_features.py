@@ -23,14 +23,14 @@ def _qkv(dtype, device, b=2, hq=4, hkv=2, lq=70, lk=150, e=16, ev=16, mult=1.0):
     return make(b, hq, lq, e), make(b, hkv, lk, e), make(b, hkv, lk, ev)
 
 
-def _op(scale, causal, **features):
+def _op(scale, causal, deterministic=False, **features):
     """fn(q, k, v, *extra) for check_features: extra leaves fill the features named in
     `features` whose value is None, in order (a differentiable bias)."""
     def fn(q, k, v, *extra):
         f = dict(features)
         for name, t in zip([n for n, x in features.items() if x is None], extra):
             f[name] = t
-        return op(q, k, v, scale, causal, **f)
+        return op(q, k, v, scale, causal, deterministic, **f)
     return fn
 
 
@@ -205,12 +205,14 @@ def test_dropout_seeded_by_torch(device):
 # ---- combinations ----
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=ALL_DTYPE_IDS)
-def test_window_alibi_softcap_dropout_gqa(device, dtype):
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_window_alibi_softcap_dropout_gqa(device, dtype, deterministic):
+    """Both backward paths of the CUDA kernels (dQ by atomics, and by its own kernel)."""
     q, k, v = _qkv(dtype, device, lq=140, lk=100, mult=2.0)
     slopes = torch.rand(2, 4, device=device)
     keep = dropout_mask(_rng(5), 2, 4, 140, 100, 0.2).to(device)
-    fn = _op(0.25, BOTTOM_RIGHT, window_left=30, window_right=-1, alibi_slopes=slopes, softcap=4.0, dropout_p=0.2,
-             rng_state=_rng(5))
+    fn = _op(0.25, BOTTOM_RIGHT, deterministic, window_left=30, window_right=-1, alibi_slopes=slopes, softcap=4.0,
+             dropout_p=0.2, rng_state=_rng(5))
     ref = _ref(0.25, BOTTOM_RIGHT, window=(30, -1), alibi=slopes, softcap=4.0, keep=keep, dropout_p=0.2)
     check_features(fn, ref, [q, k, v], dlse=torch.randn(2, 4, 140, device=device))
 
