@@ -85,6 +85,18 @@ def test_float32_bias_with_bfloat16_inputs(device):
     assert got["grad3"].dtype == torch.float32
 
 
+def test_mask_read_in_place(device):
+    """A broadcast mask reaches the op as a stride-0 view: no copy of it is made."""
+    q, k, v = (t.detach() for t in _qkv(torch.float32, device))
+    mask = torch.rand(70, 150, device=device) > 0.5
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        flashattn_ext.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    names = {e.name for e in prof.events()}
+    assert any(n.startswith("flashattn::") for n in names)
+    copies = names & {"aten::copy_", "aten::clone", "aten::contiguous", "aten::_to_copy"}
+    assert not copies, f"the mask was copied: {sorted(copies)}"
+
+
 @pytest.mark.parametrize("lead", [(), (2,), (2, 3)], ids=["3d", "4d", "5d"])
 @pytest.mark.parametrize("mask_shape", [(9, 13), (4, 1, 13), (1, 9, 13)], ids=["LS", "H1S", "1LS"])
 @pytest.mark.parametrize("kind", ["bool", "float"])
