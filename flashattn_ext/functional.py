@@ -39,7 +39,7 @@ def _check_tensors(names_and_tensors, rank_rule):
         rank_rule(name, t)
 
 
-def _sdpa_mask(attn_mask, target):
+def _sdpa_mask(attn_mask, target, query_dtype):
     """attn_mask broadcast (a view, no copy) to `target` = (*lead, H, L, S)."""
     if not isinstance(attn_mask, torch.Tensor):
         raise TypeError(f"flashattn_ext: attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
@@ -47,9 +47,9 @@ def _sdpa_mask(attn_mask, target):
     if len(shape) > len(target) or any(s not in (1, t) for s, t in zip(reversed(shape), reversed(target))):
         raise ValueError(f"flashattn_ext: attn_mask of shape {shape} does not broadcast to (*batch, heads, L, S) = "
                          f"{tuple(target)}")
-    if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
-        raise ValueError(f"flashattn_ext: attn_mask must be bool (True = take part) or float (added to the scores), "
-                         f"got dtype {attn_mask.dtype}")
+    if attn_mask.dtype not in (torch.bool, query_dtype, torch.float32):
+        raise ValueError(f"flashattn_ext: attn_mask must be bool (True = take part) or float (added to the scores) "
+                         f"in the query's dtype ({query_dtype}) or float32, got dtype {attn_mask.dtype}")
     return attn_mask.expand(target)
 
 
@@ -87,7 +87,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         return t.reshape((-1,) + tuple(t.shape[-3:])) if t.dim() != 4 else t
 
     if attn_mask is not None:
-        attn_mask = to_4d(_sdpa_mask(attn_mask, tuple(lead) + (hq, query.shape[-2], key.shape[-2])))
+        attn_mask = to_4d(_sdpa_mask(attn_mask, tuple(lead) + (hq, query.shape[-2], key.shape[-2]), query.dtype))
     out, _ = _attention(to_4d(query), to_4d(key), to_4d(value), scale,
                         CAUSAL_TOP_LEFT if is_causal else CAUSAL_NONE, False, attn_bias=attn_mask,
                         dropout_p=dropout_p)

@@ -322,9 +322,11 @@ def test_public_feature_arguments(device):
     with pytest.raises(ValueError, match=r"attn_mask of shape \(4, 6\) does not broadcast to \(\*batch, heads, L, S\) "
                                          r"= \(1, 2, 5, 6\)"):
         flashattn_ext.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(4, 6, device=device))
-    with pytest.raises(ValueError, match="attn_mask must be bool .* got dtype torch.int64"):
-        flashattn_ext.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(5, 6, dtype=torch.int64,
-                                                                                 device=device))
+    for dtype in (torch.int64, torch.float64):
+        with pytest.raises(ValueError, match=r"attn_mask must be bool \(True = take part\) or float \(added to the "
+                                             rf"scores\) in the query's dtype \(torch.float32\) or float32, got "
+                                             rf"dtype {dtype}"):
+            flashattn_ext.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(5, 6, dtype=dtype, device=device))
     with pytest.raises(RuntimeError, match=r"argument 'dropout_p' must be in \[0, 1\), got 1.5"):
         flashattn_ext.scaled_dot_product_attention(q, k, v, dropout_p=1.5)
     ql, kl, vl = (t.transpose(1, 2) for t in (q, k, v))
