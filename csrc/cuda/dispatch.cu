@@ -119,6 +119,9 @@ void bwd_typed(const BwdParams& p, cudaStream_t stream) {
     if (tensor_core_kernels_allowed<T>()) {
       if (e_max <= 64) dkdv_done = sm80::bwd_dkdv<T, 64>(p, dsum, dq_accum, stream);
       else if (e_max <= 128) dkdv_done = sm80::bwd_dkdv<T, 128>(p, dsum, dq_accum, stream);
+      if constexpr (sizeof(T) == 2) {
+        if (e_max > 128 && e_max <= 256) dkdv_done = sm80::bwd_dkdv<T, 256>(p, dsum, dq_accum, stream);
+      }
       if (p.deterministic && e_max <= 64) dq_done = sm80::bwd_dq<T, 64>(p, dsum, stream);
       else if (p.deterministic && e_max <= 128) dq_done = sm80::bwd_dq<T, 128>(p, dsum, stream);
     }

@@ -53,10 +53,13 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim>::kThreads, BwdConfig<Ele
   constexpr int kBM = Cfg::kBM, kBN = Cfg::kBN, kLd = Cfg::kLd, kLdS = Cfg::kLdS;
   constexpr int kThreads = Cfg::kThreads, kWarps = Cfg::kWarps;
   constexpr int kQA = kBM / 8;   // S^T atoms of a warp (8 query rows each)
-  constexpr int kDA = kDim / 8;  // dK / dV atoms of a warp
+  // Output columns [c0, c0 + kDimOut) of dK, dV and dQ are this block's (kDimOut = kDim unless
+  // the dims are split across blocks: both halves recompute S and dP in full).
+  constexpr int kDimOut = Cfg::kDimOut;
+  constexpr int kDA = kDimOut / 8;  // dK / dV atoms of a warp
   // dQ split: warp -> (16-row group, column group of kDim / kColGroups).
   constexpr int kRowGroups = kBM / 16, kColGroups = kWarps / kRowGroups;
-  constexpr int kQCols = kDim / kColGroups, kQCA = kQCols / 8;
+  constexpr int kQCols = kDimOut / kColGroups, kQCA = kQCols / 8;
   static_assert(kWarps % kRowGroups == 0 && kQCA % 2 == 0, "dQ split");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -71,6 +74,8 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim>::kThreads, BwdConfig<Ele
   int64_t bid = blockIdx.x;
   const int nt = int(bid % num_n_tiles);  // early key tiles (most query rows under causal) first
   bid /= num_n_tiles;
+  const int c0 = int(bid % Cfg::kSplit) * kDimOut;
+  bid /= Cfg::kSplit;
   const int64_t hk = bid % p.heads_kv;
   const int64_t b = bid / p.heads_kv;
   const int64_t group = p.heads_q / p.heads_kv;
@@ -183,8 +188,8 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim>::kThreads, BwdConfig<Ele
 #pragma unroll
       for (int d = 0; d < kDA; d += 2) {
         typename M::B bo[2], bq[2];
-        M::load_b2_kn(bo, do_s + kk * kLd + 8 * d, kLd, lane);
-        M::load_b2_kn(bq, q_s + kk * kLd + 8 * d, kLd, lane);
+        M::load_b2_kn(bo, do_s + kk * kLd + c0 + 8 * d, kLd, lane);
+        M::load_b2_kn(bq, q_s + kk * kLd + c0 + 8 * d, kLd, lane);
         M::mma(dv[d], ap, bo[0]);
         M::mma(dv[d + 1], ap, bo[1]);
         M::mma(dk[d], ads, bq[0]);
@@ -213,7 +218,7 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim>::kThreads, BwdConfig<Ele
 #pragma unroll
         for (int d = 0; d < kQCA; d += 2) {
           typename M::B bk[2];
-          M::load_b2_kn(bk, sK + kk * kLd + cg * kQCols + 8 * d, kLd, lane);
+          M::load_b2_kn(bk, sK + kk * kLd + c0 + cg * kQCols + 8 * d, kLd, lane);
           M::mma(dq[d], a, bk[0]);
           M::mma(dq[d + 1], a, bk[1]);
         }
@@ -225,7 +230,7 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim>::kThreads, BwdConfig<Ele
         if (m0 + row >= p.len_q) continue;
 #pragma unroll
         for (int d = 0; d < kQCA; ++d) {
-          const int col = cg * kQCols + 8 * d + 2 * t;
+          const int col = c0 + cg * kQCols + 8 * d + 2 * t;
           if (col < E) atomic_add_pair(dq_row + int64_t(row) * E + col, dq[d][2 * r], dq[d][2 * r + 1]);
         }
       }
@@ -241,7 +246,7 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim>::kThreads, BwdConfig<Ele
     if (key >= rows_k) continue;
 #pragma unroll
     for (int d = 0; d < kDA; ++d) {
-      const int col = 8 * d + 2 * t;
+      const int col = c0 + 8 * d + 2 * t;
       if (col < E)
         M::store_pair(dk_g + (n0 + key) * p.dk_stride.row + col, dk[d][2 * r] * scale,
                       dk[d][2 * r + 1] * scale);
@@ -444,7 +449,7 @@ bool bwd_dkdv(const BwdParams& p, const void* dsum, void* dq_accum, cudaStream_t
       return false;
     using Acc = typename Mma<Elem>::Acc;
     const int64_t num_n_tiles = (p.len_k + Cfg::kBN - 1) / Cfg::kBN;
-    const int64_t blocks = num_n_tiles * p.heads_kv * p.batch;
+    const int64_t blocks = num_n_tiles * Cfg::kSplit * p.heads_kv * p.batch;
     if (blocks > 0x7fffffff) throw std::runtime_error("flashattn_ext CUDA backend: backward grid too large");
     auto kernel = bwd_dkdv_kernel<Elem, kDim>;
     set_smem(kernel, Cfg::kSmemBytes, "sm80::bwd_dkdv_kernel");

@@ -14,13 +14,13 @@ namespace flashattn::cuda::sm80 {
 template <class Elem, int kDim>
 bool fwd(const FwdParams& p, cudaStream_t stream);
 
-// dK and dV for head_dim and head_dim_v both <= kDim (64 or 128), and, when `dq_accum` is
+// dK and dV for head_dim and head_dim_v both <= kDim (64 or 128; 256 for fp16/bf16), and, when `dq_accum` is
 // not null, dQ / scale added atomically into it (accumulator type, contiguous (batch,
 // heads_q, len_q, head_dim)). `dsum` holds D = rowsum(dO * O) - dlse (accumulator type).
 template <class Elem, int kDim>
 bool bwd_dkdv(const BwdParams& p, const void* dsum, void* dq_accum, cudaStream_t stream);
 
-// dQ written directly (deterministic path), for the dims bwd_dkdv serves.
+// dQ written directly (deterministic path), for head dims up to 64 or 128.
 template <class Elem, int kDim>
 bool bwd_dq(const BwdParams& p, const void* dsum, cudaStream_t stream);
 

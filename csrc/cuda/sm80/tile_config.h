@@ -42,12 +42,16 @@ struct BwdConfig {
   static constexpr bool kHalf = sizeof(Elem) == 2;
   static constexpr bool kDouble = std::is_same_v<Elem, double>;
   static constexpr bool kServed = !(kDouble && kDim > 64);
+  // Dim 256 (fp16/bf16): blocks own half the output columns each (dK/dV accumulators of
+  // dim 128); S and dP are computed by both halves.
+  static constexpr int kSplit = kDim > 128 ? 2 : 1;
+  static constexpr int kDimOut = kDim / kSplit;
   static constexpr int kWarps = kHalf ? 8 : 4;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kBN = 16 * kWarps;
   // fp16/bf16 at dim 64: 32-row query tiles keep a thread within 128 registers, so two
   // blocks (16 warps) share an SM.
-  static constexpr int kBM = kHalf && kDim > 64 ? 64 : 32;
+  static constexpr int kBM = kHalf && kDim > 64 && kDim <= 128 ? 64 : 32;
   static constexpr int kMinBlocks = kHalf && kDim <= 64 ? 2 : 1;
   static constexpr int kLd = kDim + 8;   // K, V, Q, dO rows
   static constexpr int kLdS = kBN + 8;   // dS rows
@@ -59,7 +63,7 @@ struct BwdConfig {
 // the dK/dV kernel is.
 template <class Elem, int kDim>
 struct DqConfig {
-  static constexpr bool kServed = BwdConfig<Elem, kDim>::kServed;
+  static constexpr bool kServed = BwdConfig<Elem, kDim>::kServed && kDim <= 128;
   static constexpr int kWarps = 4;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kBM = 16 * kWarps;
