@@ -39,7 +39,7 @@ def test_grouped_query(device, dtype, causal, heads_kv, len_q, len_k):
     check_against_reference(q, k, v, 32**-0.5, causal)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("causal", [NONE, BOTTOM_RIGHT], ids=["none", "bottom_right"])
 @pytest.mark.parametrize("head_dim,head_dim_v", [(1, 1), (8, 8), (32, 32), (64, 64), (80, 80), (96, 96),
                                                  (128, 128), (256, 256), (64, 32), (32, 128), (256, 8), (1, 256)])

@@ -35,23 +35,23 @@ struct FwdConfig {
 };
 
 // Backward (dK/dV kernel): 16 keys per warp, kBN = 16 * kWarps keys per block, query tiles of
-// kBM rows. fp64 at dims above 64 would need 256 registers for dK and dV alone: not served.
+// kBM rows. Where dK and dV of the full dim would not fit in registers (fp16/bf16 above 128,
+// fp64 above 64), blocks own half the output columns each and both halves compute S and dP.
 template <class Elem, int kDim>
 struct BwdConfig {
   using Acc = std::conditional_t<std::is_same_v<Elem, double>, double, float>;
   static constexpr bool kHalf = sizeof(Elem) == 2;
   static constexpr bool kDouble = std::is_same_v<Elem, double>;
-  static constexpr bool kServed = !(kDouble && kDim > 64);
-  // Dim 256 (fp16/bf16): blocks own half the output columns each (dK/dV accumulators of
-  // dim 128); S and dP are computed by both halves.
-  static constexpr int kSplit = kDim > 128 ? 2 : 1;
+  static constexpr bool kServed = !(kDouble && kDim > 128);
+  static constexpr int kSplit = kDim > 128 || (kDouble && kDim > 64) ? 2 : 1;
   static constexpr int kDimOut = kDim / kSplit;
   static constexpr int kWarps = kHalf ? 8 : 4;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kBN = 16 * kWarps;
   // fp16/bf16 at dim 64: 32-row query tiles keep a thread within 128 registers, so two
   // blocks (16 warps) share an SM.
-  static constexpr int kBM = kHalf && kDim > 64 && kDim <= 128 ? 64 : 32;
+  // fp64 at dim 128: 16-row query tiles, so K, V and two stages of Q, dO fit in smem.
+  static constexpr int kBM = kHalf && kDim > 64 && kDim <= 128 ? 64 : kDouble && kDim > 64 ? 16 : 32;
   static constexpr int kMinBlocks = kHalf && kDim <= 64 ? 2 : 1;
   static constexpr int kLd = kDim + 8;   // K, V, Q, dO rows
   static constexpr int kLdS = kBN + 8;   // dS rows
@@ -67,7 +67,7 @@ struct DqConfig {
   static constexpr int kWarps = 4;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kBM = 16 * kWarps;
-  static constexpr int kBN = std::is_same_v<Elem, double> ? 32 : 64;
+  static constexpr int kBN = std::is_same_v<Elem, double> ? (kDim > 64 ? 16 : 32) : 64;
   static constexpr int kLd = kDim + 8;
   static constexpr size_t kSmemBytes = size_t(2 * kBM + 4 * kBN) * kLd * sizeof(Elem);
 };
