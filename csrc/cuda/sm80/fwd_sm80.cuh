@@ -149,8 +149,10 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim>::kThreads)
         const int64_t m = m0 + wrow + 16 * mw + g + 8 * r;
         Acc row[2 * kNA];
         if (kFeatures && mods.any) {
-          // Columns [lo, hi) of the tile are in the row's band; the mods may still mask.
-          const int lo = tile_column(sq.key_begin(m) - n0), hi = tile_column(sq.key_end(m) - n0);
+          // Columns [lo, hi) of the tile are in the row's band; the mods may still mask. Rows
+          // past the sequence (the tile's padding) read no bias.
+          const int lo = tile_column(sq.key_begin(m) - n0);
+          const int hi = m < sq.len_q ? tile_column(sq.key_end(m) - n0) : 0;
           Acc th;
 #pragma unroll
           for (int j = 0; j < kNA; ++j)
