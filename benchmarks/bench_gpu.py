@@ -14,6 +14,7 @@ least fp32) passes --math-max-gb.
     python benchmarks/bench_gpu.py --quick                   # a few rows
     python benchmarks/bench_gpu.py --memory-check            # fp16 L=32768 peak memory vs SDPA-flash
     python benchmarks/bench_gpu.py --device cpu --quick      # smoke test of the code paths, no GPU
+    python benchmarks/bench_gpu.py --replot results.txt      # plots from a printed table
 """
 import argparse
 import datetime
@@ -244,7 +245,37 @@ def plot(rows, impls, out_dir):
     return paths
 
 
+def rows_from_table(text):
+    """Rows (TFLOP/s and peak memory per impl) back from the table run_grid prints, for
+    re-plotting a run of which only the log came back."""
+    rows, impls = [], None
+    for line in text.splitlines():
+        head, _, rest = line.partition("|")
+        cells = head.split()
+        if head.startswith("dtype"):
+            impls = ["ours" if n == "ours" else "sdpa-" + n for n in rest.split("|")[0].split()[1:]]
+        elif impls and len(cells) == 7 and cells[0] in M.DTYPES:
+            dtype, e, length, b, h, causal, ps = cells
+            if ps == "fwd":
+                rows.append({"dtype": dtype, "batch": int(b), "heads": int(h), "len": int(length),
+                             "head_dim": int(e), "causal": causal == "True", **{i: {} for i in impls}})
+            for impl, val in zip(impls, rest.split("|")[0].split()):
+                if val != "-":
+                    rows[-1][impl][f"{ps}_tflops"] = float(val)
+        elif impls and rows and cells == ["mem"]:
+            for impl, val in zip(impls, rest.split("|")[0].split()[1:]):
+                if val != "-":
+                    rows[-1][impl]["peak_extra_mib"] = float(val)
+    return rows, impls or list(IMPLS)
+
+
 def main(argv=None):
+    if argv is None and len(sys.argv) == 3 and sys.argv[1] == "--replot":
+        # python benchmarks/bench_gpu.py --replot TABLE.txt: plots from a saved table, beside it.
+        rows, impls = rows_from_table(open(sys.argv[2]).read())
+        for path in plot(rows, impls, os.path.dirname(os.path.abspath(sys.argv[2]))):
+            print("wrote", path)
+        return
     args = parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("no CUDA device here; --device cpu runs the code paths on CPU for debugging")
