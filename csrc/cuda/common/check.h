@@ -19,16 +19,39 @@ inline void check_launch(const char* kernel) {
   check_cuda(cudaGetLastError(), (std::string("launching ") + kernel).c_str());
 }
 
+// The current device and what it offers a block: shared memory (opt-in maximum) and compute
+// capability. Every launcher asks; the attributes are read once per device (and thread).
+struct DeviceLimits {
+  int device = 0;
+  size_t smem_optin = 0;
+  int major = 0;
+};
+inline DeviceLimits device_limits() {
+  constexpr int kMaxDevices = 64;
+  thread_local DeviceLimits cache[kMaxDevices];  // per thread: no locking, no races
+  int dev = 0;
+  check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
+  DeviceLimits& d = cache[dev < kMaxDevices ? dev : 0];
+  if (d.major == 0 || d.device != dev) {
+    int smem = 0, major = 0;
+    check_cuda(cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev),
+               "cudaDeviceGetAttribute(MaxSharedMemoryPerBlockOptin)");
+    check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev),
+               "cudaDeviceGetAttribute(ComputeCapabilityMajor)");
+    d = DeviceLimits{dev, size_t(smem), major};
+  }
+  return d;
+}
+
 // Opt a kernel into more than 48 KB of dynamic shared memory, with a clear error when the
 // device cannot provide it.
 template <class Kernel>
 void set_smem(Kernel kernel, size_t bytes, const char* name) {
   if (bytes <= 48 * 1024) return;
-  int dev = 0, max_optin = 0;
-  check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
-  check_cuda(cudaDeviceGetAttribute(&max_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev),
-             "cudaDeviceGetAttribute(MaxSharedMemoryPerBlockOptin)");
-  if (bytes > size_t(max_optin)) {
+  const DeviceLimits lim = device_limits();
+  const int dev = lim.device;
+  const size_t max_optin = lim.smem_optin;
+  if (bytes > max_optin) {
     throw std::runtime_error(std::string("flashattn_ext CUDA backend: ") + name + " needs " +
                              std::to_string(bytes) + " bytes of shared memory per block, device " +
                              std::to_string(dev) + " allows " + std::to_string(max_optin));

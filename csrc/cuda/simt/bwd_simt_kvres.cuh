@@ -264,11 +264,7 @@ template <class T, int kDim>
 bool bwd_dkdv_kvres(const BwdParams& p, const void* dsum, void* dq_accum, cudaStream_t stream) {
   using Tr = KvresTraits<kDim>;
   if (p.has_features()) return false;  // the optional features are in the general SIMT kernels only
-  int dev = 0, max_optin = 0;
-  check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
-  check_cuda(cudaDeviceGetAttribute(&max_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev),
-             "cudaDeviceGetAttribute(MaxSharedMemoryPerBlockOptin)");
-  if (Tr::kSmemBytes > size_t(max_optin)) return false;
+  if (Tr::kSmemBytes > device_limits().smem_optin) return false;
   const int64_t num_n_tiles = (p.len_k + Tr::kBlockN - 1) / Tr::kBlockN;
   const int64_t blocks = num_n_tiles * p.heads_kv * p.batch;
   if (blocks > 0x7fffffff)

@@ -194,11 +194,7 @@ template <class T, int kDim>
 bool fwd_qres(const FwdParams& p, cudaStream_t stream) {
   using Tr = QresTraits<kDim>;
   if (p.has_features()) return false;  // the optional features are in the general SIMT kernels only
-  int dev = 0, max_optin = 0;
-  check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
-  check_cuda(cudaDeviceGetAttribute(&max_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev),
-             "cudaDeviceGetAttribute(MaxSharedMemoryPerBlockOptin)");
-  if (Tr::kSmemBytes > size_t(max_optin)) return false;
+  if (Tr::kSmemBytes > device_limits().smem_optin) return false;
   const int64_t num_m_tiles = (p.len_q + Tr::kBlockM - 1) / Tr::kBlockM;
   const int64_t blocks = num_m_tiles * p.heads_q * p.batch;
   if (blocks > 0x7fffffff) throw std::runtime_error("flashattn_ext CUDA backend: forward grid too large");

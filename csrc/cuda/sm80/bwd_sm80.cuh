@@ -19,7 +19,7 @@
 
 #include "../../params.h"
 #include "../common/check.h"
-#include "../common/mask.cuh"
+#include "../common/features.cuh"
 #include "../common/numeric.cuh"
 #include "../common/online_softmax.cuh"
 #include "fragments.cuh"
@@ -42,7 +42,35 @@ __device__ __forceinline__ void atomic_add_pair(double* dst, double x, double y)
   atomicAdd(dst + 1, y);
 }
 
-template <class Elem, int kDim>
+// One score of the backward with the optional features, as the SIMT kernels' bwd_probs: `s`
+// (raw q.k) becomes the probability as P V used it (dropped ones 0, kept ones / (1 - p)) and
+// `dp` becomes dS, both 0 where the key is not visible; dS goes to dbias (when given) before the
+// softcap's derivative enters it. `lse` is in the exponent domain.
+template <class Acc>
+__device__ __forceinline__ void feature_probs(Acc& s, Acc& dp, Acc lse, Acc dsum, int64_t m, int64_t n,
+                                              const Seq& sq, const ScoreMods<Acc>& mods,
+                                              const DropoutMask<Acc>& drop, Acc* dbias) {
+  const bool vis = lse != neg_inf<Acc>() && m < sq.len_q && n < sq.len_k && sq.band.visible(m, n);
+  Acc th = 0;
+  const Acc x = vis ? mods.score(s, m, n, &th) : neg_inf<Acc>();
+  const bool live = x != neg_inf<Acc>();
+  const Acc pr = live ? ExpDomain<Acc>::exp(x * ExpDomain<Acc>::score_scale(1.0) - lse) : Acc(0);
+  const Acc kept = !drop.on ? Acc(1) : (vis && drop.keep(m, n)) ? drop.inv_keep : Acc(0);
+  Acc ds = live ? pr * (dp * kept - dsum) : Acc(0);
+  if (dbias != nullptr && vis) dbias[m * sq.len_k + n] = ds;
+  if (mods.softcap > Acc(0)) ds *= Acc(1) - th * th;
+  dp = ds;
+  s = live ? pr * kept : Acc(0);
+}
+
+// The bias-gradient rows of (sequence, head h), (len_q, len_k) row-major, or null.
+template <class Acc>
+__device__ __forceinline__ Acc* dbias_rows(const BwdParams& p, const Seq& sq, int64_t h) {
+  return p.dbias ? static_cast<Acc*>(p.dbias) + (sq.b * p.heads_q + h) * sq.len_q * sq.len_k : nullptr;
+}
+
+// kFeatures: the variant for calls with optional features (see fwd_sm80.cuh).
+template <class Elem, int kDim, bool kFeatures>
 __global__ void __launch_bounds__(BwdConfig<Elem, kDim>::kThreads, BwdConfig<Elem, kDim>::kMinBlocks)
     bwd_dkdv_kernel(const BwdParams p, const typename Mma<Elem>::Acc* dsum_g,
                     typename Mma<Elem>::Acc* dq_accum, int num_n_tiles) {
@@ -83,39 +111,43 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim>::kThreads, BwdConfig<Ele
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int wkey = warp * 16;
+  // Rows and keys are counted within the sequence (see fwd_sm80.cuh).
+  const Seq sq = kFeatures ? sequence(p, b) : plain_sequence(p, b);
   const int64_t n0 = int64_t(nt) * kBN;
-  const int rows_k = int(p.len_k - n0 < kBN ? p.len_k - n0 : kBN);
+  if (n0 >= sq.len_k) return;
+  const int rows_k = int(sq.len_k - n0 < kBN ? sq.len_k - n0 : kBN);
   const int E = int(p.head_dim), Ev = int(p.head_dim_v);
-  const CausalMask mask{p.causal, p.causal_offset};
   const Acc score_scale = Exp::score_scale(p.scale);
 
-  const Elem* k = static_cast<const Elem*>(p.k) + b * p.k_stride.batch + hk * p.k_stride.head;
-  const Elem* v = static_cast<const Elem*>(p.v) + b * p.v_stride.batch + hk * p.v_stride.head;
-  copy_tile_async<kBN, kDim, kThreads>(sK, kLd, k + n0 * p.k_stride.row, p.k_stride.row, rows_k, E, tid);
-  copy_tile_async<kBN, kDim, kThreads>(sV, kLd, v + n0 * p.v_stride.row, p.v_stride.row, rows_k, Ev, tid);
+  const Elem* k = static_cast<const Elem*>(p.k) + sq.tb * p.k_stride.batch + hk * p.k_stride.head +
+                  (sq.k0 + n0) * p.k_stride.row;
+  const Elem* v = static_cast<const Elem*>(p.v) + sq.tb * p.v_stride.batch + hk * p.v_stride.head +
+                  (sq.k0 + n0) * p.v_stride.row;
+  copy_tile_async<kBN, kDim, kThreads>(sK, kLd, k, p.k_stride.row, rows_k, E, tid);
+  copy_tile_async<kBN, kDim, kThreads>(sV, kLd, v, p.v_stride.row, rows_k, Ev, tid);
 
-  // Query rows before first_query(n0) see none of these keys.
-  const int64_t m_begin = mask.first_query(n0) / kBM * kBM;
-  const int64_t m_iters = m_begin < p.len_q ? (p.len_q - m_begin + kBM - 1) / kBM : 0;
+  // Query rows that see some key of the tile (causal and window bands move right with the row).
+  const int64_t m_begin = sq.row_begin(n0) / kBM * kBM;
+  const int64_t m_end = sq.row_end(n0 + rows_k - 1);
+  const int64_t m_iters = m_end > m_begin ? (m_end - m_begin + kBM - 1) / kBM : 0;
   const int64_t num_iters = m_iters * group;
 
   auto load_q_tile = [&](int64_t it, int buf) {
     const int64_t h = hk * group + it / m_iters;
     const int64_t m0 = m_begin + (it % m_iters) * kBM;
-    const int rows = int(p.len_q - m0 < kBM ? p.len_q - m0 : kBM);
-    const Elem* q = static_cast<const Elem*>(p.q) + b * p.q_stride.batch + h * p.q_stride.head +
-                    m0 * p.q_stride.row;
-    const Elem* dout = static_cast<const Elem*>(p.dout) + b * p.dout_stride.batch +
-                       h * p.dout_stride.head + m0 * p.dout_stride.row;
+    const int rows = int(sq.len_q - m0 < kBM ? sq.len_q - m0 : kBM);
+    const Elem* q = static_cast<const Elem*>(p.q) + sq.tb * p.q_stride.batch + h * p.q_stride.head +
+                    (sq.q0 + m0) * p.q_stride.row;
+    const Elem* dout = static_cast<const Elem*>(p.dout) + sq.tb * p.dout_stride.batch +
+                       h * p.dout_stride.head + (sq.q0 + m0) * p.dout_stride.row;
     copy_tile_async<kBM, kDim, kThreads>(sQ + buf * kBM * kLd, kLd, q, p.q_stride.row, rows, E, tid);
     copy_tile_async<kBM, kDim, kThreads>(sdO + buf * kBM * kLd, kLd, dout, p.dout_stride.row, rows, Ev, tid);
     // Rows past len_q get LSE = -inf, which masks them below.
-    const int64_t bh = b * p.heads_q + h;
+    const int64_t r0 = sq.row_index(p.heads_q, h, m0);
     for (int i = tid; i < kBM; i += kThreads) {
       const bool ok = i < rows;
-      sLse[buf * kBM + i] =
-          ok ? Exp::from_lse(static_cast<const Acc*>(p.lse)[bh * p.len_q + m0 + i]) : neg_inf<Acc>();
-      sD[buf * kBM + i] = ok ? dsum_g[bh * p.len_q + m0 + i] : Acc(0);
+      sLse[buf * kBM + i] = ok ? Exp::from_lse(static_cast<const Acc*>(p.lse)[r0 + i]) : neg_inf<Acc>();
+      sD[buf * kBM + i] = ok ? dsum_g[r0 + i] : Acc(0);
     }
   };
   if (num_iters > 0) load_q_tile(0, 0);
@@ -164,21 +196,45 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim>::kThreads, BwdConfig<Ele
 
     // P^T and dS^T, both 0 wherever the key is not visible (so values there, even NaN or
     // inf, never reach a gradient). Tiles every row sees in full skip the per-element mask.
-    const bool all_visible = n0 + kBN <= p.len_k && mask.visible(m0, n0 + kBN - 1);
+    const bool all_visible = n0 >= sq.key_begin(m0 + kBM - 1) && n0 + kBN <= sq.key_end(m0);
+    bool featured = false;
+    if constexpr (kFeatures) {
+      const ScoreMods<Acc> mods(p, sq, h);
+      const DropoutMask<Acc> drop(p, sq, h);
+      Acc* dbias = c0 == 0 ? dbias_rows<Acc>(p, sq, h) : nullptr;  // one column half writes it
+      featured = mods.any || drop.on || dbias != nullptr;
+      if (featured) {
 #pragma unroll
-    for (int j = 0; j < kQA; ++j)
+        for (int j = 0; j < kQA; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int row = 8 * j + 2 * t + (e & 1);  // query row in the tile
-        const Acc lse = lse_s[row];
-        bool vis = lse != neg_inf<Acc>();
-        // Uniform over the block; only masked tiles pay for the causal / ragged-edge test.
-        if (!all_visible)
-          vis = vis && g + 8 * (e >> 1) < mask.visible_prefix(m0 + row, n0 + wkey, p.len_k, 16);
-        const Acc pr = vis ? Exp::exp(st[j][e] * score_scale - lse) : Acc(0);
-        st[j][e] = pr;
-        dpt[j][e] = vis ? pr * (dpt[j][e] - d_s[row]) : Acc(0);
+          for (int e = 0; e < 4; ++e) {
+            const int row = 8 * j + 2 * t + (e & 1);
+            feature_probs(st[j][e], dpt[j][e], lse_s[row], d_s[row], m0 + row, n0 + wkey + g + 8 * (e >> 1),
+                          sq, mods, drop, dbias);
+          }
       }
+    }
+    if (!featured) {
+      // A key offset from the warp's first key, clamped to its 16: band bounds in 32 bits.
+      auto warp_key = [](int64_t x) { return int(x < 0 ? 0 : x > 16 ? 16 : x); };
+#pragma unroll
+      for (int j = 0; j < kQA; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int row = 8 * j + 2 * t + (e & 1);  // query row in the tile
+          const Acc lse = lse_s[row];
+          bool vis = lse != neg_inf<Acc>();
+          // Uniform over the block; only masked tiles pay for the band / ragged-edge test.
+          if (!all_visible) {
+            const int kw = g + 8 * (e >> 1);
+            vis = vis && kw >= warp_key(sq.key_begin(m0 + row) - n0 - wkey) &&
+                  kw < warp_key(sq.key_end(m0 + row) - n0 - wkey);
+          }
+          const Acc pr = vis ? Exp::exp(st[j][e] * score_scale - lse) : Acc(0);
+          st[j][e] = pr;
+          dpt[j][e] = vis ? pr * (dpt[j][e] - d_s[row]) : Acc(0);
+        }
+    }
 
 #pragma unroll
     for (int kk = 0; kk < kBM; kk += M::kK) {
@@ -223,11 +279,11 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim>::kThreads, BwdConfig<Ele
           M::mma(dq[d + 1], a, bk[1]);
         }
       }
-      Acc* dq_row = dq_accum + ((b * p.heads_q + h) * p.len_q + m0) * E;
+      Acc* dq_row = dq_accum + sq.row_index(p.heads_q, h, m0) * E;
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int row = 16 * rg + g + 8 * r;
-        if (m0 + row >= p.len_q) continue;
+        if (m0 + row >= sq.len_q) continue;
 #pragma unroll
         for (int d = 0; d < kQCA; ++d) {
           const int col = c0 + cg * kQCols + 8 * d + 2 * t;
@@ -237,8 +293,10 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim>::kThreads, BwdConfig<Ele
     }
   }
 
-  Elem* dk_g = static_cast<Elem*>(p.dk) + b * p.dk_stride.batch + hk * p.dk_stride.head;
-  Elem* dv_g = static_cast<Elem*>(p.dv) + b * p.dv_stride.batch + hk * p.dv_stride.head;
+  Elem* dk_g = static_cast<Elem*>(p.dk) + sq.tb * p.dk_stride.batch + hk * p.dk_stride.head +
+               sq.k0 * p.dk_stride.row;
+  Elem* dv_g = static_cast<Elem*>(p.dv) + sq.tb * p.dv_stride.batch + hk * p.dv_stride.head +
+               sq.k0 * p.dv_stride.row;
   const Acc scale = Acc(p.scale);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -259,7 +317,7 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim>::kThreads, BwdConfig<Ele
 // Deterministic dQ: one block per (batch, query head, kBM-row query tile), each warp owning 16
 // rows, walking the key tiles in order (no atomics): S = Q K^T and dP = dO V^T in registers,
 // dS = P (dP - D), dQ += dS K with dS straight from registers.
-template <class Elem, int kDim>
+template <class Elem, int kDim, bool kFeatures>
 __global__ void __launch_bounds__(DqConfig<Elem, kDim>::kThreads)
     bwd_dq_kernel(const BwdParams p, const typename Mma<Elem>::Acc* dsum_g, int num_m_tiles) {
   using Cfg = DqConfig<Elem, kDim>;
@@ -285,32 +343,36 @@ __global__ void __launch_bounds__(DqConfig<Elem, kDim>::kThreads)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int wrow = warp * 16;
+  const Seq sq = kFeatures ? sequence(p, b) : plain_sequence(p, b);
   const int64_t m0 = int64_t(mt) * kBM;
-  const int rows_q = int(p.len_q - m0 < kBM ? p.len_q - m0 : kBM);
-  const CausalMask mask{p.causal, p.causal_offset};
+  if (m0 >= sq.len_q) return;
+  const int rows_q = int(sq.len_q - m0 < kBM ? sq.len_q - m0 : kBM);
   const Acc score_scale = Exp::score_scale(p.scale);
   const int E = int(p.head_dim), Ev = int(p.head_dim_v);
-  const int64_t bh = b * p.heads_q + h;
 
-  const Elem* q = static_cast<const Elem*>(p.q) + b * p.q_stride.batch + h * p.q_stride.head +
-                  m0 * p.q_stride.row;
-  const Elem* dout = static_cast<const Elem*>(p.dout) + b * p.dout_stride.batch +
-                     h * p.dout_stride.head + m0 * p.dout_stride.row;
-  const Elem* k = static_cast<const Elem*>(p.k) + b * p.k_stride.batch + hk * p.k_stride.head;
-  const Elem* v = static_cast<const Elem*>(p.v) + b * p.v_stride.batch + hk * p.v_stride.head;
+  const Elem* q = static_cast<const Elem*>(p.q) + sq.tb * p.q_stride.batch + h * p.q_stride.head +
+                  (sq.q0 + m0) * p.q_stride.row;
+  const Elem* dout = static_cast<const Elem*>(p.dout) + sq.tb * p.dout_stride.batch +
+                     h * p.dout_stride.head + (sq.q0 + m0) * p.dout_stride.row;
+  const Elem* k = static_cast<const Elem*>(p.k) + sq.tb * p.k_stride.batch + hk * p.k_stride.head +
+                  sq.k0 * p.k_stride.row;
+  const Elem* v = static_cast<const Elem*>(p.v) + sq.tb * p.v_stride.batch + hk * p.v_stride.head +
+                  sq.k0 * p.v_stride.row;
 
-  const int64_t n_end = mask.key_end(m0 + rows_q - 1, p.len_k);
+  const int64_t m_last = m0 + rows_q - 1;
+  const int64_t n_begin = sq.key_begin(m0) / kBN * kBN;
+  const int64_t n_end = sq.key_end(m_last);
   auto load_kv = [&](int64_t n0, int buf) {
-    const int rows_k = int(p.len_k - n0 < kBN ? p.len_k - n0 : kBN);
+    const int rows_k = int(sq.len_k - n0 < kBN ? sq.len_k - n0 : kBN);
     copy_tile_async<kBN, kDim, kThreads>(sK + buf * kBN * kLd, kLd, k + n0 * p.k_stride.row,
                                          p.k_stride.row, rows_k, E, tid);
     copy_tile_async<kBN, kDim, kThreads>(sV + buf * kBN * kLd, kLd, v + n0 * p.v_stride.row,
                                          p.v_stride.row, rows_k, Ev, tid);
   };
-  if (n_end > 0) {
+  if (n_end > n_begin) {
     copy_tile_async<kBM, kDim, kThreads>(sQ, kLd, q, p.q_stride.row, rows_q, E, tid);
     copy_tile_async<kBM, kDim, kThreads>(sdO, kLd, dout, p.dout_stride.row, rows_q, Ev, tid);
-    load_kv(0, 0);
+    load_kv(n_begin, 0);
   }
   cp_async_commit();
 
@@ -319,9 +381,9 @@ __global__ void __launch_bounds__(DqConfig<Elem, kDim>::kThreads)
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int64_t m = m0 + wrow + g + 8 * r;
-    const bool ok = m < p.len_q;
-    lse[r] = ok ? Exp::from_lse(static_cast<const Acc*>(p.lse)[bh * p.len_q + m]) : neg_inf<Acc>();
-    dsum[r] = ok ? dsum_g[bh * p.len_q + m] : Acc(0);
+    const bool ok = m < sq.len_q;
+    lse[r] = ok ? Exp::from_lse(static_cast<const Acc*>(p.lse)[sq.row_index(p.heads_q, h, m)]) : neg_inf<Acc>();
+    dsum[r] = ok ? dsum_g[sq.row_index(p.heads_q, h, m)] : Acc(0);
   }
 
   Acc dq[kDA][4];
@@ -330,8 +392,10 @@ __global__ void __launch_bounds__(DqConfig<Elem, kDim>::kThreads)
 #pragma unroll
     for (int e = 0; e < 4; ++e) dq[d][e] = Acc(0);
 
+  const ScoreMods<Acc> mods(p, sq, h);
+  const DropoutMask<Acc> drop(p, sq, h);
   int buf = 0;
-  for (int64_t n0 = 0; n0 < n_end; n0 += kBN, buf ^= 1) {
+  for (int64_t n0 = n_begin; n0 < n_end; n0 += kBN, buf ^= 1) {
     cp_async_wait<0>();
     __syncthreads();
     if (n0 + kBN < n_end) load_kv(n0 + kBN, buf ^ 1);
@@ -361,22 +425,42 @@ __global__ void __launch_bounds__(DqConfig<Elem, kDim>::kThreads)
       }
     }
 
-    // Keys of this tile each row sees (a prefix); the test is skipped on all-visible tiles.
-    const bool all_visible = n0 + kBN <= p.len_k && mask.visible(m0, n0 + kBN - 1);
-    int visible[2] = {kBN, kBN};
-    if (!all_visible) {
+    bool featured = false;
+    if constexpr (kFeatures) {
+      featured = mods.any || drop.on;
+      if (featured) {
 #pragma unroll
-      for (int r = 0; r < 2; ++r) visible[r] = mask.visible_prefix(m0 + wrow + g + 8 * r, n0, p.len_k, kBN);
-    }
+        for (int j = 0; j < kNA; ++j)
 #pragma unroll
-    for (int j = 0; j < kNA; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = e >> 1;
-        const bool vis = lse[r] != neg_inf<Acc>() && 8 * j + 2 * t + (e & 1) < visible[r];
-        const Acc pr = vis ? Exp::exp(s[j][e] * score_scale - lse[r]) : Acc(0);
-        dp[j][e] = vis ? pr * (dp[j][e] - dsum[r]) : Acc(0);
+          for (int e = 0; e < 4; ++e) {
+            const int r = e >> 1;
+            feature_probs(s[j][e], dp[j][e], lse[r], dsum[r], m0 + wrow + g + 8 * r, n0 + 8 * j + 2 * t + (e & 1),
+                          sq, mods, drop, static_cast<Acc*>(nullptr));
+          }
       }
+    }
+    if (!featured) {
+      // The columns of this tile each row sees, as 32-bit bounds; skipped on all-visible tiles.
+      const bool all_visible = n0 >= sq.key_begin(m_last) && n0 + kBN <= sq.key_end(m0);
+      int lo[2] = {0, 0}, hi[2] = {kBN, kBN};
+      if (!all_visible) {
+        auto tile_column = [](int64_t x) { return int(x < 0 ? 0 : x > kBN ? kBN : x); };
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          lo[r] = tile_column(sq.key_begin(m0 + wrow + g + 8 * r) - n0);
+          hi[r] = tile_column(sq.key_end(m0 + wrow + g + 8 * r) - n0);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kNA; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = e >> 1, col = 8 * j + 2 * t + (e & 1);
+          const bool vis = lse[r] != neg_inf<Acc>() && col >= lo[r] && col < hi[r];
+          const Acc pr = vis ? Exp::exp(s[j][e] * score_scale - lse[r]) : Acc(0);
+          dp[j][e] = vis ? pr * (dp[j][e] - dsum[r]) : Acc(0);
+        }
+    }
 
 #pragma unroll
     for (int kk = 0; kk < kBN; kk += M::kK) {
@@ -392,12 +476,13 @@ __global__ void __launch_bounds__(DqConfig<Elem, kDim>::kThreads)
     }
   }
 
-  Elem* dq_g = static_cast<Elem*>(p.dq) + b * p.dq_stride.batch + h * p.dq_stride.head;
+  Elem* dq_g = static_cast<Elem*>(p.dq) + sq.tb * p.dq_stride.batch + h * p.dq_stride.head +
+               sq.q0 * p.dq_stride.row;
   const Acc scale = Acc(p.scale);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int64_t m = m0 + wrow + g + 8 * r;
-    if (m >= p.len_q) continue;
+    if (m >= sq.len_q) continue;
 #pragma unroll
     for (int d = 0; d < kDA; ++d) {
       const int col = 8 * d + 2 * t;
@@ -424,13 +509,12 @@ bool bwd_dq(const BwdParams& p, const void* dsum, cudaStream_t stream) {
   if constexpr (!Cfg::kServed) {
     return false;
   } else {
-    if (p.has_features() || !tensor_cores_usable(Cfg::kSmemBytes) || !bwd_operands_aligned<Elem>(p))
-      return false;
+    if (!tensor_cores_usable(Cfg::kSmemBytes) || !bwd_operands_aligned<Elem>(p)) return false;
     using Acc = typename Mma<Elem>::Acc;
     const int64_t num_m_tiles = (p.len_q + Cfg::kBM - 1) / Cfg::kBM;
     const int64_t blocks = num_m_tiles * p.heads_q * p.batch;
     if (blocks > 0x7fffffff) throw std::runtime_error("flashattn_ext CUDA backend: backward grid too large");
-    auto kernel = bwd_dq_kernel<Elem, kDim>;
+    auto kernel = p.has_features() ? bwd_dq_kernel<Elem, kDim, true> : bwd_dq_kernel<Elem, kDim, false>;
     set_smem(kernel, Cfg::kSmemBytes, "sm80::bwd_dq_kernel");
     kernel<<<unsigned(blocks), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
         p, static_cast<const Acc*>(dsum), int(num_m_tiles));
@@ -445,13 +529,12 @@ bool bwd_dkdv(const BwdParams& p, const void* dsum, void* dq_accum, cudaStream_t
   if constexpr (!Cfg::kServed) {
     return false;
   } else {
-    if (p.has_features() || !tensor_cores_usable(Cfg::kSmemBytes) || !bwd_operands_aligned<Elem>(p))
-      return false;
+    if (!tensor_cores_usable(Cfg::kSmemBytes) || !bwd_operands_aligned<Elem>(p)) return false;
     using Acc = typename Mma<Elem>::Acc;
     const int64_t num_n_tiles = (p.len_k + Cfg::kBN - 1) / Cfg::kBN;
     const int64_t blocks = num_n_tiles * Cfg::kSplit * p.heads_kv * p.batch;
     if (blocks > 0x7fffffff) throw std::runtime_error("flashattn_ext CUDA backend: backward grid too large");
-    auto kernel = bwd_dkdv_kernel<Elem, kDim>;
+    auto kernel = p.has_features() ? bwd_dkdv_kernel<Elem, kDim, true> : bwd_dkdv_kernel<Elem, kDim, false>;
     set_smem(kernel, Cfg::kSmemBytes, "sm80::bwd_dkdv_kernel");
     kernel<<<unsigned(blocks), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
         p, static_cast<const Acc*>(dsum), static_cast<Acc*>(dq_accum), int(num_n_tiles));

@@ -15,7 +15,7 @@
 
 #include "../../params.h"
 #include "../common/check.h"
-#include "../common/mask.cuh"
+#include "../common/features.cuh"
 #include "../common/online_softmax.cuh"
 #include "fragments.cuh"
 #include "tile_copy.cuh"
@@ -23,7 +23,10 @@
 
 namespace flashattn::cuda::sm80 {
 
-template <class Elem, int kDim>
+// kFeatures: the variant for calls with optional features (masks, window, ALiBi, softcap,
+// dropout, varlen), with the per-score math of csrc/common/ (as the SIMT kernels and the CPU);
+// the plain variant keeps its registers and its per-tile mask test.
+template <class Elem, int kDim, bool kFeatures>
 __global__ void __launch_bounds__(FwdConfig<Elem, kDim>::kThreads)
     fwd_kernel(const FwdParams p, int num_m_tiles) {
   using Cfg = FwdConfig<Elem, kDim>;
@@ -51,28 +54,36 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim>::kThreads)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int wrow = warp * 16 * kMW;  // first row of this warp in the tile
+  // Rows and keys are counted within the sequence (a varlen batch: from its cumulative
+  // offsets; the grid covers the longest one).
+  const Seq sq = kFeatures ? sequence(p, b) : plain_sequence(p, b);
   const int64_t m0 = int64_t(mt) * kBM;
-  const int rows_q = int(p.len_q - m0 < kBM ? p.len_q - m0 : kBM);
-  const CausalMask mask{p.causal, p.causal_offset};
+  if (m0 >= sq.len_q) return;
+  const int rows_q = int(sq.len_q - m0 < kBM ? sq.len_q - m0 : kBM);
   const Acc score_scale = Exp::score_scale(p.scale);
   const int E = int(p.head_dim), Ev = int(p.head_dim_v);
 
-  const Elem* q = static_cast<const Elem*>(p.q) + b * p.q_stride.batch + h * p.q_stride.head +
-                  m0 * p.q_stride.row;
-  const Elem* k = static_cast<const Elem*>(p.k) + b * p.k_stride.batch + hk * p.k_stride.head;
-  const Elem* v = static_cast<const Elem*>(p.v) + b * p.v_stride.batch + hk * p.v_stride.head;
+  const Elem* q = static_cast<const Elem*>(p.q) + sq.tb * p.q_stride.batch + h * p.q_stride.head +
+                  (sq.q0 + m0) * p.q_stride.row;
+  const Elem* k = static_cast<const Elem*>(p.k) + sq.tb * p.k_stride.batch + hk * p.k_stride.head +
+                  sq.k0 * p.k_stride.row;
+  const Elem* v = static_cast<const Elem*>(p.v) + sq.tb * p.v_stride.batch + hk * p.v_stride.head +
+                  sq.k0 * p.v_stride.row;
 
-  const int64_t n_end = mask.key_end(m0 + rows_q - 1, p.len_k);
+  // Key tiles any row of the block sees (causal and window bands; tiles outside are skipped).
+  const int64_t m_last = m0 + rows_q - 1;
+  const int64_t n_begin = sq.key_begin(m0) / kBN * kBN;
+  const int64_t n_end = sq.key_end(m_last);
   auto load_kv = [&](int64_t n0, int buf) {
-    const int rows_k = int(p.len_k - n0 < kBN ? p.len_k - n0 : kBN);
+    const int rows_k = int(sq.len_k - n0 < kBN ? sq.len_k - n0 : kBN);
     copy_tile_async<kBN, kDim, kThreads>(sK + buf * kBN * kLd, kLd, k + n0 * p.k_stride.row,
                                          p.k_stride.row, rows_k, E, tid);
     copy_tile_async<kBN, kDim, kThreads>(sV + buf * kBN * kLd, kLd, v + n0 * p.v_stride.row,
                                          p.v_stride.row, rows_k, Ev, tid);
   };
-  if (n_end > 0) {
+  if (n_end > n_begin) {
     copy_tile_async<kBM, kDim, kThreads>(sQ, kLd, q, p.q_stride.row, rows_q, E, tid);
-    load_kv(0, 0);
+    load_kv(n_begin, 0);
   }
   cp_async_commit();
 
@@ -92,7 +103,11 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim>::kThreads)
   }
 
   int buf = 0;
-  for (int64_t n0 = 0; n0 < n_end; n0 += kBN, buf ^= 1) {
+  // A key offset from n0, clamped to the tile: the row's band as 32-bit column bounds.
+  auto tile_column = [](int64_t x) { return int(x < 0 ? 0 : x > kBN ? kBN : x); };
+  const ScoreMods<Acc> mods(p, sq, h);
+  const DropoutMask<Acc> drop(p, sq, h);
+  for (int64_t n0 = n_begin; n0 < n_end; n0 += kBN, buf ^= 1) {
     cp_async_wait<0>();
     __syncthreads();  // this K/V landed for all; every warp is done with the other buffer
     if (n0 + kBN < n_end) load_kv(n0 + kBN, buf ^ 1);
@@ -126,30 +141,58 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim>::kThreads)
 
     // Tiles every row of the block sees in full (most of them) skip the per-element mask.
     Acc alpha[kMW][2];
-    const bool all_visible = n0 + kBN <= p.len_k && mask.visible(m0, n0 + kBN - 1);
+    const bool all_visible = n0 >= sq.key_begin(m_last) && n0 + kBN <= sq.key_end(m0);
 #pragma unroll
     for (int mw = 0; mw < kMW; ++mw) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
+        const int64_t m = m0 + wrow + 16 * mw + g + 8 * r;
         Acc row[2 * kNA];
-#pragma unroll
-        for (int j = 0; j < kNA; ++j)
-#pragma unroll
-          for (int c = 0; c < 2; ++c) row[2 * j + c] = s[mw][j][2 * r + c] * score_scale;
-        // Uniform over the block; a masked tile compares 32-bit column indices.
-        if (!all_visible) {
-          const int visible = mask.visible_prefix(m0 + wrow + 16 * mw + g + 8 * r, n0, p.len_k, kBN);
+        if (kFeatures && mods.any) {
+          // Columns [lo, hi) of the tile are in the row's band; the mods may still mask. Rows
+          // past the sequence (the tile's padding) read no bias.
+          const int lo = tile_column(sq.key_begin(m) - n0);
+          const int hi = m < sq.len_q ? tile_column(sq.key_end(m) - n0) : 0;
+          Acc th;
 #pragma unroll
           for (int j = 0; j < kNA; ++j)
 #pragma unroll
-            for (int c = 0; c < 2; ++c)
-              if (8 * j + 2 * t + c >= visible) row[2 * j + c] = neg_inf<Acc>();
+            for (int c = 0; c < 2; ++c) {
+              const int col = 8 * j + 2 * t + c;
+              row[2 * j + c] = col >= lo && col < hi
+                                   ? mods.score(s[mw][j][2 * r + c], m, n0 + col, &th) * Exp::score_scale(1.0)
+                                   : neg_inf<Acc>();
+            }
+        } else {
+#pragma unroll
+          for (int j = 0; j < kNA; ++j)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) row[2 * j + c] = s[mw][j][2 * r + c] * score_scale;
+          // Uniform over the block; a masked tile compares 32-bit column indices.
+          if (!all_visible) {
+            const int lo = tile_column(sq.key_begin(m) - n0), hi = tile_column(sq.key_end(m) - n0);
+#pragma unroll
+            for (int j = 0; j < kNA; ++j)
+#pragma unroll
+              for (int c = 0; c < 2; ++c) {
+                const int col = 8 * j + 2 * t + c;
+                if (col < lo || col >= hi) row[2 * j + c] = neg_inf<Acc>();
+              }
+          }
         }
         alpha[mw][r] = online_softmax_step<4>(row, row_max[mw][r], row_sum[mw][r]);
 #pragma unroll
         for (int j = 0; j < kNA; ++j)
 #pragma unroll
           for (int c = 0; c < 2; ++c) s[mw][j][2 * r + c] = row[2 * j + c];
+        // Dropout: the row sum keeps every probability, only P V sees the dropped ones as 0.
+        if (kFeatures && drop.on) {
+#pragma unroll
+          for (int j = 0; j < kNA; ++j)
+#pragma unroll
+            for (int c = 0; c < 2; ++c)
+              if (!drop.keep(m, n0 + 8 * j + 2 * t + c)) s[mw][j][2 * r + c] = Acc(0);
+        }
       }
     }
 
@@ -178,25 +221,26 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim>::kThreads)
     }
   }
 
-  Elem* out = static_cast<Elem*>(p.out) + b * p.out_stride.batch + h * p.out_stride.head;
-  Acc* lse = static_cast<Acc*>(p.lse) + (b * p.heads_q + h) * p.len_q;
+  Elem* out = static_cast<Elem*>(p.out) + sq.tb * p.out_stride.batch + h * p.out_stride.head +
+              sq.q0 * p.out_stride.row;
+  Acc* lse = static_cast<Acc*>(p.lse);
 #pragma unroll
   for (int mw = 0; mw < kMW; ++mw) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const Acc l = reduce_sum_lanes<4>(row_sum[mw][r]);
       const int64_t m = m0 + wrow + 16 * mw + g + 8 * r;
-      if (m >= p.len_q) continue;
+      if (m >= sq.len_q) continue;
       // l == 0 only when no key is visible: out = 0, lse = -inf. A NaN l propagates.
       const bool empty = l == Acc(0);
-      const Acc inv = empty ? Acc(0) : Acc(1) / l;
+      const Acc inv = empty ? Acc(0) : (kFeatures && drop.on ? drop.inv_keep : Acc(1)) / l;
       Elem* o_row = out + m * p.out_stride.row;
 #pragma unroll
       for (int d = 0; d < kDA; ++d) {
         const int col = 8 * d + 2 * t;
         if (col < Ev) M::store_pair(o_row + col, o[mw][d][2 * r] * inv, o[mw][d][2 * r + 1] * inv);
       }
-      if (t == 0) lse[m] = empty ? neg_inf<Acc>() : Exp::lse(row_max[mw][r], l);
+      if (t == 0) lse[sq.row_index(p.heads_q, h, m)] = empty ? neg_inf<Acc>() : Exp::lse(row_max[mw][r], l);
     }
   }
 }
@@ -204,7 +248,7 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim>::kThreads)
 template <class Elem, int kDim>
 bool fwd(const FwdParams& p, cudaStream_t stream) {
   using Cfg = FwdConfig<Elem, kDim>;
-  if (p.has_features() || !tensor_cores_usable(Cfg::kSmemBytes)) return false;
+  if (!tensor_cores_usable(Cfg::kSmemBytes)) return false;
   if (!rows_aligned_16<Elem>(p.q, p.q_stride.batch, p.q_stride.head, p.q_stride.row, p.head_dim) ||
       !rows_aligned_16<Elem>(p.k, p.k_stride.batch, p.k_stride.head, p.k_stride.row, p.head_dim) ||
       !rows_aligned_16<Elem>(p.v, p.v_stride.batch, p.v_stride.head, p.v_stride.row, p.head_dim_v) ||
@@ -213,7 +257,7 @@ bool fwd(const FwdParams& p, cudaStream_t stream) {
   const int64_t num_m_tiles = (p.len_q + Cfg::kBM - 1) / Cfg::kBM;
   const int64_t blocks = num_m_tiles * p.heads_q * p.batch;
   if (blocks > 0x7fffffff) throw std::runtime_error("flashattn_ext CUDA backend: forward grid too large");
-  auto kernel = fwd_kernel<Elem, kDim>;
+  auto kernel = p.has_features() ? fwd_kernel<Elem, kDim, true> : fwd_kernel<Elem, kDim, false>;
   set_smem(kernel, Cfg::kSmemBytes, "sm80::fwd_kernel");
   kernel<<<unsigned(blocks), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, int(num_m_tiles));
   check_launch("sm80::fwd_kernel");

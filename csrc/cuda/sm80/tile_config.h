@@ -74,13 +74,8 @@ struct DqConfig {
 
 // Compute capability 8.0 or newer and `smem` bytes of shared memory per block available.
 inline bool tensor_cores_usable(size_t smem) {
-  int dev = 0, major = 0, max_optin = 0;
-  check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
-  check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev),
-             "cudaDeviceGetAttribute(ComputeCapabilityMajor)");
-  check_cuda(cudaDeviceGetAttribute(&max_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev),
-             "cudaDeviceGetAttribute(MaxSharedMemoryPerBlockOptin)");
-  return major >= 8 && smem <= size_t(max_optin);
+  const DeviceLimits lim = device_limits();
+  return lim.major >= 8 && smem <= lim.smem_optin;
 }
 
 // Outputs are written two adjacent elements at a time.
