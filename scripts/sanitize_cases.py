@@ -1,6 +1,7 @@
 """A small representative set of CUDA forward and backward calls for compute-sanitizer
 (memcheck, racecheck): ragged lengths, both causal alignments, GQA, every dtype, and both the
-tensor-core (sm80/) and the SIMT kernels (run it again with FLASHATTN_CUDA_KERNELS=simt)."""
+tensor-core (sm80/) and the SIMT kernels (run it again with FLASHATTN_CUDA_KERNELS=simt), plain
+and with the optional features."""
 import torch
 
 import flashattn_ext  # noqa: F401
@@ -21,5 +22,22 @@ for dtype, b, hq, hk, lq, lk, e, ev, causal in CASES:
     dout = torch.randn_like(out)
     for deterministic in (False, True):
         torch.ops.flashattn.bwd(dout, q, k, v, out, lse, None, e ** -0.5, causal, deterministic)
+
+# The optional features (tensor-core kFeatures variants for fp16/bf16/fp64, SIMT for fp32):
+# float bias with its gradient + dropout + window + softcap + ALiBi, and a varlen batch.
+from flashattn_ext import flash_attn_varlen_func, scaled_dot_product_attention  # noqa: E402
+from flashattn_ext.functional import flash_attn_func  # noqa: E402
+
+for dtype in (torch.bfloat16, torch.float64, torch.float32):
+    q, k, v = (torch.randn(1, 2, 70, 64, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+    bias = torch.randn(1, 2, 70, 70, device="cuda", dtype=dtype, requires_grad=True)
+    scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=0.2).sum().backward()
+    q4, k4, v4 = (torch.randn(2, 90, 2, 128, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+    slopes = torch.rand(2, device="cuda", dtype=torch.float32)
+    flash_attn_func(q4, k4, v4, causal=True, window_size=(40, 0), softcap=5.0, alibi_slopes=slopes,
+                    deterministic=True).sum().backward()
+    cu = torch.tensor([0, 33, 33, 130], device="cuda", dtype=torch.int32)
+    qv, kv, vv = (torch.randn(130, 2, 64, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+    flash_attn_varlen_func(qv, kv, vv, cu, cu, 97, 97, causal=True).sum().backward()
 torch.cuda.synchronize()
 print("sanitize_cases: done")
