@@ -25,6 +25,14 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16>(flo
   return __float2bfloat16_rn(x);
 }
 
+// Two adjacent accumulator values, for one 8- (16-) byte load.
+template <class Acc> struct Vec2Of;
+template <> struct Vec2Of<float> { using type = float2; };
+template <> struct Vec2Of<double> { using type = double2; };
+template <class Acc> __device__ __forceinline__ typename Vec2Of<Acc>::type load_vec2(const Acc* p) {
+  return *reinterpret_cast<const typename Vec2Of<Acc>::type*>(p);
+}
+
 template <class Acc> __device__ __forceinline__ Acc neg_inf() { return static_cast<Acc>(-INFINITY); }
 
 // fmax drops a NaN operand; callers rely on NaN still reaching the output through exp().

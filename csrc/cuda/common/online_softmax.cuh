@@ -28,6 +28,14 @@ template <> struct ExpDomain<double> {
   static __device__ __forceinline__ double from_lse(double lse) { return lse; }
 };
 
+// The tensor-core forward lets the running max lag by up to this much (exponent domain).
+template <class Acc> inline constexpr Acc kMaxSlack = Acc(8);
+
+// The subtrahend of exp(x - max): the max, or 0 for a row with no visible key yet (max -inf).
+template <class Acc> __device__ __forceinline__ Acc exp_base(Acc row_max) {
+  return row_max == neg_inf<Acc>() ? Acc(0) : row_max;
+}
+
 // Reductions over the kLanes consecutive lanes that share a row: a half-warp in the SIMT
 // kernels, the 4 lanes of a quad in the tensor-core ones.
 template <int kLanes, class Acc> __device__ __forceinline__ Acc reduce_max_lanes(Acc x) {
@@ -53,7 +61,7 @@ __device__ __forceinline__ Acc online_softmax_step(Acc (&s)[N], Acc& row_max, Ac
   for (int j = 1; j < N; ++j) tile_max = acc_max(tile_max, s[j]);
   tile_max = reduce_max_lanes<kLanes>(tile_max);
   const Acc new_max = acc_max(row_max, tile_max);
-  const Acc base = new_max == neg_inf<Acc>() ? Acc(0) : new_max;
+  const Acc base = exp_base(new_max);
   const Acc alpha = ExpDomain<Acc>::exp(row_max - base);
   row_max = new_max;
   Acc sum = 0;

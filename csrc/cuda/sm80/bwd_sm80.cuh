@@ -8,9 +8,10 @@
 //   S^T = K Q^T and dP^T = V dO^T            (warp rows = its keys)
 //   P^T = exp(scale S^T - LSE), dS^T = P^T (dP^T - D)    elementwise, in registers
 //   dV += P^T dO, dK += dS^T Q               (A operands taken straight from P^T / dS^T)
-// dQ = dS K needs dS by query row, so dS^T goes through smem once per tile; warps then split
-// that product by (16-row group, column group) and add their part into the fp32 (fp64)
-// accumulator. The deterministic path leaves dQ to a separate kernel.
+// dQ = dS K needs dS by query row: dS^T goes through smem once per tile, stored as the warps
+// hold it (key-major, two adjacent rows per store) and read back transposed by ldmatrix; warps
+// then split that product by (16-row group, column group) and add their part into the fp32
+// (fp64) accumulator. The deterministic path leaves dQ to a separate kernel.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -95,9 +96,9 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim>::kThreads, BwdConfig<Ele
   Elem* sV = sK + kBN * kLd;
   Elem* sQ = sV + kBN * kLd;        // [2][kBM][kLd]
   Elem* sdO = sQ + 2 * kBM * kLd;   // [2][kBM][kLd]
-  Elem* sdS = sdO + 2 * kBM * kLd;  // [kBM][kLdS]
-  Acc* sLse = reinterpret_cast<Acc*>(sdS + kBM * kLdS);  // [2][kBM], exponent domain
-  Acc* sD = sLse + 2 * kBM;                                // [2][kBM]
+  Elem* sdSt = sdO + 2 * kBM * kLd;  // [kBN][kLdS]: dS^T, key-major
+  Acc* sLse = reinterpret_cast<Acc*>(sdSt + kBN * kLdS);  // [2][kBM], natural log as stored
+  Acc* sD = sLse + 2 * kBM;                                 // [2][kBM]
 
   int64_t bid = blockIdx.x;
   const int nt = int(bid % num_n_tiles);  // early key tiles (most query rows under causal) first
@@ -142,12 +143,14 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim>::kThreads, BwdConfig<Ele
                        h * p.dout_stride.head + (sq.q0 + m0) * p.dout_stride.row;
     copy_tile_async<kBM, kDim, kThreads>(sQ + buf * kBM * kLd, kLd, q, p.q_stride.row, rows, E, tid);
     copy_tile_async<kBM, kDim, kThreads>(sdO + buf * kBM * kLd, kLd, dout, p.dout_stride.row, rows, Ev, tid);
-    // Rows past len_q get LSE = -inf, which masks them below.
+    // Rows past len_q get LSE = D = 0: their Q and dO rows are zero-filled, so they add exactly
+    // 0 to every gradient (P = 1, dP = D = 0).
     const int64_t r0 = sq.row_index(p.heads_q, h, m0);
+    const Acc* lse_g = static_cast<const Acc*>(p.lse) + r0;
     for (int i = tid; i < kBM; i += kThreads) {
       const bool ok = i < rows;
-      sLse[buf * kBM + i] = ok ? Exp::from_lse(static_cast<const Acc*>(p.lse)[r0 + i]) : neg_inf<Acc>();
-      sD[buf * kBM + i] = ok ? dsum_g[r0 + i] : Acc(0);
+      cp_async_elem_zfill(sLse + buf * kBM + i, ok ? lse_g + i : lse_g, ok);
+      cp_async_elem_zfill(sD + buf * kBM + i, ok ? dsum_g + r0 + i : dsum_g, ok);
     }
   };
   if (num_iters > 0) load_q_tile(0, 0);
@@ -209,8 +212,8 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim>::kThreads, BwdConfig<Ele
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int row = 8 * j + 2 * t + (e & 1);
-            feature_probs(st[j][e], dpt[j][e], lse_s[row], d_s[row], m0 + row, n0 + wkey + g + 8 * (e >> 1),
-                          sq, mods, drop, dbias);
+            feature_probs(st[j][e], dpt[j][e], Exp::from_lse(lse_s[row]), d_s[row], m0 + row,
+                          n0 + wkey + g + 8 * (e >> 1), sq, mods, drop, dbias);
           }
       }
     }
@@ -218,11 +221,16 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim>::kThreads, BwdConfig<Ele
       // A key offset from the warp's first key, clamped to its 16: band bounds in 32 bits.
       auto warp_key = [](int64_t x) { return int(x < 0 ? 0 : x > 16 ? 16 : x); };
 #pragma unroll
-      for (int j = 0; j < kQA; ++j)
+      for (int j = 0; j < kQA; ++j) {
+        // The lane's two query rows 8j + 2t, 8j + 2t + 1 (element e holds row e & 1).
+        const auto lse2 = load_vec2(lse_s + 8 * j + 2 * t);
+        const auto d2 = load_vec2(d_s + 8 * j + 2 * t);
+        const Acc lse_pair[2] = {Exp::from_lse(lse2.x), Exp::from_lse(lse2.y)};
+        const Acc d_pair[2] = {d2.x, d2.y};
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int row = 8 * j + 2 * t + (e & 1);  // query row in the tile
-          const Acc lse = lse_s[row];
+          const Acc lse = lse_pair[e & 1];
           bool vis = lse != neg_inf<Acc>();
           // Uniform over the block; only masked tiles pay for the band / ragged-edge test.
           if (!all_visible) {
@@ -232,8 +240,9 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim>::kThreads, BwdConfig<Ele
           }
           const Acc pr = vis ? Exp::exp(st[j][e] * score_scale - lse) : Acc(0);
           st[j][e] = pr;
-          dpt[j][e] = vis ? pr * (dpt[j][e] - d_s[row]) : Acc(0);
+          dpt[j][e] = vis ? pr * (dpt[j][e] - d_pair[e & 1]) : Acc(0);
         }
+      }
     }
 
 #pragma unroll
@@ -254,12 +263,12 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim>::kThreads, BwdConfig<Ele
     }
 
     if (dq_accum != nullptr) {
-      // dS by query row into smem: sdS[row][key].
+      // dS^T into smem as held: key wkey + g (+ 8), query rows 8j + 2t and 8j + 2t + 1.
 #pragma unroll
-      for (int j = 0; j < kQA; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          sdS[(8 * j + 2 * t + (e & 1)) * kLdS + wkey + g + 8 * (e >> 1)] = from_acc<Elem>(dpt[j][e]);
+      for (int j = 0; j < kQA; ++j) {
+        M::store_pair(sdSt + (wkey + g) * kLdS + 8 * j + 2 * t, dpt[j][0], dpt[j][1]);
+        M::store_pair(sdSt + (wkey + g + 8) * kLdS + 8 * j + 2 * t, dpt[j][2], dpt[j][3]);
+      }
       __syncthreads();
       const int rg = warp % kRowGroups, cg = warp / kRowGroups;
       Acc dq[kQCA][4];
@@ -270,7 +279,7 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim>::kThreads, BwdConfig<Ele
 #pragma unroll
       for (int kk = 0; kk < kBN; kk += M::kK) {
         typename M::A a;
-        M::load_a(a, sdS + 16 * rg * kLdS + kk, kLdS, lane);
+        M::load_a_kn(a, sdSt + kk * kLdS + 16 * rg, kLdS, lane);
 #pragma unroll
         for (int d = 0; d < kQCA; d += 2) {
           typename M::B bk[2];

@@ -13,12 +13,13 @@
 //
 // Interface (s points at the step's first element, ld is the smem row pitch in elements):
 //   load_a(A, s, ld, lane)      A rows 0..15, k 0..kK-1 from row-major smem (s at (row0, k0))
+//   load_a_kn(A, s, ld, lane)   the same A from smem stored [k][row] (s at (k0, row0))
 //   load_b2_nk(B, s, ld, lane)  two B atoms (n 0..7, 8..15) from smem stored [n][k]
 //   load_b2_kn(B, s, ld, lane)  two B atoms from smem stored [k][n]
 //   a_from_acc(A, c)            A from accumulator atoms c[0] (and c[1] for fp16/bf16: kK = 16
 //                               spans two 8-column atoms)
 //   mma(c, A, B)                c += A B
-//   store_pair(dst, x, y)       two adjacent output elements
+//   store_pair(dst, x, y)       two adjacent elements (global or shared memory)
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -44,6 +45,11 @@ struct Mma16Bit {
   // (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15).
   static __device__ __forceinline__ void load_a(A& a, const Elem* s, int ld, int lane) {
     ldmatrix_x4(a.r, s + ((lane & 7) + (lane & 8)) * ld + ((lane >> 4) << 3));
+  }
+  // Transposed matrices (k 0-7, rows 0-7), (k 0-7, rows 8-15), (k 8-15, rows 0-7), (k 8-15,
+  // rows 8-15): the lane addressing of load_b2_nk with the roles of the two indices swapped.
+  static __device__ __forceinline__ void load_a_kn(A& a, const Elem* s, int ld, int lane) {
+    ldmatrix_x4_trans(a.r, s + ((lane & 7) + ((lane >> 4) << 3)) * ld + (lane & 8));
   }
   // Matrices (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15).
   static __device__ __forceinline__ void load_b2_nk(B (&b)[2], const Elem* s, int ld, int lane) {
@@ -94,6 +100,13 @@ template <> struct Mma<double> {
     const double2 top = *reinterpret_cast<const double2*>(s + g * ld + 2 * t);
     const double2 bot = *reinterpret_cast<const double2*>(s + (g + 8) * ld + 2 * t);
     a.v[0] = top.x; a.v[1] = bot.x; a.v[2] = top.y; a.v[3] = bot.y;
+  }
+  static __device__ __forceinline__ void load_a_kn(A& a, const double* s, int ld, int lane) {
+    const int g = lane >> 2, t = lane & 3;
+    a.v[0] = s[2 * t * ld + g];
+    a.v[1] = s[2 * t * ld + g + 8];
+    a.v[2] = s[(2 * t + 1) * ld + g];
+    a.v[3] = s[(2 * t + 1) * ld + g + 8];
   }
   static __device__ __forceinline__ void load_b2_nk(B (&b)[2], const double* s, int ld, int lane) {
     const int g = lane >> 2, t = lane & 3;

@@ -37,6 +37,10 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim>::kThreads)
   constexpr int kThreads = Cfg::kThreads;
   constexpr int kNA = kBN / 8;   // S atoms per warp row group
   constexpr int kDA = kDim / 8;  // O atoms per warp row group
+  // Up to dim 64 the warp's Q fragments (16 registers per 16-row group) stay in registers for
+  // the whole key loop instead of being re-read from smem for every key tile.
+  constexpr bool kQInRegs = sizeof(Elem) == 2 && kDim <= 64;
+  constexpr int kKSteps = kDim / M::kK;
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   Elem* sQ = reinterpret_cast<Elem*>(smem_raw);
@@ -102,6 +106,16 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim>::kThreads)
       for (int e = 0; e < 4; ++e) o[mw][d][e] = Acc(0);
   }
 
+  typename M::A qa[kQInRegs ? kKSteps : 1][kMW];
+  if (kQInRegs && n_end > n_begin) {
+    cp_async_wait<0>();
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < (kQInRegs ? kKSteps : 0); ++kk)
+#pragma unroll
+      for (int mw = 0; mw < kMW; ++mw) M::load_a(qa[kk][mw], sQ + (wrow + 16 * mw) * kLd + kk * M::kK, kLd, lane);
+  }
+
   int buf = 0;
   // A key offset from n0, clamped to the tile: the row's band as 32-bit column bounds.
   auto tile_column = [](int64_t x) { return int(x < 0 ? 0 : x > kBN ? kBN : x); };
@@ -123,10 +137,14 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim>::kThreads)
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[mw][j][e] = Acc(0);
 #pragma unroll
-    for (int kk = 0; kk < kDim; kk += M::kK) {
+    for (int ks = 0; ks < kKSteps; ++ks) {
+      const int kk = ks * M::kK;
       typename M::A a[kMW];
 #pragma unroll
-      for (int mw = 0; mw < kMW; ++mw) M::load_a(a[mw], sQ + (wrow + 16 * mw) * kLd + kk, kLd, lane);
+      for (int mw = 0; mw < kMW; ++mw) {
+        if constexpr (kQInRegs) a[mw] = qa[ks][mw];
+        else M::load_a(a[mw], sQ + (wrow + 16 * mw) * kLd + kk, kLd, lane);
+      }
 #pragma unroll
       for (int j = 0; j < kNA; j += 2) {
         typename M::B bf[2];
@@ -139,15 +157,19 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim>::kThreads)
       }
     }
 
-    // Tiles every row of the block sees in full (most of them) skip the per-element mask.
-    Acc alpha[kMW][2];
+    // Scores -> exponent domain. The plain variant folds the scale into the exp2 argument (one
+    // FFMA per score) when it is positive, the max of raw scores being the max of scaled ones;
+    // otherwise the scores are scaled first. Tiles every row of the block sees in full (most of
+    // them) skip the per-element mask.
+    const bool fold = !(kFeatures && mods.any) && score_scale > Acc(0);
+    const Acc c = fold ? score_scale : Acc(1);
     const bool all_visible = n0 >= sq.key_begin(m_last) && n0 + kBN <= sq.key_end(m0);
+    Acc tile_max[kMW][2];
 #pragma unroll
     for (int mw = 0; mw < kMW; ++mw) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int64_t m = m0 + wrow + 16 * mw + g + 8 * r;
-        Acc row[2 * kNA];
         if (kFeatures && mods.any) {
           // Columns [lo, hi) of the tile are in the row's band; the mods may still mask. Rows
           // past the sequence (the tile's padding) read no bias.
@@ -157,52 +179,91 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim>::kThreads)
 #pragma unroll
           for (int j = 0; j < kNA; ++j)
 #pragma unroll
-            for (int c = 0; c < 2; ++c) {
-              const int col = 8 * j + 2 * t + c;
-              row[2 * j + c] = col >= lo && col < hi
-                                   ? mods.score(s[mw][j][2 * r + c], m, n0 + col, &th) * Exp::score_scale(1.0)
-                                   : neg_inf<Acc>();
+            for (int cc = 0; cc < 2; ++cc) {
+              const int col = 8 * j + 2 * t + cc;
+              Acc& x = s[mw][j][2 * r + cc];
+              x = col >= lo && col < hi ? mods.score(x, m, n0 + col, &th) * Exp::score_scale(1.0) : neg_inf<Acc>();
             }
         } else {
+          if (!fold) {
 #pragma unroll
-          for (int j = 0; j < kNA; ++j)
+            for (int j = 0; j < kNA; ++j)
 #pragma unroll
-            for (int c = 0; c < 2; ++c) row[2 * j + c] = s[mw][j][2 * r + c] * score_scale;
+              for (int cc = 0; cc < 2; ++cc) s[mw][j][2 * r + cc] *= score_scale;
+          }
           // Uniform over the block; a masked tile compares 32-bit column indices.
           if (!all_visible) {
             const int lo = tile_column(sq.key_begin(m) - n0), hi = tile_column(sq.key_end(m) - n0);
 #pragma unroll
             for (int j = 0; j < kNA; ++j)
 #pragma unroll
-              for (int c = 0; c < 2; ++c) {
-                const int col = 8 * j + 2 * t + c;
-                if (col < lo || col >= hi) row[2 * j + c] = neg_inf<Acc>();
+              for (int cc = 0; cc < 2; ++cc) {
+                const int col = 8 * j + 2 * t + cc;
+                if (col < lo || col >= hi) s[mw][j][2 * r + cc] = neg_inf<Acc>();
               }
           }
         }
-        alpha[mw][r] = online_softmax_step<4>(row, row_max[mw][r], row_sum[mw][r]);
+        Acc mx = s[mw][0][2 * r];
+#pragma unroll
+        for (int j = 0; j < kNA; ++j) mx = acc_max(acc_max(mx, s[mw][j][2 * r]), s[mw][j][2 * r + 1]);
+        tile_max[mw][r] = reduce_max_lanes<4>(mx) * c;
+      }
+    }
+
+    // Online softmax with a lazy running max: it moves only when some row of the warp gained
+    // more than kMaxSlack on it; until then P = exp(x - stale max) stays below exp(kMaxSlack)
+    // (256 in base 2: far inside fp16 and bf16) and O needs no rescale. Exact either way: the
+    // final O / l and the LSE do not depend on which max was used.
+    bool grow = false;
+#pragma unroll
+    for (int mw = 0; mw < kMW; ++mw)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) grow |= tile_max[mw][r] > row_max[mw][r] + kMaxSlack<Acc>;
+    grow = __any_sync(0xffffffffu, grow);
+    Acc alpha[kMW][2];
+#pragma unroll
+    for (int mw = 0; mw < kMW; ++mw) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        alpha[mw][r] = Acc(1);
+        if (grow) {
+          const Acc new_max = acc_max(row_max[mw][r], tile_max[mw][r]);
+          alpha[mw][r] = Exp::exp(row_max[mw][r] - exp_base(new_max));
+          row_max[mw][r] = new_max;
+        }
+        // A row with no visible key so far keeps max -inf; 0 as the base avoids (-inf) - (-inf).
+        const Acc base = exp_base(row_max[mw][r]);
+        Acc sum = 0;
 #pragma unroll
         for (int j = 0; j < kNA; ++j)
 #pragma unroll
-          for (int c = 0; c < 2; ++c) s[mw][j][2 * r + c] = row[2 * j + c];
+          for (int cc = 0; cc < 2; ++cc) {
+            Acc& x = s[mw][j][2 * r + cc];
+            x = Exp::exp(fma(x, c, -base));
+            sum += x;
+          }
+        row_sum[mw][r] = row_sum[mw][r] * alpha[mw][r] + sum;
         // Dropout: the row sum keeps every probability, only P V sees the dropped ones as 0.
         if (kFeatures && drop.on) {
+          const int64_t m = m0 + wrow + 16 * mw + g + 8 * r;
 #pragma unroll
           for (int j = 0; j < kNA; ++j)
 #pragma unroll
-            for (int c = 0; c < 2; ++c)
-              if (!drop.keep(m, n0 + 8 * j + 2 * t + c)) s[mw][j][2 * r + c] = Acc(0);
+            for (int cc = 0; cc < 2; ++cc)
+              if (!drop.keep(m, n0 + 8 * j + 2 * t + cc)) s[mw][j][2 * r + cc] = Acc(0);
         }
       }
     }
 
     // O = alpha O + P V, P taken straight from the S registers.
+    if (grow) {
 #pragma unroll
-    for (int mw = 0; mw < kMW; ++mw)
+      for (int mw = 0; mw < kMW; ++mw)
 #pragma unroll
-      for (int d = 0; d < kDA; ++d)
+        for (int d = 0; d < kDA; ++d)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) o[mw][d][e] *= alpha[mw][e >> 1];
+          for (int e = 0; e < 4; ++e) o[mw][d][e] *= alpha[mw][e >> 1];
+    }
 #pragma unroll
     for (int kk = 0; kk < kBN; kk += M::kK) {
       typename M::A a[kMW];

@@ -54,9 +54,9 @@ struct BwdConfig {
   static constexpr int kBM = kHalf && kDim > 64 && kDim <= 128 ? 64 : kDouble && kDim > 64 ? 16 : 32;
   static constexpr int kMinBlocks = kHalf && kDim <= 64 ? 2 : 1;
   static constexpr int kLd = kDim + 8;   // K, V, Q, dO rows
-  static constexpr int kLdS = kBN + 8;   // dS rows
+  static constexpr int kLdS = kBM + 8;   // dS^T rows (one per key)
   static constexpr size_t kSmemBytes =
-      size_t((2 * kBN + 4 * kBM) * kLd + kBM * kLdS) * sizeof(Elem) + 4 * kBM * sizeof(Acc);
+      size_t((2 * kBN + 4 * kBM) * kLd + kBN * kLdS) * sizeof(Elem) + 4 * kBM * sizeof(Acc);
 };
 
 // Deterministic dQ kernel: 4 warps x 16 query rows, key tiles as the forward's. Served where
