@@ -28,9 +28,6 @@ template <> struct ExpDomain<double> {
   static __device__ __forceinline__ double from_lse(double lse) { return lse; }
 };
 
-// The tensor-core forward lets the running max lag by up to this much (exponent domain).
-template <class Acc> inline constexpr Acc kMaxSlack = Acc(8);
-
 // The subtrahend of exp(x - max): the max, or 0 for a row with no visible key yet (max -inf).
 template <class Acc> __device__ __forceinline__ Acc exp_base(Acc row_max) {
   return row_max == neg_inf<Acc>() ? Acc(0) : row_max;

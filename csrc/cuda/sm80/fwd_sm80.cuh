@@ -157,12 +157,11 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim>::kThreads)
       }
     }
 
-    // Scores -> exponent domain. The plain variant folds the scale into the exp2 argument (one
-    // FFMA per score) when it is positive, the max of raw scores being the max of scaled ones;
-    // otherwise the scores are scaled first. Tiles every row of the block sees in full (most of
-    // them) skip the per-element mask.
-    const bool fold = !(kFeatures && mods.any) && score_scale > Acc(0);
-    const Acc c = fold ? score_scale : Acc(1);
+    // Scores -> exponent domain (masked ones -inf), then each row's tile max over its quad.
+    // The scale is applied before the max, not folded into the exp2 argument (s * c - max * c
+    // as one FFMA): that leaves the row's largest P at 2^(rounding error) instead of exactly 1,
+    // and a one-hot row then loses O = V exactly to the bf16/fp16 rounding of P in P V.
+    // Tiles every row of the block sees in full (most of them) skip the per-element mask.
     const bool all_visible = n0 >= sq.key_begin(m_last) && n0 + kBN <= sq.key_end(m0);
     Acc tile_max[kMW][2];
 #pragma unroll
@@ -185,12 +184,10 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim>::kThreads)
               x = col >= lo && col < hi ? mods.score(x, m, n0 + col, &th) * Exp::score_scale(1.0) : neg_inf<Acc>();
             }
         } else {
-          if (!fold) {
 #pragma unroll
-            for (int j = 0; j < kNA; ++j)
+          for (int j = 0; j < kNA; ++j)
 #pragma unroll
-              for (int cc = 0; cc < 2; ++cc) s[mw][j][2 * r + cc] *= score_scale;
-          }
+            for (int cc = 0; cc < 2; ++cc) s[mw][j][2 * r + cc] *= score_scale;
           // Uniform over the block; a masked tile compares 32-bit column indices.
           if (!all_visible) {
             const int lo = tile_column(sq.key_begin(m) - n0), hi = tile_column(sq.key_end(m) - n0);
@@ -206,19 +203,18 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim>::kThreads)
         Acc mx = s[mw][0][2 * r];
 #pragma unroll
         for (int j = 0; j < kNA; ++j) mx = acc_max(acc_max(mx, s[mw][j][2 * r]), s[mw][j][2 * r + 1]);
-        tile_max[mw][r] = reduce_max_lanes<4>(mx) * c;
+        tile_max[mw][r] = reduce_max_lanes<4>(mx);
       }
     }
 
-    // Online softmax with a lazy running max: it moves only when some row of the warp gained
-    // more than kMaxSlack on it; until then P = exp(x - stale max) stays below exp(kMaxSlack)
-    // (256 in base 2: far inside fp16 and bf16) and O needs no rescale. Exact either way: the
-    // final O / l and the LSE do not depend on which max was used.
+    // Online softmax. O is rescaled only on tiles where the max of some row of the warp grew
+    // (elsewhere every alpha is exactly 1). The max is never left stale: with a lagging max the
+    // row's largest P is no longer exactly 1 and a one-hot row loses O = V exactly (see above).
     bool grow = false;
 #pragma unroll
     for (int mw = 0; mw < kMW; ++mw)
 #pragma unroll
-      for (int r = 0; r < 2; ++r) grow |= tile_max[mw][r] > row_max[mw][r] + kMaxSlack<Acc>;
+      for (int r = 0; r < 2; ++r) grow |= tile_max[mw][r] > row_max[mw][r];
     grow = __any_sync(0xffffffffu, grow);
     Acc alpha[kMW][2];
 #pragma unroll
@@ -239,7 +235,7 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim>::kThreads)
 #pragma unroll
           for (int cc = 0; cc < 2; ++cc) {
             Acc& x = s[mw][j][2 * r + cc];
-            x = Exp::exp(fma(x, c, -base));
+            x = Exp::exp(x - base);
             sum += x;
           }
         row_sum[mw][r] = row_sum[mw][r] * alpha[mw][r] + sum;
