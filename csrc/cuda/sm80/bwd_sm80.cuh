@@ -147,10 +147,11 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim>::kThreads, BwdConfig<Ele
     // 0 to every gradient (P = 1, dP = D = 0).
     const int64_t r0 = sq.row_index(p.heads_q, h, m0);
     const Acc* lse_g = static_cast<const Acc*>(p.lse) + r0;
-    for (int i = tid; i < kBM; i += kThreads) {
-      const bool ok = i < rows;
-      cp_async_elem_zfill(sLse + buf * kBM + i, ok ? lse_g + i : lse_g, ok);
-      cp_async_elem_zfill(sD + buf * kBM + i, ok ? dsum_g + r0 + i : dsum_g, ok);
+    static_assert(kBM <= kThreads, "one LSE / D element per thread");
+    if (tid < kBM) {
+      const bool ok = tid < rows;
+      cp_async_elem_zfill(sLse + buf * kBM + tid, ok ? lse_g + tid : lse_g, ok);
+      cp_async_elem_zfill(sD + buf * kBM + tid, ok ? dsum_g + r0 + tid : dsum_g, ok);
     }
   };
   if (num_iters > 0) load_q_tile(0, 0);
