@@ -133,9 +133,9 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim>::kThreads, BwdConfig<Ele
   const int64_t m_iters = m_end > m_begin ? (m_end - m_begin + kBM - 1) / kBM : 0;
   const int64_t num_iters = m_iters * group;
 
-  auto load_q_tile = [&](int64_t it, int buf) {
-    const int64_t h = hk * group + it / m_iters;
-    const int64_t m0 = m_begin + (it % m_iters) * kBM;
+  // The walk goes tile by tile through the rows of one head, then the next head: (h, m0) and
+  // the next tile's (h_next, m_next) advance by addition (no 64-bit division per tile).
+  auto load_q_tile = [&](int64_t h, int64_t m0, int buf) {
     const int rows = int(sq.len_q - m0 < kBM ? sq.len_q - m0 : kBM);
     const Elem* q = static_cast<const Elem*>(p.q) + sq.tb * p.q_stride.batch + h * p.q_stride.head +
                     (sq.q0 + m0) * p.q_stride.row;
@@ -154,7 +154,7 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim>::kThreads, BwdConfig<Ele
       cp_async_elem_zfill(sD + buf * kBM + tid, ok ? dsum_g + r0 + tid : dsum_g, ok);
     }
   };
-  if (num_iters > 0) load_q_tile(0, 0);
+  if (num_iters > 0) load_q_tile(hk * group, m_begin, 0);
   cp_async_commit();
 
   Acc dk[kDA][4], dv[kDA][4];
@@ -164,12 +164,17 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim>::kThreads, BwdConfig<Ele
     for (int e = 0; e < 4; ++e) dk[d][e] = dv[d][e] = Acc(0);
 
   int buf = 0;
-  for (int64_t it = 0; it < num_iters; ++it, buf ^= 1) {
-    const int64_t h = hk * group + it / m_iters;
-    const int64_t m0 = m_begin + (it % m_iters) * kBM;
+  int64_t h = hk * group, m0 = m_begin, h_next = h, m_next = m0;
+  for (int64_t it = 0; it < num_iters; ++it, buf ^= 1, h = h_next, m0 = m_next) {
+    h_next = h;
+    m_next = m0 + kBM;
+    if (m_next >= m_end) {
+      m_next = m_begin;
+      ++h_next;
+    }
     cp_async_wait<0>();
     __syncthreads();  // this tile landed for all; every warp is done with the other buffers
-    if (it + 1 < num_iters) load_q_tile(it + 1, buf ^ 1);
+    if (it + 1 < num_iters) load_q_tile(h_next, m_next, buf ^ 1);
     cp_async_commit();
     const Elem* q_s = sQ + buf * kBM * kLd;
     const Elem* do_s = sdO + buf * kBM * kLd;
@@ -219,8 +224,17 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim>::kThreads, BwdConfig<Ele
       }
     }
     if (!featured) {
-      // A key offset from the warp's first key, clamped to its 16: band bounds in 32 bits.
-      auto warp_key = [](int64_t x) { return int(x < 0 ? 0 : x > 16 ? 16 : x); };
+      // On masked tiles, the warp's key kw (0..15) is visible to tile row `row` iff
+      // lo0 + row <= kw <= hi0 + row and kw < k_lim. The bases are clamped once per tile to
+      // [-kBM - 1, 17], which keeps every comparison (0 <= row < kBM, 0 <= kw < 16) in 32 bits.
+      int lo0 = 0, hi0 = 0, k_lim = 16;
+      if (!all_visible) {
+        auto clamp_base = [](int64_t x) { return int(x < -kBM - 1 ? -kBM - 1 : x > 17 ? 17 : x); };
+        const int64_t base = m0 - n0 - wkey;
+        lo0 = clamp_base(base + sq.band.lo);
+        hi0 = clamp_base(base + sq.band.hi);
+        k_lim = clamp_base(sq.len_k - n0 - wkey);
+      }
 #pragma unroll
       for (int j = 0; j < kQA; ++j) {
         // The lane's two query rows 8j + 2t, 8j + 2t + 1 (element e holds row e & 1).
@@ -236,8 +250,7 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim>::kThreads, BwdConfig<Ele
           // Uniform over the block; only masked tiles pay for the band / ragged-edge test.
           if (!all_visible) {
             const int kw = g + 8 * (e >> 1);
-            vis = vis && kw >= warp_key(sq.key_begin(m0 + row) - n0 - wkey) &&
-                  kw < warp_key(sq.key_end(m0 + row) - n0 - wkey);
+            vis = vis && kw >= lo0 + row && kw <= hi0 + row && kw < k_lim;
           }
           const Acc pr = vis ? Exp::exp(st[j][e] * score_scale - lse) : Acc(0);
           st[j][e] = pr;
