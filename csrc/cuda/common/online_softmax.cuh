@@ -18,6 +18,12 @@ template <> struct ExpDomain<float> {
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
   }
+  // exp(x) where `keep`, else 0. The exponential is computed either way: the compiler does not
+  // if-convert the inline asm, and a branch per score cost two convergence instructions.
+  static __device__ __forceinline__ float exp_if(bool keep, float x) {
+    const float y = exp(x);
+    return keep ? y : 0.f;
+  }
   // Natural-log LSE from a base-2 running max and the sum of 2^(s - max).
   static __device__ __forceinline__ float lse(float row_max, float row_sum) {
     return row_max * kLn2 + logf(row_sum);
@@ -28,6 +34,7 @@ template <> struct ExpDomain<float> {
 template <> struct ExpDomain<double> {
   static __device__ __forceinline__ double score_scale(double scale) { return scale; }
   static __device__ __forceinline__ double exp(double x) { return ::exp(x); }
+  static __device__ __forceinline__ double exp_if(bool keep, double x) { return keep ? ::exp(x) : 0.0; }
   static __device__ __forceinline__ double lse(double row_max, double row_sum) {
     return row_max + ::log(row_sum);
   }
@@ -37,6 +44,18 @@ template <> struct ExpDomain<double> {
 // The subtrahend of exp(x - max): the max, or 0 for a row with no visible key yet (max -inf).
 template <class Acc> __device__ __forceinline__ Acc exp_base(Acc row_max) {
   return row_max == neg_inf<Acc>() ? Acc(0) : row_max;
+}
+
+// Reduces x[0..N) with `op` pairwise (N a power of two), leaving independent operations for the
+// scheduler at every level; the result is in x[0].
+template <class Acc, int N, class Op>
+__device__ __forceinline__ Acc tree_reduce(Acc (&x)[N], Op op) {
+  static_assert((N & (N - 1)) == 0, "power of two");
+#pragma unroll
+  for (int w = 1; w < N; w *= 2)
+#pragma unroll
+    for (int j = 0; j + w < N; j += 2 * w) x[j] = op(x[j], x[j + w]);
+  return x[0];
 }
 
 // Reductions over the kLanes consecutive lanes that share a row: a half-warp in the SIMT

@@ -126,14 +126,14 @@ __device__ __forceinline__ void bwd_probs(Acc (&s)[4][Tr::kTN], Acc (&dp)[4][Tr:
       const int64_t n = n0 + c + 16 * j;
       const bool vis = lse[i] != neg_inf<Acc>() && n < sq.len_k && sq.band.visible(m, n);
       if (plain) {
-        const Acc pr = vis ? ExpDomain<Acc>::exp(fma(s[i][j], score_scale, -lse[i])) : Acc(0);
+        const Acc pr = ExpDomain<Acc>::exp_if(vis, fma(s[i][j], score_scale, -lse[i]));
         dp[i][j] = vis ? pr * (dp[i][j] - dsum[i]) : Acc(0);
         s[i][j] = pr;
         continue;
       }
       Acc th = 0;
       const Acc x = vis ? f.mods.score(s[i][j], m, n, &th) : neg_inf<Acc>();
-      const Acc pr = x != neg_inf<Acc>() ? ExpDomain<Acc>::exp(fma(x, to_domain, -lse[i])) : Acc(0);
+      const Acc pr = ExpDomain<Acc>::exp_if(x != neg_inf<Acc>(), fma(x, to_domain, -lse[i]));
       const Acc kept = !f.drop.on ? Acc(1) : (vis && f.drop.keep(m, n)) ? f.drop.inv_keep : Acc(0);
       const bool live = x != neg_inf<Acc>();
       Acc ds = live ? pr * (dp[i][j] * kept - dsum[i]) : Acc(0);

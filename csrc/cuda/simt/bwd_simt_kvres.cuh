@@ -185,7 +185,7 @@ __global__ void __launch_bounds__(KvresTraits<kDim>::kThreads, 1)
       for (int j = 0; j < kTQ; ++j) {
         const bool vis = lse[j] != neg_inf<float>() &&
                          (all_visible || (n < p.len_k && mask.visible(m0 + c + 16 * j, n)));
-        const float pr = vis ? Exp::exp(fmaf(s[i][j], score_scale, -lse[j])) : 0.f;
+        const float pr = Exp::exp_if(vis, fmaf(s[i][j], score_scale, -lse[j]));
         sPt[(r + 16 * i) * kLdP + c + 16 * j] = pr;
         sdSt[(r + 16 * i) * kLdP + c + 16 * j] = vis ? pr * (dp[i][j] - dsum[j]) : 0.f;
       }

@@ -55,7 +55,7 @@ __device__ __forceinline__ void feature_probs(Acc& s, Acc& dp, Acc lse, Acc dsum
   Acc th = 0;
   const Acc x = vis ? mods.score(s, m, n, &th) : neg_inf<Acc>();
   const bool live = x != neg_inf<Acc>();
-  const Acc pr = live ? ExpDomain<Acc>::exp(x * ExpDomain<Acc>::score_scale(1.0) - lse) : Acc(0);
+  const Acc pr = ExpDomain<Acc>::exp_if(live, x * ExpDomain<Acc>::score_scale(1.0) - lse);
   const Acc kept = !drop.on ? Acc(1) : (vis && drop.keep(m, n)) ? drop.inv_keep : Acc(0);
   Acc ds = live ? pr * (dp * kept - dsum) : Acc(0);
   if (dbias != nullptr && vis) dbias[m * sq.len_k + n] = ds;
@@ -252,7 +252,7 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim>::kThreads, BwdConfig<Ele
             const int kw = g + 8 * (e >> 1);
             vis = vis && kw >= lo0 + row && kw <= hi0 + row && kw < k_lim;
           }
-          const Acc pr = vis ? Exp::exp(st[j][e] * score_scale - lse) : Acc(0);
+          const Acc pr = Exp::exp_if(vis, st[j][e] * score_scale - lse);
           st[j][e] = pr;
           dpt[j][e] = vis ? pr * (dpt[j][e] - d_pair[e & 1]) : Acc(0);
         }
@@ -480,7 +480,7 @@ __global__ void __launch_bounds__(DqConfig<Elem, kDim>::kThreads)
         for (int e = 0; e < 4; ++e) {
           const int r = e >> 1, col = 8 * j + 2 * t + (e & 1);
           const bool vis = lse[r] != neg_inf<Acc>() && col >= lo[r] && col < hi[r];
-          const Acc pr = vis ? Exp::exp(s[j][e] * score_scale - lse[r]) : Acc(0);
+          const Acc pr = Exp::exp_if(vis, s[j][e] * score_scale - lse[r]);
           dp[j][e] = vis ? pr * (dp[j][e] - dsum[r]) : Acc(0);
         }
     }

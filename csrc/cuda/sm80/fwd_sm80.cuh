@@ -200,10 +200,11 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim>::kThreads)
               }
           }
         }
-        Acc mx = s[mw][0][2 * r];
+        // As a tree (depth log2(2 kNA), not a 2 kNA-long chain of dependent FMNMX).
+        Acc mx[kNA];
 #pragma unroll
-        for (int j = 0; j < kNA; ++j) mx = acc_max(acc_max(mx, s[mw][j][2 * r]), s[mw][j][2 * r + 1]);
-        tile_max[mw][r] = reduce_max_lanes<4>(mx);
+        for (int j = 0; j < kNA; ++j) mx[j] = acc_max(s[mw][j][2 * r], s[mw][j][2 * r + 1]);
+        tile_max[mw][r] = reduce_max_lanes<4>(tree_reduce(mx, [](Acc a, Acc b) { return acc_max(a, b); }));
       }
     }
 
@@ -229,16 +230,15 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim>::kThreads)
         }
         // A row with no visible key so far keeps max -inf; 0 as the base avoids (-inf) - (-inf).
         const Acc base = exp_base(row_max[mw][r]);
-        Acc sum = 0;
+        Acc sums[kNA];
 #pragma unroll
-        for (int j = 0; j < kNA; ++j)
-#pragma unroll
-          for (int cc = 0; cc < 2; ++cc) {
-            Acc& x = s[mw][j][2 * r + cc];
-            x = Exp::exp(x - base);
-            sum += x;
-          }
-        row_sum[mw][r] = row_sum[mw][r] * alpha[mw][r] + sum;
+        for (int j = 0; j < kNA; ++j) {
+          Acc* x = s[mw][j] + 2 * r;
+          x[0] = Exp::exp(x[0] - base);
+          x[1] = Exp::exp(x[1] - base);
+          sums[j] = x[0] + x[1];
+        }
+        row_sum[mw][r] = row_sum[mw][r] * alpha[mw][r] + tree_reduce(sums, [](Acc a, Acc b) { return a + b; });
         // Dropout: the row sum keeps every probability, only P V sees the dropped ones as 0.
         if (kFeatures && drop.on) {
           const int64_t m = m0 + wrow + 16 * mw + g + 8 * r;
