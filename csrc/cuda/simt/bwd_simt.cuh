@@ -19,6 +19,7 @@
 
 #include "../common/check.h"
 #include "../common/features.cuh"
+#include "../common/grid.cuh"
 #include "../common/online_softmax.cuh"
 #include "launch.h"
 #include "tile_config.cuh"
@@ -195,13 +196,10 @@ __global__ void __launch_bounds__(BwdTraits<T, kTier, kWide>::kThreads, 2)
     Acc* sPt = smem + Tr::kChunkElems;
     Acc* sdSt = sPt + Tr::kTileElems;
 
-    int64_t bid = blockIdx.x;
-    const int nt = int(bid % num_n_tiles);
-    bid /= num_n_tiles;
-    const int split = int(bid % num_splits);
-    bid /= num_splits;
-    const int64_t hk = bid % p.heads_kv;
-    const Seq sq = kFeatures ? sequence(p, bid / p.heads_kv) : plain_sequence(p, bid / p.heads_kv);
+    const TileBlock blk = tile_block(num_n_tiles, num_splits, p.heads_kv, /*heaviest_first=*/false);
+    const int nt = blk.tile, split = blk.split;
+    const int64_t hk = blk.head;
+    const Seq sq = kFeatures ? sequence(p, blk.batch) : plain_sequence(p, blk.batch);
     const int64_t group = p.heads_q / p.heads_kv;
     const int64_t n0 = int64_t(nt) * kB;
     if (n0 >= sq.len_k) return;  // past the end of a shorter sequence (the whole block)
@@ -328,14 +326,10 @@ __global__ void __launch_bounds__(BwdTraits<T, kTier, true>::kThreads, 2)
   Acc* sK = smem;  // gradient-phase chunk
   Acc* sdSt = smem + cmax(Tr::kScoreElems, kB * kLdC);
 
-  int64_t bid = blockIdx.x;
-  const int mt = num_m_tiles - 1 - int(bid % num_m_tiles);
-  bid /= num_m_tiles;
-  const int split = int(bid % num_splits);
-  bid /= num_splits;
-  const int64_t h = bid % p.heads_q;
-  const Seq sq = kFeatures ? sequence(p, bid / p.heads_q) : plain_sequence(p, bid / p.heads_q);
-  const int64_t hk = h / (p.heads_q / p.heads_kv);
+  const TileBlock blk = tile_block(num_m_tiles, num_splits, p.heads_q, /*heaviest_first=*/true);
+  const int mt = blk.tile, split = blk.split;
+  const int64_t h = blk.head, hk = kv_head(p, h);
+  const Seq sq = kFeatures ? sequence(p, blk.batch) : plain_sequence(p, blk.batch);
   const int64_t m0 = int64_t(mt) * kB;
   if (m0 >= sq.len_q) return;  // past the end of a shorter sequence (the whole block)
   const int64_t row0 = sq.row_index(p.heads_q, h, 0);

@@ -18,8 +18,9 @@
 #pragma once
 #include <cstdint>
 
+#include "../../common/sequence.h"
 #include "../common/check.h"
-#include "../common/mask.cuh"
+#include "../common/grid.cuh"
 #include "../common/online_softmax.cuh"
 #include "launch.h"
 #include "tile_gemm.cuh"
@@ -89,24 +90,23 @@ __global__ void __launch_bounds__(KvresTraits<kDim>::kThreads, 1)
   float* sdSt = sPt + kBN * kLdP;
 
   // Key tiles seen by the most query tiles (the first ones, under causal masking) go first.
-  int64_t bid = blockIdx.x;
-  const int nt = int(bid % num_n_tiles);
-  bid /= num_n_tiles;
-  const int64_t hk = bid % p.heads_kv;
-  const int64_t b = bid / p.heads_kv;
+  const TileBlock blk = tile_block(num_n_tiles, 1, p.heads_kv, /*heaviest_first=*/false);
+  const int nt = blk.tile;
+  const int64_t hk = blk.head, b = blk.batch;
   const int64_t group = p.heads_q / p.heads_kv;
 
   const int tid = threadIdx.x, r = tid >> 4, c = tid & 15;
   const int E = int(p.head_dim), Ev = int(p.head_dim_v);
   const int64_t n0 = int64_t(nt) * kBN;
   const int rows_k = int(p.len_k - n0 < kBN ? p.len_k - n0 : kBN);
-  const CausalMask mask{p.causal, p.causal_offset};
+  const Seq sq = plain_sequence(p, b);  // this kernel serves calls without optional features
   const float score_scale = Exp::score_scale(p.scale);
 
   const T* q_b = static_cast<const T*>(p.q) + b * p.q_stride.batch;
   const T* do_b = static_cast<const T*>(p.dout) + b * p.dout_stride.batch;
-  const int64_t m_begin = mask.first_query(n0) / kBM * kBM;
-  const int64_t tiles_per_head = m_begin < p.len_q ? (p.len_q - m_begin + kBM - 1) / kBM : 0;
+  const int64_t first_row = sq.row_begin(n0);  // len_q when no row sees key n0
+  const int64_t m_begin = first_row / kBM * kBM;
+  const int64_t tiles_per_head = first_row < p.len_q ? (p.len_q - m_begin + kBM - 1) / kBM : 0;
   const int64_t num_iters = tiles_per_head * group;
   // Iteration `it` covers query head hk * group + it / tiles_per_head and query tile
   // m_begin + (it % tiles_per_head) * kBM.
@@ -177,14 +177,14 @@ __global__ void __launch_bounds__(KvresTraits<kDim>::kThreads, 1)
     // P = exp(scale S - LSE), dS = P (dP - D); both 0 wherever the key is not visible, so
     // values there (even NaN/inf) never reach a gradient. Tiles every row sees in full (most
     // of them) skip the per-element mask.
-    const bool all_visible = n0 + kBN <= p.len_k && mask.visible(m0, n0 + kBN - 1);
+    const bool all_visible = n0 + kBN <= sq.key_end(m0);
 #pragma unroll
     for (int i = 0; i < kTK; ++i) {
       const int64_t n = n0 + r + 16 * i;
 #pragma unroll
       for (int j = 0; j < kTQ; ++j) {
         const bool vis = lse[j] != neg_inf<float>() &&
-                         (all_visible || (n < p.len_k && mask.visible(m0 + c + 16 * j, n)));
+                         (all_visible || (n < p.len_k && sq.band.visible(m0 + c + 16 * j, n)));
         const float pr = Exp::exp_if(vis, fmaf(s[i][j], score_scale, -lse[j]));
         sPt[(r + 16 * i) * kLdP + c + 16 * j] = pr;
         sdSt[(r + 16 * i) * kLdP + c + 16 * j] = vis ? pr * (dp[i][j] - dsum[j]) : 0.f;

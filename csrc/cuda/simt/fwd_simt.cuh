@@ -11,6 +11,7 @@
 
 #include "../common/check.h"
 #include "../common/features.cuh"
+#include "../common/grid.cuh"
 #include "../common/online_softmax.cuh"
 #include "launch.h"
 #include "tile_config.cuh"
@@ -46,15 +47,10 @@ __global__ void __launch_bounds__(FwdTraits<T, kTier>::kThreads, 2)
   Acc* sV = sQ;
   Acc* sPt = sQ + Tr::kChunkElems;
 
-  // Heaviest (last, under causal masking) query tiles are scheduled first.
-  int64_t bid = blockIdx.x;
-  const int mt = num_m_tiles - 1 - int(bid % num_m_tiles);
-  bid /= num_m_tiles;
-  const int split = int(bid % num_splits);
-  bid /= num_splits;
-  const int64_t h = bid % p.heads_q;
-  const Seq sq = kFeatures ? sequence(p, bid / p.heads_q) : plain_sequence(p, bid / p.heads_q);
-  const int64_t hk = h / (p.heads_q / p.heads_kv);  // group() is host-only
+  const TileBlock blk = tile_block(num_m_tiles, num_splits, p.heads_q, /*heaviest_first=*/true);
+  const int mt = blk.tile, split = blk.split;
+  const int64_t h = blk.head, hk = kv_head(p, h);
+  const Seq sq = kFeatures ? sequence(p, blk.batch) : plain_sequence(p, blk.batch);
   const int64_t m0 = int64_t(mt) * kB;
   if (m0 >= sq.len_q) return;  // past the end of a shorter sequence (the whole block)
 

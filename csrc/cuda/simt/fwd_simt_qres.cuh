@@ -14,8 +14,9 @@
 #pragma once
 #include <cstdint>
 
+#include "../../common/sequence.h"
 #include "../common/check.h"
-#include "../common/mask.cuh"
+#include "../common/grid.cuh"
 #include "../common/online_softmax.cuh"
 #include "launch.h"
 #include "tile_gemm.cuh"
@@ -56,19 +57,15 @@ __global__ void __launch_bounds__(QresTraits<kDim>::kThreads, 1)
   float* sV = sK + kBN * kLd;
   float* sP = sV + kBN * kLd;
 
-  // Heaviest (last, under causal masking) query tiles are scheduled first.
-  int64_t bid = blockIdx.x;
-  const int mt = num_m_tiles - 1 - int(bid % num_m_tiles);
-  bid /= num_m_tiles;
-  const int64_t h = bid % p.heads_q;
-  const int64_t b = bid / p.heads_q;
-  const int64_t hk = h / (p.heads_q / p.heads_kv);
+  const TileBlock blk = tile_block(num_m_tiles, 1, p.heads_q, /*heaviest_first=*/true);
+  const int mt = blk.tile;
+  const int64_t h = blk.head, b = blk.batch, hk = kv_head(p, h);
 
   const int tid = threadIdx.x, r = tid >> 4, c = tid & 15;
   const int E = int(p.head_dim), Ev = int(p.head_dim_v);
   const int64_t m0 = int64_t(mt) * kBM;
   const int rows_q = int(p.len_q - m0 < kBM ? p.len_q - m0 : kBM);
-  const CausalMask mask{p.causal, p.causal_offset};
+  const Seq sq = plain_sequence(p, b);  // this kernel serves calls without optional features
   const float score_scale = Exp::score_scale(p.scale);
 
   const T* q = static_cast<const T*>(p.q) + b * p.q_stride.batch + h * p.q_stride.head +
@@ -76,7 +73,7 @@ __global__ void __launch_bounds__(QresTraits<kDim>::kThreads, 1)
   const T* k = static_cast<const T*>(p.k) + b * p.k_stride.batch + hk * p.k_stride.head;
   const T* v = static_cast<const T*>(p.v) + b * p.v_stride.batch + hk * p.v_stride.head;
 
-  const int64_t n_end = mask.key_end(m0 + rows_q - 1, p.len_k);
+  const int64_t n_end = sq.key_end(m0 + rows_q - 1);
   auto load_k = [&](int64_t n0) {
     const int rows_k = int(p.len_k - n0 < kBN ? p.len_k - n0 : kBN);
     load_tile_x4<kBN, kDim, kNT>(sK, kLd, k + n0 * p.k_stride.row, p.k_stride.row, rows_k, E,
@@ -122,15 +119,15 @@ __global__ void __launch_bounds__(QresTraits<kDim>::kThreads, 1)
     if (n0 + kBN < n_end) load_k(n0 + kBN); else cp_async_commit();
 
     // Tiles every row of the block sees in full (most of them) skip the per-element mask.
-    const bool all_visible = n0 + kBN <= p.len_k && mask.visible(m0, n0 + kBN - 1);
+    const bool all_visible = n0 + kBN <= sq.key_end(m0);
 #pragma unroll
     for (int i = 0; i < kTM; ++i) {
       const int64_t m = m0 + r + kRG * i;
 #pragma unroll
       for (int j = 0; j < kTN; ++j) {
         const int64_t n = n0 + c + 16 * j;
-        s[i][j] = (all_visible || (n < p.len_k && mask.visible(m, n))) ? s[i][j] * score_scale
-                                                                       : neg_inf<float>();
+        s[i][j] = (all_visible || (n < p.len_k && sq.band.visible(m, n))) ? s[i][j] * score_scale
+                                                                          : neg_inf<float>();
       }
       const float alpha = online_softmax_step<16>(s[i], row_max[i], row_sum[i]);
 #pragma unroll

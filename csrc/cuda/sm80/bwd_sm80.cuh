@@ -21,6 +21,7 @@
 #include "../../params.h"
 #include "../common/check.h"
 #include "../common/features.cuh"
+#include "../common/grid.cuh"
 #include "../common/numeric.cuh"
 #include "../common/online_softmax.cuh"
 #include "fragments.cuh"
@@ -41,6 +42,35 @@ __device__ __forceinline__ void atomic_add_pair(float* dst, float x, float y) {
 __device__ __forceinline__ void atomic_add_pair(double* dst, double x, double y) {
   atomicAdd(dst, x);
   atomicAdd(dst + 1, y);
+}
+
+// The two products of the backward that share their shape, over the kDim head dims in smem
+// rows of pitch kLd: s = A_s B_s^T and dp = A_dp B_dp^T for a warp's 16 A rows and kN B rows
+// (8 per atom). The dK/dV kernel takes A = its keys of K, V and B = the query tile's Q, dO
+// (S^T, dP^T); the dQ kernel the transpose, A = its rows of Q, dO and B = the key tile's K, V.
+template <class M, int kDim, int kLd, class Elem, class Acc, int kNA>
+__device__ __forceinline__ void scores_and_dp(Acc (&s)[kNA][4], Acc (&dp)[kNA][4], const Elem* a_s,
+                                              const Elem* a_dp, const Elem* b_s, const Elem* b_dp, int lane) {
+#pragma unroll
+  for (int j = 0; j < kNA; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[j][e] = dp[j][e] = Acc(0);
+#pragma unroll
+  for (int kk = 0; kk < kDim; kk += M::kK) {
+    typename M::A as, adp;
+    M::load_a(as, a_s + kk, kLd, lane);
+    M::load_a(adp, a_dp + kk, kLd, lane);
+#pragma unroll
+    for (int j = 0; j < kNA; j += 2) {
+      typename M::B bs[2], bdp[2];
+      M::load_b2_nk(bs, b_s + 8 * j * kLd + kk, kLd, lane);
+      M::load_b2_nk(bdp, b_dp + 8 * j * kLd + kk, kLd, lane);
+      M::mma(s[j], as, bs[0]);
+      M::mma(s[j + 1], as, bs[1]);
+      M::mma(dp[j], adp, bdp[0]);
+      M::mma(dp[j + 1], adp, bdp[1]);
+    }
+  }
 }
 
 // One score of the backward with the optional features, as the SIMT kernels' bwd_probs: `s`
@@ -100,13 +130,10 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim>::kThreads, BwdConfig<Ele
   Acc* sLse = reinterpret_cast<Acc*>(sdSt + kBN * kLdS);  // [2][kBM], natural log as stored
   Acc* sD = sLse + 2 * kBM;                                 // [2][kBM]
 
-  int64_t bid = blockIdx.x;
-  const int nt = int(bid % num_n_tiles);  // early key tiles (most query rows under causal) first
-  bid /= num_n_tiles;
-  const int c0 = int(bid % Cfg::kSplit) * kDimOut;
-  bid /= Cfg::kSplit;
-  const int64_t hk = bid % p.heads_kv;
-  const int64_t b = bid / p.heads_kv;
+  // Early key tiles (seen by the most query rows under causal masking) first.
+  const TileBlock blk = tile_block(num_n_tiles, Cfg::kSplit, p.heads_kv, /*heaviest_first=*/false);
+  const int nt = blk.tile, c0 = blk.split * kDimOut;
+  const int64_t hk = blk.head, b = blk.batch;
   const int64_t group = p.heads_q / p.heads_kv;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -182,26 +209,7 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim>::kThreads, BwdConfig<Ele
     const Acc* d_s = sD + buf * kBM;
 
     Acc st[kQA][4], dpt[kQA][4];
-#pragma unroll
-    for (int j = 0; j < kQA; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) st[j][e] = dpt[j][e] = Acc(0);
-#pragma unroll
-    for (int kk = 0; kk < kDim; kk += M::kK) {
-      typename M::A ak, av;
-      M::load_a(ak, sK + wkey * kLd + kk, kLd, lane);
-      M::load_a(av, sV + wkey * kLd + kk, kLd, lane);
-#pragma unroll
-      for (int j = 0; j < kQA; j += 2) {
-        typename M::B bq[2], bo[2];
-        M::load_b2_nk(bq, q_s + 8 * j * kLd + kk, kLd, lane);
-        M::load_b2_nk(bo, do_s + 8 * j * kLd + kk, kLd, lane);
-        M::mma(st[j], ak, bq[0]);
-        M::mma(st[j + 1], ak, bq[1]);
-        M::mma(dpt[j], av, bo[0]);
-        M::mma(dpt[j + 1], av, bo[1]);
-      }
-    }
+    scores_and_dp<M, kDim, kLd>(st, dpt, sK + wkey * kLd, sV + wkey * kLd, q_s, do_s, lane);
 
     // P^T and dS^T, both 0 wherever the key is not visible (so values there, even NaN or
     // inf, never reach a gradient). Tiles every row sees in full skip the per-element mask.
@@ -356,12 +364,9 @@ __global__ void __launch_bounds__(DqConfig<Elem, kDim>::kThreads)
   Elem* sK = sdO + kBM * kLd;     // [2][kBN][kLd]
   Elem* sV = sK + 2 * kBN * kLd;  // [2][kBN][kLd]
 
-  int64_t bid = blockIdx.x;
-  const int mt = num_m_tiles - 1 - int(bid % num_m_tiles);
-  bid /= num_m_tiles;
-  const int64_t h = bid % p.heads_q;
-  const int64_t b = bid / p.heads_q;
-  const int64_t hk = h / (p.heads_q / p.heads_kv);
+  const TileBlock blk = tile_block(num_m_tiles, 1, p.heads_q, /*heaviest_first=*/true);
+  const int mt = blk.tile;
+  const int64_t h = blk.head, b = blk.batch, hk = kv_head(p, h);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -427,26 +432,7 @@ __global__ void __launch_bounds__(DqConfig<Elem, kDim>::kThreads)
     const Elem* v_s = sV + buf * kBN * kLd;
 
     Acc s[kNA][4], dp[kNA][4];
-#pragma unroll
-    for (int j = 0; j < kNA; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[j][e] = dp[j][e] = Acc(0);
-#pragma unroll
-    for (int kk = 0; kk < kDim; kk += M::kK) {
-      typename M::A aq, ao;
-      M::load_a(aq, sQ + wrow * kLd + kk, kLd, lane);
-      M::load_a(ao, sdO + wrow * kLd + kk, kLd, lane);
-#pragma unroll
-      for (int j = 0; j < kNA; j += 2) {
-        typename M::B bk[2], bv[2];
-        M::load_b2_nk(bk, k_s + 8 * j * kLd + kk, kLd, lane);
-        M::load_b2_nk(bv, v_s + 8 * j * kLd + kk, kLd, lane);
-        M::mma(s[j], aq, bk[0]);
-        M::mma(s[j + 1], aq, bk[1]);
-        M::mma(dp[j], ao, bv[0]);
-        M::mma(dp[j + 1], ao, bv[1]);
-      }
-    }
+    scores_and_dp<M, kDim, kLd>(s, dp, sQ + wrow * kLd, sdO + wrow * kLd, k_s, v_s, lane);
 
     bool featured = false;
     if constexpr (kFeatures) {

@@ -16,6 +16,7 @@
 #include "../../params.h"
 #include "../common/check.h"
 #include "../common/features.cuh"
+#include "../common/grid.cuh"
 #include "../common/online_softmax.cuh"
 #include "fragments.cuh"
 #include "tile_copy.cuh"
@@ -47,13 +48,9 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim>::kThreads)
   Elem* sK = sQ + kBM * kLd;
   Elem* sV = sK + 2 * kBN * kLd;
 
-  // Heaviest (last, under causal masking) query tiles first.
-  int64_t bid = blockIdx.x;
-  const int mt = num_m_tiles - 1 - int(bid % num_m_tiles);
-  bid /= num_m_tiles;
-  const int64_t h = bid % p.heads_q;
-  const int64_t b = bid / p.heads_q;
-  const int64_t hk = h / (p.heads_q / p.heads_kv);
+  const TileBlock blk = tile_block(num_m_tiles, 1, p.heads_q, /*heaviest_first=*/true);
+  const int mt = blk.tile;
+  const int64_t h = blk.head, b = blk.batch, hk = kv_head(p, h);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
