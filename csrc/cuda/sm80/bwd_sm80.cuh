@@ -16,6 +16,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 #include <stdexcept>
 
 #include "../../params.h"
@@ -243,28 +244,33 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim>::kThreads, BwdConfig<Ele
         hi0 = clamp_base(base + sq.band.hi);
         k_lim = clamp_base(sq.len_k - n0 - wkey);
       }
+      // Written once, instantiated for all-visible and masked tiles, so the per-score code of
+      // the common case carries no branch (a branch inside it cost ~12 instructions a score).
+      auto probs = [&](auto masked_tag) {
+        constexpr bool kMasked = decltype(masked_tag)::value;
 #pragma unroll
-      for (int j = 0; j < kQA; ++j) {
-        // The lane's two query rows 8j + 2t, 8j + 2t + 1 (element e holds row e & 1).
-        const auto lse2 = load_vec2(lse_s + 8 * j + 2 * t);
-        const auto d2 = load_vec2(d_s + 8 * j + 2 * t);
-        const Acc lse_pair[2] = {Exp::from_lse(lse2.x), Exp::from_lse(lse2.y)};
-        const Acc d_pair[2] = {d2.x, d2.y};
+        for (int j = 0; j < kQA; ++j) {
+          // The lane's two query rows 8j + 2t, 8j + 2t + 1 (element e holds row e & 1).
+          const auto lse2 = load_vec2(lse_s + 8 * j + 2 * t);
+          const auto d2 = load_vec2(d_s + 8 * j + 2 * t);
+          const Acc lse_pair[2] = {Exp::from_lse(lse2.x), Exp::from_lse(lse2.y)};
+          const Acc d_pair[2] = {d2.x, d2.y};
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int row = 8 * j + 2 * t + (e & 1);  // query row in the tile
-          const Acc lse = lse_pair[e & 1];
-          bool vis = lse != neg_inf<Acc>();
-          // Uniform over the block; only masked tiles pay for the band / ragged-edge test.
-          if (!all_visible) {
-            const int kw = g + 8 * (e >> 1);
-            vis = vis && kw >= lo0 + row && kw <= hi0 + row && kw < k_lim;
+          for (int e = 0; e < 4; ++e) {
+            const Acc lse = lse_pair[e & 1];
+            bool vis = lse != neg_inf<Acc>();
+            if constexpr (kMasked) {
+              const int row = 8 * j + 2 * t + (e & 1), kw = g + 8 * (e >> 1);
+              vis = vis && kw >= lo0 + row && kw <= hi0 + row && kw < k_lim;
+            }
+            const Acc pr = Exp::exp_if(vis, st[j][e] * score_scale - lse);
+            st[j][e] = pr;
+            dpt[j][e] = vis ? pr * (dpt[j][e] - d_pair[e & 1]) : Acc(0);
           }
-          const Acc pr = Exp::exp_if(vis, st[j][e] * score_scale - lse);
-          st[j][e] = pr;
-          dpt[j][e] = vis ? pr * (dpt[j][e] - d_pair[e & 1]) : Acc(0);
         }
-      }
+      };
+      if (all_visible) probs(std::false_type{});
+      else probs(std::true_type{});
     }
 
 #pragma unroll
@@ -310,15 +316,23 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim>::kThreads, BwdConfig<Ele
           M::mma(dq[d + 1], a, bk[1]);
         }
       }
-      Acc* dq_row = dq_accum + sq.row_index(p.heads_q, h, m0) * E;
+      // One address per row; the atomics take constant offsets from it, and the column test is
+      // skipped when the warp's columns all lie below E (the usual case: E a multiple of 8 * kQCA).
+      const int col0 = c0 + cg * kQCols + 2 * t;
+      const bool all_cols = c0 + cg * kQCols + kQCols <= E;
+      Acc* dq_tile = dq_accum + sq.row_index(p.heads_q, h, m0) * E + col0;
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int row = 16 * rg + g + 8 * r;
         if (m0 + row >= sq.len_q) continue;
+        Acc* dst = dq_tile + int64_t(row) * E;
+        if (all_cols) {
 #pragma unroll
-        for (int d = 0; d < kQCA; ++d) {
-          const int col = c0 + cg * kQCols + 8 * d + 2 * t;
-          if (col < E) atomic_add_pair(dq_row + int64_t(row) * E + col, dq[d][2 * r], dq[d][2 * r + 1]);
+          for (int d = 0; d < kQCA; ++d) atomic_add_pair(dst + 8 * d, dq[d][2 * r], dq[d][2 * r + 1]);
+        } else {
+#pragma unroll
+          for (int d = 0; d < kQCA; ++d)
+            if (col0 + 8 * d < E) atomic_add_pair(dst + 8 * d, dq[d][2 * r], dq[d][2 * r + 1]);
         }
       }
     }

@@ -160,15 +160,16 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim>::kThreads)
     // and a one-hot row then loses O = V exactly to the bf16/fp16 rounding of P in P V.
     // Tiles every row of the block sees in full (most of them) skip the per-element mask.
     const bool all_visible = n0 >= sq.key_begin(m_last) && n0 + kBN <= sq.key_end(m0);
-    Acc tile_max[kMW][2];
+    // One uniform branch per tile (not per row), so the max and exp code below is one block.
+    auto row_of = [&](int mw, int r) { return m0 + wrow + 16 * mw + g + 8 * r; };
+    if (kFeatures && mods.any) {
 #pragma unroll
-    for (int mw = 0; mw < kMW; ++mw) {
+      for (int mw = 0; mw < kMW; ++mw)
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int64_t m = m0 + wrow + 16 * mw + g + 8 * r;
-        if (kFeatures && mods.any) {
+        for (int r = 0; r < 2; ++r) {
           // Columns [lo, hi) of the tile are in the row's band; the mods may still mask. Rows
           // past the sequence (the tile's padding) read no bias.
+          const int64_t m = row_of(mw, r);
           const int lo = tile_column(sq.key_begin(m) - n0);
           const int hi = m < sq.len_q ? tile_column(sq.key_end(m) - n0) : 0;
           Acc th;
@@ -180,13 +181,21 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim>::kThreads)
               Acc& x = s[mw][j][2 * r + cc];
               x = col >= lo && col < hi ? mods.score(x, m, n0 + col, &th) * Exp::score_scale(1.0) : neg_inf<Acc>();
             }
-        } else {
+        }
+    } else {
 #pragma unroll
-          for (int j = 0; j < kNA; ++j)
+      for (int mw = 0; mw < kMW; ++mw)
 #pragma unroll
-            for (int cc = 0; cc < 2; ++cc) s[mw][j][2 * r + cc] *= score_scale;
-          // Uniform over the block; a masked tile compares 32-bit column indices.
-          if (!all_visible) {
+        for (int j = 0; j < kNA; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[mw][j][e] *= score_scale;
+      // A masked tile compares 32-bit column indices against each row's band.
+      if (!all_visible) {
+#pragma unroll
+        for (int mw = 0; mw < kMW; ++mw)
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const int64_t m = row_of(mw, r);
             const int lo = tile_column(sq.key_begin(m) - n0), hi = tile_column(sq.key_end(m) - n0);
 #pragma unroll
             for (int j = 0; j < kNA; ++j)
@@ -196,14 +205,20 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim>::kThreads)
                 if (col < lo || col >= hi) s[mw][j][2 * r + cc] = neg_inf<Acc>();
               }
           }
-        }
-        // As a tree (depth log2(2 kNA), not a 2 kNA-long chain of dependent FMNMX).
+      }
+    }
+    // Each row's tile max over its quad, as a tree (depth log2(2 kNA), not a chain of 2 kNA
+    // dependent FMNMX).
+    Acc tile_max[kMW][2];
+#pragma unroll
+    for (int mw = 0; mw < kMW; ++mw)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
         Acc mx[kNA];
 #pragma unroll
         for (int j = 0; j < kNA; ++j) mx[j] = acc_max(s[mw][j][2 * r], s[mw][j][2 * r + 1]);
         tile_max[mw][r] = reduce_max_lanes<4>(tree_reduce(mx, [](Acc a, Acc b) { return acc_max(a, b); }));
       }
-    }
 
     // Online softmax. O is rescaled only on tiles where the max of some row of the warp grew
     // (elsewhere every alpha is exactly 1). The max is never left stale: with a lagging max the
@@ -238,7 +253,7 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim>::kThreads)
         row_sum[mw][r] = row_sum[mw][r] * alpha[mw][r] + tree_reduce(sums, [](Acc a, Acc b) { return a + b; });
         // Dropout: the row sum keeps every probability, only P V sees the dropped ones as 0.
         if (kFeatures && drop.on) {
-          const int64_t m = m0 + wrow + 16 * mw + g + 8 * r;
+          const int64_t m = row_of(mw, r);
 #pragma unroll
           for (int j = 0; j < kNA; ++j)
 #pragma unroll
