@@ -23,6 +23,17 @@ struct Seq {
   FLASHATTN_HD int64_t key_end(int64_t row) const { return band.key_end(row, len_k); }
   FLASHATTN_HD int64_t row_begin(int64_t key) const { return band.row_begin(key, len_q); }
   FLASHATTN_HD int64_t row_end(int64_t key) const { return band.row_end(key, len_q); }
+  // Row `m` (counted within the sequence) of head h of a q-shaped operand (q, out, dout, dq),
+  // and row `n` of head h of a k-shaped one (k, v, dk, dv), as typed pointers; T carries the
+  // const of the operand.
+  template <class T, class Base>
+  FLASHATTN_HD T* q_rows(Base* base, const Strides& s, int64_t h, int64_t m) const {
+    return static_cast<T*>(base) + tb * s.batch + h * s.head + (q0 + m) * s.row;
+  }
+  template <class T, class Base>
+  FLASHATTN_HD T* k_rows(Base* base, const Strides& s, int64_t h, int64_t n) const {
+    return static_cast<T*>(base) + tb * s.batch + h * s.head + (k0 + n) * s.row;
+  }
   // Index of (head h, row) in lse-shaped (batches, heads_q, rows_per_head) arrays.
   FLASHATTN_HD int64_t row_index(int64_t heads_q, int64_t h, int64_t row) const {
     return (tb * heads_q + h) * rows_per_head + q0 + row;

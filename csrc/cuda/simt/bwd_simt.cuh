@@ -211,10 +211,8 @@ __global__ void __launch_bounds__(BwdTraits<T, kTier, kWide>::kThreads, 2)
     const int rows_k = int(sq.len_k - n0 < kB ? sq.len_k - n0 : kB);
     const Acc score_scale = ExpDomain<Acc>::score_scale(p.scale);
 
-    const T* k = static_cast<const T*>(p.k) + sq.tb * p.k_stride.batch + hk * p.k_stride.head +
-                 (sq.k0 + n0) * p.k_stride.row;
-    const T* v = static_cast<const T*>(p.v) + sq.tb * p.v_stride.batch + hk * p.v_stride.head +
-                 (sq.k0 + n0) * p.v_stride.row;
+    const T* k = sq.k_rows<const T>(p.k, p.k_stride, hk, n0);
+    const T* v = sq.k_rows<const T>(p.v, p.v_stride, hk, n0);
 
     Acc dk[kNC][4][kVec], dv[kNC][4][kVec];
 #pragma unroll
@@ -230,10 +228,8 @@ __global__ void __launch_bounds__(BwdTraits<T, kTier, kWide>::kThreads, 2)
     for (int64_t g = 0; g < group; ++g) {
       const int64_t h = hk * group + g;
       const int64_t row0 = sq.row_index(p.heads_q, h, 0);
-      const T* q_h = static_cast<const T*>(p.q) + sq.tb * p.q_stride.batch + h * p.q_stride.head +
-                     sq.q0 * p.q_stride.row;
-      const T* do_h = static_cast<const T*>(p.dout) + sq.tb * p.dout_stride.batch +
-                      h * p.dout_stride.head + sq.q0 * p.dout_stride.row;
+      const T* q_h = sq.q_rows<const T>(p.q, p.q_stride, h, 0);
+      const T* do_h = sq.q_rows<const T>(p.dout, p.dout_stride, h, 0);
       const Acc* lse_h = static_cast<const Acc*>(p.lse) + row0;
       const Acc* dsum_h = dsum_g + row0;
       Acc* dq_h = dq_accum ? dq_accum + row0 * E : nullptr;
@@ -291,10 +287,8 @@ __global__ void __launch_bounds__(BwdTraits<T, kTier, kWide>::kThreads, 2)
       }
     }
 
-    T* dk_g = static_cast<T*>(p.dk) + sq.tb * p.dk_stride.batch + hk * p.dk_stride.head +
-              sq.k0 * p.dk_stride.row;
-    T* dv_g = static_cast<T*>(p.dv) + sq.tb * p.dv_stride.batch + hk * p.dv_stride.head +
-              sq.k0 * p.dv_stride.row;
+    T* dk_g = sq.k_rows<T>(p.dk, p.dk_stride, hk, 0);
+    T* dv_g = sq.k_rows<T>(p.dv, p.dv_stride, hk, 0);
     const Acc scale = Acc(p.scale);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -341,14 +335,10 @@ __global__ void __launch_bounds__(BwdTraits<T, kTier, true>::kThreads, 2)
   const Acc score_scale = ExpDomain<Acc>::score_scale(p.scale);
   const BwdFeatures<Acc> f{sq, ScoreMods<Acc>(p, sq, h), DropoutMask<Acc>(p, sq, h), nullptr};
 
-  const T* q = static_cast<const T*>(p.q) + sq.tb * p.q_stride.batch + h * p.q_stride.head +
-               (sq.q0 + m0) * p.q_stride.row;
-  const T* dout = static_cast<const T*>(p.dout) + sq.tb * p.dout_stride.batch +
-                  h * p.dout_stride.head + (sq.q0 + m0) * p.dout_stride.row;
-  const T* k_h = static_cast<const T*>(p.k) + sq.tb * p.k_stride.batch + hk * p.k_stride.head +
-                 sq.k0 * p.k_stride.row;
-  const T* v_h = static_cast<const T*>(p.v) + sq.tb * p.v_stride.batch + hk * p.v_stride.head +
-                 sq.k0 * p.v_stride.row;
+  const T* q = sq.q_rows<const T>(p.q, p.q_stride, h, m0);
+  const T* dout = sq.q_rows<const T>(p.dout, p.dout_stride, h, m0);
+  const T* k_h = sq.k_rows<const T>(p.k, p.k_stride, hk, 0);
+  const T* v_h = sq.k_rows<const T>(p.v, p.v_stride, hk, 0);
 
   Acc lse[4], dsum[4];
   load_row_stats(lse, dsum, static_cast<const Acc*>(p.lse) + row0, dsum_g + row0, m0, sq.len_q, tid);
@@ -383,8 +373,7 @@ __global__ void __launch_bounds__(BwdTraits<T, kTier, true>::kThreads, 2)
     }
   }
 
-  T* dq_g = static_cast<T*>(p.dq) + sq.tb * p.dq_stride.batch + h * p.dq_stride.head +
-            sq.q0 * p.dq_stride.row;
+  T* dq_g = sq.q_rows<T>(p.dq, p.dq_stride, h, 0);
   const Acc scale = Acc(p.scale);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {

@@ -102,8 +102,6 @@ __global__ void __launch_bounds__(KvresTraits<kDim>::kThreads, 1)
   const Seq sq = plain_sequence(p, b);  // this kernel serves calls without optional features
   const float score_scale = Exp::score_scale(p.scale);
 
-  const T* q_b = static_cast<const T*>(p.q) + b * p.q_stride.batch;
-  const T* do_b = static_cast<const T*>(p.dout) + b * p.dout_stride.batch;
   const int64_t first_row = sq.row_begin(n0);  // len_q when no row sees key n0
   const int64_t m_begin = first_row / kBM * kBM;
   const int64_t tiles_per_head = first_row < p.len_q ? (p.len_q - m_begin + kBM - 1) / kBM : 0;
@@ -115,15 +113,14 @@ __global__ void __launch_bounds__(KvresTraits<kDim>::kThreads, 1)
   auto load_q = [&](int64_t it) {
     const int64_t m0 = row_of(it);
     const int rows_q = int(p.len_q - m0 < kBM ? p.len_q - m0 : kBM);
-    load_tile_x4<kBM, kDim, kNT>(sQ, kLd, q_b + head_of(it) * p.q_stride.head + m0 * p.q_stride.row,
+    load_tile_x4<kBM, kDim, kNT>(sQ, kLd, sq.q_rows<const T>(p.q, p.q_stride, head_of(it), m0),
                                  p.q_stride.row, rows_q, E, vec, tid);
     cp_async_commit();
   };
   auto load_do = [&](int64_t it) {
     const int64_t m0 = row_of(it);
     const int rows_q = int(p.len_q - m0 < kBM ? p.len_q - m0 : kBM);
-    load_tile_x4<kBM, kDim, kNT>(sdO, kLd,
-                                 do_b + head_of(it) * p.dout_stride.head + m0 * p.dout_stride.row,
+    load_tile_x4<kBM, kDim, kNT>(sdO, kLd, sq.q_rows<const T>(p.dout, p.dout_stride, head_of(it), m0),
                                  p.dout_stride.row, rows_q, Ev, vec, tid);
     cp_async_commit();
   };
@@ -131,10 +128,8 @@ __global__ void __launch_bounds__(KvresTraits<kDim>::kThreads, 1)
   // (empty groups past the last tile), so waiting for all but the newest one means "dO has
   // landed" and waiting for all means "Q has landed".
   if (num_iters > 0) {
-    const T* k = static_cast<const T*>(p.k) + b * p.k_stride.batch + hk * p.k_stride.head +
-                 n0 * p.k_stride.row;
-    const T* v = static_cast<const T*>(p.v) + b * p.v_stride.batch + hk * p.v_stride.head +
-                 n0 * p.v_stride.row;
+    const T* k = sq.k_rows<const T>(p.k, p.k_stride, hk, n0);
+    const T* v = sq.k_rows<const T>(p.v, p.v_stride, hk, n0);
     load_tile_x4<kBN, kDim, kNT>(sK, kLd, k, p.k_stride.row, rows_k, E, vec, tid);
     load_tile_x4<kBN, kDim, kNT>(sV, kLd, v, p.v_stride.row, rows_k, Ev, vec, tid);
     load_do(0);
@@ -242,8 +237,8 @@ __global__ void __launch_bounds__(KvresTraits<kDim>::kThreads, 1)
     if (it + 1 < num_iters) load_q(it + 1); else cp_async_commit();
   }
 
-  T* dk_g = static_cast<T*>(p.dk) + b * p.dk_stride.batch + hk * p.dk_stride.head;
-  T* dv_g = static_cast<T*>(p.dv) + b * p.dv_stride.batch + hk * p.dv_stride.head;
+  T* dk_g = sq.k_rows<T>(p.dk, p.dk_stride, hk, 0);
+  T* dv_g = sq.k_rows<T>(p.dv, p.dv_stride, hk, 0);
   const float scale = float(p.scale);
 #pragma unroll
   for (int i = 0; i < kTK; ++i) {

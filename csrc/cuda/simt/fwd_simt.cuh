@@ -63,12 +63,9 @@ __global__ void __launch_bounds__(FwdTraits<T, kTier>::kThreads, 2)
   const ScoreMods<Acc> mods(p, sq, h);
   const DropoutMask<Acc> drop(p, sq, h);
 
-  const T* q = static_cast<const T*>(p.q) + sq.tb * p.q_stride.batch + h * p.q_stride.head +
-               (sq.q0 + m0) * p.q_stride.row;
-  const T* k = static_cast<const T*>(p.k) + sq.tb * p.k_stride.batch + hk * p.k_stride.head +
-               sq.k0 * p.k_stride.row;
-  const T* v = static_cast<const T*>(p.v) + sq.tb * p.v_stride.batch + hk * p.v_stride.head +
-               sq.k0 * p.v_stride.row;
+  const T* q = sq.q_rows<const T>(p.q, p.q_stride, h, m0);
+  const T* k = sq.k_rows<const T>(p.k, p.k_stride, hk, 0);
+  const T* v = sq.k_rows<const T>(p.v, p.v_stride, hk, 0);
 
   Acc acc[kNC][4][kVec];
   Acc row_max[4], row_sum[4];
@@ -144,8 +141,7 @@ __global__ void __launch_bounds__(FwdTraits<T, kTier>::kThreads, 2)
     }
   }
 
-  T* out = static_cast<T*>(p.out) + sq.tb * p.out_stride.batch + h * p.out_stride.head +
-           sq.q0 * p.out_stride.row;
+  T* out = sq.q_rows<T>(p.out, p.out_stride, h, 0);
   Acc* lse = static_cast<Acc*>(p.lse) + sq.row_index(p.heads_q, h, 0);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {

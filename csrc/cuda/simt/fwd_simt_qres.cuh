@@ -68,10 +68,9 @@ __global__ void __launch_bounds__(QresTraits<kDim>::kThreads, 1)
   const Seq sq = plain_sequence(p, b);  // this kernel serves calls without optional features
   const float score_scale = Exp::score_scale(p.scale);
 
-  const T* q = static_cast<const T*>(p.q) + b * p.q_stride.batch + h * p.q_stride.head +
-               m0 * p.q_stride.row;
-  const T* k = static_cast<const T*>(p.k) + b * p.k_stride.batch + hk * p.k_stride.head;
-  const T* v = static_cast<const T*>(p.v) + b * p.v_stride.batch + hk * p.v_stride.head;
+  const T* q = sq.q_rows<const T>(p.q, p.q_stride, h, m0);
+  const T* k = sq.k_rows<const T>(p.k, p.k_stride, hk, 0);
+  const T* v = sq.k_rows<const T>(p.v, p.v_stride, hk, 0);
 
   const int64_t n_end = sq.key_end(m0 + rows_q - 1);
   auto load_k = [&](int64_t n0) {
@@ -165,7 +164,7 @@ __global__ void __launch_bounds__(QresTraits<kDim>::kThreads, 1)
     if (n0 + kBN < n_end) load_v(n0 + kBN); else cp_async_commit();
   }
 
-  T* out = static_cast<T*>(p.out) + b * p.out_stride.batch + h * p.out_stride.head;
+  T* out = sq.q_rows<T>(p.out, p.out_stride, h, 0);
   float* lse = static_cast<float*>(p.lse) + (b * p.heads_q + h) * p.len_q;
 #pragma unroll
   for (int i = 0; i < kTM; ++i) {

@@ -148,10 +148,8 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim>::kThreads, BwdConfig<Ele
   const int E = int(p.head_dim), Ev = int(p.head_dim_v);
   const Acc score_scale = Exp::score_scale(p.scale);
 
-  const Elem* k = static_cast<const Elem*>(p.k) + sq.tb * p.k_stride.batch + hk * p.k_stride.head +
-                  (sq.k0 + n0) * p.k_stride.row;
-  const Elem* v = static_cast<const Elem*>(p.v) + sq.tb * p.v_stride.batch + hk * p.v_stride.head +
-                  (sq.k0 + n0) * p.v_stride.row;
+  const Elem* k = sq.k_rows<const Elem>(p.k, p.k_stride, hk, n0);
+  const Elem* v = sq.k_rows<const Elem>(p.v, p.v_stride, hk, n0);
   copy_tile_async<kBN, kDim, kThreads>(sK, kLd, k, p.k_stride.row, rows_k, E, tid);
   copy_tile_async<kBN, kDim, kThreads>(sV, kLd, v, p.v_stride.row, rows_k, Ev, tid);
 
@@ -165,10 +163,8 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim>::kThreads, BwdConfig<Ele
   // the next tile's (h_next, m_next) advance by addition (no 64-bit division per tile).
   auto load_q_tile = [&](int64_t h, int64_t m0, int buf) {
     const int rows = int(sq.len_q - m0 < kBM ? sq.len_q - m0 : kBM);
-    const Elem* q = static_cast<const Elem*>(p.q) + sq.tb * p.q_stride.batch + h * p.q_stride.head +
-                    (sq.q0 + m0) * p.q_stride.row;
-    const Elem* dout = static_cast<const Elem*>(p.dout) + sq.tb * p.dout_stride.batch +
-                       h * p.dout_stride.head + (sq.q0 + m0) * p.dout_stride.row;
+    const Elem* q = sq.q_rows<const Elem>(p.q, p.q_stride, h, m0);
+    const Elem* dout = sq.q_rows<const Elem>(p.dout, p.dout_stride, h, m0);
     copy_tile_async<kBM, kDim, kThreads>(sQ + buf * kBM * kLd, kLd, q, p.q_stride.row, rows, E, tid);
     copy_tile_async<kBM, kDim, kThreads>(sdO + buf * kBM * kLd, kLd, dout, p.dout_stride.row, rows, Ev, tid);
     // Rows past len_q get LSE = D = 0: their Q and dO rows are zero-filled, so they add exactly
@@ -338,10 +334,8 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim>::kThreads, BwdConfig<Ele
     }
   }
 
-  Elem* dk_g = static_cast<Elem*>(p.dk) + sq.tb * p.dk_stride.batch + hk * p.dk_stride.head +
-               sq.k0 * p.dk_stride.row;
-  Elem* dv_g = static_cast<Elem*>(p.dv) + sq.tb * p.dv_stride.batch + hk * p.dv_stride.head +
-               sq.k0 * p.dv_stride.row;
+  Elem* dk_g = sq.k_rows<Elem>(p.dk, p.dk_stride, hk, 0);
+  Elem* dv_g = sq.k_rows<Elem>(p.dv, p.dv_stride, hk, 0);
   const Acc scale = Acc(p.scale);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -392,14 +386,10 @@ __global__ void __launch_bounds__(DqConfig<Elem, kDim>::kThreads)
   const Acc score_scale = Exp::score_scale(p.scale);
   const int E = int(p.head_dim), Ev = int(p.head_dim_v);
 
-  const Elem* q = static_cast<const Elem*>(p.q) + sq.tb * p.q_stride.batch + h * p.q_stride.head +
-                  (sq.q0 + m0) * p.q_stride.row;
-  const Elem* dout = static_cast<const Elem*>(p.dout) + sq.tb * p.dout_stride.batch +
-                     h * p.dout_stride.head + (sq.q0 + m0) * p.dout_stride.row;
-  const Elem* k = static_cast<const Elem*>(p.k) + sq.tb * p.k_stride.batch + hk * p.k_stride.head +
-                  sq.k0 * p.k_stride.row;
-  const Elem* v = static_cast<const Elem*>(p.v) + sq.tb * p.v_stride.batch + hk * p.v_stride.head +
-                  sq.k0 * p.v_stride.row;
+  const Elem* q = sq.q_rows<const Elem>(p.q, p.q_stride, h, m0);
+  const Elem* dout = sq.q_rows<const Elem>(p.dout, p.dout_stride, h, m0);
+  const Elem* k = sq.k_rows<const Elem>(p.k, p.k_stride, hk, 0);
+  const Elem* v = sq.k_rows<const Elem>(p.v, p.v_stride, hk, 0);
 
   const int64_t m_last = m0 + rows_q - 1;
   const int64_t n_begin = sq.key_begin(m0) / kBN * kBN;
@@ -499,8 +489,7 @@ __global__ void __launch_bounds__(DqConfig<Elem, kDim>::kThreads)
     }
   }
 
-  Elem* dq_g = static_cast<Elem*>(p.dq) + sq.tb * p.dq_stride.batch + h * p.dq_stride.head +
-               sq.q0 * p.dq_stride.row;
+  Elem* dq_g = sq.q_rows<Elem>(p.dq, p.dq_stride, h, 0);
   const Acc scale = Acc(p.scale);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {

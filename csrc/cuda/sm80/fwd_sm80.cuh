@@ -64,12 +64,9 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim>::kThreads)
   const Acc score_scale = Exp::score_scale(p.scale);
   const int E = int(p.head_dim), Ev = int(p.head_dim_v);
 
-  const Elem* q = static_cast<const Elem*>(p.q) + sq.tb * p.q_stride.batch + h * p.q_stride.head +
-                  (sq.q0 + m0) * p.q_stride.row;
-  const Elem* k = static_cast<const Elem*>(p.k) + sq.tb * p.k_stride.batch + hk * p.k_stride.head +
-                  sq.k0 * p.k_stride.row;
-  const Elem* v = static_cast<const Elem*>(p.v) + sq.tb * p.v_stride.batch + hk * p.v_stride.head +
-                  sq.k0 * p.v_stride.row;
+  const Elem* q = sq.q_rows<const Elem>(p.q, p.q_stride, h, m0);
+  const Elem* k = sq.k_rows<const Elem>(p.k, p.k_stride, hk, 0);
+  const Elem* v = sq.k_rows<const Elem>(p.v, p.v_stride, hk, 0);
 
   // Key tiles any row of the block sees (causal and window bands; tiles outside are skipped).
   const int64_t m_last = m0 + rows_q - 1;
@@ -290,8 +287,7 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim>::kThreads)
     }
   }
 
-  Elem* out = static_cast<Elem*>(p.out) + sq.tb * p.out_stride.batch + h * p.out_stride.head +
-              sq.q0 * p.out_stride.row;
+  Elem* out = sq.q_rows<Elem>(p.out, p.out_stride, h, 0);
   Acc* lse = static_cast<Acc*>(p.lse);
 #pragma unroll
   for (int mw = 0; mw < kMW; ++mw) {
