@@ -66,6 +66,56 @@ struct ScoreMods {
     }
     return x;
   }
+
+  // score() for a thread's scores of one row m: x[i] is the raw q.k at key n0 + col(i), in the
+  // row's band where lo <= col(i) < hi; it becomes the natural-log-domain score, -inf outside
+  // the band or where a bool mask removes it. Each feature is tested once per row, not per
+  // score, and the row's mask/bias loads are issued together so their latencies overlap.
+  template <int kN, class Col>
+  __device__ __forceinline__ void score_row(Acc (&x)[kN], int64_t m, int64_t n0, int lo, int hi, Col col) const {
+    bool in[kN];
+#pragma unroll
+    for (int i = 0; i < kN; ++i) {
+      in[i] = col(i) >= lo && col(i) < hi;
+      x[i] *= scale;
+    }
+    if (softcap > Acc(0)) {
+#pragma unroll
+      for (int i = 0; i < kN; ++i) x[i] = softcap * softcap_tanh(x[i], softcap);
+    }
+    if (alibi) {
+#pragma unroll
+      for (int i = 0; i < kN; ++i) x[i] += alibi_bias(slope, m, n0 + col(i), len_q, len_k);
+    }
+    const int64_t row = bias_base + m * bias_row + n0 * bias_col;
+    if (bias_kind == BiasKind::kBool) {
+      const bool* mask = static_cast<const bool*>(bias) + row;
+      bool keep[kN];
+#pragma unroll
+      for (int i = 0; i < kN; ++i) keep[i] = in[i] && mask[col(i) * bias_col];
+#pragma unroll
+      for (int i = 0; i < kN; ++i) in[i] = keep[i];
+    } else if (bias_kind == BiasKind::kFloat) {
+      auto add = [&](auto element) {
+        using B = decltype(element);
+        const B* b = static_cast<const B*>(bias) + row;
+        Acc v[kN];
+#pragma unroll
+        for (int i = 0; i < kN; ++i) v[i] = in[i] ? Acc(to_acc(b[col(i) * bias_col])) : Acc(0);
+#pragma unroll
+        for (int i = 0; i < kN; ++i) x[i] += v[i];
+      };
+      switch (bias_dtype) {
+        case DType::kFloat64: add(double()); break;
+        case DType::kFloat32: add(float()); break;
+        case DType::kBFloat16: add(__nv_bfloat16()); break;
+        default: add(__half()); break;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kN; ++i)
+      if (!in[i]) x[i] = neg_inf<Acc>();
+  }
 };
 
 // Dropout keep mask of one (sequence, query head): one Philox call per score (the kernels'

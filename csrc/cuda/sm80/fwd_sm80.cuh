@@ -169,15 +169,12 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim>::kThreads)
           const int64_t m = row_of(mw, r);
           const int lo = tile_column(sq.key_begin(m) - n0);
           const int hi = m < sq.len_q ? tile_column(sq.key_end(m) - n0) : 0;
-          Acc th;
+          Acc row[2 * kNA];
 #pragma unroll
-          for (int j = 0; j < kNA; ++j)
+          for (int i = 0; i < 2 * kNA; ++i) row[i] = s[mw][i >> 1][2 * r + (i & 1)];
+          mods.score_row(row, m, n0, lo, hi, [&](int i) { return 8 * (i >> 1) + 2 * t + (i & 1); });
 #pragma unroll
-            for (int cc = 0; cc < 2; ++cc) {
-              const int col = 8 * j + 2 * t + cc;
-              Acc& x = s[mw][j][2 * r + cc];
-              x = col >= lo && col < hi ? mods.score(x, m, n0 + col, &th) * Exp::score_scale(1.0) : neg_inf<Acc>();
-            }
+          for (int i = 0; i < 2 * kNA; ++i) s[mw][i >> 1][2 * r + (i & 1)] = row[i] * Exp::score_scale(1.0);
         }
     } else {
 #pragma unroll
