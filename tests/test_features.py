@@ -85,6 +85,28 @@ def test_float32_bias_with_bfloat16_inputs(device):
     assert got["grad3"].dtype == torch.float32
 
 
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=ALL_DTYPE_IDS)
+@pytest.mark.parametrize("kind", ["bool", "float"])
+@pytest.mark.parametrize("layout", ["rows_aligned", "keys_strided"])
+def test_attn_bias_layouts(device, dtype, kind, layout):
+    """A (2, 4, 70, 150) bias as a view: of a buffer 160 keys wide (rows start 16-byte aligned,
+    so the CUDA kernels copy them in 16-byte chunks, each row's last one in part), or of a
+    transposed buffer (keys not contiguous: copied element by element)."""
+    q, k, v = _qkv(dtype, device)
+    if layout == "rows_aligned":
+        m = _mask(kind, (2, 4, 70, 160), dtype, device).detach()[..., :150]
+    else:
+        m = _mask(kind, (2, 4, 150, 70), dtype, device).detach().transpose(-1, -2)
+    if kind == "bool":
+        got = check_features(_op(0.3, NONE, attn_bias=m), _ref(0.3, NONE, bias=m), [q, k, v])
+    else:
+        m.requires_grad_()
+        got = check_features(_op(0.3, NONE, attn_bias=None), _ref(0.3, NONE, bias=None), [q, k, v, m])
+        assert got["grad3"].shape == m.shape
+    dead = (~m if kind == "bool" else m == float("-inf")).all(-1)
+    assert torch.all(got["lse"][dead] == float("-inf")) and torch.all(got["out"][dead] == 0)
+
+
 def test_mask_read_in_place(device):
     """A broadcast mask reaches the op as a stride-0 view: no copy of it is made."""
     q, k, v = (t.detach() for t in _qkv(torch.float32, device))

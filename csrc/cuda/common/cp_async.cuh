@@ -20,14 +20,18 @@ __device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src
 #endif
 }
 
-// As cp_async_16, but writes 16 zero bytes (reading nothing) when `valid` is false; `gmem_src`
-// must still be a valid address.
-__device__ __forceinline__ void cp_async_16_zfill(void* smem_dst, const void* gmem_src, bool valid) {
+// As cp_async_16, but reads only the first `bytes` (0..16) of the chunk and zero-fills the
+// rest; `gmem_src` must still be a valid address when `bytes` is 0.
+__device__ __forceinline__ void cp_async_16_part(void* smem_dst, const void* gmem_src, int bytes) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem_src),
-               "r"(valid ? 16 : 0));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem_src), "r"(bytes));
 #endif
+}
+
+// As cp_async_16, but writes 16 zero bytes (reading nothing) when `valid` is false.
+__device__ __forceinline__ void cp_async_16_zfill(void* smem_dst, const void* gmem_src, bool valid) {
+  cp_async_16_part(smem_dst, gmem_src, valid ? 16 : 0);
 }
 
 // One 4- or 8-byte element (a row's LSE or D), zero-filled when `valid` is false. Sizes below

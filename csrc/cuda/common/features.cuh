@@ -8,17 +8,22 @@
 #include "../../common/score_mods.h"
 #include "../../common/sequence.h"
 #include "numeric.cuh"
+#include "online_softmax.cuh"
 
 namespace flashattn::cuda {
 
-template <class Acc>
-__device__ __forceinline__ Acc load_as_acc(const void* base, DType t, int64_t i) {
-  switch (t) {
-    case DType::kFloat64: return Acc(static_cast<const double*>(base)[i]);
-    case DType::kFloat32: return Acc(static_cast<const float*>(base)[i]);
-    case DType::kBFloat16: return Acc(__bfloat162float(static_cast<const __nv_bfloat16*>(base)[i]));
-    default: return Acc(__half2float(static_cast<const __half*>(base)[i]));
-  }
+// Bytes of one element of a bias of kind k in dtype t (a bool mask: 1).
+__host__ __device__ inline int bias_elem_bytes(BiasKind k, DType t) {
+  if (k == BiasKind::kBool) return 1;
+  return t == DType::kFloat64 ? 8 : t == DType::kFloat32 ? 4 : 2;
+}
+
+// Address of the bias element at (m, n) of (sequence, query head h).
+__device__ __forceinline__ const unsigned char* bias_element(const FwdParams& p, const Seq& sq, int64_t h, int64_t m,
+                                                             int64_t n) {
+  return static_cast<const unsigned char*>(p.bias) +
+         (sq.b * p.bias_stride[0] + h * p.bias_stride[1] + m * p.bias_stride[2] + n * p.bias_stride[3]) *
+             bias_elem_bytes(p.bias_kind, p.bias_dtype);
 }
 
 // Softcap, ALiBi and bias of one (sequence, query head). Kernels take their plain path (one
@@ -30,8 +35,9 @@ struct ScoreMods {
   bool alibi;
   BiasKind bias_kind;
   DType bias_dtype;
-  const void* bias;
-  int64_t bias_base, bias_row, bias_col;
+  int bias_bytes;                 // of one element
+  const unsigned char* bias;      // element (0, 0) of this (sequence, head)
+  int64_t bias_row, bias_col;     // element strides
   int64_t len_q, len_k;
 
   __device__ ScoreMods(const FwdParams& p, const Seq& sq, int64_t h)
@@ -42,66 +48,57 @@ struct ScoreMods {
         alibi(p.alibi_slopes != nullptr),
         bias_kind(p.bias_kind),
         bias_dtype(p.bias_dtype),
-        bias(p.bias),
-        bias_base(sq.b * p.bias_stride[0] + h * p.bias_stride[1]),
+        bias_bytes(bias_elem_bytes(p.bias_kind, p.bias_dtype)),
+        bias(bias_element(p, sq, h, 0, 0)),
         bias_row(p.bias_stride[2]),
         bias_col(p.bias_stride[3]),
         len_q(sq.len_q),
         len_k(sq.len_k) {}
 
-  // The natural-log-domain score of raw = q.k at (m, n), both in range: scaled, softcapped
-  // (tanh(s / softcap) goes to *th for the backward), plus ALiBi and bias; -inf where a bool
-  // mask removes it.
-  __device__ __forceinline__ Acc score(Acc raw, int64_t m, int64_t n, Acc* th) const {
-    Acc x = raw * scale;
-    if (softcap > Acc(0)) {
-      *th = softcap_tanh(x, softcap);
-      x = softcap * *th;
-    }
-    if (alibi) x += alibi_bias(slope, m, n, len_q, len_k);
-    if (bias_kind == BiasKind::kBool) {
-      if (!static_cast<const bool*>(bias)[bias_base + m * bias_row + n * bias_col]) x = neg_inf<Acc>();
-    } else if (bias_kind == BiasKind::kFloat) {
-      x += load_as_acc<Acc>(bias, bias_dtype, bias_base + m * bias_row + n * bias_col);
-    }
-    return x;
+  // Address of the bias element at (m, n) in global memory.
+  __device__ __forceinline__ const unsigned char* bias_at(int64_t m, int64_t n) const {
+    return bias + (m * bias_row + n * bias_col) * bias_bytes;
   }
 
-  // score() for a thread's scores of one row m: x[i] is the raw q.k at key n0 + col(i), in the
-  // row's band where lo <= col(i) < hi; it becomes the natural-log-domain score, -inf outside
-  // the band or where a bool mask removes it. Each feature is tested once per row, not per
-  // score, and the row's mask/bias loads are issued together so their latencies overlap.
-  template <int kN, class Col>
-  __device__ __forceinline__ void score_row(Acc (&x)[kN], int64_t m, int64_t n0, int lo, int hi, Col col) const {
-    bool in[kN];
+  // The natural-log-domain scores of a thread's set of scores: x[i] is the raw q.k at
+  // (m + pos(i).x, n + pos(i).y) and becomes scale * x, softcapped (tanh(s / softcap) to th[i]
+  // when th is given, for the backward), plus ALiBi and bias; -inf where in[i] is false or a
+  // bool mask removes it. The bias element of score i is read at at(i) (shared or global
+  // memory; read for every i, so it must be addressable). Each feature is tested once per set,
+  // and the set's bias loads are issued together so their latencies overlap.
+  template <int kN, class Pos, class At>
+  __device__ __forceinline__ void scores(Acc (&x)[kN], const bool (&in)[kN], int64_t m, int64_t n, Pos pos,
+                                         At at, Acc* th) const {
+    bool keep[kN];
 #pragma unroll
     for (int i = 0; i < kN; ++i) {
-      in[i] = col(i) >= lo && col(i) < hi;
+      keep[i] = in[i];
       x[i] *= scale;
     }
     if (softcap > Acc(0)) {
 #pragma unroll
-      for (int i = 0; i < kN; ++i) x[i] = softcap * softcap_tanh(x[i], softcap);
+      for (int i = 0; i < kN; ++i) {
+        const Acc t = softcap_tanh(x[i], softcap);
+        if (th != nullptr) th[i] = t;
+        x[i] = softcap * t;
+      }
     }
     if (alibi) {
 #pragma unroll
-      for (int i = 0; i < kN; ++i) x[i] += alibi_bias(slope, m, n0 + col(i), len_q, len_k);
+      for (int i = 0; i < kN; ++i) x[i] += alibi_bias(slope, m + pos(i).x, n + pos(i).y, len_q, len_k);
     }
-    const int64_t row = bias_base + m * bias_row + n0 * bias_col;
     if (bias_kind == BiasKind::kBool) {
-      const bool* mask = static_cast<const bool*>(bias) + row;
-      bool keep[kN];
+      bool mask[kN];
 #pragma unroll
-      for (int i = 0; i < kN; ++i) keep[i] = in[i] && mask[col(i) * bias_col];
+      for (int i = 0; i < kN; ++i) mask[i] = *at(i) != 0;
 #pragma unroll
-      for (int i = 0; i < kN; ++i) in[i] = keep[i];
+      for (int i = 0; i < kN; ++i) keep[i] = keep[i] && mask[i];
     } else if (bias_kind == BiasKind::kFloat) {
       auto add = [&](auto element) {
         using B = decltype(element);
-        const B* b = static_cast<const B*>(bias) + row;
         Acc v[kN];
 #pragma unroll
-        for (int i = 0; i < kN; ++i) v[i] = in[i] ? Acc(to_acc(b[col(i) * bias_col])) : Acc(0);
+        for (int i = 0; i < kN; ++i) v[i] = Acc(to_acc(*reinterpret_cast<const B*>(at(i))));
 #pragma unroll
         for (int i = 0; i < kN; ++i) x[i] += v[i];
       };
@@ -114,7 +111,15 @@ struct ScoreMods {
     }
 #pragma unroll
     for (int i = 0; i < kN; ++i)
-      if (!in[i]) x[i] = neg_inf<Acc>();
+      if (!keep[i]) x[i] = neg_inf<Acc>();
+  }
+
+  // One score (m, n), in range, its bias read from global memory.
+  __device__ __forceinline__ Acc score(Acc raw, int64_t m, int64_t n, Acc* th) const {
+    Acc x[1] = {raw};
+    const bool in[1] = {true};
+    scores(x, in, m, n, [](int) { return int2{0, 0}; }, [&](int) { return bias_at(m, n); }, th);
+    return x[0];
   }
 };
 
@@ -143,5 +148,31 @@ struct DropoutMask {
     return word >= threshold;
   }
 };
+
+// The bias-gradient rows of (sequence, head h), (len_q, len_k) row-major, or null.
+template <class Acc>
+__device__ __forceinline__ Acc* dbias_rows(const BwdParams& p, const Seq& sq, int64_t h) {
+  return p.dbias ? static_cast<Acc*>(p.dbias) + (sq.b * p.heads_q + h) * sq.len_q * sq.len_k : nullptr;
+}
+
+// The backward's step on one score with the optional features, after ScoreMods::scores: x is
+// the score the softmax took (natural log domain, -inf where masked), `vis` whether (m, n) is
+// in the row's band (and the row has an LSE), th the softcap's tanh. `s` becomes the
+// probability as P V used it (dropped ones 0, kept ones / (1 - p)), `dp` becomes dS; both 0
+// where the score is masked. dS goes to dbias (when given) before the softcap's derivative
+// enters it. `lse` is in the exponent domain.
+template <class Acc>
+__device__ __forceinline__ void feature_grad(Acc& s, Acc& dp, Acc x, bool vis, Acc th, Acc lse, Acc dsum,
+                                             int64_t m, int64_t n, const Seq& sq, const ScoreMods<Acc>& mods,
+                                             const DropoutMask<Acc>& drop, Acc* dbias) {
+  const bool live = x != neg_inf<Acc>();
+  const Acc pr = ExpDomain<Acc>::exp_if(live, x * ExpDomain<Acc>::score_scale(1.0) - lse);
+  const Acc kept = !drop.on ? Acc(1) : (vis && drop.keep(m, n)) ? drop.inv_keep : Acc(0);
+  Acc ds = live ? pr * (dp * kept - dsum) : Acc(0);
+  if (dbias != nullptr && vis) dbias[m * sq.len_k + n] = ds;
+  if (mods.softcap > Acc(0)) ds *= Acc(1) - th * th;
+  dp = ds;
+  s = live ? pr * kept : Acc(0);
+}
 
 }  // namespace flashattn::cuda

@@ -118,7 +118,6 @@ __device__ __forceinline__ void bwd_probs(Acc (&s)[4][Tr::kTN], Acc (&dp)[4][Tr:
   const int r = tid >> 4, c = tid & 15;
   const Seq& sq = f.sq;
   const bool plain = !kFeatures || (!f.mods.any && !f.drop.on && f.dbias == nullptr);
-  const Acc to_domain = ExpDomain<Acc>::score_scale(1.0);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int64_t m = m0 + r * 4 + i;
@@ -134,22 +133,9 @@ __device__ __forceinline__ void bwd_probs(Acc (&s)[4][Tr::kTN], Acc (&dp)[4][Tr:
       }
       Acc th = 0;
       const Acc x = vis ? f.mods.score(s[i][j], m, n, &th) : neg_inf<Acc>();
-      const Acc pr = ExpDomain<Acc>::exp_if(x != neg_inf<Acc>(), fma(x, to_domain, -lse[i]));
-      const Acc kept = !f.drop.on ? Acc(1) : (vis && f.drop.keep(m, n)) ? f.drop.inv_keep : Acc(0);
-      const bool live = x != neg_inf<Acc>();
-      Acc ds = live ? pr * (dp[i][j] * kept - dsum[i]) : Acc(0);
-      if (f.dbias && vis) f.dbias[m * sq.len_k + n] = ds;
-      if (f.mods.softcap > Acc(0)) ds *= Acc(1) - th * th;
-      dp[i][j] = ds;
-      s[i][j] = live ? pr * kept : Acc(0);
+      feature_grad(s[i][j], dp[i][j], x, vis, th, lse[i], dsum[i], m, n, sq, f.mods, f.drop, f.dbias);
     }
   }
-}
-
-// The bias-gradient rows of (sequence, head h) when the kernel writes them, else null.
-template <class Acc>
-__device__ __forceinline__ Acc* dbias_of(const BwdParams& p, const Seq& sq, int64_t h) {
-  return p.dbias ? static_cast<Acc*>(p.dbias) + (sq.b * p.heads_q + h) * sq.len_q * sq.len_k : nullptr;
 }
 
 // LSE (in the kernel's exponent domain) and D of the thread's 4 query rows; rows past len_q
@@ -235,7 +221,7 @@ __global__ void __launch_bounds__(BwdTraits<T, kTier, kWide>::kThreads, 2)
       Acc* dq_h = dq_accum ? dq_accum + row0 * E : nullptr;
       // Every split recomputes the same dS; the first one writes the bias gradient.
       const BwdFeatures<Acc> f{sq, ScoreMods<Acc>(p, sq, h), DropoutMask<Acc>(p, sq, h),
-                               split == 0 ? dbias_of<Acc>(p, sq, h) : nullptr};
+                               split == 0 ? dbias_rows<Acc>(p, sq, h) : nullptr};
 
       for (int64_t m0 = m_begin; m0 < m_end; m0 += kB) {
         const int rows_q = int(sq.len_q - m0 < kB ? sq.len_q - m0 : kB);

@@ -26,6 +26,7 @@
 #include "../common/numeric.cuh"
 #include "../common/online_softmax.cuh"
 #include "fragments.cuh"
+#include "bias_tile.cuh"
 #include "tile_config.h"
 #include "tile_copy.cuh"
 
@@ -74,39 +75,12 @@ __device__ __forceinline__ void scores_and_dp(Acc (&s)[kNA][4], Acc (&dp)[kNA][4
   }
 }
 
-// One score of the backward with the optional features, as the SIMT kernels' bwd_probs: `s`
-// (raw q.k) becomes the probability as P V used it (dropped ones 0, kept ones / (1 - p)) and
-// `dp` becomes dS, both 0 where the key is not visible; dS goes to dbias (when given) before the
-// softcap's derivative enters it. `lse` is in the exponent domain.
-template <class Acc>
-__device__ __forceinline__ void feature_probs(Acc& s, Acc& dp, Acc lse, Acc dsum, int64_t m, int64_t n,
-                                              const Seq& sq, const ScoreMods<Acc>& mods,
-                                              const DropoutMask<Acc>& drop, Acc* dbias) {
-  const bool vis = lse != neg_inf<Acc>() && m < sq.len_q && n < sq.len_k && sq.band.visible(m, n);
-  Acc th = 0;
-  const Acc x = vis ? mods.score(s, m, n, &th) : neg_inf<Acc>();
-  const bool live = x != neg_inf<Acc>();
-  const Acc pr = ExpDomain<Acc>::exp_if(live, x * ExpDomain<Acc>::score_scale(1.0) - lse);
-  const Acc kept = !drop.on ? Acc(1) : (vis && drop.keep(m, n)) ? drop.inv_keep : Acc(0);
-  Acc ds = live ? pr * (dp * kept - dsum) : Acc(0);
-  if (dbias != nullptr && vis) dbias[m * sq.len_k + n] = ds;
-  if (mods.softcap > Acc(0)) ds *= Acc(1) - th * th;
-  dp = ds;
-  s = live ? pr * kept : Acc(0);
-}
-
-// The bias-gradient rows of (sequence, head h), (len_q, len_k) row-major, or null.
-template <class Acc>
-__device__ __forceinline__ Acc* dbias_rows(const BwdParams& p, const Seq& sq, int64_t h) {
-  return p.dbias ? static_cast<Acc*>(p.dbias) + (sq.b * p.heads_q + h) * sq.len_q * sq.len_k : nullptr;
-}
-
 // kFeatures: the variant for calls with optional features (see fwd_sm80.cuh).
 template <class Elem, int kDim, bool kFeatures>
-__global__ void __launch_bounds__(BwdConfig<Elem, kDim>::kThreads, BwdConfig<Elem, kDim>::kMinBlocks)
+__global__ void __launch_bounds__(BwdConfig<Elem, kDim, kFeatures>::kThreads, BwdConfig<Elem, kDim, kFeatures>::kMinBlocks)
     bwd_dkdv_kernel(const BwdParams p, const typename Mma<Elem>::Acc* dsum_g,
                     typename Mma<Elem>::Acc* dq_accum, int num_n_tiles) {
-  using Cfg = BwdConfig<Elem, kDim>;
+  using Cfg = BwdConfig<Elem, kDim, kFeatures>;
   using M = Mma<Elem>;
   using Acc = typename M::Acc;
   using Exp = ExpDomain<Acc>;
@@ -130,6 +104,7 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim>::kThreads, BwdConfig<Ele
   Elem* sdSt = sdO + 2 * kBM * kLd;  // [kBN][kLdS]: dS^T, key-major
   Acc* sLse = reinterpret_cast<Acc*>(sdSt + kBN * kLdS);  // [2][kBM], natural log as stored
   Acc* sD = sLse + 2 * kBM;                                 // [2][kBM]
+  unsigned char* sBias = reinterpret_cast<unsigned char*>(sD + 2 * kBM);  // [2] bias tiles
 
   // Early key tiles (seen by the most query rows under causal masking) first.
   const TileBlock blk = tile_block(num_n_tiles, Cfg::kSplit, p.heads_kv, /*heaviest_first=*/false);
@@ -161,8 +136,13 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim>::kThreads, BwdConfig<Ele
 
   // The walk goes tile by tile through the rows of one head, then the next head: (h, m0) and
   // the next tile's (h_next, m_next) advance by addition (no 64-bit division per tile).
+  const BiasTileLayout bias_tile = kFeatures ? bias_tile_layout<kBM, kBN>(p) : BiasTileLayout{};
+  const bool bias_chunked = kFeatures && bias_rows_chunked(p);
   auto load_q_tile = [&](int64_t h, int64_t m0, int buf) {
     const int rows = int(sq.len_q - m0 < kBM ? sq.len_q - m0 : kBM);
+    if (kFeatures && bias_tile.rows > 0)
+      stage_bias_tile<kBM, kBN, kThreads>(sBias + buf * bias_tile.buffer_bytes(), bias_tile, bias_chunked, p, sq,
+                                          h, m0, n0, rows, rows_k, tid);
     const Elem* q = sq.q_rows<const Elem>(p.q, p.q_stride, h, m0);
     const Elem* dout = sq.q_rows<const Elem>(p.dout, p.dout_stride, h, m0);
     copy_tile_async<kBM, kDim, kThreads>(sQ + buf * kBM * kLd, kLd, q, p.q_stride.row, rows, E, tid);
@@ -211,6 +191,17 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim>::kThreads, BwdConfig<Ele
     // P^T and dS^T, both 0 wherever the key is not visible (so values there, even NaN or
     // inf, never reach a gradient). Tiles every row sees in full skip the per-element mask.
     const bool all_visible = n0 >= sq.key_begin(m0 + kBM - 1) && n0 + kBN <= sq.key_end(m0);
+    // On masked tiles, the warp's key kw (0..15) is visible to tile row `row` iff
+    // lo0 + row <= kw <= hi0 + row and kw < k_lim. The bases are clamped once per tile to
+    // [-kBM - 1, 17], which keeps every comparison (0 <= row < kBM, 0 <= kw < 16) in 32 bits.
+    int lo0 = 0, hi0 = 0, k_lim = 16;
+    auto band_bases = [&] {
+      auto clamp_base = [](int64_t x) { return int(x < -kBM - 1 ? -kBM - 1 : x > 17 ? 17 : x); };
+      const int64_t base = m0 - n0 - wkey;
+      lo0 = clamp_base(base + sq.band.lo);
+      hi0 = clamp_base(base + sq.band.hi);
+      k_lim = clamp_base(sq.len_k - n0 - wkey);
+    };
     bool featured = false;
     if constexpr (kFeatures) {
       const ScoreMods<Acc> mods(p, sq, h);
@@ -218,28 +209,36 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim>::kThreads, BwdConfig<Ele
       Acc* dbias = c0 == 0 ? dbias_rows<Acc>(p, sq, h) : nullptr;  // one column half writes it
       featured = mods.any || drop.on || dbias != nullptr;
       if (featured) {
+        band_bases();
+        const int q_lim = int(sq.len_q - m0 < kBM ? sq.len_q - m0 : kBM);  // rows past it are padding
+        const unsigned char* bias_s = sBias + buf * bias_tile.buffer_bytes();
+        // Sets of 8 scores (few registers beside dK, dV): per key of the lane (kw = g, g + 8),
+        // rows 8j + 2t (+1) of half the j.
+        constexpr int kSet = 8, kHalves = 2 * kQA / kSet;
 #pragma unroll
-        for (int j = 0; j < kQA; ++j)
+        for (int set = 0; set < 2 * kHalves; ++set) {
+          const int kh = set / kHalves, j0 = (set % kHalves) * (kSet / 2), kw = g + 8 * kh;
+          auto row = [&](int i) { return 8 * (j0 + (i >> 1)) + 2 * t + (i & 1); };
+          Acc x[kSet], th[kSet];
+          bool in[kSet];
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int row = 8 * j + 2 * t + (e & 1);
-            feature_probs(st[j][e], dpt[j][e], Exp::from_lse(lse_s[row]), d_s[row], m0 + row,
-                          n0 + wkey + g + 8 * (e >> 1), sq, mods, drop, dbias);
+          for (int i = 0; i < kSet; ++i) {
+            x[i] = st[j0 + (i >> 1)][2 * kh + (i & 1)];
+            in[i] = lse_s[row(i)] != neg_inf<Acc>() && row(i) < q_lim && kw >= lo0 + row(i) &&
+                    kw <= hi0 + row(i) && kw < k_lim;
           }
+          mods.scores(x, in, m0, n0 + wkey + kw, [&](int i) { return int2{row(i), 0}; },
+                      [&](int i) { return bias_s + bias_tile.offset(row(i), wkey + kw); }, th);
+#pragma unroll
+          for (int i = 0; i < kSet; ++i)
+            feature_grad(st[j0 + (i >> 1)][2 * kh + (i & 1)], dpt[j0 + (i >> 1)][2 * kh + (i & 1)], x[i], in[i],
+                         th[i], Exp::from_lse(lse_s[row(i)]), d_s[row(i)], m0 + row(i), n0 + wkey + kw, sq, mods,
+                         drop, dbias);
+        }
       }
     }
     if (!featured) {
-      // On masked tiles, the warp's key kw (0..15) is visible to tile row `row` iff
-      // lo0 + row <= kw <= hi0 + row and kw < k_lim. The bases are clamped once per tile to
-      // [-kBM - 1, 17], which keeps every comparison (0 <= row < kBM, 0 <= kw < 16) in 32 bits.
-      int lo0 = 0, hi0 = 0, k_lim = 16;
-      if (!all_visible) {
-        auto clamp_base = [](int64_t x) { return int(x < -kBM - 1 ? -kBM - 1 : x > 17 ? 17 : x); };
-        const int64_t base = m0 - n0 - wkey;
-        lo0 = clamp_base(base + sq.band.lo);
-        hi0 = clamp_base(base + sq.band.hi);
-        k_lim = clamp_base(sq.len_k - n0 - wkey);
-      }
+      if (!all_visible) band_bases();
       // Written once, instantiated for all-visible and masked tiles, so the per-score code of
       // the common case carries no branch (a branch inside it cost ~12 instructions a score).
       auto probs = [&](auto masked_tag) {
@@ -371,6 +370,7 @@ __global__ void __launch_bounds__(DqConfig<Elem, kDim>::kThreads)
   Elem* sdO = sQ + kBM * kLd;
   Elem* sK = sdO + kBM * kLd;     // [2][kBN][kLd]
   Elem* sV = sK + 2 * kBN * kLd;  // [2][kBN][kLd]
+  unsigned char* sBias = reinterpret_cast<unsigned char*>(sV + 2 * kBN * kLd);  // [2] bias tiles
 
   const TileBlock blk = tile_block(num_m_tiles, 1, p.heads_q, /*heaviest_first=*/true);
   const int mt = blk.tile;
@@ -394,8 +394,13 @@ __global__ void __launch_bounds__(DqConfig<Elem, kDim>::kThreads)
   const int64_t m_last = m0 + rows_q - 1;
   const int64_t n_begin = sq.key_begin(m0) / kBN * kBN;
   const int64_t n_end = sq.key_end(m_last);
+  const BiasTileLayout bias_tile = kFeatures ? bias_tile_layout<kBM, kBN>(p) : BiasTileLayout{};
+  const bool bias_chunked = kFeatures && bias_rows_chunked(p);
   auto load_kv = [&](int64_t n0, int buf) {
     const int rows_k = int(sq.len_k - n0 < kBN ? sq.len_k - n0 : kBN);
+    if (kFeatures && bias_tile.rows > 0)
+      stage_bias_tile<kBM, kBN, kThreads>(sBias + buf * bias_tile.buffer_bytes(), bias_tile, bias_chunked, p, sq,
+                                          h, m0, n0, rows_q, rows_k, tid);
     copy_tile_async<kBN, kDim, kThreads>(sK + buf * kBN * kLd, kLd, k + n0 * p.k_stride.row,
                                          p.k_stride.row, rows_k, E, tid);
     copy_tile_async<kBN, kDim, kThreads>(sV + buf * kBN * kLd, kLd, v + n0 * p.v_stride.row,
@@ -438,18 +443,33 @@ __global__ void __launch_bounds__(DqConfig<Elem, kDim>::kThreads)
     Acc s[kNA][4], dp[kNA][4];
     scores_and_dp<M, kDim, kLd>(s, dp, sQ + wrow * kLd, sdO + wrow * kLd, k_s, v_s, lane);
 
+    auto tile_column = [](int64_t x) { return int(x < 0 ? 0 : x > kBN ? kBN : x); };
     bool featured = false;
     if constexpr (kFeatures) {
       featured = mods.any || drop.on;
       if (featured) {
+        const unsigned char* bias_s = sBias + buf * bias_tile.buffer_bytes();
+        // A set per row of the lane: its scores at columns 8j + 2t (+1), [lo, hi) in the band.
 #pragma unroll
-        for (int j = 0; j < kNA; ++j)
+        for (int r = 0; r < 2; ++r) {
+          const int tr = wrow + g + 8 * r;
+          const int64_t m = m0 + tr;
+          const int lo = tile_column(sq.key_begin(m) - n0), hi = tile_column(sq.key_end(m) - n0);
+          auto col = [&](int i) { return 8 * (i >> 1) + 2 * t + (i & 1); };
+          Acc x[2 * kNA], th[2 * kNA];
+          bool in[2 * kNA];
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int r = e >> 1;
-            feature_probs(s[j][e], dp[j][e], lse[r], dsum[r], m0 + wrow + g + 8 * r, n0 + 8 * j + 2 * t + (e & 1),
-                          sq, mods, drop, static_cast<Acc*>(nullptr));
+          for (int i = 0; i < 2 * kNA; ++i) {
+            x[i] = s[i >> 1][2 * r + (i & 1)];
+            in[i] = lse[r] != neg_inf<Acc>() && col(i) >= lo && col(i) < hi;
           }
+          mods.scores(x, in, m, n0, [&](int i) { return int2{0, col(i)}; },
+                      [&](int i) { return bias_s + bias_tile.offset(tr, col(i)); }, th);
+#pragma unroll
+          for (int i = 0; i < 2 * kNA; ++i)
+            feature_grad(s[i >> 1][2 * r + (i & 1)], dp[i >> 1][2 * r + (i & 1)], x[i], in[i], th[i], lse[r], dsum[r],
+                         m, n0 + col(i), sq, mods, drop, static_cast<Acc*>(nullptr));
+        }
       }
     }
     if (!featured) {
@@ -457,7 +477,6 @@ __global__ void __launch_bounds__(DqConfig<Elem, kDim>::kThreads)
       const bool all_visible = n0 >= sq.key_begin(m_last) && n0 + kBN <= sq.key_end(m0);
       int lo[2] = {0, 0}, hi[2] = {kBN, kBN};
       if (!all_visible) {
-        auto tile_column = [](int64_t x) { return int(x < 0 ? 0 : x > kBN ? kBN : x); };
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           lo[r] = tile_column(sq.key_begin(m0 + wrow + g + 8 * r) - n0);
@@ -521,37 +540,46 @@ bool bwd_dq(const BwdParams& p, const void* dsum, cudaStream_t stream) {
   if constexpr (!Cfg::kServed) {
     return false;
   } else {
-    if (!tensor_cores_usable(Cfg::kSmemBytes) || !bwd_operands_aligned<Elem>(p)) return false;
+    // The bias tiles take smem beside the operands (see fwd).
+    const size_t smem = Cfg::kSmemBytes + 2 * size_t(bias_tile_layout<Cfg::kBM, Cfg::kBN>(p).buffer_bytes());
+    if (!tensor_cores_usable(smem) || !bwd_operands_aligned<Elem>(p)) return false;
     using Acc = typename Mma<Elem>::Acc;
     const int64_t num_m_tiles = (p.len_q + Cfg::kBM - 1) / Cfg::kBM;
     const int64_t blocks = num_m_tiles * p.heads_q * p.batch;
     if (blocks > 0x7fffffff) throw std::runtime_error("flashattn_ext CUDA backend: backward grid too large");
     auto kernel = p.has_features() ? bwd_dq_kernel<Elem, kDim, true> : bwd_dq_kernel<Elem, kDim, false>;
-    set_smem(kernel, Cfg::kSmemBytes, "sm80::bwd_dq_kernel");
-    kernel<<<unsigned(blocks), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
+    set_smem(kernel, smem, "sm80::bwd_dq_kernel");
+    kernel<<<unsigned(blocks), Cfg::kThreads, smem, stream>>>(
         p, static_cast<const Acc*>(dsum), int(num_m_tiles));
     check_launch("sm80::bwd_dq_kernel");
     return true;
   }
 }
 
+template <class Elem, int kDim, bool kFeatures>
+bool launch_dkdv(const BwdParams& p, const void* dsum, void* dq_accum, cudaStream_t stream) {
+  using Cfg = BwdConfig<Elem, kDim, kFeatures>;
+  const size_t smem = Cfg::kSmemBytes + 2 * size_t(bias_tile_layout<Cfg::kBM, Cfg::kBN>(p).buffer_bytes());
+  if (!tensor_cores_usable(smem) || !bwd_operands_aligned<Elem>(p)) return false;
+  using Acc = typename Mma<Elem>::Acc;
+  const int64_t num_n_tiles = (p.len_k + Cfg::kBN - 1) / Cfg::kBN;
+  const int64_t blocks = num_n_tiles * Cfg::kSplit * p.heads_kv * p.batch;
+  if (blocks > 0x7fffffff) throw std::runtime_error("flashattn_ext CUDA backend: backward grid too large");
+  auto kernel = bwd_dkdv_kernel<Elem, kDim, kFeatures>;
+  set_smem(kernel, smem, "sm80::bwd_dkdv_kernel");
+  kernel<<<unsigned(blocks), Cfg::kThreads, smem, stream>>>(p, static_cast<const Acc*>(dsum),
+                                                            static_cast<Acc*>(dq_accum), int(num_n_tiles));
+  check_launch("sm80::bwd_dkdv_kernel");
+  return true;
+}
+
 template <class Elem, int kDim>
 bool bwd_dkdv(const BwdParams& p, const void* dsum, void* dq_accum, cudaStream_t stream) {
-  using Cfg = BwdConfig<Elem, kDim>;
-  if constexpr (!Cfg::kServed) {
+  if constexpr (!BwdConfig<Elem, kDim>::kServed) {
     return false;
   } else {
-    if (!tensor_cores_usable(Cfg::kSmemBytes) || !bwd_operands_aligned<Elem>(p)) return false;
-    using Acc = typename Mma<Elem>::Acc;
-    const int64_t num_n_tiles = (p.len_k + Cfg::kBN - 1) / Cfg::kBN;
-    const int64_t blocks = num_n_tiles * Cfg::kSplit * p.heads_kv * p.batch;
-    if (blocks > 0x7fffffff) throw std::runtime_error("flashattn_ext CUDA backend: backward grid too large");
-    auto kernel = p.has_features() ? bwd_dkdv_kernel<Elem, kDim, true> : bwd_dkdv_kernel<Elem, kDim, false>;
-    set_smem(kernel, Cfg::kSmemBytes, "sm80::bwd_dkdv_kernel");
-    kernel<<<unsigned(blocks), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
-        p, static_cast<const Acc*>(dsum), static_cast<Acc*>(dq_accum), int(num_n_tiles));
-    check_launch("sm80::bwd_dkdv_kernel");
-    return true;
+    return p.has_features() ? launch_dkdv<Elem, kDim, true>(p, dsum, dq_accum, stream)
+                            : launch_dkdv<Elem, kDim, false>(p, dsum, dq_accum, stream);
   }
 }
 

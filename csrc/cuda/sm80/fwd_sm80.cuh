@@ -19,6 +19,7 @@
 #include "../common/grid.cuh"
 #include "../common/online_softmax.cuh"
 #include "fragments.cuh"
+#include "bias_tile.cuh"
 #include "tile_copy.cuh"
 #include "tile_config.h"
 
@@ -47,6 +48,7 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim>::kThreads)
   Elem* sQ = reinterpret_cast<Elem*>(smem_raw);
   Elem* sK = sQ + kBM * kLd;
   Elem* sV = sK + 2 * kBN * kLd;
+  unsigned char* sBias = reinterpret_cast<unsigned char*>(sV + 2 * kBN * kLd);  // [2] bias tiles
 
   const TileBlock blk = tile_block(num_m_tiles, 1, p.heads_q, /*heaviest_first=*/true);
   const int mt = blk.tile;
@@ -62,6 +64,7 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim>::kThreads)
   if (m0 >= sq.len_q) return;
   const int rows_q = int(sq.len_q - m0 < kBM ? sq.len_q - m0 : kBM);
   const Acc score_scale = Exp::score_scale(p.scale);
+  const ScoreMods<Acc> mods(p, sq, h);
   const int E = int(p.head_dim), Ev = int(p.head_dim_v);
 
   const Elem* q = sq.q_rows<const Elem>(p.q, p.q_stride, h, m0);
@@ -72,8 +75,13 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim>::kThreads)
   const int64_t m_last = m0 + rows_q - 1;
   const int64_t n_begin = sq.key_begin(m0) / kBN * kBN;
   const int64_t n_end = sq.key_end(m_last);
+  const BiasTileLayout bias_tile = kFeatures ? bias_tile_layout<kBM, kBN>(p) : BiasTileLayout{};
+  const bool bias_chunked = kFeatures && bias_rows_chunked(p);
   auto load_kv = [&](int64_t n0, int buf) {
     const int rows_k = int(sq.len_k - n0 < kBN ? sq.len_k - n0 : kBN);
+    if (kFeatures && bias_tile.rows > 0)
+      stage_bias_tile<kBM, kBN, kThreads>(sBias + buf * bias_tile.buffer_bytes(), bias_tile, bias_chunked, p, sq,
+                                          h, m0, n0, rows_q, rows_k, tid);
     copy_tile_async<kBN, kDim, kThreads>(sK + buf * kBN * kLd, kLd, k + n0 * p.k_stride.row,
                                          p.k_stride.row, rows_k, E, tid);
     copy_tile_async<kBN, kDim, kThreads>(sV + buf * kBN * kLd, kLd, v + n0 * p.v_stride.row,
@@ -113,7 +121,6 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim>::kThreads)
   int buf = 0;
   // A key offset from n0, clamped to the tile: the row's band as 32-bit column bounds.
   auto tile_column = [](int64_t x) { return int(x < 0 ? 0 : x > kBN ? kBN : x); };
-  const ScoreMods<Acc> mods(p, sq, h);
   const DropoutMask<Acc> drop(p, sq, h);
   for (int64_t n0 = n_begin; n0 < n_end; n0 += kBN, buf ^= 1) {
     cp_async_wait<0>();
@@ -160,21 +167,29 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim>::kThreads)
     // One uniform branch per tile (not per row), so the max and exp code below is one block.
     auto row_of = [&](int mw, int r) { return m0 + wrow + 16 * mw + g + 8 * r; };
     if (kFeatures && mods.any) {
+      const unsigned char* bias_s = sBias + buf * bias_tile.buffer_bytes();
 #pragma unroll
       for (int mw = 0; mw < kMW; ++mw)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          // Columns [lo, hi) of the tile are in the row's band; the mods may still mask. Rows
-          // past the sequence (the tile's padding) read no bias.
-          const int64_t m = row_of(mw, r);
+          // The lane's scores of one row a set: columns [lo, hi) of the tile are in the row's
+          // band (none for rows past the sequence); the mods may still mask.
+          const int tr = wrow + 16 * mw + g + 8 * r;
+          const int64_t m = m0 + tr;
           const int lo = tile_column(sq.key_begin(m) - n0);
           const int hi = m < sq.len_q ? tile_column(sq.key_end(m) - n0) : 0;
-          Acc row[2 * kNA];
+          auto col = [&](int i) { return 8 * (i >> 1) + 2 * t + (i & 1); };
+          Acc x[2 * kNA];
+          bool in[2 * kNA];
 #pragma unroll
-          for (int i = 0; i < 2 * kNA; ++i) row[i] = s[mw][i >> 1][2 * r + (i & 1)];
-          mods.score_row(row, m, n0, lo, hi, [&](int i) { return 8 * (i >> 1) + 2 * t + (i & 1); });
+          for (int i = 0; i < 2 * kNA; ++i) {
+            x[i] = s[mw][i >> 1][2 * r + (i & 1)];
+            in[i] = col(i) >= lo && col(i) < hi;
+          }
+          mods.scores(x, in, m, n0, [&](int i) { return int2{0, col(i)}; },
+                      [&](int i) { return bias_s + bias_tile.offset(tr, col(i)); }, static_cast<Acc*>(nullptr));
 #pragma unroll
-          for (int i = 0; i < 2 * kNA; ++i) s[mw][i >> 1][2 * r + (i & 1)] = row[i] * Exp::score_scale(1.0);
+          for (int i = 0; i < 2 * kNA; ++i) s[mw][i >> 1][2 * r + (i & 1)] = x[i] * Exp::score_scale(1.0);
         }
     } else {
 #pragma unroll
@@ -310,7 +325,10 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim>::kThreads)
 template <class Elem, int kDim>
 bool fwd(const FwdParams& p, cudaStream_t stream) {
   using Cfg = FwdConfig<Elem, kDim>;
-  if (!tensor_cores_usable(Cfg::kSmemBytes)) return false;
+  // The bias tiles (when the call has a bias) take smem beside the operands; where they do not
+  // fit (fp64 at dim 128), the portable kernel serves the call.
+  const size_t smem = Cfg::kSmemBytes + 2 * size_t(bias_tile_layout<Cfg::kBM, Cfg::kBN>(p).buffer_bytes());
+  if (!tensor_cores_usable(smem)) return false;
   if (!rows_aligned_16<Elem>(p.q, p.q_stride.batch, p.q_stride.head, p.q_stride.row, p.head_dim) ||
       !rows_aligned_16<Elem>(p.k, p.k_stride.batch, p.k_stride.head, p.k_stride.row, p.head_dim) ||
       !rows_aligned_16<Elem>(p.v, p.v_stride.batch, p.v_stride.head, p.v_stride.row, p.head_dim_v) ||
@@ -320,8 +338,8 @@ bool fwd(const FwdParams& p, cudaStream_t stream) {
   const int64_t blocks = num_m_tiles * p.heads_q * p.batch;
   if (blocks > 0x7fffffff) throw std::runtime_error("flashattn_ext CUDA backend: forward grid too large");
   auto kernel = p.has_features() ? fwd_kernel<Elem, kDim, true> : fwd_kernel<Elem, kDim, false>;
-  set_smem(kernel, Cfg::kSmemBytes, "sm80::fwd_kernel");
-  kernel<<<unsigned(blocks), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, int(num_m_tiles));
+  set_smem(kernel, smem, "sm80::fwd_kernel");
+  kernel<<<unsigned(blocks), Cfg::kThreads, smem, stream>>>(p, int(num_m_tiles));
   check_launch("sm80::fwd_kernel");
   return true;
 }
