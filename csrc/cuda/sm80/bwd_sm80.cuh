@@ -212,9 +212,10 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim, kFeatures>::kThreads, Bw
         band_bases();
         const int q_lim = int(sq.len_q - m0 < kBM ? sq.len_q - m0 : kBM);  // rows past it are padding
         const unsigned char* bias_s = sBias + buf * bias_tile.buffer_bytes();
-        // Sets of 8 scores (few registers beside dK, dV): per key of the lane (kw = g, g + 8),
-        // rows 8j + 2t (+1) of half the j.
-        constexpr int kSet = 8, kHalves = 2 * kQA / kSet;
+        // Sets of up to 8 scores (few registers beside dK, dV): per key of the lane (kw = g,
+        // g + 8), its rows 8j + 2t (+1) of kSet / 2 consecutive j.
+        constexpr int kSet = 2 * kQA < 8 ? 2 * kQA : 8, kHalves = 2 * kQA / kSet;
+        static_assert(kSet * kHalves == 2 * kQA, "the sets cover the lane's rows");
 #pragma unroll
         for (int set = 0; set < 2 * kHalves; ++set) {
           const int kh = set / kHalves, j0 = (set % kHalves) * (kSet / 2), kw = g + 8 * kh;
