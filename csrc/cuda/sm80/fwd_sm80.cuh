@@ -173,11 +173,15 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim>::kThreads)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           // The lane's scores of one row a set: columns [lo, hi) of the tile are in the row's
-          // band (none for rows past the sequence); the mods may still mask.
+          // band (all on an all-visible tile, none for rows past the sequence); the mods may
+          // still mask.
           const int tr = wrow + 16 * mw + g + 8 * r;
           const int64_t m = m0 + tr;
-          const int lo = tile_column(sq.key_begin(m) - n0);
-          const int hi = m < sq.len_q ? tile_column(sq.key_end(m) - n0) : 0;
+          int lo = 0, hi = tr < rows_q ? kBN : 0;
+          if (!all_visible && hi > 0) {
+            lo = tile_column(sq.key_begin(m) - n0);
+            hi = tile_column(sq.key_end(m) - n0);
+          }
           auto col = [&](int i) { return 8 * (i >> 1) + 2 * t + (i & 1); };
           Acc x[2 * kNA];
           bool in[2 * kNA];
