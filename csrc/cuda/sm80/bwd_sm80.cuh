@@ -3,7 +3,8 @@
 //
 // One block per (batch, kv head, kBN-key tile); each warp owns 16 keys. K and V stay in smem;
 // the block walks every query head of the group and every kBM-row query tile that can see its
-// keys, with Q, dO, LSE and D double-buffered (the next tile loads while this one is used).
+// keys, with Q, dO, LSE, D and the mask/bias tile double-buffered (the next tile loads while
+// this one is used).
 // Working on the transposed products keeps everything a warp needs in its registers:
 //   S^T = K Q^T and dP^T = V dO^T            (warp rows = its keys)
 //   P^T = exp(scale S^T - LSE), dS^T = P^T (dP^T - D)    elementwise, in registers

@@ -2,11 +2,12 @@
 // product steps of fragments.cuh.
 //
 // One block per (batch, query head, kBM-row query tile); each warp owns 16 * kMW query rows.
-// Q stays in smem; K and V tiles of kBN keys are double-buffered and prefetched with cp.async
-// while the current pair is used. Per key tile a warp forms S = Q K^T in registers, applies
-// the causal / ragged-edge mask only on tiles that need it, runs the online softmax on its
-// rows (row statistics reduce over a quad) and adds P V into the O accumulators, P taken
-// straight from the S registers. O and the LSE are written once at the end.
+// Q stays in smem; K and V tiles of kBN keys (and the mask/bias tile when the call has one) are
+// double-buffered and prefetched with cp.async while the current pair is used. Per key tile a
+// warp forms S = Q K^T in registers, applies the causal / ragged-edge mask only on tiles that
+// need it, runs the online softmax on its rows (row statistics reduce over a quad) and adds P V
+// into the O accumulators, P taken straight from the S registers. O and the LSE are written
+// once at the end.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -18,8 +19,8 @@
 #include "../common/features.cuh"
 #include "../common/grid.cuh"
 #include "../common/online_softmax.cuh"
-#include "fragments.cuh"
 #include "bias_tile.cuh"
+#include "fragments.cuh"
 #include "tile_copy.cuh"
 #include "tile_config.h"
 
