@@ -208,7 +208,8 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim, kFeatures>::kThreads, Bw
       const ScoreMods<Acc> mods(p, sq, h);
       const DropoutMask<Acc> drop(p, sq, h);
       Acc* dbias = c0 == 0 ? dbias_rows<Acc>(p, sq, h) : nullptr;  // one column half writes it
-      featured = mods.any || drop.on || dbias != nullptr;
+      // A bias alone (no gradient) takes the plain step below with one add per score.
+      featured = mods.softcap > Acc(0) || mods.alibi || drop.on || dbias != nullptr;
       if (featured) {
         band_bases();
         const int q_lim = int(sq.len_q - m0 < kBM ? sq.len_q - m0 : kBM);  // rows past it are padding
@@ -241,10 +242,13 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim, kFeatures>::kThreads, Bw
     }
     if (!featured) {
       if (!all_visible) band_bases();
-      // Written once, instantiated for all-visible and masked tiles, so the per-score code of
-      // the common case carries no branch (a branch inside it cost ~12 instructions a score).
-      auto probs = [&](auto masked_tag) {
+      // Written once, instantiated for all-visible and masked tiles (and per bias element type),
+      // so the per-score code of the common case carries no branch (a branch inside it cost
+      // ~12 instructions a score). A bias term of -inf makes P 0 through the exp.
+      auto probs = [&](auto masked_tag, auto reader) {
         constexpr bool kMasked = decltype(masked_tag)::value;
+        using R = decltype(reader);
+        const unsigned char* bias_s = sBias + buf * bias_tile.buffer_bytes() + (wkey + g) * R::kBytes;
 #pragma unroll
         for (int j = 0; j < kQA; ++j) {
           // The lane's two query rows 8j + 2t, 8j + 2t + 1 (element e holds row e & 1).
@@ -256,18 +260,23 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim, kFeatures>::kThreads, Bw
           for (int e = 0; e < 4; ++e) {
             const Acc lse = lse_pair[e & 1];
             bool vis = lse != neg_inf<Acc>();
-            if constexpr (kMasked) {
-              const int row = 8 * j + 2 * t + (e & 1), kw = g + 8 * (e >> 1);
-              vis = vis && kw >= lo0 + row && kw <= hi0 + row && kw < k_lim;
-            }
-            const Acc pr = Exp::exp_if(vis, st[j][e] * score_scale - lse);
+            const int row = 8 * j + 2 * t + (e & 1), kw = g + 8 * (e >> 1);
+            if constexpr (kMasked) vis = vis && kw >= lo0 + row && kw <= hi0 + row && kw < k_lim;
+            Acc x = st[j][e] * score_scale - lse;
+            if constexpr (R::kBytes > 0)
+              x += reader.template term<Acc>(bias_s + bias_tile.row_offset(row) + 8 * (e >> 1) * R::kBytes);
+            const Acc pr = Exp::exp_if(vis, x);
             st[j][e] = pr;
             dpt[j][e] = vis ? pr * (dpt[j][e] - d_pair[e & 1]) : Acc(0);
           }
         }
       };
-      if (all_visible) probs(std::false_type{});
-      else probs(std::true_type{});
+      auto probs_of_tile = [&](auto masked_tag) {
+        if constexpr (kFeatures) with_bias_reader<Elem>(p, [&](auto reader) { probs(masked_tag, reader); });
+        else probs(masked_tag, NoBias{});
+      };
+      if (all_visible) probs_of_tile(std::false_type{});
+      else probs_of_tile(std::true_type{});
     }
 
 #pragma unroll
@@ -448,7 +457,7 @@ __global__ void __launch_bounds__(DqConfig<Elem, kDim>::kThreads)
     auto tile_column = [](int64_t x) { return int(x < 0 ? 0 : x > kBN ? kBN : x); };
     bool featured = false;
     if constexpr (kFeatures) {
-      featured = mods.any || drop.on;
+      featured = mods.softcap > Acc(0) || mods.alibi || drop.on;  // a bias alone: the plain step
       if (featured) {
         const unsigned char* bias_s = sBias + buf * bias_tile.buffer_bytes();
         // A set per row of the lane: its scores at columns 8j + 2t (+1), [lo, hi) in the band.
@@ -485,15 +494,25 @@ __global__ void __launch_bounds__(DqConfig<Elem, kDim>::kThreads)
           hi[r] = tile_column(sq.key_end(m0 + wrow + g + 8 * r) - n0);
         }
       }
+      // With a bias, its term joins the exponent (see the dK/dV kernel).
+      auto probs = [&](auto reader) {
+        using R = decltype(reader);
+        const unsigned char* bias_s = sBias + buf * bias_tile.buffer_bytes();
 #pragma unroll
-      for (int j = 0; j < kNA; ++j)
+        for (int j = 0; j < kNA; ++j)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = e >> 1, col = 8 * j + 2 * t + (e & 1);
-          const bool vis = lse[r] != neg_inf<Acc>() && col >= lo[r] && col < hi[r];
-          const Acc pr = Exp::exp_if(vis, s[j][e] * score_scale - lse[r]);
-          dp[j][e] = vis ? pr * (dp[j][e] - dsum[r]) : Acc(0);
-        }
+          for (int e = 0; e < 4; ++e) {
+            const int r = e >> 1, col = 8 * j + 2 * t + (e & 1);
+            const bool vis = lse[r] != neg_inf<Acc>() && col >= lo[r] && col < hi[r];
+            Acc x = s[j][e] * score_scale - lse[r];
+            if constexpr (R::kBytes > 0)
+              x += reader.template term<Acc>(bias_s + bias_tile.row_offset(wrow + g + 8 * r) + col * R::kBytes);
+            const Acc pr = Exp::exp_if(vis, x);
+            dp[j][e] = vis ? pr * (dp[j][e] - dsum[r]) : Acc(0);
+          }
+      };
+      if constexpr (kFeatures) with_bias_reader<Elem>(p, probs);
+      else probs(NoBias{});
     }
 
 #pragma unroll

@@ -167,8 +167,9 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim>::kThreads)
     const bool all_visible = n0 >= sq.key_begin(m_last) && n0 + kBN <= sq.key_end(m0);
     // One uniform branch per tile (not per row), so the max and exp code below is one block.
     auto row_of = [&](int mw, int r) { return m0 + wrow + 16 * mw + g + 8 * r; };
-    if (kFeatures && mods.any) {
-      const unsigned char* bias_s = sBias + buf * bias_tile.buffer_bytes();
+    // Softcap and ALiBi take the general path of ScoreMods; a bias alone is one add per score.
+    const unsigned char* bias_s = sBias + buf * bias_tile.buffer_bytes();
+    if (kFeatures && (mods.softcap > Acc(0) || mods.alibi)) {
 #pragma unroll
       for (int mw = 0; mw < kMW; ++mw)
 #pragma unroll
@@ -203,6 +204,24 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim>::kThreads)
         for (int j = 0; j < kNA; ++j)
 #pragma unroll
           for (int e = 0; e < 4; ++e) s[mw][j][e] *= score_scale;
+      if constexpr (kFeatures) {
+        with_bias_reader<Elem>(p, [&](auto reader) {
+          using R = decltype(reader);
+          if constexpr (R::kBytes > 0) {
+#pragma unroll
+            for (int mw = 0; mw < kMW; ++mw)
+#pragma unroll
+              for (int r = 0; r < 2; ++r) {
+                const unsigned char* row = bias_s + bias_tile.row_offset(wrow + 16 * mw + g + 8 * r);
+#pragma unroll
+                for (int j = 0; j < kNA; ++j)
+#pragma unroll
+                  for (int cc = 0; cc < 2; ++cc)
+                    s[mw][j][2 * r + cc] += reader.template term<Acc>(row + (8 * j + 2 * t + cc) * R::kBytes);
+              }
+          }
+        });
+      }
       // A masked tile compares 32-bit column indices against each row's band.
       if (!all_visible) {
 #pragma unroll
