@@ -76,12 +76,15 @@ __device__ __forceinline__ void scores_and_dp(Acc (&s)[kNA][4], Acc (&dp)[kNA][4
   }
 }
 
-// kFeatures: the variant for calls with optional features (see fwd_sm80.cuh).
-template <class Elem, int kDim, bool kFeatures>
-__global__ void __launch_bounds__(BwdConfig<Elem, kDim, kFeatures>::kThreads, BwdConfig<Elem, kDim, kFeatures>::kMinBlocks)
+// kFeatures: the variant for calls with optional features (see fwd_sm80.cuh). kGeneral: with
+// the per-score step for softcap, ALiBi, dropout and the bias gradient (needs_general_step),
+// which takes registers and so smaller tiles; windows, varlen and a bias alone go without it.
+template <class Elem, int kDim, bool kFeatures, bool kGeneral>
+__global__ void __launch_bounds__(BwdConfig<Elem, kDim, kGeneral>::kThreads, BwdConfig<Elem, kDim, kGeneral>::kMinBlocks)
     bwd_dkdv_kernel(const BwdParams p, const typename Mma<Elem>::Acc* dsum_g,
                     typename Mma<Elem>::Acc* dq_accum, int num_n_tiles) {
-  using Cfg = BwdConfig<Elem, kDim, kFeatures>;
+  static_assert(kFeatures || !kGeneral, "the general step is a feature");
+  using Cfg = BwdConfig<Elem, kDim, kGeneral>;
   using M = Mma<Elem>;
   using Acc = typename M::Acc;
   using Exp = ExpDomain<Acc>;
@@ -204,7 +207,7 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim, kFeatures>::kThreads, Bw
       k_lim = clamp_base(sq.len_k - n0 - wkey);
     };
     bool featured = false;
-    if constexpr (kFeatures) {
+    if constexpr (kGeneral) {
       const ScoreMods<Acc> mods(p, sq, h);
       const DropoutMask<Acc> drop(p, sq, h);
       Acc* dbias = c0 == 0 ? dbias_rows<Acc>(p, sq, h) : nullptr;  // one column half writes it
@@ -577,16 +580,16 @@ bool bwd_dq(const BwdParams& p, const void* dsum, cudaStream_t stream) {
   }
 }
 
-template <class Elem, int kDim, bool kFeatures>
+template <class Elem, int kDim, bool kFeatures, bool kGeneral>
 bool launch_dkdv(const BwdParams& p, const void* dsum, void* dq_accum, cudaStream_t stream) {
-  using Cfg = BwdConfig<Elem, kDim, kFeatures>;
+  using Cfg = BwdConfig<Elem, kDim, kGeneral>;
   const size_t smem = Cfg::kSmemBytes + 2 * size_t(bias_tile_layout<Cfg::kBM, Cfg::kBN>(p).buffer_bytes());
   if (!tensor_cores_usable(smem) || !bwd_operands_aligned<Elem>(p)) return false;
   using Acc = typename Mma<Elem>::Acc;
   const int64_t num_n_tiles = (p.len_k + Cfg::kBN - 1) / Cfg::kBN;
   const int64_t blocks = num_n_tiles * Cfg::kSplit * p.heads_kv * p.batch;
   if (blocks > 0x7fffffff) throw std::runtime_error("flashattn_ext CUDA backend: backward grid too large");
-  auto kernel = bwd_dkdv_kernel<Elem, kDim, kFeatures>;
+  auto kernel = bwd_dkdv_kernel<Elem, kDim, kFeatures, kGeneral>;
   set_smem(kernel, smem, "sm80::bwd_dkdv_kernel");
   kernel<<<unsigned(blocks), Cfg::kThreads, smem, stream>>>(p, static_cast<const Acc*>(dsum),
                                                             static_cast<Acc*>(dq_accum), int(num_n_tiles));
@@ -594,13 +597,19 @@ bool launch_dkdv(const BwdParams& p, const void* dsum, void* dq_accum, cudaStrea
   return true;
 }
 
+// Whether a backward call needs the general per-score step (more than a band and a bias).
+inline bool needs_general_step(const BwdParams& p) {
+  return p.softcap > 0.0 || p.alibi_slopes != nullptr || p.dropout_p > 0.0 || p.dbias != nullptr;
+}
+
 template <class Elem, int kDim>
 bool bwd_dkdv(const BwdParams& p, const void* dsum, void* dq_accum, cudaStream_t stream) {
   if constexpr (!BwdConfig<Elem, kDim>::kServed) {
     return false;
   } else {
-    return p.has_features() ? launch_dkdv<Elem, kDim, true>(p, dsum, dq_accum, stream)
-                            : launch_dkdv<Elem, kDim, false>(p, dsum, dq_accum, stream);
+    if (needs_general_step(p)) return launch_dkdv<Elem, kDim, true, true>(p, dsum, dq_accum, stream);
+    if (p.has_features()) return launch_dkdv<Elem, kDim, true, false>(p, dsum, dq_accum, stream);
+    return launch_dkdv<Elem, kDim, false, false>(p, dsum, dq_accum, stream);
   }
 }
 

@@ -37,10 +37,11 @@ struct FwdConfig {
 // Backward (dK/dV kernel): 16 keys per warp, kBN = 16 * kWarps keys per block, query tiles of
 // kBM rows. Where dK and dV of the full dim would not fit in registers (fp16/bf16 above 128,
 // fp64 above 64), blocks own half the output columns each and both halves compute S and dP.
-// The variant with the optional features (kFeatures) takes half the query rows per tile and one
-// block per SM where the plain one is at its register limit: its per-score work needs registers
-// beside dK and dV (measured: 1060 bytes of spills at dim 128 with 64-row tiles, 140 with 32).
-template <class Elem, int kDim, bool kFeatures = false>
+// The variant with the general feature step (kGeneral: softcap, ALiBi, dropout, bias gradient)
+// takes half the query rows per tile and one block per SM where the plain one is at its register
+// limit: that step needs registers beside dK and dV (measured: 1116 bytes of spills at dim 128
+// with 64-row tiles, 140 with 32).
+template <class Elem, int kDim, bool kGeneral = false>
 struct BwdConfig {
   using Acc = std::conditional_t<std::is_same_v<Elem, double>, double, float>;
   static constexpr bool kHalf = sizeof(Elem) == 2;
@@ -54,8 +55,8 @@ struct BwdConfig {
   // fp16/bf16 at dim 64: 32-row query tiles keep a thread within 128 registers, so two
   // blocks (16 warps) share an SM.
   // fp64 at dim 128: 16-row query tiles, so K, V and two stages of Q, dO fit in smem.
-  static constexpr int kBM = kDouble ? (kDim > 64 || kFeatures ? 16 : 32) : (kDim > 64 && kDim <= 128 && !kFeatures ? 64 : 32);
-  static constexpr int kMinBlocks = kHalf && kDim <= 64 && !kFeatures ? 2 : 1;
+  static constexpr int kBM = kDouble ? (kDim > 64 || kGeneral ? 16 : 32) : (kDim > 64 && kDim <= 128 && !kGeneral ? 64 : 32);
+  static constexpr int kMinBlocks = kHalf && kDim <= 64 && !kGeneral ? 2 : 1;
   static constexpr int kLd = kDim + 8;   // K, V, Q, dO rows
   static constexpr int kLdS = kBM + 8;   // dS^T rows (one per key)
   static constexpr size_t kSmemBytes =
