@@ -72,9 +72,13 @@ void fwd_typed(const FwdParams& p, cudaStream_t stream) {
   if constexpr (!std::is_same_v<T, float>) {
     if (tensor_core_kernels_allowed<T>()) {
       if (e_max <= 64 && sm80::fwd<T, 64>(p, stream)) return;
-      if (e_max > 64 && e_max <= 128 && sm80::fwd<T, 128>(p, stream)) return;
-      if constexpr (sizeof(T) == 2) {
-        if (e_max > 128 && e_max <= 256 && sm80::fwd<T, 256>(p, stream)) return;
+      if constexpr (sizeof(T) == 2) {  // fp16/bf16 tiers 96, 128, 192, 256; fp64 128
+        if (e_max > 64 && e_max <= 96 && sm80::fwd<T, 96>(p, stream)) return;
+        if (e_max > 96 && e_max <= 128 && sm80::fwd<T, 128>(p, stream)) return;
+        if (e_max > 128 && e_max <= 192 && sm80::fwd<T, 192>(p, stream)) return;
+        if (e_max > 192 && e_max <= 256 && sm80::fwd<T, 256>(p, stream)) return;
+      } else {
+        if (e_max > 64 && e_max <= 128 && sm80::fwd<T, 128>(p, stream)) return;
       }
     }
   }
@@ -118,12 +122,18 @@ void bwd_typed(const BwdParams& p, cudaStream_t stream) {
   if constexpr (!std::is_same_v<T, float>) {
     if (tensor_core_kernels_allowed<T>()) {
       if (e_max <= 64) dkdv_done = sm80::bwd_dkdv<T, 64>(p, dsum, dq_accum, stream);
-      else if (e_max <= 128) dkdv_done = sm80::bwd_dkdv<T, 128>(p, dsum, dq_accum, stream);
-      if constexpr (sizeof(T) == 2) {
-        if (e_max > 128 && e_max <= 256) dkdv_done = sm80::bwd_dkdv<T, 256>(p, dsum, dq_accum, stream);
-      }
       if (p.deterministic && e_max <= 64) dq_done = sm80::bwd_dq<T, 64>(p, dsum, stream);
-      else if (p.deterministic && e_max <= 128) dq_done = sm80::bwd_dq<T, 128>(p, dsum, stream);
+      if constexpr (sizeof(T) == 2) {  // the forward's tiers; the deterministic dQ up to 128
+        if (e_max > 64 && e_max <= 96) dkdv_done = sm80::bwd_dkdv<T, 96>(p, dsum, dq_accum, stream);
+        if (e_max > 96 && e_max <= 128) dkdv_done = sm80::bwd_dkdv<T, 128>(p, dsum, dq_accum, stream);
+        if (e_max > 128 && e_max <= 192) dkdv_done = sm80::bwd_dkdv<T, 192>(p, dsum, dq_accum, stream);
+        if (e_max > 192 && e_max <= 256) dkdv_done = sm80::bwd_dkdv<T, 256>(p, dsum, dq_accum, stream);
+        if (p.deterministic && e_max > 64 && e_max <= 96) dq_done = sm80::bwd_dq<T, 96>(p, dsum, stream);
+        if (p.deterministic && e_max > 96 && e_max <= 128) dq_done = sm80::bwd_dq<T, 128>(p, dsum, stream);
+      } else {
+        if (e_max > 64 && e_max <= 128) dkdv_done = sm80::bwd_dkdv<T, 128>(p, dsum, dq_accum, stream);
+        if (p.deterministic && e_max > 64 && e_max <= 128) dq_done = sm80::bwd_dq<T, 128>(p, dsum, stream);
+      }
     }
   }
   if constexpr (!std::is_same_v<T, double>) {

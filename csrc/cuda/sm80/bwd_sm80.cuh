@@ -98,7 +98,9 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim, kGeneral>::kThreads, Bwd
   // dQ split: warp -> (16-row group, column group of kDim / kColGroups).
   constexpr int kRowGroups = kBM / 16, kColGroups = kWarps / kRowGroups;
   constexpr int kQCols = kDimOut / kColGroups, kQCA = kQCols / 8;
-  static_assert(kWarps % kRowGroups == 0 && kQCA % 2 == 0, "dQ split");
+  // B atoms load in pairs: an odd count (dim 192) computes one atom more and never stores it.
+  constexpr int kQCAe = kQCA + kQCA % 2;
+  static_assert(kWarps % kRowGroups == 0, "dQ split");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   Elem* sK = reinterpret_cast<Elem*>(smem_raw);
@@ -308,9 +310,9 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim, kGeneral>::kThreads, Bwd
       }
       __syncthreads();
       const int rg = warp % kRowGroups, cg = warp / kRowGroups;
-      Acc dq[kQCA][4];
+      Acc dq[kQCAe][4];
 #pragma unroll
-      for (int d = 0; d < kQCA; ++d)
+      for (int d = 0; d < kQCAe; ++d)
 #pragma unroll
         for (int e = 0; e < 4; ++e) dq[d][e] = Acc(0);
 #pragma unroll
@@ -318,7 +320,7 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim, kGeneral>::kThreads, Bwd
         typename M::A a;
         M::load_a_kn(a, sdSt + kk * kLdS + 16 * rg, kLdS, lane);
 #pragma unroll
-        for (int d = 0; d < kQCA; d += 2) {
+        for (int d = 0; d < kQCAe; d += 2) {
           typename M::B bk[2];
           M::load_b2_kn(bk, sK + kk * kLd + c0 + cg * kQCols + 8 * d, kLd, lane);
           M::mma(dq[d], a, bk[0]);

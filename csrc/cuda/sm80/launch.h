@@ -1,8 +1,8 @@
 // Host launchers of the tensor-core kernels (sm_80+), instantiated per head-dim tier in
-// fwd_sm80_hdim*.cu / bwd_sm80_hdim*.cu and picked by dispatch.cu. Each returns false, launching nothing, when
-// the call is outside what the kernel serves (GPU older than sm_80, too little smem, head
-// dims above kDim, operands not 16-byte aligned, any optional feature of Params on: masks,
-// window, ALiBi, softcap, dropout, varlen); dispatch then takes the SIMT kernels.
+// fwd_sm80_hdim*.cu / bwd_sm80_hdim*.cu and picked by dispatch.cu. Each returns false,
+// launching nothing, when the call is outside what the kernel serves (GPU older than sm_80, too
+// little smem for the operand and bias tiles, head dims above kDim, operands not 16-byte
+// aligned); dispatch then takes the SIMT kernels. Every optional feature is served.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -10,17 +10,18 @@
 
 namespace flashattn::cuda::sm80 {
 
-// Forward for head_dim and head_dim_v both <= kDim (64 or 128; 256 for fp16/bf16).
+// Forward for head_dim and head_dim_v both <= kDim (fp16/bf16: 64, 96, 128, 192, 256; fp64: 64,
+// 128).
 template <class Elem, int kDim>
 bool fwd(const FwdParams& p, cudaStream_t stream);
 
-// dK and dV for head_dim and head_dim_v both <= kDim (64 or 128; 256 for fp16/bf16), and, when `dq_accum` is
-// not null, dQ / scale added atomically into it (accumulator type, contiguous (batch,
+// dK and dV for head_dim and head_dim_v both <= kDim (the forward's tiers), and, when
+// `dq_accum` is not null, dQ / scale added atomically into it (accumulator type, contiguous (batch,
 // heads_q, len_q, head_dim)). `dsum` holds D = rowsum(dO * O) - dlse (accumulator type).
 template <class Elem, int kDim>
 bool bwd_dkdv(const BwdParams& p, const void* dsum, void* dq_accum, cudaStream_t stream);
 
-// dQ written directly (deterministic path), for head dims up to 64 or 128.
+// dQ written directly (deterministic path), for head dims up to 128 (tiers 64, 96, 128).
 template <class Elem, int kDim>
 bool bwd_dq(const BwdParams& p, const void* dsum, cudaStream_t stream);
 

@@ -3,8 +3,9 @@
 //
 // Shapes (measured on the H200; see benchmarks/NOTES_sm80.md):
 //   fp16/bf16: 4 warps x 32 query rows (B fragments serve two row groups), 2 blocks per SM;
-//              64-key tiles, 32 at dim 128 (no register spills). 8 warps x 16 rows at 128
-//              registers measured 1-2% slower. Dim 256 (forward only): 16 rows per warp.
+//              64-key tiles, 32 above dim 64 (no register spills). 8 warps x 16 rows at 128
+//              registers measured 1-2% slower. Dims 192 and 256: 16 rows per warp. Tiers 96
+//              and 192 do 3/4 of the products of 128 and 256 with the same shapes.
 //   fp64: 16 rows per warp (the fp64 accumulators take twice the registers); dim 64: 4 warps,
 //         32-key tiles (2 blocks per SM); dim 128: 8 warps, 16-key tiles (1 block per SM, 8
 //         warps to hide the DMMA latency).

@@ -14,16 +14,29 @@ template <class Elem>
 __host__ __device__ constexpr int chunk_elems() { return 16 / int(sizeof(Elem)); }
 
 // Rows `kRows` x columns `kCols` from `g` (rows `g_ld` elements apart) into `s` (pitch `ld`).
-// A thread copies one 16-byte column chunk of every kThreads / kPerRow-th row: the trip count
-// is a constant and the address arithmetic stays out of the unrolled loop (a strided loop
-// from `tid` cost ~25 instructions per chunk).
+// Where a row's chunks divide the block (dims 32, 64, 128, 256), a thread copies one 16-byte
+// column chunk of every kThreads / kPerRow-th row: the trip count is a constant and the address
+// arithmetic stays out of the unrolled loop (a strided loop from `tid` cost ~25 instructions per
+// chunk). Otherwise (dims 96, 192) the block walks the tile's chunks in order, kThreads at a
+// time (a division by the constant kPerRow per chunk).
 template <int kRows, int kCols, int kThreads, class Elem>
 __device__ __forceinline__ void copy_tile_async(Elem* s, int ld, const Elem* g, int64_t g_ld,
                                                 int rows, int cols, int tid) {
   constexpr int kChunk = chunk_elems<Elem>();
   constexpr int kPerRow = kCols / kChunk;
   static_assert(kCols % kChunk == 0, "tile width is a whole number of 16-byte chunks");
-  static_assert(kThreads % kPerRow == 0, "every thread keeps one column chunk");
+  if constexpr (kThreads % kPerRow != 0) {
+    constexpr int kIters = (kRows * kPerRow + kThreads - 1) / kThreads;
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+      const int i = tid + it * kThreads;
+      if ((kRows * kPerRow) % kThreads != 0 && i >= kRows * kPerRow) break;
+      const int r = i / kPerRow, c = (i % kPerRow) * kChunk;
+      const bool valid = c < cols && r < rows;
+      cp_async_16_zfill(s + r * ld + c, valid ? g + r * g_ld + c : g, valid);
+    }
+    return;
+  }
   constexpr int kRowStep = kThreads / kPerRow;
   constexpr int kIters = (kRows + kRowStep - 1) / kRowStep;
   const int r0 = tid / kPerRow, c = (tid % kPerRow) * kChunk;

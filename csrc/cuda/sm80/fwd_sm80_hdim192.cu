@@ -1,0 +1,7 @@
+// Tensor-core forward kernels, head dims 129..192 (fp16/bf16): 3/4 of the dim-256 products.
+#include "fwd_sm80.cuh"
+
+namespace flashattn::cuda::sm80 {
+template bool fwd<__nv_bfloat16, 192>(const FwdParams&, cudaStream_t);
+template bool fwd<__half, 192>(const FwdParams&, cudaStream_t);
+}  // namespace flashattn::cuda::sm80

@@ -1,0 +1,7 @@
+// Tensor-core forward kernels, head dims 65..96 (fp16/bf16): 3/4 of the dim-128 products.
+#include "fwd_sm80.cuh"
+
+namespace flashattn::cuda::sm80 {
+template bool fwd<__nv_bfloat16, 96>(const FwdParams&, cudaStream_t);
+template bool fwd<__half, 96>(const FwdParams&, cudaStream_t);
+}  // namespace flashattn::cuda::sm80
