@@ -3,9 +3,9 @@
 //
 // Shapes (measured on the H200; see benchmarks/NOTES_sm80.md):
 //   fp16/bf16: 4 warps x 32 query rows (B fragments serve two row groups), 2 blocks per SM;
-//              64-key tiles, 32 above dim 64 (no register spills). 8 warps x 16 rows at 128
-//              registers measured 1-2% slower. Dims 192 and 256: 16 rows per warp. Tiers 96
-//              and 192 do 3/4 of the products of 128 and 256 with the same shapes.
+//              64-key tiles, 32 above dim 96 (no register spills; dim 96 with 64-key tiles
+//              measured 19-24% faster than with 32). 8 warps x 16 rows at 128 registers
+//              measured 1-2% slower. Dims 192 and 256: 16 rows per warp.
 //   fp64: 16 rows per warp (the fp64 accumulators take twice the registers); dim 64: 4 warps,
 //         32-key tiles (2 blocks per SM); dim 128: 8 warps, 16-key tiles (1 block per SM, 8
 //         warps to hide the DMMA latency).
@@ -27,7 +27,7 @@ struct FwdConfig {
   static constexpr bool kDouble = std::is_same_v<Elem, double>;
   static constexpr int kWarps = kDouble && kDim > 64 ? 8 : 4;
   static constexpr int kMW = kHalf && kDim <= 128 ? 2 : 1;  // 16-row groups per warp
-  static constexpr int kBN = kDouble ? (kDim > 64 ? 16 : 32) : (kDim > 64 ? 32 : 64);
+  static constexpr int kBN = kDouble ? (kDim > 64 ? 16 : 32) : (kDim > 96 ? 32 : 64);
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kBM = 16 * kMW * kWarps;
   static constexpr int kLd = kDim + 8;  // smem row pitch in elements
