@@ -87,16 +87,19 @@ def test_float32_bias_with_bfloat16_inputs(device):
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=ALL_DTYPE_IDS)
 @pytest.mark.parametrize("kind", ["bool", "float"])
-@pytest.mark.parametrize("layout", ["rows_aligned", "keys_strided"])
+@pytest.mark.parametrize("layout", ["rows_aligned", "key_padding", "keys_strided"])
 @pytest.mark.parametrize("e", [16, 96, 192], ids=["e16", "e96", "e192"])
 def test_attn_bias_layouts(device, dtype, kind, layout, e):
     """A (2, 4, 70, 150) bias as a view: of a buffer 160 keys wide (rows start 16-byte aligned,
-    so the CUDA kernels copy them in 16-byte chunks, each row's last one in part), or of a
+    so the CUDA kernels copy them in 16-byte chunks, each row's last one in part), the same for
+    a per-head key mask broadcast over the query rows (one row staged per tile), or of a
     transposed buffer (keys not contiguous: copied element by element). Head dims of three
     CUDA tiers."""
     q, k, v = _qkv(dtype, device, e=e, ev=e)
     if layout == "rows_aligned":
         m = _mask(kind, (2, 4, 70, 160), dtype, device).detach()[..., :150]
+    elif layout == "key_padding":
+        m = _mask(kind, (2, 4, 1, 160), dtype, device).detach()[..., :150].expand(2, 4, 70, 150)
     else:
         m = _mask(kind, (2, 4, 150, 70), dtype, device).detach().transpose(-1, -2)
     if kind == "bool":
