@@ -166,6 +166,11 @@ def print_row(row, impls):
 
 def run_grid(args):
     rows = []
+    for bad in sorted({e for e in args.head_dims if args.hidden % e}):
+        print(f"bench_gpu: head dim {bad} skipped: H·E = {args.hidden} is not a multiple of it "
+              f"(pass --hidden, e.g. {bad * (args.hidden // bad)})")
+    for bad in sorted({n for n in args.lens if args.tokens % n}):
+        print(f"bench_gpu: length {bad} skipped: B·L = {args.tokens} is not a multiple of it (pass --tokens)")
     print_header(args.impls)
     for dtype_name, head_dim, causal, length in itertools.product(args.dtypes, args.head_dims, args.causals,
                                                                   args.lens):
