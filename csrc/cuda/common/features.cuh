@@ -26,6 +26,12 @@ __device__ __forceinline__ const unsigned char* bias_element(const FwdParams& p,
              bias_elem_bytes(p.bias_kind, p.bias_dtype);
 }
 
+// Softcap or ALiBi on: the mods beyond a bias, which the sm80 kernels apply in their general
+// per-score step (a bias alone is one add in their plain step).
+__host__ __device__ inline bool mods_beyond_bias(const FwdParams& p) {
+  return p.softcap > 0.0 || p.alibi_slopes != nullptr;
+}
+
 // Softcap, ALiBi and bias of one (sequence, query head). Kernels take their plain path (one
 // multiply by the scale) when `any` is false.
 template <class Acc>

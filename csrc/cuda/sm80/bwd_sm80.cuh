@@ -214,7 +214,7 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim, kGeneral>::kThreads, Bwd
       const DropoutMask<Acc> drop(p, sq, h);
       Acc* dbias = c0 == 0 ? dbias_rows<Acc>(p, sq, h) : nullptr;  // one column half writes it
       // A bias alone (no gradient) takes the plain step below with one add per score.
-      featured = mods.softcap > Acc(0) || mods.alibi || drop.on || dbias != nullptr;
+      featured = mods_beyond_bias(p) || drop.on || dbias != nullptr;
       if (featured) {
         band_bases();
         const int q_lim = int(sq.len_q - m0 < kBM ? sq.len_q - m0 : kBM);  // rows past it are padding
@@ -462,7 +462,7 @@ __global__ void __launch_bounds__(DqConfig<Elem, kDim>::kThreads)
     auto tile_column = [](int64_t x) { return int(x < 0 ? 0 : x > kBN ? kBN : x); };
     bool featured = false;
     if constexpr (kFeatures) {
-      featured = mods.softcap > Acc(0) || mods.alibi || drop.on;  // a bias alone: the plain step
+      featured = mods_beyond_bias(p) || drop.on;  // a bias alone: the plain step
       if (featured) {
         const unsigned char* bias_s = sBias + buf * bias_tile.buffer_bytes();
         // A set per row of the lane: its scores at columns 8j + 2t (+1), [lo, hi) in the band.
@@ -601,7 +601,7 @@ bool launch_dkdv(const BwdParams& p, const void* dsum, void* dq_accum, cudaStrea
 
 // Whether a backward call needs the general per-score step (more than a band and a bias).
 inline bool needs_general_step(const BwdParams& p) {
-  return p.softcap > 0.0 || p.alibi_slopes != nullptr || p.dropout_p > 0.0 || p.dbias != nullptr;
+  return mods_beyond_bias(p) || p.dropout_p > 0.0 || p.dbias != nullptr;
 }
 
 template <class Elem, int kDim>

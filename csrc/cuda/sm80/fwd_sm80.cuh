@@ -169,7 +169,7 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim>::kThreads)
     auto row_of = [&](int mw, int r) { return m0 + wrow + 16 * mw + g + 8 * r; };
     // Softcap and ALiBi take the general path of ScoreMods; a bias alone is one add per score.
     const unsigned char* bias_s = sBias + buf * bias_tile.buffer_bytes();
-    if (kFeatures && (mods.softcap > Acc(0) || mods.alibi)) {
+    if (kFeatures && mods_beyond_bias(p)) {
 #pragma unroll
       for (int mw = 0; mw < kMW; ++mw)
 #pragma unroll
