@@ -30,9 +30,9 @@ namespace flashattn::cuda::sm80 {
 // dropout, varlen), with the per-score math of csrc/common/ (as the SIMT kernels and the CPU);
 // the plain variant keeps its registers and its per-tile mask test.
 template <class Elem, int kDim, bool kFeatures>
-__global__ void __launch_bounds__(FwdConfig<Elem, kDim>::kThreads)
+__global__ void __launch_bounds__(FwdConfig<Elem, kDim, kFeatures>::kThreads)
     fwd_kernel(const FwdParams p, int num_m_tiles) {
-  using Cfg = FwdConfig<Elem, kDim>;
+  using Cfg = FwdConfig<Elem, kDim, kFeatures>;
   using M = Mma<Elem>;
   using Acc = typename M::Acc;
   using Exp = ExpDomain<Acc>;
@@ -346,26 +346,31 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim>::kThreads)
   }
 }
 
-template <class Elem, int kDim>
-bool fwd(const FwdParams& p, cudaStream_t stream) {
-  using Cfg = FwdConfig<Elem, kDim>;
+template <class Elem, int kDim, bool kFeatures>
+bool launch_fwd(const FwdParams& p, cudaStream_t stream) {
+  using Cfg = FwdConfig<Elem, kDim, kFeatures>;
   // The bias tiles (when the call has a bias) take smem beside the operands; where they do not
   // fit (fp64 at dim 128), the portable kernel serves the call.
   const size_t smem = Cfg::kSmemBytes + 2 * size_t(bias_tile_layout<Cfg::kBM, Cfg::kBN>(p).buffer_bytes());
   if (!tensor_cores_usable(smem)) return false;
+  const int64_t num_m_tiles = (p.len_q + Cfg::kBM - 1) / Cfg::kBM;
+  const int64_t blocks = num_m_tiles * p.heads_q * p.batch;
+  if (blocks > 0x7fffffff) throw std::runtime_error("flashattn_ext CUDA backend: forward grid too large");
+  auto kernel = fwd_kernel<Elem, kDim, kFeatures>;
+  set_smem(kernel, smem, "sm80::fwd_kernel");
+  kernel<<<unsigned(blocks), Cfg::kThreads, smem, stream>>>(p, int(num_m_tiles));
+  check_launch("sm80::fwd_kernel");
+  return true;
+}
+
+template <class Elem, int kDim>
+bool fwd(const FwdParams& p, cudaStream_t stream) {
   if (!rows_aligned_16<Elem>(p.q, p.q_stride.batch, p.q_stride.head, p.q_stride.row, p.head_dim) ||
       !rows_aligned_16<Elem>(p.k, p.k_stride.batch, p.k_stride.head, p.k_stride.row, p.head_dim) ||
       !rows_aligned_16<Elem>(p.v, p.v_stride.batch, p.v_stride.head, p.v_stride.row, p.head_dim_v) ||
       !pairs_aligned<Elem>(p.out, p.out_stride))
     return false;
-  const int64_t num_m_tiles = (p.len_q + Cfg::kBM - 1) / Cfg::kBM;
-  const int64_t blocks = num_m_tiles * p.heads_q * p.batch;
-  if (blocks > 0x7fffffff) throw std::runtime_error("flashattn_ext CUDA backend: forward grid too large");
-  auto kernel = p.has_features() ? fwd_kernel<Elem, kDim, true> : fwd_kernel<Elem, kDim, false>;
-  set_smem(kernel, smem, "sm80::fwd_kernel");
-  kernel<<<unsigned(blocks), Cfg::kThreads, smem, stream>>>(p, int(num_m_tiles));
-  check_launch("sm80::fwd_kernel");
-  return true;
+  return p.has_features() ? launch_fwd<Elem, kDim, true>(p, stream) : launch_fwd<Elem, kDim, false>(p, stream);
 }
 
 }  // namespace flashattn::cuda::sm80

@@ -21,13 +21,15 @@
 
 namespace flashattn::cuda::sm80 {
 
-template <class Elem, int kDim>
+// kFeatures: the variant with the optional features keeps 32-key tiles above dim 64 (its
+// per-row feature work spills with 64: 96 B at dim 96, 180 B at 128).
+template <class Elem, int kDim, bool kFeatures = false>
 struct FwdConfig {
   static constexpr bool kHalf = sizeof(Elem) == 2;
   static constexpr bool kDouble = std::is_same_v<Elem, double>;
   static constexpr int kWarps = kDouble && kDim > 64 ? 8 : 4;
   static constexpr int kMW = kHalf && kDim <= 128 ? 2 : 1;  // 16-row groups per warp
-  static constexpr int kBN = kDouble ? (kDim > 64 ? 16 : 32) : (kDim > 96 ? 32 : 64);
+  static constexpr int kBN = kDouble ? (kDim > 64 ? 16 : 32) : (kDim > 128 || (kFeatures && kDim > 64) ? 32 : 64);
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kBM = 16 * kMW * kWarps;
   static constexpr int kLd = kDim + 8;  // smem row pitch in elements
