@@ -41,7 +41,7 @@ def test_grouped_query(device, dtype, causal, heads_kv, len_q, len_k):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("causal", [NONE, BOTTOM_RIGHT], ids=["none", "bottom_right"])
-@pytest.mark.parametrize("head_dim,head_dim_v", [(1, 1), (8, 8), (32, 32), (64, 64), (80, 80), (96, 96),
+@pytest.mark.parametrize("head_dim,head_dim_v", [(1, 1), (8, 8), (24, 24), (32, 32), (64, 64), (80, 80), (96, 96),
                                                  (128, 128), (192, 192), (192, 128), (256, 256), (64, 32), (32, 128),
                                                  (256, 8), (1, 256)])
 def test_head_dims(device, dtype, causal, head_dim, head_dim_v):

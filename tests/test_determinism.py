@@ -51,7 +51,7 @@ def test_reproducible_without_the_flag(device, mode):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("causal", [NONE, BOTTOM_RIGHT], ids=["none", "bottom_right"])
-@pytest.mark.parametrize("head_dim", [64, 96, 128, 192])
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 192])
 def test_deterministic_backward_is_accurate(device, dtype, causal, head_dim):
     """The deterministic path (on CUDA a dQ kernel of its own, per head-dim tier) meets the
     accuracy rule too, with GQA and ragged lengths."""

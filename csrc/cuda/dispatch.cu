@@ -71,13 +71,15 @@ void fwd_typed(const FwdParams& p, cudaStream_t stream) {
   const int64_t e_max = p.head_dim > p.head_dim_v ? p.head_dim : p.head_dim_v;
   if constexpr (!std::is_same_v<T, float>) {
     if (tensor_core_kernels_allowed<T>()) {
-      if (e_max <= 64 && sm80::fwd<T, 64>(p, stream)) return;
-      if constexpr (sizeof(T) == 2) {  // fp16/bf16 tiers 96, 128, 192, 256; fp64 128
+      if constexpr (sizeof(T) == 2) {  // fp16/bf16 tiers 32, 64, 96, 128, 192, 256; fp64 64, 128
+        if (e_max <= 32 && sm80::fwd<T, 32>(p, stream)) return;
+        if (e_max > 32 && e_max <= 64 && sm80::fwd<T, 64>(p, stream)) return;
         if (e_max > 64 && e_max <= 96 && sm80::fwd<T, 96>(p, stream)) return;
         if (e_max > 96 && e_max <= 128 && sm80::fwd<T, 128>(p, stream)) return;
         if (e_max > 128 && e_max <= 192 && sm80::fwd<T, 192>(p, stream)) return;
         if (e_max > 192 && e_max <= 256 && sm80::fwd<T, 256>(p, stream)) return;
       } else {
+        if (e_max <= 64 && sm80::fwd<T, 64>(p, stream)) return;
         if (e_max > 64 && e_max <= 128 && sm80::fwd<T, 128>(p, stream)) return;
       }
     }
@@ -121,9 +123,11 @@ void bwd_typed(const BwdParams& p, cudaStream_t stream) {
   bool dq_done = false;    // dQ of the deterministic path
   if constexpr (!std::is_same_v<T, float>) {
     if (tensor_core_kernels_allowed<T>()) {
-      if (e_max <= 64) dkdv_done = sm80::bwd_dkdv<T, 64>(p, dsum, dq_accum, stream);
-      if (p.deterministic && e_max <= 64) dq_done = sm80::bwd_dq<T, 64>(p, dsum, stream);
       if constexpr (sizeof(T) == 2) {  // the forward's tiers; the deterministic dQ up to 128
+        if (e_max <= 32) dkdv_done = sm80::bwd_dkdv<T, 32>(p, dsum, dq_accum, stream);
+        if (e_max > 32 && e_max <= 64) dkdv_done = sm80::bwd_dkdv<T, 64>(p, dsum, dq_accum, stream);
+        if (p.deterministic && e_max <= 32) dq_done = sm80::bwd_dq<T, 32>(p, dsum, stream);
+        if (p.deterministic && e_max > 32 && e_max <= 64) dq_done = sm80::bwd_dq<T, 64>(p, dsum, stream);
         if (e_max > 64 && e_max <= 96) dkdv_done = sm80::bwd_dkdv<T, 96>(p, dsum, dq_accum, stream);
         if (e_max > 96 && e_max <= 128) dkdv_done = sm80::bwd_dkdv<T, 128>(p, dsum, dq_accum, stream);
         if (e_max > 128 && e_max <= 192) dkdv_done = sm80::bwd_dkdv<T, 192>(p, dsum, dq_accum, stream);
@@ -131,6 +135,8 @@ void bwd_typed(const BwdParams& p, cudaStream_t stream) {
         if (p.deterministic && e_max > 64 && e_max <= 96) dq_done = sm80::bwd_dq<T, 96>(p, dsum, stream);
         if (p.deterministic && e_max > 96 && e_max <= 128) dq_done = sm80::bwd_dq<T, 128>(p, dsum, stream);
       } else {
+        if (e_max <= 64) dkdv_done = sm80::bwd_dkdv<T, 64>(p, dsum, dq_accum, stream);
+        if (p.deterministic && e_max <= 64) dq_done = sm80::bwd_dq<T, 64>(p, dsum, stream);
         if (e_max > 64 && e_max <= 128) dkdv_done = sm80::bwd_dkdv<T, 128>(p, dsum, dq_accum, stream);
         if (p.deterministic && e_max > 64 && e_max <= 128) dq_done = sm80::bwd_dq<T, 128>(p, dsum, stream);
       }

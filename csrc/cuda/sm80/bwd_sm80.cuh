@@ -95,8 +95,10 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim, kGeneral>::kThreads, Bwd
   // the dims are split across blocks: both halves recompute S and dP in full).
   constexpr int kDimOut = Cfg::kDimOut;
   constexpr int kDA = kDimOut / 8;  // dK / dV atoms of a warp
-  // dQ split: warp -> (16-row group, column group of kDim / kColGroups).
-  constexpr int kRowGroups = kBM / 16, kColGroups = kWarps / kRowGroups;
+  // dQ split: warp -> (16-row group, column group of kDimOut / kColGroups), column groups at
+  // least 16 wide (at dim 32 half the warps take no part rather than compute padding).
+  constexpr int kRowGroups = kBM / 16;
+  constexpr int kColGroups = kWarps / kRowGroups < kDimOut / 16 ? kWarps / kRowGroups : kDimOut / 16;
   constexpr int kQCols = kDimOut / kColGroups, kQCA = kQCols / 8;
   // B atoms load in pairs: an odd count (dim 192) computes one atom more and never stores it.
   constexpr int kQCAe = kQCA + kQCA % 2;
@@ -309,6 +311,7 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim, kGeneral>::kThreads, Bwd
         M::store_pair(sdSt + (wkey + g + 8) * kLdS + 8 * j + 2 * t, dpt[j][2], dpt[j][3]);
       }
       __syncthreads();
+      if (warp >= kRowGroups * kColGroups) continue;
       const int rg = warp % kRowGroups, cg = warp / kRowGroups;
       Acc dq[kQCAe][4];
 #pragma unroll

@@ -10,8 +10,8 @@
 
 namespace flashattn::cuda::sm80 {
 
-// Forward for head_dim and head_dim_v both <= kDim (fp16/bf16: 64, 96, 128, 192, 256; fp64: 64,
-// 128).
+// Forward for head_dim and head_dim_v both <= kDim (fp16/bf16: 32, 64, 96, 128, 192, 256; fp64:
+// 64, 128).
 template <class Elem, int kDim>
 bool fwd(const FwdParams& p, cudaStream_t stream);
 
@@ -21,7 +21,7 @@ bool fwd(const FwdParams& p, cudaStream_t stream);
 template <class Elem, int kDim>
 bool bwd_dkdv(const BwdParams& p, const void* dsum, void* dq_accum, cudaStream_t stream);
 
-// dQ written directly (deterministic path), for head dims up to 128 (tiers 64, 96, 128).
+// dQ written directly (deterministic path), for head dims up to 128 (tiers 32, 64, 96, 128; fp64 64, 128).
 template <class Elem, int kDim>
 bool bwd_dq(const BwdParams& p, const void* dsum, cudaStream_t stream);
 

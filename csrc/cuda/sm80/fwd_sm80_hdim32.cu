@@ -1,0 +1,7 @@
+// Tensor-core forward kernels, head dims up to 32 (fp16/bf16): half the dim-64 products.
+#include "fwd_sm80.cuh"
+
+namespace flashattn::cuda::sm80 {
+template bool fwd<__nv_bfloat16, 32>(const FwdParams&, cudaStream_t);
+template bool fwd<__half, 32>(const FwdParams&, cudaStream_t);
+}  // namespace flashattn::cuda::sm80
