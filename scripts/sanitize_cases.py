@@ -11,6 +11,7 @@ CASES = [  # (dtype, batch, heads_q, heads_kv, len_q, len_k, head_dim, head_dim_
     (torch.bfloat16, 2, 2, 2, 130, 65, 128, 128, 2),
     (torch.float16, 1, 4, 2, 33, 33, 80, 80, 1),
     (torch.bfloat16, 2, 2, 1, 100, 75, 24, 32, 0),
+    (torch.bfloat16, 1, 2, 1, 150, 97, 176, 192, 1),
     (torch.float64, 1, 1, 1, 17, 40, 256, 32, 2),
     (torch.float64, 1, 2, 1, 70, 45, 64, 48, 1),
 ]
