@@ -268,10 +268,11 @@ def test_bias_with_causal_softcap_dropout(device, dtype, causal):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("head_dim,head_dim_v", [(96, 96), (64, 200), (256, 256)])
+@pytest.mark.parametrize("head_dim,head_dim_v", [(96, 96), (176, 192), (64, 200), (256, 256)])
 def test_features_with_head_dims(device, dtype, head_dim, head_dim_v):
-    """Every feature at head dims that the CUDA kernels cut into column slices (a block per
-    slice recomputes the scores; one of them writes the bias gradient)."""
+    """Every feature at the head-dim tiers above 64, among them those where the CUDA kernels cut
+    the columns into slices (a block per slice recomputes the scores; one of them writes the
+    bias gradient)."""
     q, k, v = _qkv(dtype, device, b=1, hq=2, hkv=1, lq=70, lk=90, e=head_dim, ev=head_dim_v)
     m = _mask("float", (1, 2, 70, 90), dtype, device)
     slopes = torch.rand(2, device=device)
