@@ -62,7 +62,7 @@ constexpr bool kQuadAtomics =
 // 2t .. 2t + 3 of the first atom and an odd-t lane 2t - 2 .. 2t + 1 of the second (dst + 6).
 // Half the atomic instructions: their queue and the registers they hold were ~10% of the
 // backward's stall samples. Every lane of the warp must call it (shuffles); `ok` masks the add.
-// dst + (t odd ? 6 : 0) must be 16-byte aligned.
+// dst + (t odd ? 6 : 0) must be 16-byte aligned. Called only where kQuadAtomics holds (sm_90+).
 __device__ __forceinline__ void atomic_add_atom_pair(float* dst, float a0, float a1, float b0, float b1, bool ok,
                                                      int t) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -71,11 +71,6 @@ __device__ __forceinline__ void atomic_add_atom_pair(float* dst, float a0, float
   const float r1 = __shfl_xor_sync(0xffffffffu, odd ? a1 : b1, 1);
   const float4 v = odd ? make_float4(r0, r1, b0, b1) : make_float4(a0, a1, r0, r1);
   if (ok) atomicAdd(reinterpret_cast<float4*>(dst + (odd ? 6 : 0)), v);
-#else
-  if (ok) {
-    atomic_add_pair(dst, a0, a1);
-    atomic_add_pair(dst + 8, b0, b1);
-  }
 #endif
 }
 
