@@ -66,22 +66,36 @@ bool tensor_core_kernels_allowed() {
   return !std::is_same_v<T, float> && allowed;
 }
 
+// The tensor-core kernels' head-dim tier for e_max (fp16/bf16: 32, 64, 96, 128, 192, 256; fp64:
+// 64, 128), handed to `run` as a std::integral_constant. Returns what `run` returns (false when
+// that kernel declines the call), false above the last tier. One list for the forward, the
+// dK/dV and the deterministic dQ dispatch.
+template <class T, class Run>
+bool on_sm80_tier(int64_t e_max, Run&& run) {
+  using std::integral_constant;
+  if constexpr (sizeof(T) == 2) {
+    if (e_max <= 32) return run(integral_constant<int, 32>{});
+    if (e_max <= 64) return run(integral_constant<int, 64>{});
+    if (e_max <= 96) return run(integral_constant<int, 96>{});
+    if (e_max <= 128) return run(integral_constant<int, 128>{});
+    if (e_max <= 192) return run(integral_constant<int, 192>{});
+    if (e_max <= 256) return run(integral_constant<int, 256>{});
+  } else {
+    if (e_max <= 64) return run(integral_constant<int, 64>{});
+    if (e_max <= 128) return run(integral_constant<int, 128>{});
+  }
+  return false;
+}
+
 template <class T>
 void fwd_typed(const FwdParams& p, cudaStream_t stream) {
   const int64_t e_max = p.head_dim > p.head_dim_v ? p.head_dim : p.head_dim_v;
   if constexpr (!std::is_same_v<T, float>) {
     if (tensor_core_kernels_allowed<T>()) {
-      if constexpr (sizeof(T) == 2) {  // fp16/bf16 tiers 32, 64, 96, 128, 192, 256; fp64 64, 128
-        if (e_max <= 32 && sm80::fwd<T, 32>(p, stream)) return;
-        if (e_max > 32 && e_max <= 64 && sm80::fwd<T, 64>(p, stream)) return;
-        if (e_max > 64 && e_max <= 96 && sm80::fwd<T, 96>(p, stream)) return;
-        if (e_max > 96 && e_max <= 128 && sm80::fwd<T, 128>(p, stream)) return;
-        if (e_max > 128 && e_max <= 192 && sm80::fwd<T, 192>(p, stream)) return;
-        if (e_max > 192 && e_max <= 256 && sm80::fwd<T, 256>(p, stream)) return;
-      } else {
-        if (e_max <= 64 && sm80::fwd<T, 64>(p, stream)) return;
-        if (e_max > 64 && e_max <= 128 && sm80::fwd<T, 128>(p, stream)) return;
-      }
+      const bool done = on_sm80_tier<T>(e_max, [&](auto tier) {
+        return sm80::fwd<T, decltype(tier)::value>(p, stream);
+      });
+      if (done) return;
     }
   }
   if constexpr (!std::is_same_v<T, double>) {
@@ -123,23 +137,14 @@ void bwd_typed(const BwdParams& p, cudaStream_t stream) {
   bool dq_done = false;    // dQ of the deterministic path
   if constexpr (!std::is_same_v<T, float>) {
     if (tensor_core_kernels_allowed<T>()) {
-      if constexpr (sizeof(T) == 2) {  // the forward's tiers; the deterministic dQ up to 128
-        if (e_max <= 32) dkdv_done = sm80::bwd_dkdv<T, 32>(p, dsum, dq_accum, stream);
-        if (e_max > 32 && e_max <= 64) dkdv_done = sm80::bwd_dkdv<T, 64>(p, dsum, dq_accum, stream);
-        if (p.deterministic && e_max <= 32) dq_done = sm80::bwd_dq<T, 32>(p, dsum, stream);
-        if (p.deterministic && e_max > 32 && e_max <= 64) dq_done = sm80::bwd_dq<T, 64>(p, dsum, stream);
-        if (e_max > 64 && e_max <= 96) dkdv_done = sm80::bwd_dkdv<T, 96>(p, dsum, dq_accum, stream);
-        if (e_max > 96 && e_max <= 128) dkdv_done = sm80::bwd_dkdv<T, 128>(p, dsum, dq_accum, stream);
-        if (e_max > 128 && e_max <= 192) dkdv_done = sm80::bwd_dkdv<T, 192>(p, dsum, dq_accum, stream);
-        if (e_max > 192 && e_max <= 256) dkdv_done = sm80::bwd_dkdv<T, 256>(p, dsum, dq_accum, stream);
-        if (p.deterministic && e_max > 64 && e_max <= 96) dq_done = sm80::bwd_dq<T, 96>(p, dsum, stream);
-        if (p.deterministic && e_max > 96 && e_max <= 128) dq_done = sm80::bwd_dq<T, 128>(p, dsum, stream);
-      } else {
-        if (e_max <= 64) dkdv_done = sm80::bwd_dkdv<T, 64>(p, dsum, dq_accum, stream);
-        if (p.deterministic && e_max <= 64) dq_done = sm80::bwd_dq<T, 64>(p, dsum, stream);
-        if (e_max > 64 && e_max <= 128) dkdv_done = sm80::bwd_dkdv<T, 128>(p, dsum, dq_accum, stream);
-        if (p.deterministic && e_max > 64 && e_max <= 128) dq_done = sm80::bwd_dq<T, 128>(p, dsum, stream);
-      }
+      on_sm80_tier<T>(e_max, [&](auto tier) {
+        constexpr int kTier = decltype(tier)::value;
+        dkdv_done = sm80::bwd_dkdv<T, kTier>(p, dsum, dq_accum, stream);
+        if constexpr (kTier <= 128) {  // the deterministic dQ kernel stops at 128
+          if (p.deterministic) dq_done = sm80::bwd_dq<T, kTier>(p, dsum, stream);
+        }
+        return dkdv_done;
+      });
     }
   }
   if constexpr (!std::is_same_v<T, double>) {
