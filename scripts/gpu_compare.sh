@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # On the GPU machine: builds every tree under snapshots/ (from scripts/snapshot.sh) in parallel,
-# runs the GPU benchmark in each (BENCH_ARGS) and, when TEST_ARGS is set, pytest in each; then
-# prints one table with every tree's TFLOP/s side by side (benchmarks/compare_runs.py).
+# runs the GPU benchmark in each (BENCH_ARGS; several benchmarks separated by '|') and, when
+# TEST_ARGS is set, pytest in each; then prints, per benchmark, one table with every tree's TFLOP/s
+# side by side (benchmarks/compare_runs.py).
 # Logs and JSON go to $OUT (else gpu_out/), one folder per tree.
-#   BENCH_ARGS="--dtypes bf16 --head-dims 256 --lens 1024,4096,16384 --impls ours,sdpa-flash"
+#   BENCH_ARGS="--dtypes bf16 --head-dims 256 --lens 1024,4096,16384 --impls ours,sdpa-flash | --dtypes fp64 --head-dims 128"
 #   TEST_ARGS="-x tests/test_accuracy.py -k cuda"
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -28,10 +29,14 @@ for t in $trees; do  # each tree must import its own build
   ( cd "$ROOT/snapshots/$t" && PYTHONPATH=$PWD python3 -c "import flashattn_ext._C as c, os, sys; \
       sys.exit(0 if c.__file__.startswith(os.getcwd()) else 'imports ' + c.__file__)" ) || status=1
 done
+IFS='|' read -ra benches <<< "$BENCH_ARGS"
 for t in $trees; do
-  # PYTHONPATH: scripts run from a subfolder of the tree import the tree's own build.
-  ( cd "$ROOT/snapshots/$t" && PYTHONPATH=$PWD python3 benchmarks/bench_gpu.py --out-dir "$OUT/$t" \
-      --no-plots $BENCH_ARGS > "$OUT/bench_$t.log" 2>&1 ) || { echo "bench of $t failed"; status=1; }
+  for i in "${!benches[@]}"; do
+    mkdir -p "$OUT/bench$i"
+    # PYTHONPATH: scripts run from a subfolder of the tree import the tree's own build.
+    ( cd "$ROOT/snapshots/$t" && PYTHONPATH=$PWD python3 benchmarks/bench_gpu.py --out-dir "$OUT/bench$i/$t" \
+        --no-plots ${benches[$i]} > "$OUT/bench$i/$t.log" 2>&1 ) || { echo "bench $i of $t failed"; status=1; }
+  done
 done
 if [[ -n "${TEST_ARGS:-}" ]]; then
   for t in $trees; do
@@ -40,5 +45,8 @@ if [[ -n "${TEST_ARGS:-}" ]]; then
     status=$(( status | ${PIPESTATUS[0]} ))
   done
 fi
-python3 benchmarks/compare_runs.py $(for t in $trees; do echo "$OUT/$t/gpu.json"; done) | tee "$OUT/compare.txt"
+for i in "${!benches[@]}"; do
+  echo "--- benchmark $i:${benches[$i]}"
+  python3 benchmarks/compare_runs.py $(for t in $trees; do echo "$OUT/bench$i/$t/gpu.json"; done)
+done | tee "$OUT/compare.txt"
 exit $status
