@@ -1,7 +1,8 @@
 // Tensor-core backward (sm_80+): dK, dV, and (when `dq_accum` is given) dQ added atomically,
 // one kernel for fp16, bf16 and fp64 through fragments.cuh, and the deterministic dQ kernel.
 //
-// One block per (batch, kv head, kBN-key tile); each warp owns 16 keys. K and V stay in smem;
+// One block per (batch, kv head, kBN-key tile); each warp owns 16 keys (at the dims where dK
+// and dV do not fit in one warp's registers, a pair of warps owns them: see below). K and V stay in smem;
 // the block walks every query head of the group and every kBM-row query tile that can see its
 // keys, with Q, dO, LSE, D and the mask/bias tile double-buffered (the next tile loads while
 // this one is used).
@@ -13,6 +14,9 @@
 // hold it (key-major, two adjacent rows per store) and read back transposed by ldmatrix; warps
 // then split that product by (16-row group, column group) and add their part into the fp32
 // (fp64) accumulator. The deterministic path leaves dQ to a separate kernel.
+// Warp pairs (BwdConfig::kPair = 2): the two warps of a key group each take half the dims of the
+// S^T and dP^T reductions, add each other's partial sums through smem (both get the same sums:
+// a + b == b + a), and keep dK, dV for their half of the columns.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -74,6 +78,23 @@ __device__ __forceinline__ void atomic_add_atom_pair(float* dst, float a0, float
 #endif
 }
 
+// An accumulator atom (4 values of a lane) to / added from smem, 16 bytes (fp64: 2 x 16) at a time.
+__device__ __forceinline__ void store_atom(float* dst, const float (&c)[4]) {
+  *reinterpret_cast<float4*>(dst) = make_float4(c[0], c[1], c[2], c[3]);
+}
+__device__ __forceinline__ void store_atom(double* dst, const double (&c)[4]) {
+  reinterpret_cast<double2*>(dst)[0] = make_double2(c[0], c[1]);
+  reinterpret_cast<double2*>(dst)[1] = make_double2(c[2], c[3]);
+}
+__device__ __forceinline__ void add_atom(float (&c)[4], const float* src) {
+  const float4 v = *reinterpret_cast<const float4*>(src);
+  c[0] += v.x; c[1] += v.y; c[2] += v.z; c[3] += v.w;
+}
+__device__ __forceinline__ void add_atom(double (&c)[4], const double* src) {
+  const double2 a = reinterpret_cast<const double2*>(src)[0], b = reinterpret_cast<const double2*>(src)[1];
+  c[0] += a.x; c[1] += a.y; c[2] += b.x; c[3] += b.y;
+}
+
 // The two products of the backward that share their shape, over the kDim head dims in smem
 // rows of pitch kLd: s = A_s B_s^T and dp = A_dp B_dp^T for a warp's 16 A rows and kN B rows
 // (8 per atom). The dK/dV kernel takes A = its keys of K, V and B = the query tile's Q, dO
@@ -118,16 +139,17 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim, kGeneral>::kThreads, Bwd
   constexpr int kBM = Cfg::kBM, kBN = Cfg::kBN, kLd = Cfg::kLd, kLdS = Cfg::kLdS;
   constexpr int kThreads = Cfg::kThreads, kWarps = Cfg::kWarps;
   constexpr int kQA = kBM / 8;   // S^T atoms of a warp (8 query rows each)
-  // Output columns [c0, c0 + kDimOut) of dK, dV and dQ are this block's (kDimOut = kDim unless
-  // the dims are split across blocks: both halves recompute S and dP in full).
-  constexpr int kDimOut = Cfg::kDimOut;
+  // A warp reduces S^T, dP^T over dims [c0, c0 + kDimOut) and owns those columns of dK, dV
+  // (kDimOut = kDim unless warps pair up).
+  constexpr int kPair = Cfg::kPair, kKeyGroups = kWarps / kPair, kDimOut = Cfg::kDimOut;
   constexpr int kDA = kDimOut / 8;  // dK / dV atoms of a warp
-  // dQ split: warp -> (16-row group, column group of kDimOut / kColGroups), column groups at
+  // dQ split: warp -> (16-row group, column group of kDim / kColGroups), column groups at
   // least 16 wide (at dim 32 half the warps take no part rather than compute padding).
   constexpr int kRowGroups = kBM / 16;
-  constexpr int kColGroups = kWarps / kRowGroups < kDimOut / 16 ? kWarps / kRowGroups : kDimOut / 16;
-  constexpr int kQCols = kDimOut / kColGroups, kQCA = kQCols / 8;
-  // B atoms load in pairs: an odd count (dim 192) computes one atom more and never stores it.
+  constexpr int kColGroups = kWarps / kRowGroups < kDim / 16 ? kWarps / kRowGroups : kDim / 16;
+  constexpr int kQCols = kDim / kColGroups, kQCA = kQCols / 8;
+  // B atoms load in pairs: an odd count (dim 96 general: 3) computes one atom more and never
+  // stores it.
   constexpr int kQCAe = kQCA + kQCA % 2;
   static_assert(kWarps % kRowGroups == 0, "dQ split");
 
@@ -139,17 +161,19 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim, kGeneral>::kThreads, Bwd
   Elem* sdSt = sdO + 2 * kBM * kLd;  // [kBN][kLdS]: dS^T, key-major
   Acc* sLse = reinterpret_cast<Acc*>(sdSt + kBN * kLdS);  // [2][kBM], natural log as stored
   Acc* sD = sLse + 2 * kBM;                                 // [2][kBM]
-  unsigned char* sBias = reinterpret_cast<unsigned char*>(sD + 2 * kBM);  // [2] bias tiles
+  Acc* sX = sD + 2 * kBM;  // warp pairs: [kWarps][2 kQA][32 lanes][4] partial S^T, dP^T
+  unsigned char* sBias = reinterpret_cast<unsigned char*>(sX) + Cfg::kExchangeBytes;  // [2] bias tiles
 
   // Early key tiles (seen by the most query rows under causal masking) first.
-  const TileBlock blk = tile_block(num_n_tiles, Cfg::kSplit, p.heads_kv, /*heaviest_first=*/false);
-  const int nt = blk.tile, c0 = blk.split * kDimOut;
+  const TileBlock blk = tile_block(num_n_tiles, 1, p.heads_kv, /*heaviest_first=*/false);
+  const int nt = blk.tile;
   const int64_t hk = blk.head, b = blk.batch;
   const int64_t group = p.heads_q / p.heads_kv;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int wkey = warp * 16;
+  const int half = kPair > 1 ? warp / kKeyGroups : 0;  // which warp of its pair
+  const int wkey = (kPair > 1 ? warp % kKeyGroups : warp) * 16, c0 = half * kDimOut;
   // Rows and keys are counted within the sequence (see fwd_sm80.cuh).
   const Seq sq = kFeatures ? sequence(p, b) : plain_sequence(p, b);
   const int64_t n0 = int64_t(nt) * kBN;
@@ -221,7 +245,23 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim, kGeneral>::kThreads, Bwd
     const Acc* d_s = sD + buf * kBM;
 
     Acc st[kQA][4], dpt[kQA][4];
-    scores_and_dp<M, kDim, kLd>(st, dpt, sK + wkey * kLd, sV + wkey * kLd, q_s, do_s, lane);
+    scores_and_dp<M, kDimOut, kLd>(st, dpt, sK + wkey * kLd + c0, sV + wkey * kLd + c0, q_s + c0, do_s + c0, lane);
+    if constexpr (kPair > 1) {
+      // Add the partner's partial sums (the other half of the dims), atom by atom as held.
+      auto atom = [&](int w, int i) { return sX + ((w * 2 * kQA + i) * 32 + lane) * 4; };
+#pragma unroll
+      for (int i = 0; i < kQA; ++i) {
+        store_atom(atom(warp, i), st[i]);
+        store_atom(atom(warp, kQA + i), dpt[i]);
+      }
+      __syncthreads();
+      const int partner = (warp + kKeyGroups) % kWarps;
+#pragma unroll
+      for (int i = 0; i < kQA; ++i) {
+        add_atom(st[i], atom(partner, i));
+        add_atom(dpt[i], atom(partner, kQA + i));
+      }
+    }
 
     // P^T and dS^T, both 0 wherever the key is not visible (so values there, even NaN or
     // inf, never reach a gradient). Tiles every row sees in full skip the per-element mask.
@@ -241,9 +281,10 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim, kGeneral>::kThreads, Bwd
     if constexpr (kGeneral) {
       const ScoreMods<Acc> mods(p, sq, h);
       const DropoutMask<Acc> drop(p, sq, h);
-      Acc* dbias = c0 == 0 ? dbias_rows<Acc>(p, sq, h) : nullptr;  // one column half writes it
-      // A bias alone (no gradient) takes the plain step below with one add per score.
-      featured = mods_beyond_bias(p) || drop.on || dbias != nullptr;
+      Acc* dbias = c0 == 0 ? dbias_rows<Acc>(p, sq, h) : nullptr;  // one warp of a pair writes it
+      // A bias alone (no gradient) takes the plain step below with one add per score; both warps
+      // of a pair take the same step (so they hold the same dS^T).
+      featured = mods_beyond_bias(p) || drop.on || p.dbias != nullptr;
       if (featured) {
         band_bases();
         const int q_lim = int(sq.len_q - m0 < kBM ? sq.len_q - m0 : kBM);  // rows past it are padding
@@ -331,11 +372,14 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim, kGeneral>::kThreads, Bwd
     }
 
     if (dq_accum != nullptr) {
-      // dS^T into smem as held: key wkey + g (+ 8), query rows 8j + 2t and 8j + 2t + 1.
+      // dS^T into smem as held: key wkey + g (+ 8), query rows 8j + 2t and 8j + 2t + 1 (by one
+      // warp of a pair: both hold the same values).
+      if (half == 0) {
 #pragma unroll
-      for (int j = 0; j < kQA; ++j) {
-        M::store_pair(sdSt + (wkey + g) * kLdS + 8 * j + 2 * t, dpt[j][0], dpt[j][1]);
-        M::store_pair(sdSt + (wkey + g + 8) * kLdS + 8 * j + 2 * t, dpt[j][2], dpt[j][3]);
+        for (int j = 0; j < kQA; ++j) {
+          M::store_pair(sdSt + (wkey + g) * kLdS + 8 * j + 2 * t, dpt[j][0], dpt[j][1]);
+          M::store_pair(sdSt + (wkey + g + 8) * kLdS + 8 * j + 2 * t, dpt[j][2], dpt[j][3]);
+        }
       }
       __syncthreads();
       if (warp >= kRowGroups * kColGroups) continue;
@@ -352,15 +396,15 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim, kGeneral>::kThreads, Bwd
 #pragma unroll
         for (int d = 0; d < kQCAe; d += 2) {
           typename M::B bk[2];
-          M::load_b2_kn(bk, sK + kk * kLd + c0 + cg * kQCols + 8 * d, kLd, lane);
+          M::load_b2_kn(bk, sK + kk * kLd + cg * kQCols + 8 * d, kLd, lane);
           M::mma(dq[d], a, bk[0]);
           M::mma(dq[d + 1], a, bk[1]);
         }
       }
       // One address per row; the atomics take constant offsets from it, and the column test is
       // skipped when the warp's columns all lie below E (the usual case: E a multiple of 8 * kQCA).
-      const int col0 = c0 + cg * kQCols + 2 * t;
-      const bool all_cols = c0 + cg * kQCols + kQCols <= E;
+      const int col0 = cg * kQCols + 2 * t;
+      const bool all_cols = cg * kQCols + kQCols <= E;
       Acc* dq_tile = dq_accum + sq.row_index(p.heads_q, h, m0) * E + col0;
       if constexpr (kQuadAtomics<Acc> && kQCA % 2 == 0 && kQCols % 4 == 0) {
         if (all_cols && E % 4 == 0) {  // 16-byte aligned rows; warp-uniform (shuffles inside)
@@ -633,7 +677,7 @@ bool launch_dkdv(const BwdParams& p, const void* dsum, void* dq_accum, cudaStrea
   if (!tensor_cores_usable(smem) || !bwd_operands_aligned<Elem>(p)) return false;
   using Acc = typename Mma<Elem>::Acc;
   const int64_t num_n_tiles = (p.len_k + Cfg::kBN - 1) / Cfg::kBN;
-  const int64_t blocks = num_n_tiles * Cfg::kSplit * p.heads_kv * p.batch;
+  const int64_t blocks = num_n_tiles * p.heads_kv * p.batch;
   if (blocks > 0x7fffffff) throw std::runtime_error("flashattn_ext CUDA backend: backward grid too large");
   auto kernel = bwd_dkdv_kernel<Elem, kDim, kFeatures, kGeneral>;
   set_smem(kernel, smem, "sm80::bwd_dkdv_kernel");

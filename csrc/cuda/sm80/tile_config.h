@@ -38,11 +38,13 @@ struct FwdConfig {
   static_assert(kDim % 16 == 0 && kBN % 16 == 0, "products step over pairs of 8-wide atoms");
 };
 
-// Backward (dK/dV kernel): 16 keys per warp, kBN = 16 * kWarps keys per block, query tiles of
-// kBM rows. Where dK and dV of the full dim would not fit in registers (fp16/bf16 above 192,
-// the general variant above 128, fp64 above 64), blocks own half the output columns each and
-// both halves compute S and dP (1.4x the MMA work). At dim 192 dK and dV take 192 registers
-// and spill 116 bytes, and still measured 1.23-1.39x faster than the two halves (H200, bf16).
+// Backward (dK/dV kernel): 16 keys per warp group, query tiles of kBM rows. Where dK and dV of
+// the full dim would not fit in one warp's registers (fp16/bf16 above 192, the general variant
+// above 128, fp64 above 64), two warps share each 16-key group (kPair = 2): each reduces S^T
+// and dP^T over half the dims, the halves are summed through smem, and each keeps dK, dV for
+// half the columns. (Before, two blocks split the columns and both computed S and dP in full:
+// 1.4x the MMA work.) At dim 192 dK and dV of the full dim take 192 registers and spill 116
+// bytes, and measured 1.23-1.39x faster than the column split (H200, bf16).
 // The variant with the general feature step (kGeneral: softcap, ALiBi, dropout, bias gradient)
 // takes half the query rows per tile and one block per SM where the plain one is at its register
 // limit: that step needs registers beside dK and dV (measured: 1116 bytes of spills at dim 128
@@ -53,11 +55,11 @@ struct BwdConfig {
   static constexpr bool kHalf = sizeof(Elem) == 2;
   static constexpr bool kDouble = std::is_same_v<Elem, double>;
   static constexpr bool kServed = !(kDouble && kDim > 128);
-  static constexpr int kSplit = kDim > 192 || (kGeneral && kDim > 128) || (kDouble && kDim > 64) ? 2 : 1;
-  static constexpr int kDimOut = kDim / kSplit;
+  static constexpr int kPair = kDim > 192 || (kGeneral && kDim > 128) || (kDouble && kDim > 64) ? 2 : 1;
+  static constexpr int kDimOut = kDim / kPair;  // dK / dV columns of a warp (and its share of the reduction)
   static constexpr int kWarps = kHalf ? 8 : 4;
   static constexpr int kThreads = 32 * kWarps;
-  static constexpr int kBN = 16 * kWarps;
+  static constexpr int kBN = 16 * kWarps / kPair;
   // fp16/bf16 at dim 64: 32-row query tiles keep a thread within 128 registers, so two
   // blocks (16 warps) share an SM.
   // fp64 at dim 128: 16-row query tiles, so K, V and two stages of Q, dO fit in smem.
@@ -65,8 +67,10 @@ struct BwdConfig {
   static constexpr int kMinBlocks = kHalf && kDim <= 64 && !kGeneral ? 2 : 1;
   static constexpr int kLd = kDim + 8;   // K, V, Q, dO rows
   static constexpr int kLdS = kBM + 8;   // dS^T rows (one per key)
+  // Warp pairs exchange their partial S^T and dP^T: 2 x kBM / 8 accumulator atoms per lane.
+  static constexpr size_t kExchangeBytes = kPair > 1 ? size_t(kWarps) * 32 * 2 * (kBM / 8) * 4 * sizeof(Acc) : 0;
   static constexpr size_t kSmemBytes =
-      size_t((2 * kBN + 4 * kBM) * kLd + kBN * kLdS) * sizeof(Elem) + 4 * kBM * sizeof(Acc);
+      size_t((2 * kBN + 4 * kBM) * kLd + kBN * kLdS) * sizeof(Elem) + 4 * kBM * sizeof(Acc) + kExchangeBytes;
 };
 
 // Deterministic dQ kernel: 4 warps x 16 query rows, key tiles as the forward's. Served where
