@@ -2,6 +2,7 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
@@ -38,6 +39,13 @@ inline DeviceLimits device_limits() {
                "cudaDeviceGetAttribute(MaxSharedMemoryPerBlockOptin)");
     check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev),
                "cudaDeviceGetAttribute(ComputeCapabilityMajor)");
+    // FLASHATTN_CUDA_SMEM_LIMIT caps the shared memory per block the kernels may take, to test
+    // on one GPU what runs on GPUs with less (99 KB = 101376 on sm_86/89/120, 163 KB = 166912
+    // on sm_80/87).
+    if (const char* cap = std::getenv("FLASHATTN_CUDA_SMEM_LIMIT")) {
+      const long v = std::strtol(cap, nullptr, 10);
+      if (v > 0 && v < smem) smem = int(v);
+    }
     d = DeviceLimits{dev, size_t(smem), major};
   }
   return d;

@@ -698,8 +698,11 @@ bool bwd_dkdv(const BwdParams& p, const void* dsum, void* dq_accum, cudaStream_t
     return false;
   } else {
     if (needs_general_step(p)) return launch_dkdv<Elem, kDim, true, true>(p, dsum, dq_accum, stream);
-    if (p.has_features()) return launch_dkdv<Elem, kDim, true, false>(p, dsum, dq_accum, stream);
-    return launch_dkdv<Elem, kDim, false, false>(p, dsum, dq_accum, stream);
+    // Where the plain or bias variant's tiles do not fit in the GPU's shared memory, the general
+    // variant (half the query rows per tile) serves the call: it computes any call.
+    const bool done = p.has_features() ? launch_dkdv<Elem, kDim, true, false>(p, dsum, dq_accum, stream)
+                                       : launch_dkdv<Elem, kDim, false, false>(p, dsum, dq_accum, stream);
+    return done || launch_dkdv<Elem, kDim, true, true>(p, dsum, dq_accum, stream);
   }
 }
 

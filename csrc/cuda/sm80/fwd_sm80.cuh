@@ -370,7 +370,11 @@ bool fwd(const FwdParams& p, cudaStream_t stream) {
       !rows_aligned_16<Elem>(p.v, p.v_stride.batch, p.v_stride.head, p.v_stride.row, p.head_dim_v) ||
       !pairs_aligned<Elem>(p.out, p.out_stride))
     return false;
-  return p.has_features() ? launch_fwd<Elem, kDim, true>(p, stream) : launch_fwd<Elem, kDim, false>(p, stream);
+  if (p.has_features()) return launch_fwd<Elem, kDim, true>(p, stream);
+  // Where the plain variant's tiles do not fit in the GPU's shared memory (dim 128 with 64-key
+  // tiles takes 102 KB; sm_86/89/120 give a block 99 KB), the feature variant, with 32-key
+  // tiles, serves the call: it computes any call, with or without features.
+  return launch_fwd<Elem, kDim, false>(p, stream) || launch_fwd<Elem, kDim, true>(p, stream);
 }
 
 }  // namespace flashattn::cuda::sm80
