@@ -12,6 +12,8 @@ CASES = [  # (dtype, batch, heads_q, heads_kv, len_q, len_k, head_dim, head_dim_
     (torch.float16, 1, 4, 2, 33, 33, 80, 80, 1),
     (torch.bfloat16, 2, 2, 1, 100, 75, 24, 32, 0),
     (torch.bfloat16, 1, 2, 1, 150, 97, 176, 192, 1),
+    (torch.bfloat16, 1, 2, 1, 90, 150, 256, 256, 1),  # warp pairs (dim 256)
+    (torch.float64, 1, 2, 2, 50, 70, 128, 128, 0),  # warp pairs (fp64 dim 128)
     (torch.float64, 1, 1, 1, 17, 40, 256, 32, 2),
     (torch.float64, 1, 2, 1, 70, 45, 64, 48, 1),
 ]
@@ -41,5 +43,8 @@ for dtype in (torch.bfloat16, torch.float64, torch.float32):
     cu = torch.tensor([0, 33, 33, 130], device="cuda", dtype=torch.int32)
     qv, kv, vv = (torch.randn(130, 2, 64, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
     flash_attn_varlen_func(qv, kv, vv, cu, cu, 97, 97, causal=True).sum().backward()
+    if dtype == torch.bfloat16:  # the general variant above dim 128: warp pairs
+        q5, k5, v5 = (torch.randn(1, 75, 2, 160, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+        flash_attn_func(q5, k5, v5, causal=True, softcap=5.0).sum().backward()
 torch.cuda.synchronize()
 print("sanitize_cases: done")
