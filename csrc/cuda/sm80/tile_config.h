@@ -31,7 +31,7 @@ struct FwdConfig {
   static constexpr bool kDouble = std::is_same_v<Elem, double>;
   static constexpr int kWarps = kDouble && kDim > 64 ? 8 : 4;
   static constexpr int kMW = kHalf && kDim <= 128 ? 2 : 1;  // 16-row groups per warp
-  static constexpr int kBN = kDouble ? (kDim > 64 ? 16 : 32) : (kDim > 128 || (kFeatures && kDim > 64) ? 32 : !kFeatures && kDim <= 32 ? 128 : 64);
+  static constexpr int kBN = kDouble ? (kDim > 64 ? 16 : 32) : (kDim > 128 || (kFeatures && kDim > 64) ? 32 : !kFeatures && kDim <= 64 ? 128 : 64);
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kBM = 16 * kMW * kWarps;
   static constexpr int kLd = kDim + 8;  // smem row pitch in elements
