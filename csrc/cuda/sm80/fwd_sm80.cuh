@@ -41,8 +41,9 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim, kFeatures>::kThreads)
   constexpr int kNA = kBN / 8;   // S atoms per warp row group
   constexpr int kDA = kDim / 8;  // O atoms per warp row group
   // Up to dim 64 the warp's Q fragments (16 registers per 16-row group) stay in registers for
-  // the whole key loop instead of being re-read from smem for every key tile.
-  constexpr bool kQInRegs = sizeof(Elem) == 2 && kDim <= 64 && (kBN < 128 || kDim <= 32);
+  // the whole key loop instead of being re-read from smem for every key tile, except with the
+  // 128-key tiles at dim 64 (the S accumulators leave no room: 204 B of spills).
+  constexpr bool kQInRegs = sizeof(Elem) == 2 && (kDim <= 32 || (kDim <= 64 && kBN < 128));
   constexpr int kKSteps = kDim / M::kK;
 
   extern __shared__ __align__(16) unsigned char smem_raw[];

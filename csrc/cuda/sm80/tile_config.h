@@ -5,8 +5,9 @@
 //   fp16/bf16: 4 warps x 32 query rows (B fragments serve two row groups), 2 blocks per SM;
 //              64-key tiles up to dim 128, 32 above (no register spills; with 64 instead of
 //              32 keys the forward measured 19-24% faster at dim 96, 5-9% at 128). The
-//              feature variant keeps 32-key tiles above dim 64. The plain variant at dim 32
-//              takes 128-key tiles (9-10% faster than 64). 8 warps x 16 rows at 128
+//              feature variant keeps 32-key tiles above dim 64. The plain variant up to dim
+//              64 takes 128-key tiles (than 64: 9-10% faster at dim 32, 5-6% at 64, where Q
+//              then comes from smem per tile to stay within 255 registers). 8 warps x 16 rows at 128
 //              registers measured 1-2% slower. Dims 192 and 256: 16 rows per warp.
 //   fp64: 16 rows per warp (the fp64 accumulators take twice the registers); dim 64: 4 warps,
 //         32-key tiles (2 blocks per SM); dim 128: 8 warps, 16-key tiles (1 block per SM, 8
