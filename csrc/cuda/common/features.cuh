@@ -32,6 +32,49 @@ __host__ __device__ inline bool mods_beyond_bias(const FwdParams& p) {
   return p.softcap > 0.0 || p.alibi_slopes != nullptr;
 }
 
+// Readers of one bias element as the value added to a natural-log-domain score: the float
+// bias itself, 0 or -inf for a bool mask (so a masked score becomes -inf by the same add). One
+// type per element type, so per-score code carries no dtype branch.
+struct NoBias {
+  static constexpr int kBytes = 0;
+};
+struct MaskBias {
+  static constexpr int kBytes = 1;
+  template <class Acc>
+  __device__ __forceinline__ Acc value(const unsigned char* e) const {
+    return *e ? Acc(0) : neg_inf<Acc>();
+  }
+};
+template <class B>
+struct FloatBias {
+  static constexpr int kBytes = sizeof(B);
+  template <class Acc>
+  __device__ __forceinline__ Acc value(const unsigned char* e) const {
+    return Acc(to_acc(*reinterpret_cast<const B*>(e)));
+  }
+};
+
+// Calls f with the reader of a bias of kind k in dtype t (NoBias without one), for any dtype.
+template <class F>
+__device__ __forceinline__ void with_any_bias_reader(BiasKind k, DType t, F&& f) {
+  if (k == BiasKind::kNone) f(NoBias{});
+  else if (k == BiasKind::kBool) f(MaskBias{});
+  else if (t == DType::kFloat64) f(FloatBias<double>{});
+  else if (t == DType::kFloat32) f(FloatBias<float>{});
+  else if (t == DType::kBFloat16) f(FloatBias<__nv_bfloat16>{});
+  else f(FloatBias<__half>{});
+}
+
+// The same for kernels with Elem inputs: a float bias is float32 or Elem (what the op
+// accepts), so three readers (fewer copies of the caller's per-score code).
+template <class Elem, class F>
+__device__ __forceinline__ void with_bias_reader(BiasKind k, DType t, F&& f) {
+  if (k == BiasKind::kNone) f(NoBias{});
+  else if (k == BiasKind::kBool) f(MaskBias{});
+  else if (t == DType::kFloat32) f(FloatBias<float>{});
+  else f(FloatBias<Elem>{});
+}
+
 // Softcap, ALiBi and bias of one (sequence, query head). Kernels take their plain path (one
 // multiply by the scale) when `any` is false.
 template <class Acc>
@@ -75,12 +118,8 @@ struct ScoreMods {
   template <int kN, class Pos, class At>
   __device__ __forceinline__ void scores(Acc (&x)[kN], const bool (&in)[kN], int64_t m, int64_t n, Pos pos,
                                          At at, Acc* th) const {
-    bool keep[kN];
 #pragma unroll
-    for (int i = 0; i < kN; ++i) {
-      keep[i] = in[i];
-      x[i] *= scale;
-    }
+    for (int i = 0; i < kN; ++i) x[i] *= scale;
     if (softcap > Acc(0)) {
 #pragma unroll
       for (int i = 0; i < kN; ++i) {
@@ -93,31 +132,19 @@ struct ScoreMods {
 #pragma unroll
       for (int i = 0; i < kN; ++i) x[i] += alibi_bias(slope, m + pos(i).x, n + pos(i).y, len_q, len_k);
     }
-    if (bias_kind == BiasKind::kBool) {
-      bool mask[kN];
-#pragma unroll
-      for (int i = 0; i < kN; ++i) mask[i] = *at(i) != 0;
-#pragma unroll
-      for (int i = 0; i < kN; ++i) keep[i] = keep[i] && mask[i];
-    } else if (bias_kind == BiasKind::kFloat) {
-      auto add = [&](auto element) {
-        using B = decltype(element);
+    with_any_bias_reader(bias_kind, bias_dtype, [&](auto reader) {
+      using R = decltype(reader);
+      if constexpr (R::kBytes > 0) {
         Acc v[kN];
 #pragma unroll
-        for (int i = 0; i < kN; ++i) v[i] = Acc(to_acc(*reinterpret_cast<const B*>(at(i))));
+        for (int i = 0; i < kN; ++i) v[i] = reader.template value<Acc>(at(i));
 #pragma unroll
         for (int i = 0; i < kN; ++i) x[i] += v[i];
-      };
-      switch (bias_dtype) {
-        case DType::kFloat64: add(double()); break;
-        case DType::kFloat32: add(float()); break;
-        case DType::kBFloat16: add(__nv_bfloat16()); break;
-        default: add(__half()); break;
       }
-    }
+    });
 #pragma unroll
     for (int i = 0; i < kN; ++i)
-      if (!keep[i]) x[i] = neg_inf<Acc>();
+      if (!in[i]) x[i] = neg_inf<Acc>();
   }
 
   // One score (m, n), in range, its bias read from global memory.

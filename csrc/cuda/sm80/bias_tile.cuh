@@ -83,36 +83,4 @@ __device__ __forceinline__ void stage_bias_tile(unsigned char* dst, const BiasTi
   }
 }
 
-// Readers of a staged element as the term the kernels add to a score in the exponent domain:
-// log2(e) b for a float bias, 0 or -inf for a bool mask. One type per element type, so the
-// per-score code carries no dtype branch.
-struct NoBias {
-  static constexpr int kBytes = 0;
-};
-struct MaskBias {
-  static constexpr int kBytes = 1;
-  template <class Acc>
-  __device__ __forceinline__ Acc term(const unsigned char* e) const {
-    return *e ? Acc(0) : neg_inf<Acc>();
-  }
-};
-template <class B>
-struct FloatBias {
-  static constexpr int kBytes = sizeof(B);
-  template <class Acc>
-  __device__ __forceinline__ Acc term(const unsigned char* e) const {
-    return Acc(to_acc(*reinterpret_cast<const B*>(e))) * ExpDomain<Acc>::score_scale(1.0);
-  }
-};
-
-// Calls f with the reader of the call's bias: a float bias is float32 or the inputs' Elem (what
-// the op accepts).
-template <class Elem, class F>
-__device__ __forceinline__ void with_bias_reader(const FwdParams& p, F&& f) {
-  if (p.bias_kind == BiasKind::kNone) f(NoBias{});
-  else if (p.bias_kind == BiasKind::kBool) f(MaskBias{});
-  else if (p.bias_dtype == DType::kFloat32) f(FloatBias<float>{});
-  else f(FloatBias<Elem>{});
-}
-
 }  // namespace flashattn::cuda::sm80

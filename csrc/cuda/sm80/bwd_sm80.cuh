@@ -339,7 +339,8 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim, kGeneral>::kThreads, Bwd
             if constexpr (kMasked) vis = vis && kw >= lo0 + row && kw <= hi0 + row && kw < k_lim;
             Acc x = st[j][e] * score_scale - lse;
             if constexpr (R::kBytes > 0)
-              x += reader.template term<Acc>(bias_s + bias_tile.row_offset(row) + 8 * (e >> 1) * R::kBytes);
+              x += Exp::score_scale(1.0) *
+                   reader.template value<Acc>(bias_s + bias_tile.row_offset(row) + 8 * (e >> 1) * R::kBytes);
             const Acc pr = Exp::exp_if(vis, x);
             st[j][e] = pr;
             dpt[j][e] = vis ? pr * (dpt[j][e] - d_pair[e & 1]) : Acc(0);
@@ -347,7 +348,8 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim, kGeneral>::kThreads, Bwd
         }
       };
       auto probs_of_tile = [&](auto masked_tag) {
-        if constexpr (kFeatures) with_bias_reader<Elem>(p, [&](auto reader) { probs(masked_tag, reader); });
+        if constexpr (kFeatures)
+          with_bias_reader<Elem>(p.bias_kind, p.bias_dtype, [&](auto reader) { probs(masked_tag, reader); });
         else probs(masked_tag, NoBias{});
       };
       if (all_visible) probs_of_tile(std::false_type{});
@@ -599,12 +601,13 @@ __global__ void __launch_bounds__(DqConfig<Elem, kDim>::kThreads)
             const bool vis = lse[r] != neg_inf<Acc>() && col >= lo[r] && col < hi[r];
             Acc x = s[j][e] * score_scale - lse[r];
             if constexpr (R::kBytes > 0)
-              x += reader.template term<Acc>(bias_s + bias_tile.row_offset(wrow + g + 8 * r) + col * R::kBytes);
+              x += Exp::score_scale(1.0) *
+                   reader.template value<Acc>(bias_s + bias_tile.row_offset(wrow + g + 8 * r) + col * R::kBytes);
             const Acc pr = Exp::exp_if(vis, x);
             dp[j][e] = vis ? pr * (dp[j][e] - dsum[r]) : Acc(0);
           }
       };
-      if constexpr (kFeatures) with_bias_reader<Elem>(p, probs);
+      if constexpr (kFeatures) with_bias_reader<Elem>(p.bias_kind, p.bias_dtype, probs);
       else probs(NoBias{});
     }
 

@@ -206,7 +206,7 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim, kFeatures>::kThreads)
 #pragma unroll
           for (int e = 0; e < 4; ++e) s[mw][j][e] *= score_scale;
       if constexpr (kFeatures) {
-        with_bias_reader<Elem>(p, [&](auto reader) {
+        with_bias_reader<Elem>(p.bias_kind, p.bias_dtype, [&](auto reader) {
           using R = decltype(reader);
           if constexpr (R::kBytes > 0) {
 #pragma unroll
@@ -218,7 +218,8 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim, kFeatures>::kThreads)
                 for (int j = 0; j < kNA; ++j)
 #pragma unroll
                   for (int cc = 0; cc < 2; ++cc)
-                    s[mw][j][2 * r + cc] += reader.template term<Acc>(row + (8 * j + 2 * t + cc) * R::kBytes);
+                    s[mw][j][2 * r + cc] +=
+                        Exp::score_scale(1.0) * reader.template value<Acc>(row + (8 * j + 2 * t + cc) * R::kBytes);
               }
           }
         });
