@@ -99,6 +99,7 @@ def main():
         print(f"{name:28s} ours {row['ours']['fwd_ms']:.2f} / {row['ours']['fwd_bwd_ms']:.2f} ms | " + " | ".join(cells),
               flush=True)
         rows.append(row)
+    os.makedirs(args.out_dir, exist_ok=True)
     with open(os.path.join(args.out_dir, "gpu_features.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
 
