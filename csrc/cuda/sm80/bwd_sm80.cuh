@@ -151,10 +151,8 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim, kGeneral>::kThreads, Bwd
   constexpr int kColCap = kDim / 32 > 2 ? kDim / 32 : 2;
   constexpr int kColGroups = kWarps / kRowGroups < kColCap ? kWarps / kRowGroups : kColCap;
   constexpr int kQCols = kDim / kColGroups, kQCA = kQCols / 8;
-  // B atoms load in pairs: an odd count (dim 96 general: 3) computes one atom more and never
-  // stores it.
-  constexpr int kQCAe = kQCA + kQCA % 2;
   static_assert(kWarps % kRowGroups == 0, "dQ split");
+  static_assert(kQCA % 2 == 0, "B atoms load in pairs (column groups are 16 or 32k wide)");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   Elem* sK = reinterpret_cast<Elem*>(smem_raw);
@@ -389,9 +387,9 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim, kGeneral>::kThreads, Bwd
       __syncthreads();
       if (warp >= kRowGroups * kColGroups) continue;
       const int rg = warp % kRowGroups, cg = warp / kRowGroups;
-      Acc dq[kQCAe][4];
+      Acc dq[kQCA][4];
 #pragma unroll
-      for (int d = 0; d < kQCAe; ++d)
+      for (int d = 0; d < kQCA; ++d)
 #pragma unroll
         for (int e = 0; e < 4; ++e) dq[d][e] = Acc(0);
 #pragma unroll
@@ -399,7 +397,7 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim, kGeneral>::kThreads, Bwd
         typename M::A a;
         M::load_a_kn(a, sdSt + kk * kLdS + 16 * rg, kLdS, lane);
 #pragma unroll
-        for (int d = 0; d < kQCAe; d += 2) {
+        for (int d = 0; d < kQCA; d += 2) {
           typename M::B bk[2];
           M::load_b2_kn(bk, sK + kk * kLd + cg * kQCols + 8 * d, kLd, lane);
           M::mma(dq[d], a, bk[0]);
@@ -411,7 +409,7 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim, kGeneral>::kThreads, Bwd
       const int col0 = cg * kQCols + 2 * t;
       const bool all_cols = cg * kQCols + kQCols <= E;
       Acc* dq_tile = dq_accum + sq.row_index(p.heads_q, h, m0) * E + col0;
-      if constexpr (kQuadAtomics<Acc> && kQCA % 2 == 0 && kQCols % 4 == 0) {
+      if constexpr (kQuadAtomics<Acc>) {
         if (all_cols && E % 4 == 0) {  // 16-byte aligned rows; warp-uniform (shuffles inside)
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
