@@ -9,6 +9,7 @@ import flashattn_ext  # noqa: F401
 CASES = [  # (dtype, batch, heads_q, heads_kv, len_q, len_k, head_dim, head_dim_v, causal)
     (torch.float32, 1, 2, 1, 77, 129, 64, 64, 0),
     (torch.bfloat16, 2, 2, 2, 130, 65, 128, 128, 2),
+    (torch.float16, 1, 4, 2, 200, 150, 64, 64, 1),  # the 2-D dK/dV kernel at dim 64 (GQA, ragged)
     (torch.float16, 1, 4, 2, 33, 33, 80, 80, 1),
     (torch.bfloat16, 2, 2, 1, 100, 75, 24, 32, 0),
     (torch.bfloat16, 1, 2, 1, 150, 97, 176, 192, 1),

@@ -32,51 +32,13 @@
 #include "../common/online_softmax.cuh"
 #include "fragments.cuh"
 #include "bias_tile.cuh"
+#include "bwd_sm80_2d.cuh"
+#include "dq_atomics.cuh"
+#include "query_walk.cuh"
 #include "tile_config.h"
 #include "tile_copy.cuh"
 
 namespace flashattn::cuda::sm80 {
-
-// Adds a pair of adjacent accumulator values into global memory.
-__device__ __forceinline__ void atomic_add_pair(float* dst, float x, float y) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  atomicAdd(reinterpret_cast<float2*>(dst), make_float2(x, y));
-#else
-  atomicAdd(dst, x);
-  atomicAdd(dst + 1, y);
-#endif
-}
-__device__ __forceinline__ void atomic_add_pair(double* dst, double x, double y) {
-  atomicAdd(dst, x);
-  atomicAdd(dst + 1, y);
-}
-
-// Whether a lane can add 4 adjacent fp32 values with one atomic (sm_90's vector reduction).
-template <class Acc>
-constexpr bool kQuadAtomics =
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    std::is_same_v<Acc, float>;
-#else
-    false;
-#endif
-
-// Adds a lane's values of two adjacent 8-column accumulator atoms (a: columns 2t, 2t + 1 of the
-// first, b: of the second; `dst` at the lane's first column) with one 4-wide atomic per lane
-// instead of two 2-wide ones: quad neighbours swap a pair, so an even-t lane holds columns
-// 2t .. 2t + 3 of the first atom and an odd-t lane 2t - 2 .. 2t + 1 of the second (dst + 6).
-// Half the atomic instructions: their queue and the registers they hold were ~10% of the
-// backward's stall samples. Every lane of the warp must call it (shuffles); `ok` masks the add.
-// dst + (t odd ? 6 : 0) must be 16-byte aligned. Called only where kQuadAtomics holds (sm_90+).
-__device__ __forceinline__ void atomic_add_atom_pair(float* dst, float a0, float a1, float b0, float b1, bool ok,
-                                                     int t) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  const bool odd = t & 1;
-  const float r0 = __shfl_xor_sync(0xffffffffu, odd ? a0 : b0, 1);
-  const float r1 = __shfl_xor_sync(0xffffffffu, odd ? a1 : b1, 1);
-  const float4 v = odd ? make_float4(r0, r1, b0, b1) : make_float4(a0, a1, r0, r1);
-  if (ok) atomicAdd(reinterpret_cast<float4*>(dst + (odd ? 6 : 0)), v);
-#endif
-}
 
 // An accumulator atom (4 values of a lane) to / added from smem, 16 bytes (fp64: 2 x 16) at a time.
 __device__ __forceinline__ void store_atom(float* dst, const float (&c)[4]) {
@@ -188,38 +150,14 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim, kGeneral>::kThreads, Bwd
   copy_tile_async<kBN, kDim, kThreads>(sK, kLd, k, p.k_stride.row, rows_k, E, tid);
   copy_tile_async<kBN, kDim, kThreads>(sV, kLd, v, p.v_stride.row, rows_k, Ev, tid);
 
-  // Query rows that see some key of the tile (causal and window bands move right with the row).
-  const int64_t m_begin = sq.row_begin(n0) / kBM * kBM;
-  const int64_t m_end = sq.row_end(n0 + rows_k - 1);
-  const int64_t m_iters = m_end > m_begin ? (m_end - m_begin + kBM - 1) / kBM : 0;
-  const int64_t num_iters = m_iters * group;
-
-  // The walk goes tile by tile through the rows of one head, then the next head: (h, m0) and
-  // the next tile's (h_next, m_next) advance by addition (no 64-bit division per tile).
   const BiasTileLayout bias_tile = kFeatures ? bias_tile_layout<kBM, kBN>(p) : BiasTileLayout{};
   const bool bias_chunked = kFeatures && bias_rows_chunked(p);
-  auto load_q_tile = [&](int64_t h, int64_t m0, int buf) {
-    const int rows = int(sq.len_q - m0 < kBM ? sq.len_q - m0 : kBM);
+  auto load = [&](int64_t h, int64_t m0, int buf) {
     if (kFeatures && bias_tile.rows > 0)
       stage_bias_tile<kBM, kBN, kThreads>(sBias + buf * bias_tile.buffer_bytes(), bias_tile, bias_chunked, p, sq,
-                                          h, m0, n0, rows, rows_k, tid);
-    const Elem* q = sq.q_rows<const Elem>(p.q, p.q_stride, h, m0);
-    const Elem* dout = sq.q_rows<const Elem>(p.dout, p.dout_stride, h, m0);
-    copy_tile_async<kBM, kDim, kThreads>(sQ + buf * kBM * kLd, kLd, q, p.q_stride.row, rows, E, tid);
-    copy_tile_async<kBM, kDim, kThreads>(sdO + buf * kBM * kLd, kLd, dout, p.dout_stride.row, rows, Ev, tid);
-    // Rows past len_q get LSE = D = 0: their Q and dO rows are zero-filled, so they add exactly
-    // 0 to every gradient (P = 1, dP = D = 0).
-    const int64_t r0 = sq.row_index(p.heads_q, h, m0);
-    const Acc* lse_g = static_cast<const Acc*>(p.lse) + r0;
-    static_assert(kBM <= kThreads, "one LSE / D element per thread");
-    if (tid < kBM) {
-      const bool ok = tid < rows;
-      cp_async_elem_zfill(sLse + buf * kBM + tid, ok ? lse_g + tid : lse_g, ok);
-      cp_async_elem_zfill(sD + buf * kBM + tid, ok ? dsum_g + r0 + tid : dsum_g, ok);
-    }
+                                          h, m0, n0, int(sq.len_q - m0 < kBM ? sq.len_q - m0 : kBM), rows_k, tid);
+    load_query_tile<kBM, kDim, kThreads>(sQ, sdO, sLse, sD, kLd, p, sq, dsum_g, h, m0, buf, tid);
   };
-  if (num_iters > 0) load_q_tile(hk * group, m_begin, 0);
-  cp_async_commit();
 
   Acc dk[kDA][4], dv[kDA][4];
 #pragma unroll
@@ -227,19 +165,7 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim, kGeneral>::kThreads, Bwd
 #pragma unroll
     for (int e = 0; e < 4; ++e) dk[d][e] = dv[d][e] = Acc(0);
 
-  int buf = 0;
-  int64_t h = hk * group, m0 = m_begin, h_next = h, m_next = m0;
-  for (int64_t it = 0; it < num_iters; ++it, buf ^= 1, h = h_next, m0 = m_next) {
-    h_next = h;
-    m_next = m0 + kBM;
-    if (m_next >= m_end) {
-      m_next = m_begin;
-      ++h_next;
-    }
-    cp_async_wait<0>();
-    __syncthreads();  // this tile landed for all; every warp is done with the other buffers
-    if (it + 1 < num_iters) load_q_tile(h_next, m_next, buf ^ 1);
-    cp_async_commit();
+  walk_query_tiles<kBM>(sq, n0, rows_k, hk * group, group, load, [&](int64_t h, int64_t m0, int buf) {
     const Elem* q_s = sQ + buf * kBM * kLd;
     const Elem* do_s = sdO + buf * kBM * kLd;
     const Acc* lse_s = sLse + buf * kBM;
@@ -385,7 +311,7 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim, kGeneral>::kThreads, Bwd
         }
       }
       __syncthreads();
-      if (warp >= kRowGroups * kColGroups) continue;
+      if (warp >= kRowGroups * kColGroups) return;
       const int rg = warp % kRowGroups, cg = warp / kRowGroups;
       Acc dq[kQCA][4];
 #pragma unroll
@@ -404,41 +330,10 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim, kGeneral>::kThreads, Bwd
           M::mma(dq[d + 1], a, bk[1]);
         }
       }
-      // One address per row; the atomics take constant offsets from it, and the column test is
-      // skipped when the warp's columns all lie below E (the usual case: E a multiple of 8 * kQCA).
-      const int col0 = cg * kQCols + 2 * t;
-      const bool all_cols = cg * kQCols + kQCols <= E;
-      Acc* dq_tile = dq_accum + sq.row_index(p.heads_q, h, m0) * E + col0;
-      if constexpr (kQuadAtomics<Acc>) {
-        if (all_cols && E % 4 == 0) {  // 16-byte aligned rows; warp-uniform (shuffles inside)
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            const int row = 16 * rg + g + 8 * r;
-            Acc* dst = dq_tile + int64_t(row) * E;
-#pragma unroll
-            for (int d = 0; d < kQCA; d += 2)
-              atomic_add_atom_pair(dst + 8 * d, dq[d][2 * r], dq[d][2 * r + 1], dq[d + 1][2 * r], dq[d + 1][2 * r + 1],
-                                   m0 + row < sq.len_q, t);
-          }
-          continue;  // the atomics end the tile
-        }
-      }
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int row = 16 * rg + g + 8 * r;
-        if (m0 + row >= sq.len_q) continue;
-        Acc* dst = dq_tile + int64_t(row) * E;
-        if (all_cols) {
-#pragma unroll
-          for (int d = 0; d < kQCA; ++d) atomic_add_pair(dst + 8 * d, dq[d][2 * r], dq[d][2 * r + 1]);
-        } else {
-#pragma unroll
-          for (int d = 0; d < kQCA; ++d)
-            if (col0 + 8 * d < E) atomic_add_pair(dst + 8 * d, dq[d][2 * r], dq[d][2 * r + 1]);
-        }
-      }
+      Acc* dq_tile = dq_accum + sq.row_index(p.heads_q, h, m0) * E;
+      add_dq_atoms(dq_tile, dq, 16 * rg, cg * kQCols, int(sq.len_q - m0 < kBM ? sq.len_q - m0 : kBM), E, lane);
     }
-  }
+  });
 
   Elem* dk_g = sq.k_rows<Elem>(p.dk, p.dk_stride, hk, 0);
   Elem* dv_g = sq.k_rows<Elem>(p.dv, p.dv_stride, hk, 0);
@@ -702,6 +597,7 @@ bool bwd_dkdv(const BwdParams& p, const void* dsum, void* dq_accum, cudaStream_t
     return false;
   } else {
     if (needs_general_step(p)) return launch_dkdv<Elem, kDim, true, true>(p, dsum, dq_accum, stream);
+    if (launch_dkdv_2d<Elem, kDim>(p, dsum, dq_accum, bwd_operands_aligned<Elem>(p), stream)) return true;
     // Where the plain or bias variant's tiles do not fit in the GPU's shared memory, the general
     // variant (half the query rows per tile) serves the call: it computes any call.
     const bool done = p.has_features() ? launch_dkdv<Elem, kDim, true, false>(p, dsum, dq_accum, stream)

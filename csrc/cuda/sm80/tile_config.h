@@ -75,6 +75,27 @@ struct BwdConfig {
       size_t((2 * kBN + 4 * kBM) * kLd + kBN * kLdS) * sizeof(Elem) + 4 * kBM * sizeof(Acc) + kExchangeBytes;
 };
 
+// Backward with a 2-D warp layout (bwd_sm80_2d.cuh; fp16/bf16 at dims 64, 96, 128, calls without
+// the optional features): 8 warps, 128 keys per block, 64-row query tiles (128 at dim 64, which
+// the first version ran with 64 rows: 6-11% slower than the 1-D kernel). S and dP on a 2 x 4
+// warp grid of kBM / 2 rows x 32 keys, P and dS through smem once per tile, dK/dV on 4 x 2 warps of 32 keys x
+// half the dims, dQ on 2 x 4 warps of 32 rows x a quarter of the dims: fewer ldmatrix per MMA
+// than BwdConfig's 1-D layout (counted per warp and tile at dim 128: 152 / 320 against
+// 184 / 320; at dim 64: 96 / 160 against 56 / 80).
+template <class Elem, int kDim>
+struct Bwd2dConfig {
+  static constexpr bool kServed = sizeof(Elem) == 2 && (kDim == 64 || kDim == 96 || kDim == 128);
+  static constexpr int kWarps = 8, kThreads = 32 * kWarps;
+  // dQ warp grid: 2 x 4 (kBM / 2 rows x kDim / 4 dims), or 4 x 2 where a quarter of the dims is
+  // not a whole number of 16-wide atom pairs (dim 96).
+  static constexpr int kDqColWarps = (kDim / 4) % 16 == 0 ? 4 : 2;
+  static constexpr int kBN = 128, kBM = kDim <= 64 ? 128 : 64;
+  static constexpr int kLd = kDim + 8;   // K, V, Q, dO rows
+  static constexpr int kLdP = kBN + 8;   // P, dS rows (one per query)
+  static constexpr size_t kSmemBytes =
+      size_t((2 * kBN + 4 * kBM) * kLd + 2 * kBM * kLdP) * sizeof(Elem) + 4 * kBM * sizeof(float);
+};
+
 // Deterministic dQ kernel: 4 warps x 16 query rows, key tiles as the forward's. Served where
 // the dK/dV kernel is.
 template <class Elem, int kDim>

@@ -1,0 +1,278 @@
+// Tensor-core dK/dV kernel (with the atomic dQ) in a 2-D warp layout, for fp16/bf16 calls
+// without the optional features at dims 64, 96 and 128 (Bwd2dConfig). The block and its walk
+// (query_walk.cuh) are those of bwd_sm80.cuh's kernel: one block per (batch, kv head, 128-key
+// tile); the products are laid out differently:
+//   S = Q K^T, dP = dO V^T      warps on a 2 x 4 grid of kBM / 2 rows x 32 keys (A: Q / dO rows,
+//                               B: K / V rows; each fragment serves 4 (A) or 2 (B) MMAs)
+//   P, dS = P (dP - D)          in registers, stored to smem as [row][key] (Elem)
+//   dV += P^T dO, dK += dS^T Q  warps on 4 x 2: 32 keys x kDim / 2 dims (A: P^T / dS^T read
+//                               transposed from smem, B: dO / Q)
+//   dQ += dS K                  warps on 2 x 4 (kBM / 2 rows x kDim / 4 dims; 4 x 2 at dim 96),
+//                               added with atomics
+// P and dS round to Elem before the products, as in the 1-D kernel.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <type_traits>
+
+#include "../../common/sequence.h"
+#include "../../params.h"
+#include "../common/cp_async.cuh"
+#include "../common/check.h"
+#include "../common/grid.cuh"
+#include "../common/numeric.cuh"
+#include "../common/online_softmax.cuh"
+#include "dq_atomics.cuh"
+#include "fragments.cuh"
+#include "query_walk.cuh"
+#include "tile_config.h"
+#include "tile_copy.cuh"
+
+namespace flashattn::cuda::sm80 {
+
+template <class Elem, int kDim>
+__global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
+    bwd_dkdv_2d_kernel(const BwdParams p, const float* dsum_g, float* dq_accum, int num_n_tiles) {
+  using Cfg = Bwd2dConfig<Elem, kDim>;
+  using M = Mma<Elem>;
+  using Acc = float;
+  using Exp = ExpDomain<Acc>;
+  constexpr int kBM = Cfg::kBM, kBN = Cfg::kBN, kLd = Cfg::kLd, kLdP = Cfg::kLdP, kThreads = Cfg::kThreads;
+  constexpr int kKA = kDim / 16;  // dK / dV atoms per 16-key group of a warp (half the dims)
+  constexpr int kRA = kBM / 32;   // 16-row groups of a warp in S / dP (half the rows)
+  constexpr int kQCW = Cfg::kDqColWarps, kQRW = Cfg::kWarps / kQCW;  // the dQ warp grid
+  constexpr int kQA = kDim / kQCW / 8;  // dQ atoms per 16-row group of a warp
+  constexpr int kRQ = kBM / kQRW / 16;  // 16-row groups of a warp in dQ
+  static_assert(kKA % 2 == 0 && kQA % 2 == 0, "B atoms load in pairs");
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  Elem* sK = reinterpret_cast<Elem*>(smem_raw);
+  Elem* sV = sK + kBN * kLd;
+  Elem* sQ = sV + kBN * kLd;         // [2][kBM][kLd]
+  Elem* sdO = sQ + 2 * kBM * kLd;    // [2][kBM][kLd]
+  Elem* sP = sdO + 2 * kBM * kLd;    // [kBM][kLdP]
+  Elem* sdS = sP + kBM * kLdP;       // [kBM][kLdP]
+  Acc* sLse = reinterpret_cast<Acc*>(sdS + kBM * kLdP);  // [2][kBM], natural log as stored
+  Acc* sD = sLse + 2 * kBM;                              // [2][kBM]
+
+  const TileBlock blk = tile_block(num_n_tiles, 1, p.heads_kv, /*heaviest_first=*/false);
+  const int64_t hk = blk.head, b = blk.batch;
+  const int64_t group = p.heads_q / p.heads_kv;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const Seq sq = plain_sequence(p, b);
+  const int64_t n0 = int64_t(blk.tile) * kBN;
+  if (n0 >= sq.len_k) return;
+  const int rows_k = int(sq.len_k - n0 < kBN ? sq.len_k - n0 : kBN);
+  const int E = int(p.head_dim), Ev = int(p.head_dim_v);
+  const Acc score_scale = Exp::score_scale(p.scale);
+
+  copy_tile_async<kBN, kDim, kThreads>(sK, kLd, sq.k_rows<const Elem>(p.k, p.k_stride, hk, n0), p.k_stride.row,
+                                       rows_k, E, tid);
+  copy_tile_async<kBN, kDim, kThreads>(sV, kLd, sq.k_rows<const Elem>(p.v, p.v_stride, hk, n0), p.v_stride.row,
+                                       rows_k, Ev, tid);
+
+  auto load = [&](int64_t h, int64_t m0, int buf) {
+    load_query_tile<kBM, kDim, kThreads>(sQ, sdO, sLse, sD, kLd, p, sq, dsum_g, h, m0, buf, tid);
+  };
+
+  // This warp's places in the three layouts.
+  const int s_row = (kBM / 2) * (warp >> 2), s_key = 32 * (warp & 3);     // S, dP: 2 x 4
+  const int k_key = 32 * (warp & 3), k_col = (kDim / 2) * (warp >> 2);  // dK, dV: 4 x 2
+  const unsigned uwarp = unsigned(warp);  // (unsigned: / and % by the constants are shifts)
+  const int q_row = (kBM / kQRW) * int(uwarp / kQCW), q_col = (kDim / kQCW) * int(uwarp % kQCW);  // dQ
+
+  Acc dk[2][kKA][4], dv[2][kKA][4];
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int d = 0; d < kKA; ++d)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dk[i][d][e] = dv[i][d][e] = Acc(0);
+
+  walk_query_tiles<kBM>(sq, n0, rows_k, hk * group, group, load, [&](int64_t h, int64_t m0, int buf) {
+    const Elem* q_s = sQ + buf * kBM * kLd;
+    const Elem* do_s = sdO + buf * kBM * kLd;
+    const Acc* lse_s = sLse + buf * kBM;
+    const Acc* d_s = sD + buf * kBM;
+
+    // S and dP of the warp's kBM / 2 rows x 32 keys: [row group][key atom].
+    Acc s[kRA][4][4], dp[kRA][4][4];
+#pragma unroll
+    for (int i = 0; i < kRA; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[i][j][e] = dp[i][j][e] = Acc(0);
+#pragma unroll
+    for (int kk = 0; kk < kDim; kk += M::kK) {
+      typename M::A aq[kRA], ado[kRA];
+#pragma unroll
+      for (int i = 0; i < kRA; ++i) {
+        M::load_a(aq[i], q_s + (s_row + 16 * i) * kLd + kk, kLd, lane);
+        M::load_a(ado[i], do_s + (s_row + 16 * i) * kLd + kk, kLd, lane);
+      }
+#pragma unroll
+      for (int j = 0; j < 4; j += 2) {
+        typename M::B bk[2], bv[2];
+        M::load_b2_nk(bk, sK + (s_key + 8 * j) * kLd + kk, kLd, lane);
+        M::load_b2_nk(bv, sV + (s_key + 8 * j) * kLd + kk, kLd, lane);
+#pragma unroll
+        for (int i = 0; i < kRA; ++i) {
+          M::mma(s[i][j], aq[i], bk[0]);
+          M::mma(s[i][j + 1], aq[i], bk[1]);
+          M::mma(dp[i][j], ado[i], bv[0]);
+          M::mma(dp[i][j + 1], ado[i], bv[1]);
+        }
+      }
+    }
+
+    // P and dS, 0 wherever the key is not visible. Written once, instantiated for tiles every
+    // row sees in full and for masked ones (which test (row, key) against the band, with bases
+    // clamped so that every comparison stays in 32 bits): the common case carries no test.
+    const bool all_visible = n0 >= sq.key_begin(m0 + kBM - 1) && n0 + kBN <= sq.key_end(m0);
+    auto probs = [&](auto masked_tag) {
+      constexpr bool kMasked = decltype(masked_tag)::value;
+      int lo0 = 0, hi0 = 0, k_lim = 0;
+      if constexpr (kMasked) {
+        auto clamp_base = [](int64_t x) { return int(x < -kBM - 1 ? -kBM - 1 : x > kBN + 1 ? kBN + 1 : x); };
+        lo0 = clamp_base(m0 - n0 + sq.band.lo);  // visible: key - row >= lo0
+        hi0 = clamp_base(m0 - n0 + sq.band.hi);  // and key - row <= hi0
+        k_lim = clamp_base(sq.len_k - n0);       // and key < k_lim
+      }
+#pragma unroll
+      for (int i = 0; i < kRA; ++i) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int row = s_row + 16 * i + g + 8 * r;
+          const Acc lse = Exp::from_lse(lse_s[row]), dsum = d_s[row];
+          const bool row_on = lse != neg_inf<Acc>();
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+              const int key = s_key + 8 * j + 2 * t + c, e = 2 * r + c;
+              bool vis = row_on;
+              if constexpr (kMasked) vis = vis && key - row >= lo0 && key - row <= hi0 && key < k_lim;
+              const Acc pr = Exp::exp_if(vis, s[i][j][e] * score_scale - lse);
+              s[i][j][e] = pr;
+              dp[i][j][e] = vis ? pr * (dp[i][j][e] - dsum) : Acc(0);
+            }
+          }
+        }
+      }
+    };
+    if (all_visible) probs(std::false_type{});
+    else probs(std::true_type{});
+#pragma unroll
+    for (int i = 0; i < kRA; ++i)
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int off = (s_row + 16 * i + g + 8 * r) * kLdP + s_key + 8 * j + 2 * t;
+          M::store_pair(sP + off, s[i][j][2 * r], s[i][j][2 * r + 1]);
+          M::store_pair(sdS + off, dp[i][j][2 * r], dp[i][j][2 * r + 1]);
+        }
+    __syncthreads();  // P, dS of the whole tile in smem
+
+    // dV += P^T dO and dK += dS^T Q over the tile's rows, for the warp's 32 keys x kDim / 2 dims.
+#pragma unroll
+    for (int kk = 0; kk < kBM; kk += M::kK) {
+      typename M::A ap[2], ads[2];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        M::load_a_kn(ap[i], sP + kk * kLdP + k_key + 16 * i, kLdP, lane);
+        M::load_a_kn(ads[i], sdS + kk * kLdP + k_key + 16 * i, kLdP, lane);
+      }
+#pragma unroll
+      for (int d = 0; d < kKA; d += 2) {
+        typename M::B bo[2], bq[2];
+        M::load_b2_kn(bo, do_s + kk * kLd + k_col + 8 * d, kLd, lane);
+        M::load_b2_kn(bq, q_s + kk * kLd + k_col + 8 * d, kLd, lane);
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          M::mma(dv[i][d], ap[i], bo[0]);
+          M::mma(dv[i][d + 1], ap[i], bo[1]);
+          M::mma(dk[i][d], ads[i], bq[0]);
+          M::mma(dk[i][d + 1], ads[i], bq[1]);
+        }
+      }
+    }
+
+    // dQ += dS K for the warp's kBM / 2 rows x kDim / 4 dims, added into the accumulator.
+    if (dq_accum != nullptr) {
+      Acc dq[kRQ][kQA][4];
+#pragma unroll
+      for (int i = 0; i < kRQ; ++i)
+#pragma unroll
+        for (int d = 0; d < kQA; ++d)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) dq[i][d][e] = Acc(0);
+#pragma unroll
+      for (int kk = 0; kk < kBN; kk += M::kK) {
+        typename M::A a[kRQ];
+#pragma unroll
+        for (int i = 0; i < kRQ; ++i) M::load_a(a[i], sdS + (q_row + 16 * i) * kLdP + kk, kLdP, lane);
+#pragma unroll
+        for (int d = 0; d < kQA; d += 2) {
+          typename M::B bk[2];
+          M::load_b2_kn(bk, sK + kk * kLd + q_col + 8 * d, kLd, lane);
+#pragma unroll
+          for (int i = 0; i < kRQ; ++i) {
+            M::mma(dq[i][d], a[i], bk[0]);
+            M::mma(dq[i][d + 1], a[i], bk[1]);
+          }
+        }
+      }
+      Acc* dq_tile = dq_accum + sq.row_index(p.heads_q, h, m0) * E;
+      const int rows_valid = int(sq.len_q - m0 < kBM ? sq.len_q - m0 : kBM);
+#pragma unroll
+      for (int i = 0; i < kRQ; ++i) add_dq_atoms(dq_tile, dq[i], q_row + 16 * i, q_col, rows_valid, E, lane);
+    }
+  });
+
+  Elem* dk_g = sq.k_rows<Elem>(p.dk, p.dk_stride, hk, 0);
+  Elem* dv_g = sq.k_rows<Elem>(p.dv, p.dv_stride, hk, 0);
+  const Acc scale = Acc(p.scale);
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int key = k_key + 16 * i + g + 8 * r;
+      if (key >= rows_k) continue;
+#pragma unroll
+      for (int d = 0; d < kKA; ++d) {
+        const int col = k_col + 8 * d + 2 * t;
+        if (col < E)
+          M::store_pair(dk_g + (n0 + key) * p.dk_stride.row + col, dk[i][d][2 * r] * scale, dk[i][d][2 * r + 1] * scale);
+        if (col < Ev) M::store_pair(dv_g + (n0 + key) * p.dv_stride.row + col, dv[i][d][2 * r], dv[i][d][2 * r + 1]);
+      }
+    }
+  }
+}
+
+// Launches the 2-D kernel where it serves the call; false where it does not (then the 1-D
+// kernel of bwd_sm80.cuh takes it). `operands_ok`: the 16-byte / pair alignment checks passed.
+template <class Elem, int kDim>
+bool launch_dkdv_2d(const BwdParams& p, const void* dsum, void* dq_accum, bool operands_ok, cudaStream_t stream) {
+  using Cfg = Bwd2dConfig<Elem, kDim>;
+  if constexpr (!Cfg::kServed) {
+    return false;
+  } else {
+    if (p.has_features() || !operands_ok || !tensor_cores_usable(Cfg::kSmemBytes)) return false;
+    const int64_t num_n_tiles = (p.len_k + Cfg::kBN - 1) / Cfg::kBN;
+    const int64_t blocks = num_n_tiles * p.heads_kv * p.batch;
+    if (blocks > 0x7fffffff) throw std::runtime_error("flashattn_ext CUDA backend: backward grid too large");
+    auto kernel = bwd_dkdv_2d_kernel<Elem, kDim>;
+    set_smem(kernel, Cfg::kSmemBytes, "sm80::bwd_dkdv_2d_kernel");
+    kernel<<<unsigned(blocks), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
+        p, static_cast<const float*>(dsum), static_cast<float*>(dq_accum), int(num_n_tiles));
+    check_launch("sm80::bwd_dkdv_2d_kernel");
+    return true;
+  }
+}
+
+}  // namespace flashattn::cuda::sm80

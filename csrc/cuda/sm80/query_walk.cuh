@@ -1,0 +1,71 @@
+// The walk of the dK/dV kernels (bwd_sm80.cuh, bwd_sm80_2d.cuh): a block owns a key tile and
+// visits every query head of its kv head's group and every kBM-row query tile that sees one of
+// its keys, the next tile's operands loading (cp.async, double-buffered) while this one is used.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "../../common/sequence.h"
+#include "../../params.h"
+#include "../common/cp_async.cuh"
+#include "tile_copy.cuh"
+
+namespace flashattn::cuda::sm80 {
+
+// Starts the copies of query tile (h, m0) into buffer `buf`: Q and dO rows (kBM x kDim, pitch
+// kLd; rows past len_q zero-filled) and their LSE and D. Rows past len_q get LSE = D = 0: with
+// zero Q and dO they add exactly 0 to every gradient (P = 1, dP = D = 0).
+template <int kBM, int kDim, int kThreads, class Elem, class Acc>
+__device__ __forceinline__ void load_query_tile(Elem* sQ, Elem* sdO, Acc* sLse, Acc* sD, int kLd, const BwdParams& p,
+                                                const Seq& sq, const Acc* dsum_g, int64_t h, int64_t m0, int buf,
+                                                int tid) {
+  const int rows = int(sq.len_q - m0 < kBM ? sq.len_q - m0 : kBM);
+  copy_tile_async<kBM, kDim, kThreads>(sQ + buf * kBM * kLd, kLd, sq.q_rows<const Elem>(p.q, p.q_stride, h, m0),
+                                       p.q_stride.row, rows, int(p.head_dim), tid);
+  copy_tile_async<kBM, kDim, kThreads>(sdO + buf * kBM * kLd, kLd,
+                                       sq.q_rows<const Elem>(p.dout, p.dout_stride, h, m0), p.dout_stride.row, rows,
+                                       int(p.head_dim_v), tid);
+  const int64_t r0 = sq.row_index(p.heads_q, h, m0);
+  const Acc* lse_g = static_cast<const Acc*>(p.lse) + r0;
+  static_assert(kBM <= kThreads, "one LSE / D element per thread");
+  if (tid < kBM) {
+    const bool ok = tid < rows;
+    cp_async_elem_zfill(sLse + buf * kBM + tid, ok ? lse_g + tid : lse_g, ok);
+    cp_async_elem_zfill(sD + buf * kBM + tid, ok ? dsum_g + r0 + tid : dsum_g, ok);
+  }
+}
+
+// Calls body(h, m0, buf) for every query tile that sees a key of [n0, n0 + rows_k) (causal and
+// window bands move right with the row), over the query heads h_first .. h_first + group - 1,
+// with load(h, m0, buf) starting the copies of the next tile before the body of this one runs.
+// The walk goes through the rows of one head, then the next: (h, m0) advance by addition (no
+// 64-bit division per tile). Copies issued before the call land with the first tile.
+template <int kBM, class Load, class Body>
+__device__ __forceinline__ void walk_query_tiles(const Seq& sq, int64_t n0, int rows_k, int64_t h_first,
+                                                 int64_t group, Load&& load, Body&& body) {
+  const int64_t m_begin = sq.row_begin(n0) / kBM * kBM;
+  const int64_t m_end = sq.row_end(n0 + rows_k - 1);
+  const int64_t m_iters = m_end > m_begin ? (m_end - m_begin + kBM - 1) / kBM : 0;
+  const int64_t num_iters = m_iters * group;
+  if (num_iters > 0) load(h_first, m_begin, 0);
+  cp_async_commit();
+  int buf = 0;
+  int64_t h = h_first, m0 = m_begin;
+  for (int64_t it = 0; it < num_iters; ++it, buf ^= 1) {
+    int64_t h_next = h, m_next = m0 + kBM;
+    if (m_next >= m_end) {
+      m_next = m_begin;
+      ++h_next;
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // this tile landed for all; every warp is done with the other buffers
+    if (it + 1 < num_iters) load(h_next, m_next, buf ^ 1);
+    cp_async_commit();
+    body(h, m0, buf);
+    h = h_next;
+    m0 = m_next;
+  }
+}
+
+}  // namespace flashattn::cuda::sm80
