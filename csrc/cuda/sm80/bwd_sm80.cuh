@@ -110,7 +110,8 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim, kGeneral>::kThreads, Bwd
   // fragments per product (dim 64: 32 wide, +2% on the backward, the other 4 warps skip dQ);
   // dim 32 keeps two groups of 16 (one of 32 measured -4%).
   constexpr int kRowGroups = kBM / 16;
-  constexpr int kColCap = kDim / 32 > 2 ? kDim / 32 : 2;
+  // fp64 loads its fragments without ldmatrix: 16-wide groups, so more warps share the product.
+  constexpr int kColCap = Cfg::kDouble ? kDim / 16 : kDim / 32 > 2 ? kDim / 32 : 2;
   constexpr int kColGroups = kWarps / kRowGroups < kColCap ? kWarps / kRowGroups : kColCap;
   constexpr int kQCols = kDim / kColGroups, kQCA = kQCols / 8;
   static_assert(kWarps % kRowGroups == 0, "dQ split");

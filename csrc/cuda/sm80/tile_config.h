@@ -59,13 +59,16 @@ struct BwdConfig {
   static constexpr bool kServed = !(kDouble && kDim > 128);
   static constexpr int kPair = kDim > 192 || (kGeneral && kDim > 128) || (kDouble && kDim > 64) ? 2 : 1;
   static constexpr int kDimOut = kDim / kPair;  // dK / dV columns of a warp (and its share of the reduction)
-  static constexpr int kWarps = kHalf ? 8 : 4;
+  // fp64 at dim 64 (to measure): 8 warps (128 keys) with 16-row query tiles, one block of 8
+  // warps per SM instead of 4 (the DMMA latency wants more warps; the forward takes 8).
+  static constexpr int kWarps = kHalf || (kDouble && kDim <= 64 && !kGeneral) ? 8 : 4;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kBN = 16 * kWarps / kPair;
   // fp16/bf16 at dim 64: 32-row query tiles keep a thread within 128 registers, so two
   // blocks (16 warps) share an SM.
   // fp64 at dim 128: 16-row query tiles, so K, V and two stages of Q, dO fit in smem.
-  static constexpr int kBM = kDouble ? (kDim > 64 || kGeneral ? 16 : 32) : (kDim > 64 && kDim <= 128 && !kGeneral ? 64 : 32);
+  static constexpr int kBM = kDouble ? (kDim > 64 || kGeneral || kWarps == 8 ? 16 : 32)
+                                     : (kDim > 64 && kDim <= 128 && !kGeneral ? 64 : 32);
   static constexpr int kMinBlocks = kHalf && kDim <= 64 && !kGeneral ? 2 : 1;
   static constexpr int kLd = kDim + 8;   // K, V, Q, dO rows
   static constexpr int kLdS = kBM + 8;   // dS^T rows (one per key)
