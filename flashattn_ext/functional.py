@@ -5,7 +5,7 @@ import math
 import torch
 
 from ._checks import check_cu_seqlens_values, check_features, check_fwd_args
-from .ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, CAUSAL_TOP_LEFT, new_rng_state
+from .ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, CAUSAL_TOP_LEFT, fwd, new_rng_state
 
 
 def checked_fwd(q, k, v, scale, causal, deterministic=False, **features):
@@ -17,7 +17,7 @@ def checked_fwd(q, k, v, scale, causal, deterministic=False, **features):
     if cu_q is not None and not torch.compiler.is_compiling():
         check_cu_seqlens_values(cu_q, "cu_seqlens_q", q.shape[2], features.get("max_seqlen_q", 0), "max_seqlen_q")
         check_cu_seqlens_values(cu_k, "cu_seqlens_k", k.shape[2], features.get("max_seqlen_k", 0), "max_seqlen_k")
-    return torch.ops.flashattn.fwd(q, k, v, scale, causal, deterministic, **features)
+    return fwd(q, k, v, scale, causal, deterministic, **features)
 
 
 def _attention(q, k, v, scale, causal, deterministic, attn_bias=None, window_size=(-1, -1), alibi_slopes=None,

@@ -128,3 +128,34 @@ def _bwd_backward(ctx, *grads):
 
 torch.library.register_autograd("flashattn::fwd", _fwd_backward, setup_context=_fwd_setup_context)
 torch.library.register_autograd("flashattn::bwd", _bwd_backward, setup_context=_bwd_setup_context)
+
+
+class _FwdWithGrad(torch.autograd.Function):
+    """flashattn::fwd with the formula registered above, applied directly. The registered path
+    rebuilds the op's argument list from its schema on every call (torch/_library/autograd.py:
+    fill_defaults reads schema.arguments once per argument), ~90 us of Python per call on a 2-core
+    CPU with torch 2.13: longer than the whole kernel of a small call (bf16, L = 1024, causal:
+    ~40 us on an H200), whose timing then measures the CPU."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = torch.ops.flashattn.fwd.default(*inputs)
+        _fwd_setup_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        return _fwd_backward(ctx, dout, dlse)
+
+
+def fwd(q, k, v, scale, causal, deterministic=False, **features):
+    """flashattn::fwd, differentiable; `features` as the op names them. Where autograd records
+    the call (outside torch.compile, which traces the op's registered formula), through
+    _FwdWithGrad."""
+    inputs = (q, k, v, scale, causal, deterministic) + tuple(features.pop(name, default) for name, default in FEATURES)
+    if features:
+        raise TypeError(f"flashattn_ext: unknown feature arguments {sorted(features)}")
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in inputs):
+        return _FwdWithGrad.apply(*inputs)
+    return torch.ops.flashattn.fwd.default(*inputs)

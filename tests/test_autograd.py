@@ -52,6 +52,36 @@ def test_gradcheck_sdpa(device, is_causal):
         lambda *t: flashattn_ext.scaled_dot_product_attention(*t, is_causal=is_causal, enable_gqa=True), (q, k, v))
 
 
+@pytest.mark.parametrize("features", [{}, {"attn_bias": "float", "softcap": 3.0}, {"attn_bias": "bool",
+                                                                              "window_left": 2}])
+def test_functions_take_the_ops_formula(device, features):
+    """The Python functions apply the op's registered formula directly (ops._FwdWithGrad: no
+    per-call walk over the op's schema); gradients of out and lse, the bias gradient included,
+    equal those through the op's registration bit for bit."""
+    q, k, v = _fp64_leaves(4, 2, 9, 11, 8, 6, device)
+    features = dict(features)
+    if features.get("attn_bias") == "float":
+        features["attn_bias"] = torch.randn(1, 4, 9, 11, dtype=torch.float64, device=device, requires_grad=True)
+    elif features.get("attn_bias") == "bool":
+        features["attn_bias"] = torch.rand(1, 1, 9, 11, device=device) > 0.3
+    w_out, w_lse = torch.randn(1, 4, 9, 6, dtype=torch.float64, device=device), torch.randn(1, 4, 9, device=device,
+                                                                                             dtype=torch.float64)
+    leaves = [t for t in (q, k, v, features.get("attn_bias")) if t is not None and t.requires_grad]
+    grads = {}
+    for name, fn in (("functions", flashattn_ext.ops.fwd), ("registered", torch.ops.flashattn.fwd)):
+        out, lse = fn(q, k, v, 0.4, TOP_LEFT, True, **features)
+        assert ("_FwdWithGrad" in type(out.grad_fn).__name__) == (name == "functions")
+        grads[name] = torch.autograd.grad((out * w_out).sum() + (lse * w_lse).sum(), leaves)
+    for a, b in zip(grads["functions"], grads["registered"]):
+        assert torch.equal(a, b)
+
+
+def test_fwd_rejects_unknown_feature(device):
+    q, k, v = _fp64_leaves(1, 1, 2, 2, 4, 4, device)
+    with pytest.raises(TypeError, match="unknown feature arguments.*window"):
+        flashattn_ext.ops.fwd(q, k, v, 1.0, NONE, window=3)
+
+
 # ---- torch.library.opcheck ----
 
 OPCHECK_CASES = [
