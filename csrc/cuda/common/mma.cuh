@@ -1,5 +1,5 @@
 // Warp-level tensor-core instructions (sm_80+) as small inline functions: mma.sync for
-// fp16/bf16 (m16n8k16) and fp64 (m8n8k4), and ldmatrix. On older archs the bodies compile to
+// fp16/bf16 (m16n8k16) and fp64 (m8n8k4; m16n8k8 on sm_90+), and ldmatrix. On older archs the bodies compile to
 // nothing; dispatch never launches the kernels that use them there.
 #pragma once
 #include <cstdint>
@@ -38,6 +38,19 @@ __device__ __forceinline__ void mma_f64(double& d0, double& d1, double a, double
   asm volatile("mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%0,%1}, {%2}, {%3}, {%0,%1};\n"
                : "+d"(d0), "+d"(d1)
                : "d"(a), "d"(b));
+#endif
+}
+
+// D += A B in fp64, A 16x8, B 8x8, D 16x8 (sm_90+): lane (g, t) = (lane / 4, lane % 4) holds a0
+// (row g, k t), a1 (g + 8, t), a2 (g, t + 4), a3 (g + 8, t + 4); b0 (k t, col g), b1 (k t + 4,
+// col g); d0, d1 (row g, cols 2t, 2t + 1), d2, d3 (row g + 8): the four m8n8k4 products above in
+// one instruction.
+__device__ __forceinline__ void mma_f64_16x8x8(double (&d)[4], const double (&a)[4], const double (&b)[2]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm(
+      "mma.sync.aligned.m16n8k8.row.col.f64.f64.f64.f64 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+d"(d[0]), "+d"(d[1]), "+d"(d[2]), "+d"(d[3])
+      : "d"(a[0]), "d"(a[1]), "d"(a[2]), "d"(a[3]), "d"(b[0]), "d"(b[1]));
 #endif
 }
 

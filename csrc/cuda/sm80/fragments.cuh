@@ -5,7 +5,7 @@
 // c[0], c[1] at row g, columns 2t, 2t+1 and c[2], c[3] at row g + 8 (the layout of mma.sync's
 // fp32 D, and of two fp64 m8n8 D's stacked). A k-step covers kK columns of A (rows of B):
 //   fp16/bf16  m16n8k16, kK = 16, operands through ldmatrix;
-//   fp64       four m8n8k4 DMMAs; kK = 8.
+//   fp64       m16n8k8 on sm_90+, four m8n8k4 DMMAs before; kK = 8.
 // For fp64 the lane holding k = t in the instruction's two halves is fed k = 2t and 2t + 1
 // of the step instead. Any permutation of k gives the same sum when A and B follow it,
 // and this one makes a lane's A operand exactly the pair of accumulator columns it already
@@ -127,11 +127,16 @@ template <> struct Mma<double> {
   static __device__ __forceinline__ void a_from_acc(A& a, const double (*c)[4]) {
     a.v[0] = c[0][0]; a.v[1] = c[0][2]; a.v[2] = c[0][1]; a.v[3] = c[0][3];
   }
+  // sm_90 has the m16n8k8 shape, whose fragments are A, B and c as they are here.
   static __device__ __forceinline__ void mma(double (&c)[4], const A& a, const B& b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    mma_f64_16x8x8(c, a.v, b.v);
+#else
     mma_f64(c[0], c[1], a.v[0], b.v[0]);
     mma_f64(c[0], c[1], a.v[2], b.v[1]);
     mma_f64(c[2], c[3], a.v[1], b.v[0]);
     mma_f64(c[2], c[3], a.v[3], b.v[1]);
+#endif
   }
   static __device__ __forceinline__ void store_pair(double* dst, double x, double y) {
     *reinterpret_cast<double2*>(dst) = make_double2(x, y);
