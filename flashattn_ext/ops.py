@@ -75,19 +75,23 @@ def _bwd_fake(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, attn_
             _empty_like_layout(v, v.shape[1], v.shape[2], v.shape[3]), dbias)
 
 
+def _save_for_backward(ctx, q, k, v, scale, causal, deterministic, features, out, lse):
+    """What the backward needs; `features` holds every feature argument in schema order."""
+    ctx.tensor_slots = tuple(i for i, x in enumerate(features) if isinstance(x, torch.Tensor))
+    ctx.save_for_backward(q, k, v, out, lse, *(features[i] for i in ctx.tensor_slots))
+    ctx.features = tuple(None if isinstance(x, torch.Tensor) else x for x in features)
+    ctx.scale, ctx.causal, ctx.deterministic = scale, causal, deterministic
+    ctx.set_materialize_grads(False)
+
+
 def _fwd_setup_context(ctx, inputs, output):
     # `inputs` holds the arguments as the caller passed them (trailing defaults left out).
     q, k, v, scale, causal = inputs[:5]
     deterministic = inputs[5] if len(inputs) > 5 else False
+    given = tuple(inputs[_N_FIXED_FWD_ARGS:])
     ctx.n_inputs = len(inputs)
-    features = dict(FEATURES)
-    features.update(zip((name for name, _ in FEATURES), inputs[_N_FIXED_FWD_ARGS:]))
-    out, lse = output
-    ctx.feature_tensors = [name for name, value in features.items() if isinstance(value, torch.Tensor)]
-    ctx.save_for_backward(q, k, v, out, lse, *(features[name] for name in ctx.feature_tensors))
-    ctx.features = {name: value for name, value in features.items() if not isinstance(value, torch.Tensor)}
-    ctx.scale, ctx.causal, ctx.deterministic = scale, causal, deterministic
-    ctx.set_materialize_grads(False)
+    _save_for_backward(ctx, q, k, v, scale, causal, deterministic,
+                       given + tuple(default for _, default in FEATURES[len(given):]), *output)
 
 
 def _last_dim_contiguous(t):
@@ -96,23 +100,30 @@ def _last_dim_contiguous(t):
     return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
 
 
-def _fwd_backward(ctx, dout, dlse):
+def _gradients(ctx, dout, dlse, bias_needs_grad):
+    """dq, dk, dv and the bias gradient (None unless a float bias needs it)."""
     q, k, v, out, lse, *tensors = ctx.saved_tensors
-    features = dict(ctx.features, **dict(zip(ctx.feature_tensors, tensors)))
-    bias = features["attn_bias"]
-    bias_grad = bias is not None and bias.is_floating_point() and ctx.needs_input_grad[_BIAS_INDEX]
+    features = list(ctx.features)
+    for i, t in zip(ctx.tensor_slots, tensors):
+        features[i] = t
+    bias = features[0]  # attn_bias
+    bias_grad = bias is not None and bias.is_floating_point() and bias_needs_grad
     if dout is None:
         dout = torch.zeros_like(out)
     if dlse is not None:
         dlse = dlse.contiguous()
-    dq, dk, dv, dbias = torch.ops.flashattn.bwd(
+    dq, dk, dv, dbias = torch.ops.flashattn.bwd.default(
         _last_dim_contiguous(dout), q, k, v, out, lse, dlse, ctx.scale, ctx.causal,
-        ctx.deterministic or torch.are_deterministic_algorithms_enabled(), bias_requires_grad=bias_grad, **features)
-    if bias_grad:  # sum over the dimensions the bias broadcast along (given as size 1)
-        broadcast = [d for d in range(4) if bias.shape[d] == 1 and dbias.shape[d] != 1]
-        dbias = (dbias.sum(broadcast, keepdim=True) if broadcast else dbias).to(bias.dtype)
-    else:
-        dbias = None
+        ctx.deterministic or torch.are_deterministic_algorithms_enabled(), *features, bias_grad)
+    if not bias_grad:
+        return dq, dk, dv, None
+    broadcast = [d for d in range(4) if bias.shape[d] == 1 and dbias.shape[d] != 1]  # sum where it broadcast
+    return dq, dk, dv, (dbias.sum(broadcast, keepdim=True) if broadcast else dbias).to(bias.dtype)
+
+
+def _fwd_backward(ctx, dout, dlse):
+    needs = ctx.needs_input_grad
+    dq, dk, dv, dbias = _gradients(ctx, dout, dlse, len(needs) > _BIAS_INDEX and needs[_BIAS_INDEX])
     return ((dq, dk, dv, None, None, None, dbias) + (None,) * (len(FEATURES) - 1))[:ctx.n_inputs]
 
 
@@ -135,27 +146,31 @@ class _FwdWithGrad(torch.autograd.Function):
     rebuilds the op's argument list from its schema on every call (torch/_library/autograd.py:
     fill_defaults reads schema.arguments once per argument), ~90 us of Python per call on a 2-core
     CPU with torch 2.13: longer than the whole kernel of a small call (bf16, L = 1024, causal:
-    ~40 us on an H200), whose timing then measures the CPU."""
+    ~40 us on an H200), whose timing then measures the CPU. The arguments come as q, k, v,
+    attn_bias (those that take gradients) and one tuple of the rest: apply() costs per argument."""
 
     @staticmethod
-    def forward(ctx, *inputs):
-        output = torch.ops.flashattn.fwd.default(*inputs)
-        _fwd_setup_context(ctx, inputs, output)
-        return output
+    def forward(ctx, q, k, v, attn_bias, rest):
+        scale, causal, deterministic, *others = rest
+        features = (attn_bias, *others)
+        out, lse = torch.ops.flashattn.fwd.default(q, k, v, scale, causal, deterministic, *features)
+        _save_for_backward(ctx, q, k, v, scale, causal, deterministic, features, out, lse)
+        return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        return _fwd_backward(ctx, dout, dlse)
+        return *_gradients(ctx, dout, dlse, ctx.needs_input_grad[3]), None
 
 
 def fwd(q, k, v, scale, causal, deterministic=False, **features):
     """flashattn::fwd, differentiable; `features` as the op names them. Where autograd records
     the call (outside torch.compile, which traces the op's registered formula), through
     _FwdWithGrad."""
-    inputs = (q, k, v, scale, causal, deterministic) + tuple(features.pop(name, default) for name, default in FEATURES)
+    values = tuple(features.pop(name, default) for name, default in FEATURES)
     if features:
         raise TypeError(f"flashattn_ext: unknown feature arguments {sorted(features)}")
-    if torch.is_grad_enabled() and not torch.compiler.is_compiling() and any(
-            isinstance(t, torch.Tensor) and t.requires_grad for t in inputs):
-        return _FwdWithGrad.apply(*inputs)
-    return torch.ops.flashattn.fwd.default(*inputs)
+    bias = values[0]
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (
+            bias is not None and bias.requires_grad)) and not torch.compiler.is_compiling():
+        return _FwdWithGrad.apply(q, k, v, bias, (scale, causal, deterministic) + values[1:])
+    return torch.ops.flashattn.fwd.default(q, k, v, scale, causal, deterministic, *values)
