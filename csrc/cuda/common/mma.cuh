@@ -1,6 +1,6 @@
 // Warp-level tensor-core instructions (sm_80+) as small inline functions: mma.sync for
-// fp16/bf16 (m16n8k16) and fp64 (m8n8k4; m16n8k8 on sm_90+), and ldmatrix. On older archs the bodies compile to
-// nothing; dispatch never launches the kernels that use them there.
+// fp16/bf16 (m16n8k16) and fp64 (m8n8k4; m16n8k8 on sm_90+), and ldmatrix. On older archs the
+// bodies compile to nothing; dispatch never launches the kernels that use them there.
 #pragma once
 #include <cstdint>
 
