@@ -46,6 +46,11 @@ for dtype in (torch.bfloat16, torch.float64, torch.float32):
     cu = torch.tensor([0, 33, 33, 130], device="cuda", dtype=torch.int32)
     qv, kv, vv = (torch.randn(130, 2, 64, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
     flash_attn_varlen_func(qv, kv, vv, cu, cu, 97, 97, causal=True).sum().backward()
+    if dtype == torch.bfloat16:  # the 2-D dK/dV kernel with a bool mask, then with a window
+        q6, k6, v6 = (torch.randn(1, 2, 150, 128, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+        keep = torch.rand(1, 1, 150, 150, device="cuda") > 0.2
+        scaled_dot_product_attention(q6, k6, v6, attn_mask=keep).sum().backward()
+        flash_attn_func(q6.transpose(1, 2), k6.transpose(1, 2), v6.transpose(1, 2), window_size=(50, 20)).sum().backward()
     if dtype == torch.bfloat16:  # the general variant above dim 128: warp pairs
         q5, k5, v5 = (torch.randn(1, 75, 2, 160, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
         flash_attn_func(q5, k5, v5, causal=True, softcap=5.0).sum().backward()

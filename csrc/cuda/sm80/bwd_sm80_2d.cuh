@@ -1,5 +1,7 @@
-// Tensor-core dK/dV kernel (with the atomic dQ) in a 2-D warp layout, for fp16/bf16 calls
-// without the optional features at dims 64, 96 and 128 (Bwd2dConfig). The block and its walk
+// Tensor-core dK/dV kernel (with the atomic dQ) in a 2-D warp layout, for fp16/bf16 calls at
+// dims 64, 96 and 128 (Bwd2dConfig) without the general per-score step: plain, or (kFeatures)
+// with a sliding window, a variable-length batch and a bias / mask, staged in smem per tile as
+// in bwd_sm80.cuh. The block and its walk
 // (query_walk.cuh) are those of bwd_sm80.cuh's kernel: one block per (batch, kv head, 128-key
 // tile); the products are laid out differently:
 //   S = Q K^T, dP = dO V^T      warps on a 2 x 4 grid of kBM / 2 rows x 32 keys (A: Q / dO rows,
@@ -24,6 +26,7 @@
 #include "../common/grid.cuh"
 #include "../common/numeric.cuh"
 #include "../common/online_softmax.cuh"
+#include "bias_tile.cuh"
 #include "dq_atomics.cuh"
 #include "fragments.cuh"
 #include "query_walk.cuh"
@@ -32,7 +35,7 @@
 
 namespace flashattn::cuda::sm80 {
 
-template <class Elem, int kDim>
+template <class Elem, int kDim, bool kFeatures>
 __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
     bwd_dkdv_2d_kernel(const BwdParams p, const float* dsum_g, float* dq_accum, int num_n_tiles) {
   using Cfg = Bwd2dConfig<Elem, kDim>;
@@ -56,13 +59,14 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
   Elem* sdS = sP + kBM * kLdP;       // [kBM][kLdP]
   Acc* sLse = reinterpret_cast<Acc*>(sdS + kBM * kLdP);  // [2][kBM], natural log as stored
   Acc* sD = sLse + 2 * kBM;                              // [2][kBM]
+  unsigned char* sBias = reinterpret_cast<unsigned char*>(sD + 2 * kBM);  // [2] bias tiles (kFeatures)
 
   const TileBlock blk = tile_block(num_n_tiles, 1, p.heads_kv, /*heaviest_first=*/false);
   const int64_t hk = blk.head, b = blk.batch;
   const int64_t group = p.heads_q / p.heads_kv;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const Seq sq = plain_sequence(p, b);
+  const Seq sq = kFeatures ? sequence(p, b) : plain_sequence(p, b);
   const int64_t n0 = int64_t(blk.tile) * kBN;
   if (n0 >= sq.len_k) return;
   const int rows_k = int(sq.len_k - n0 < kBN ? sq.len_k - n0 : kBN);
@@ -74,7 +78,12 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
   copy_tile_async<kBN, kDim, kThreads>(sV, kLd, sq.k_rows<const Elem>(p.v, p.v_stride, hk, n0), p.v_stride.row,
                                        rows_k, Ev, tid);
 
+  const BiasTileLayout bias_tile = kFeatures ? bias_tile_layout<kBM, kBN>(p) : BiasTileLayout{};
+  const bool bias_chunked = kFeatures && bias_rows_chunked(p);
   auto load = [&](int64_t h, int64_t m0, int buf) {
+    if (kFeatures && bias_tile.rows > 0)
+      stage_bias_tile<kBM, kBN, kThreads>(sBias + buf * bias_tile.buffer_bytes(), bias_tile, bias_chunked, p, sq,
+                                          h, m0, n0, int(sq.len_q - m0 < kBM ? sq.len_q - m0 : kBM), rows_k, tid);
     load_query_tile<kBM, kDim, kThreads>(sQ, sdO, sLse, sD, kLd, p, sq, dsum_g, h, m0, buf, tid);
   };
 
@@ -131,10 +140,13 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
 
     // P and dS, 0 wherever the key is not visible. Written once, instantiated for tiles every
     // row sees in full and for masked ones (which test (row, key) against the band, with bases
-    // clamped so that every comparison stays in 32 bits): the common case carries no test.
+    // clamped so that every comparison stays in 32 bits), and per bias element type: the common
+    // case carries no test. A bias term of -inf makes P 0 through the exp.
     const bool all_visible = n0 >= sq.key_begin(m0 + kBM - 1) && n0 + kBN <= sq.key_end(m0);
-    auto probs = [&](auto masked_tag) {
+    auto probs = [&](auto masked_tag, auto reader) {
       constexpr bool kMasked = decltype(masked_tag)::value;
+      using R = decltype(reader);
+      const unsigned char* bias_s = sBias + buf * bias_tile.buffer_bytes();
       int lo0 = 0, hi0 = 0, k_lim = 0;
       if constexpr (kMasked) {
         auto clamp_base = [](int64_t x) { return int(x < -kBM - 1 ? -kBM - 1 : x > kBN + 1 ? kBN + 1 : x); };
@@ -156,7 +168,10 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
               const int key = s_key + 8 * j + 2 * t + c, e = 2 * r + c;
               bool vis = row_on;
               if constexpr (kMasked) vis = vis && key - row >= lo0 && key - row <= hi0 && key < k_lim;
-              const Acc pr = Exp::exp_if(vis, s[i][j][e] * score_scale - lse);
+              Acc x = s[i][j][e] * score_scale - lse;
+              if constexpr (R::kBytes > 0)
+                x += Exp::score_scale(1.0) * reader.template value<Acc>(bias_s + bias_tile.offset(row, key));
+              const Acc pr = Exp::exp_if(vis, x);
               s[i][j][e] = pr;
               dp[i][j][e] = vis ? pr * (dp[i][j][e] - dsum) : Acc(0);
             }
@@ -164,8 +179,14 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
         }
       }
     };
-    if (all_visible) probs(std::false_type{});
-    else probs(std::true_type{});
+    auto probs_of_tile = [&](auto masked_tag) {
+      if constexpr (kFeatures)
+        with_bias_reader<Elem>(p.bias_kind, p.bias_dtype, [&](auto reader) { probs(masked_tag, reader); });
+      else
+        probs(masked_tag, NoBias{});
+    };
+    if (all_visible) probs_of_tile(std::false_type{});
+    else probs_of_tile(std::true_type{});
 #pragma unroll
     for (int i = 0; i < kRA; ++i)
 #pragma unroll
@@ -255,21 +276,24 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
 }
 
 // Launches the 2-D kernel where it serves the call; false where it does not (then the 1-D
-// kernel of bwd_sm80.cuh takes it). `operands_ok`: the 16-byte / pair alignment checks passed.
+// kernel of bwd_sm80.cuh takes it). Called only for calls without the general per-score step
+// (softcap, ALiBi, dropout, the bias gradient). `operands_ok`: the 16-byte / pair alignment
+// checks passed.
 template <class Elem, int kDim>
 bool launch_dkdv_2d(const BwdParams& p, const void* dsum, void* dq_accum, bool operands_ok, cudaStream_t stream) {
   using Cfg = Bwd2dConfig<Elem, kDim>;
   if constexpr (!Cfg::kServed) {
     return false;
   } else {
-    if (p.has_features() || !operands_ok || !tensor_cores_usable(Cfg::kSmemBytes)) return false;
+    const size_t smem = Cfg::kSmemBytes + 2 * size_t(bias_tile_layout<Cfg::kBM, Cfg::kBN>(p).buffer_bytes());
+    if (!operands_ok || !tensor_cores_usable(smem)) return false;
     const int64_t num_n_tiles = (p.len_k + Cfg::kBN - 1) / Cfg::kBN;
     const int64_t blocks = num_n_tiles * p.heads_kv * p.batch;
     if (blocks > 0x7fffffff) throw std::runtime_error("flashattn_ext CUDA backend: backward grid too large");
-    auto kernel = bwd_dkdv_2d_kernel<Elem, kDim>;
-    set_smem(kernel, Cfg::kSmemBytes, "sm80::bwd_dkdv_2d_kernel");
-    kernel<<<unsigned(blocks), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
-        p, static_cast<const float*>(dsum), static_cast<float*>(dq_accum), int(num_n_tiles));
+    auto kernel = p.has_features() ? bwd_dkdv_2d_kernel<Elem, kDim, true> : bwd_dkdv_2d_kernel<Elem, kDim, false>;
+    set_smem(kernel, smem, "sm80::bwd_dkdv_2d_kernel");
+    kernel<<<unsigned(blocks), Cfg::kThreads, smem, stream>>>(p, static_cast<const float*>(dsum),
+                                                              static_cast<float*>(dq_accum), int(num_n_tiles));
     check_launch("sm80::bwd_dkdv_2d_kernel");
     return true;
   }

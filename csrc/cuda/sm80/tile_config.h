@@ -79,7 +79,7 @@ struct BwdConfig {
 };
 
 // Backward with a 2-D warp layout (bwd_sm80_2d.cuh; fp16/bf16 at dims 64, 96, 128, calls without
-// the optional features): 8 warps, 128 keys per block, 64-row query tiles (128 at dim 64, which
+// the general per-score step; with a bias, its two tiles come on top of kSmemBytes): 8 warps, 128 keys per block, 64-row query tiles (128 at dim 64, which
 // the first version ran with 64 rows: 6-11% slower than the 1-D kernel). S and dP on a 2 x 4
 // warp grid of kBM / 2 rows x 32 keys, P and dS through smem once per tile, dK/dV on 4 x 2
 // warps of 32 keys x half the dims, dQ on 2 x 4 warps of kBM / 2 rows x a quarter of the dims:
