@@ -14,7 +14,7 @@ CASES = [  # (dtype, batch, heads_q, heads_kv, len_q, len_k, head_dim, head_dim_
     (torch.bfloat16, 1, 2, 2, 140, 190, 96, 96, 1),  # the 2-D dK/dV kernel at dim 96
     (torch.bfloat16, 2, 2, 1, 100, 75, 24, 32, 0),
     (torch.bfloat16, 1, 2, 1, 150, 97, 176, 192, 1),
-    (torch.bfloat16, 1, 2, 1, 90, 150, 256, 256, 1),  # warp pairs (dim 256)
+    (torch.bfloat16, 1, 2, 1, 90, 150, 256, 256, 1),  # the 2-D dK/dV kernel at dim 256 (3 key tiles)
     (torch.float64, 1, 2, 2, 50, 70, 128, 128, 0),  # warp pairs (fp64 dim 128)
     (torch.float64, 1, 1, 1, 17, 40, 256, 32, 2),
     (torch.float64, 1, 2, 1, 70, 45, 64, 48, 1),

@@ -1,13 +1,15 @@
 // Tensor-core dK/dV kernel (with the atomic dQ) in a 2-D warp layout, for fp16/bf16 calls at
-// dims 64, 96 and 128 (Bwd2dConfig) without the general per-score step: plain, or (kFeatures)
+// dims 64 to 256 (Bwd2dConfig) without the general per-score step: plain, or (kFeatures)
 // with a sliding window, a variable-length batch and a bias / mask, staged in smem per tile as
 // in bwd_sm80.cuh. The block and its walk
 // (query_walk.cuh) are those of bwd_sm80.cuh's kernel: one block per (batch, kv head, 128-key
 // tile); the products are laid out differently:
-//   S = Q K^T, dP = dO V^T      warps on a 2 x 4 grid of kBM / 2 rows x 32 keys (A: Q / dO rows,
-//                               B: K / V rows; each fragment serves 4 (A) or 2 (B) MMAs)
+//   S = Q K^T, dP = dO V^T      warps on a grid of rows x 32 keys (2 x 4 of kBM / 2 rows for
+//                               128-key blocks, 4 x 2 of kBM / 4 rows for 64; A: Q / dO rows,
+//                               B: K / V rows)
 //   P, dS = P (dP - D)          in registers, stored to smem as [row][key] (Elem)
-//   dV += P^T dO, dK += dS^T Q  warps on 4 x 2: 32 keys x kDim / 2 dims (A: P^T / dS^T read
+//   dV += P^T dO, dK += dS^T Q  warps on a grid of 32 keys x dims (4 x 2 of kDim / 2 for
+//                               128-key blocks, 2 x 4 of kDim / 4 for 64; A: P^T / dS^T read
 //                               transposed from smem, B: dO / Q)
 //   dQ += dS K                  warps on 2 x 4 (kBM / 2 rows x kDim / 4 dims; 4 x 2 at dim 96),
 //                               added with atomics
@@ -43,8 +45,10 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
   using Acc = float;
   using Exp = ExpDomain<Acc>;
   constexpr int kBM = Cfg::kBM, kBN = Cfg::kBN, kLd = Cfg::kLd, kLdP = Cfg::kLdP, kThreads = Cfg::kThreads;
-  constexpr int kKA = kDim / 16;  // dK / dV atoms per 16-key group of a warp (half the dims)
-  constexpr int kRA = kBM / 32;   // 16-row groups of a warp in S / dP (half the rows)
+  constexpr int kKeyW = Cfg::kKeyWarps, kRowW = Cfg::kWarps / kKeyW;  // S / dP: kRowW x kKeyW
+  constexpr int kColW = Cfg::kWarps / kKeyW;                          // dK / dV: kKeyW x kColW
+  constexpr int kKA = kDim / kColW / 8;  // dK / dV atoms per 16-key group of a warp
+  constexpr int kRA = kBM / kRowW / 16;  // 16-row groups of a warp in S / dP
   constexpr int kQCW = Cfg::kDqColWarps, kQRW = Cfg::kWarps / kQCW;  // the dQ warp grid
   constexpr int kQA = kDim / kQCW / 8;  // dQ atoms per 16-row group of a warp
   constexpr int kRQ = kBM / kQRW / 16;  // 16-row groups of a warp in dQ
@@ -87,10 +91,10 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
     load_query_tile<kBM, kDim, kThreads>(sQ, sdO, sLse, sD, kLd, p, sq, dsum_g, h, m0, buf, tid);
   };
 
-  // This warp's places in the three layouts.
-  const int s_row = (kBM / 2) * (warp >> 2), s_key = 32 * (warp & 3);     // S, dP: 2 x 4
-  const int k_key = 32 * (warp & 3), k_col = (kDim / 2) * (warp >> 2);  // dK, dV: 4 x 2
-  const unsigned uwarp = unsigned(warp);  // (unsigned: / and % by the constants are shifts)
+  // This warp's places in the three layouts (unsigned: / and % by the constants are shifts).
+  const unsigned uwarp = unsigned(warp);
+  const int s_row = (kBM / kRowW) * int(uwarp / kKeyW), s_key = 32 * int(uwarp % kKeyW);   // S, dP
+  const int k_key = 32 * int(uwarp % kKeyW), k_col = (kDim / kColW) * int(uwarp / kKeyW);  // dK, dV
   const int q_row = (kBM / kQRW) * int(uwarp / kQCW), q_col = (kDim / kQCW) * int(uwarp % kQCW);  // dQ
 
   Acc dk[2][kKA][4], dv[2][kKA][4];
@@ -107,7 +111,7 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
     const Acc* lse_s = sLse + buf * kBM;
     const Acc* d_s = sD + buf * kBM;
 
-    // S and dP of the warp's kBM / 2 rows x 32 keys: [row group][key atom].
+    // S and dP of the warp's rows x 32 keys: [row group][key atom].
     Acc s[kRA][4][4], dp[kRA][4][4];
 #pragma unroll
     for (int i = 0; i < kRA; ++i)
@@ -199,7 +203,7 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
         }
     __syncthreads();  // P, dS of the whole tile in smem
 
-    // dV += P^T dO and dK += dS^T Q over the tile's rows, for the warp's 32 keys x kDim / 2 dims.
+    // dV += P^T dO and dK += dS^T Q over the tile's rows, for the warp's 32 keys x kDim / kColW dims.
 #pragma unroll
     for (int kk = 0; kk < kBM; kk += M::kK) {
       typename M::A ap[2], ads[2];

@@ -2,13 +2,15 @@
 // checks that decide whether they can run.
 //
 // Shapes (measured on the H200; see benchmarks/NOTES_sm80.md):
-//   fp16/bf16: 4 warps x 32 query rows (B fragments serve two row groups), 2 blocks per SM;
+//   fp16/bf16: up to dim 128 4 warps x 32 query rows (B fragments serve two row groups), 2 blocks per SM;
 //              64-key tiles up to dim 128, 32 above (no register spills; with 64 instead of
 //              32 keys the forward measured 19-24% faster at dim 96, 5-9% at 128). The
 //              feature variant keeps 32-key tiles above dim 64. The plain variant up to dim
 //              64 takes 128-key tiles (than 64: 9-10% faster at dim 32, 5-6% at 64, where Q
 //              then comes from smem per tile to stay within 255 registers). 8 warps x 16 rows at 128
-//              registers measured 1-2% slower. Dims 192 and 256: 16 rows per warp.
+//              registers measured 1-2% slower. Dims 192 and 256: 8 warps x 16 rows and 64-key
+//              tiles, one block per SM (FlashAttention-2's shape; 244 registers at 256), the
+//              feature variant 4 warps and 32-key tiles.
 //   fp64: 16 rows per warp (the fp64 accumulators take twice the registers); dim 64: 4 warps,
 //         32-key tiles (2 blocks per SM); dim 128: 8 warps, 16-key tiles (1 block per SM, 8
 //         warps to hide the DMMA latency).
@@ -30,9 +32,9 @@ template <class Elem, int kDim, bool kFeatures = false>
 struct FwdConfig {
   static constexpr bool kHalf = sizeof(Elem) == 2;
   static constexpr bool kDouble = std::is_same_v<Elem, double>;
-  static constexpr int kWarps = kDouble && kDim > 64 ? 8 : 4;
+  static constexpr int kWarps = (kDouble && kDim > 64) || (kHalf && kDim > 128 && !kFeatures) ? 8 : 4;
   static constexpr int kMW = kHalf && kDim <= 128 ? 2 : 1;  // 16-row groups per warp
-  static constexpr int kBN = kDouble ? (kDim > 64 ? 16 : 32) : (kDim > 128 || (kFeatures && kDim > 64) ? 32 : !kFeatures && kDim <= 64 ? 128 : 64);
+  static constexpr int kBN = kDouble ? (kDim > 64 ? 16 : 32) : ((kFeatures && kDim > 64) ? 32 : !kFeatures && kDim <= 64 ? 128 : 64);
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kBM = 16 * kMW * kWarps;
   static constexpr int kLd = kDim + 8;  // smem row pitch in elements
@@ -78,22 +80,27 @@ struct BwdConfig {
       size_t((2 * kBN + 4 * kBM) * kLd + kBN * kLdS) * sizeof(Elem) + 4 * kBM * sizeof(Acc) + kExchangeBytes;
 };
 
-// Backward with a 2-D warp layout (bwd_sm80_2d.cuh; fp16/bf16 at dims 64, 96, 128, calls without
-// the general per-score step; with a bias, its two tiles come on top of kSmemBytes): 8 warps, 128 keys per block, 64-row query tiles (128 at dim 64, which
-// the first version ran with 64 rows: 6-11% slower than the 1-D kernel). S and dP on a 2 x 4
-// warp grid of kBM / 2 rows x 32 keys, P and dS through smem once per tile, dK/dV on 4 x 2
-// warps of 32 keys x half the dims, dQ on 2 x 4 warps of kBM / 2 rows x a quarter of the dims:
-// fewer ldmatrix per MMA than BwdConfig's 1-D layout (counted per warp and tile: dim 128
-// 152 / 320 against 184 / 320; dim 64 with 128-row tiles 168 / 320 against 56 / 80). Measured
-// (H200, bf16): backward +3-12% at dim 64, +7-11% at 128.
+// Backward with a 2-D warp layout (bwd_sm80_2d.cuh; fp16/bf16 calls without the general
+// per-score step; with a bias, its two tiles come on top of kSmemBytes): 8 warps. Up to dim 128:
+// 128 keys per block, 64-row query tiles (128 at dim 64, which the first version ran with 64
+// rows: 6-11% slower than the 1-D kernel); S and dP on a 2 x 4 warp grid of kBM / 2 rows x 32
+// keys, dK/dV on 4 x 2 warps of 32 keys x half the dims. Dims 192 and 256 (FlashAttention-2's
+// shape there): 64 keys x 64 rows, S and dP on 4 x 2 warps of 16 rows x 32 keys, dK/dV on 2 x 4
+// warps of 32 keys x a quarter of the dims (dK and dV then take 128 registers, as at dim 128).
+// P and dS go through smem once per tile; dQ on 2 x 4 warps of kBM / 2 rows x a quarter of
+// the dims. Fewer ldmatrix per MMA than BwdConfig's 1-D layout (counted per warp and tile: dim
+// 128 152 / 320 against 184 / 320; dim 64 with 128-row tiles 168 / 320 against 56 / 80).
+// Measured (H200, bf16): backward +3-12% at dim 64, +7-11% at 128.
 template <class Elem, int kDim>
 struct Bwd2dConfig {
-  static constexpr bool kServed = sizeof(Elem) == 2 && (kDim == 64 || kDim == 96 || kDim == 128);
+  static constexpr bool kServed = sizeof(Elem) == 2 && kDim >= 64;  // tiers 64, 96, 128, 192, 256
   static constexpr int kWarps = 8, kThreads = 32 * kWarps;
+  static constexpr int kBN = kDim <= 128 ? 128 : 64, kBM = kDim <= 64 ? 128 : 64;
+  // Warps across the keys in S / dP and in dK / dV: each takes 32 keys.
+  static constexpr int kKeyWarps = kBN / 32;
   // dQ warp grid: 2 x 4 (kBM / 2 rows x kDim / 4 dims), or 4 x 2 where a quarter of the dims is
   // not a whole number of 16-wide atom pairs (dim 96).
   static constexpr int kDqColWarps = (kDim / 4) % 16 == 0 ? 4 : 2;
-  static constexpr int kBN = 128, kBM = kDim <= 64 ? 128 : 64;
   static constexpr int kLd = kDim + 8;   // K, V, Q, dO rows
   static constexpr int kLdP = kBN + 8;   // P, dS rows (one per query)
   static constexpr size_t kSmemBytes =
