@@ -91,10 +91,12 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
     load_query_tile<kBM, kDim, kThreads>(sQ, sdO, sLse, sD, kLd, p, sq, dsum_g, h, m0, buf, tid);
   };
 
-  // This warp's places in the three layouts (unsigned: / and % by the constants are shifts).
-  const unsigned uwarp = unsigned(warp);
-  const int s_row = (kBM / kRowW) * int(uwarp / kKeyW), s_key = 32 * int(uwarp % kKeyW);   // S, dP
-  const int k_key = 32 * int(uwarp % kKeyW), k_col = (kDim / kColW) * int(uwarp / kKeyW);  // dK, dV
+  // This warp's places in the three layouts (kKeyW is 2 or 4: shifts and masks).
+  constexpr int kKeyShift = kKeyW == 4 ? 2 : 1;
+  static_assert(kKeyW == 1 << kKeyShift, "2 or 4 key warps");
+  const int s_row = (kBM / kRowW) * (warp >> kKeyShift), s_key = 32 * (warp & (kKeyW - 1));   // S, dP
+  const int k_key = 32 * (warp & (kKeyW - 1)), k_col = (kDim / kColW) * (warp >> kKeyShift);  // dK, dV
+  const unsigned uwarp = unsigned(warp);  // (unsigned: / and % by the constants are shifts)
   const int q_row = (kBM / kQRW) * int(uwarp / kQCW), q_col = (kDim / kQCW) * int(uwarp % kQCW);  // dQ
 
   Acc dk[2][kKA][4], dv[2][kKA][4];
