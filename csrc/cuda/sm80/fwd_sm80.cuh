@@ -3,7 +3,9 @@
 //
 // One block per (batch, query head, kBM-row query tile); each warp owns 16 * kMW query rows.
 // Q stays in smem; K and V tiles of kBN keys (and the mask/bias tile when the call has one) are
-// double-buffered and prefetched with cp.async while the current pair is used. Per key tile a
+// double-buffered and prefetched with cp.async while the current pair is used; or
+// (FwdConfig::kStaggered, large dims) one buffer each, V loading while S and the softmax run
+// and the next K while P V runs. Per key tile a
 // warp forms S = Q K^T in registers, applies the causal / ragged-edge mask only on tiles that
 // need it, runs the online softmax on its rows (row statistics reduce over a quad) and adds P V
 // into the O accumulators, P taken straight from the S registers. O and the LSE are written
@@ -49,8 +51,9 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim, kFeatures>::kThreads)
   extern __shared__ __align__(16) unsigned char smem_raw[];
   Elem* sQ = reinterpret_cast<Elem*>(smem_raw);
   Elem* sK = sQ + kBM * kLd;
-  Elem* sV = sK + 2 * kBN * kLd;
-  unsigned char* sBias = reinterpret_cast<unsigned char*>(sV + 2 * kBN * kLd);  // [2] bias tiles
+  constexpr int kKvBufs = Cfg::kStaggered ? 1 : 2;
+  Elem* sV = sK + kKvBufs * kBN * kLd;
+  unsigned char* sBias = reinterpret_cast<unsigned char*>(sV + kKvBufs * kBN * kLd);  // [2] bias tiles
 
   const TileBlock blk = tile_block(num_m_tiles, 1, p.heads_q, /*heaviest_first=*/true);
   const int mt = blk.tile;
@@ -79,19 +82,22 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim, kFeatures>::kThreads)
   const int64_t n_end = sq.key_end(m_last);
   const BiasTileLayout bias_tile = kFeatures ? bias_tile_layout<kBM, kBN>(p) : BiasTileLayout{};
   const bool bias_chunked = kFeatures && bias_rows_chunked(p);
-  auto load_kv = [&](int64_t n0, int buf) {
-    const int rows_k = int(sq.len_k - n0 < kBN ? sq.len_k - n0 : kBN);
+  auto rows_k = [&](int64_t n0) { return int(sq.len_k - n0 < kBN ? sq.len_k - n0 : kBN); };
+  auto load_k = [&](int64_t n0, int buf) {
     if (kFeatures && bias_tile.rows > 0)
       stage_bias_tile<kBM, kBN, kThreads>(sBias + buf * bias_tile.buffer_bytes(), bias_tile, bias_chunked, p, sq,
-                                          h, m0, n0, rows_q, rows_k, tid);
+                                          h, m0, n0, rows_q, rows_k(n0), tid);
     copy_tile_async<kBN, kDim, kThreads>(sK + buf * kBN * kLd, kLd, k + n0 * p.k_stride.row,
-                                         p.k_stride.row, rows_k, E, tid);
+                                         p.k_stride.row, rows_k(n0), E, tid);
+  };
+  auto load_v = [&](int64_t n0, int buf) {
     copy_tile_async<kBN, kDim, kThreads>(sV + buf * kBN * kLd, kLd, v + n0 * p.v_stride.row,
-                                         p.v_stride.row, rows_k, Ev, tid);
+                                         p.v_stride.row, rows_k(n0), Ev, tid);
   };
   if (n_end > n_begin) {
     copy_tile_async<kBM, kDim, kThreads>(sQ, kLd, q, p.q_stride.row, rows_q, E, tid);
-    load_kv(n_begin, 0);
+    load_k(n_begin, 0);
+    if (!Cfg::kStaggered) load_v(n_begin, 0);
   }
   cp_async_commit();
 
@@ -124,10 +130,15 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim, kFeatures>::kThreads)
   // A key offset from n0, clamped to the tile: the row's band as 32-bit column bounds.
   auto tile_column = [](int64_t x) { return int(x < 0 ? 0 : x > kBN ? kBN : x); };
   const DropoutMask<Acc> drop(p, sq, h);
-  for (int64_t n0 = n_begin; n0 < n_end; n0 += kBN, buf ^= 1) {
+  for (int64_t n0 = n_begin; n0 < n_end; n0 += kBN, buf = Cfg::kStaggered ? 0 : buf ^ 1) {
     cp_async_wait<0>();
-    __syncthreads();  // this K/V landed for all; every warp is done with the other buffer
-    if (n0 + kBN < n_end) load_kv(n0 + kBN, buf ^ 1);
+    __syncthreads();  // this K (and V) landed for all; every warp is done with the other buffer
+    if constexpr (Cfg::kStaggered) {
+      load_v(n0, 0);  // lands while S and the softmax run
+    } else if (n0 + kBN < n_end) {
+      load_k(n0 + kBN, buf ^ 1);
+      load_v(n0 + kBN, buf ^ 1);
+    }
     cp_async_commit();
     const Elem* k_s = sK + buf * kBN * kLd;
     const Elem* v_s = sV + buf * kBN * kLd;
@@ -296,6 +307,13 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim, kFeatures>::kThreads)
               if (!drop.keep(m, n0 + 8 * j + 2 * t + cc)) s[mw][j][2 * r + cc] = Acc(0);
         }
       }
+    }
+
+    if constexpr (Cfg::kStaggered) {
+      cp_async_wait<0>();
+      __syncthreads();  // V landed for all; every warp is done with K
+      if (n0 + kBN < n_end) load_k(n0 + kBN, 0);  // lands while P V runs
+      cp_async_commit();
     }
 
     // O = alpha O + P V, P taken straight from the S registers.

@@ -34,11 +34,14 @@ struct FwdConfig {
   static constexpr bool kDouble = std::is_same_v<Elem, double>;
   static constexpr int kWarps = kDouble && kDim > 64 ? 8 : 4;
   static constexpr int kMW = kHalf && kDim <= 128 ? 2 : 1;  // 16-row groups per warp
-  static constexpr int kBN = kDouble ? (kDim > 64 ? 16 : 32) : (kDim > 128 || (kFeatures && kDim > 64) ? 32 : !kFeatures && kDim <= 64 ? 128 : 64);
+  // Above dim 128 the plain variant takes 64-key tiles with one K and one V buffer, loaded in
+  // turn (FlashAttention-2's scheme): double-buffered, they would leave one block of 4 warps per SM.
+  static constexpr bool kStaggered = kHalf && kDim > 128 && !kFeatures;
+  static constexpr int kBN = kDouble ? (kDim > 64 ? 16 : 32) : ((kFeatures && kDim > 64) ? 32 : !kFeatures && kDim <= 64 ? 128 : 64);
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kBM = 16 * kMW * kWarps;
   static constexpr int kLd = kDim + 8;  // smem row pitch in elements
-  static constexpr size_t kSmemBytes = size_t(kBM + 4 * kBN) * kLd * sizeof(Elem);
+  static constexpr size_t kSmemBytes = size_t(kBM + (kStaggered ? 2 : 4) * kBN) * kLd * sizeof(Elem);
   static_assert(kDim % 16 == 0 && kBN % 16 == 0, "products step over pairs of 8-wide atoms");
 };
 
