@@ -38,6 +38,8 @@ struct FwdConfig {
   // turn (FlashAttention-2's scheme): double-buffered, they would leave one block of 4 warps per SM.
   static constexpr bool kStaggered = kHalf && kDim > 128 && !kFeatures;
   static constexpr int kBN = kDouble ? (kDim > 64 ? 16 : 32) : ((kFeatures && kDim > 64) ? 32 : !kFeatures && kDim <= 64 ? 128 : 64);
+  // K and V tiles copied without per-chunk predicates where full (copy_tile_async).
+  static constexpr bool kFullTileCopies = kHalf;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kBM = 16 * kMW * kWarps;
   static constexpr int kLd = kDim + 8;  // smem row pitch in elements
