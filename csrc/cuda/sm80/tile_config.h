@@ -3,14 +3,15 @@
 //
 // Shapes (measured on the H200; see benchmarks/NOTES_sm80.md):
 //   fp16/bf16: 4 warps x 32 query rows (B fragments serve two row groups), 2 blocks per SM;
-//              64-key tiles up to dim 128, 32 above (no register spills; with 64 instead of
-//              32 keys the forward measured 19-24% faster at dim 96, 5-9% at 128). The
-//              feature variant keeps 32-key tiles above dim 64. The plain variant up to dim
-//              64 takes 128-key tiles (than 64: 9-10% faster at dim 32, 5-6% at 64, where Q
-//              then comes from smem per tile to stay within 255 registers). 8 warps x 16 rows at 128
-//              registers measured 1-2% slower. Dims 192 and 256: 16 rows per warp (8 warps x 16 rows
-//              with 64-key tiles, FlashAttention-2's shape, measured +2-4% non-causal, -3-4%
-//              causal at L = 1024: not kept).
+//              64-key tiles up to dim 128 (with 64 instead of 32 keys the forward measured
+//              19-24% faster at dim 96, 5-9% at 128). The feature variant keeps 32-key tiles
+//              above dim 64. The plain variant up to dim 64 takes 128-key tiles (than 64: 9-10%
+//              faster at dim 32, 5-6% at 64, where Q then comes from smem per tile to stay
+//              within 255 registers). 8 warps x 16 rows at 128 registers measured 1-2% slower.
+//              Dims 192 and 256: 4 warps x 16 rows, 64-key tiles with one K and one V buffer
+//              (kStaggered; than double-buffered 32-key tiles: +19-25% at 192, +8-14% at 256).
+//              8 warps x 16 rows with double-buffered 64-key tiles (one block per SM) measured
+//              +2-4% non-causal, -3-4% causal at L = 1024: not kept.
 //   fp64: 16 rows per warp (the fp64 accumulators take twice the registers); dim 64: 4 warps,
 //         32-key tiles (2 blocks per SM); dim 128: 8 warps, 16-key tiles (1 block per SM, 8
 //         warps to hide the DMMA latency).
@@ -38,8 +39,9 @@ struct FwdConfig {
   // turn (FlashAttention-2's scheme): double-buffered, they would leave one block of 4 warps per SM.
   static constexpr bool kStaggered = kHalf && kDim > 128 && !kFeatures;
   static constexpr int kBN = kDouble ? (kDim > 64 ? 16 : 32) : ((kFeatures && kDim > 64) ? 32 : !kFeatures && kDim <= 64 ? 128 : 64);
-  // K and V tiles copied without per-chunk predicates where full (copy_tile_async).
-  static constexpr bool kFullTileCopies = kHalf;
+  // Full K and V tiles copied without per-chunk predicates (copy_tile_async) at dim 64: +2-3%
+  // there; at 96, 128 and 192 measured 1-6% slower, at 256 +-1% (H200, bf16), so not there.
+  static constexpr bool kFullTileCopies = kHalf && kDim == 64;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kBM = 16 * kMW * kWarps;
   static constexpr int kLd = kDim + 8;  // smem row pitch in elements
