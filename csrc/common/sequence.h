@@ -23,6 +23,10 @@ struct Seq {
   FLASHATTN_HD int64_t key_end(int64_t row) const { return band.key_end(row, len_k); }
   FLASHATTN_HD int64_t row_begin(int64_t key) const { return band.row_begin(key, len_q); }
   FLASHATTN_HD int64_t row_end(int64_t key) const { return band.row_end(key, len_q); }
+  // Rows of the sequence in the query tile that starts at row m0 and in the key tile at key n0
+  // (tiles of `tile` rows; fewer at the sequence's end).
+  FLASHATTN_HD int q_tile_rows(int64_t m0, int tile) const { return int(len_q - m0 < tile ? len_q - m0 : tile); }
+  FLASHATTN_HD int k_tile_rows(int64_t n0, int tile) const { return int(len_k - n0 < tile ? len_k - n0 : tile); }
   // Row `m` (counted within the sequence) of head h of a q-shaped operand (q, out, dout, dq),
   // and row `n` of head h of a k-shaped one (k, v, dk, dv), as typed pointers; T carries the
   // const of the operand.

@@ -194,7 +194,7 @@ __global__ void __launch_bounds__(BwdTraits<T, kTier, kWide>::kThreads, 2)
     const int E = int(p.head_dim), Ev = int(p.head_dim_v);
     const int e_max = E > Ev ? E : Ev;
     const int d0 = split * kTier;
-    const int rows_k = int(sq.len_k - n0 < kB ? sq.len_k - n0 : kB);
+    const int rows_k = sq.k_tile_rows(n0, kB);
     const Acc score_scale = ExpDomain<Acc>::score_scale(p.scale);
 
     const T* k = sq.k_rows<const T>(p.k, p.k_stride, hk, n0);
@@ -224,7 +224,7 @@ __global__ void __launch_bounds__(BwdTraits<T, kTier, kWide>::kThreads, 2)
                                split == 0 ? dbias_rows<Acc>(p, sq, h) : nullptr};
 
       for (int64_t m0 = m_begin; m0 < m_end; m0 += kB) {
-        const int rows_q = int(sq.len_q - m0 < kB ? sq.len_q - m0 : kB);
+        const int rows_q = sq.q_tile_rows(m0, kB);
         const T* q = q_h + m0 * p.q_stride.row;
         const T* dout = do_h + m0 * p.dout_stride.row;
         Acc s[4][kTN], dp[4][kTN], lse[4], dsum[4];
@@ -317,7 +317,7 @@ __global__ void __launch_bounds__(BwdTraits<T, kTier, true>::kThreads, 2)
   const int tid = threadIdx.x, r = tid >> 4, c = tid & 15;
   const int E = int(p.head_dim), Ev = int(p.head_dim_v);
   const int d0 = split * kTier;
-  const int rows_q = int(sq.len_q - m0 < kB ? sq.len_q - m0 : kB);
+  const int rows_q = sq.q_tile_rows(m0, kB);
   const Acc score_scale = ExpDomain<Acc>::score_scale(p.scale);
   const BwdFeatures<Acc> f{sq, ScoreMods<Acc>(p, sq, h), DropoutMask<Acc>(p, sq, h), nullptr};
 
@@ -339,7 +339,7 @@ __global__ void __launch_bounds__(BwdTraits<T, kTier, true>::kThreads, 2)
 
   const int64_t n_end = sq.key_end(m0 + rows_q - 1);
   for (int64_t n0 = sq.key_begin(m0) / kB * kB; n0 < n_end; n0 += kB) {
-    const int rows_k = int(sq.len_k - n0 < kB ? sq.len_k - n0 : kB);
+    const int rows_k = sq.k_tile_rows(n0, kB);
     const T* k = k_h + n0 * p.k_stride.row;
     const T* v = v_h + n0 * p.v_stride.row;
     Acc s[4][kTN], dp[4][kTN];

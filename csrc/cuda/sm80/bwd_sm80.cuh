@@ -142,7 +142,7 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim, kGeneral>::kThreads, Bwd
   const Seq sq = kFeatures ? sequence(p, b) : plain_sequence(p, b);
   const int64_t n0 = int64_t(nt) * kBN;
   if (n0 >= sq.len_k) return;
-  const int rows_k = int(sq.len_k - n0 < kBN ? sq.len_k - n0 : kBN);
+  const int rows_k = sq.k_tile_rows(n0, kBN);
   const int E = int(p.head_dim), Ev = int(p.head_dim_v);
   const Acc score_scale = Exp::score_scale(p.scale);
 
@@ -156,7 +156,7 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim, kGeneral>::kThreads, Bwd
   auto load = [&](int64_t h, int64_t m0, int buf) {
     if (kFeatures && bias_tile.rows > 0)
       stage_bias_tile<kBM, kBN, kThreads>(sBias + buf * bias_tile.buffer_bytes(), bias_tile, bias_chunked, p, sq,
-                                          h, m0, n0, int(sq.len_q - m0 < kBM ? sq.len_q - m0 : kBM), rows_k, tid);
+                                          h, m0, n0, sq.q_tile_rows(m0, kBM), rows_k, tid);
     load_query_tile<kBM, kDim, kThreads>(sQ, sdO, sLse, sD, kLd, p, sq, dsum_g, h, m0, buf, tid);
   };
 
@@ -215,7 +215,7 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim, kGeneral>::kThreads, Bwd
       featured = mods_beyond_bias(p) || drop.on || p.dbias != nullptr;
       if (featured) {
         band_bases();
-        const int q_lim = int(sq.len_q - m0 < kBM ? sq.len_q - m0 : kBM);  // rows past it are padding
+        const int q_lim = sq.q_tile_rows(m0, kBM);  // rows past it are padding
         const unsigned char* bias_s = sBias + buf * bias_tile.buffer_bytes();
         // Sets of up to 8 scores (few registers beside dK, dV): per key of the lane (kw = g,
         // g + 8), its rows 8j + 2t (+1) of kSet / 2 consecutive j.
@@ -332,7 +332,7 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim, kGeneral>::kThreads, Bwd
         }
       }
       Acc* dq_tile = dq_accum + sq.row_index(p.heads_q, h, m0) * E;
-      add_dq_atoms(dq_tile, dq, 16 * rg, cg * kQCols, int(sq.len_q - m0 < kBM ? sq.len_q - m0 : kBM), E, lane);
+      add_dq_atoms(dq_tile, dq, 16 * rg, cg * kQCols, sq.q_tile_rows(m0, kBM), E, lane);
     }
   });
 
@@ -385,7 +385,7 @@ __global__ void __launch_bounds__(DqConfig<Elem, kDim>::kThreads)
   const Seq sq = kFeatures ? sequence(p, b) : plain_sequence(p, b);
   const int64_t m0 = int64_t(mt) * kBM;
   if (m0 >= sq.len_q) return;
-  const int rows_q = int(sq.len_q - m0 < kBM ? sq.len_q - m0 : kBM);
+  const int rows_q = sq.q_tile_rows(m0, kBM);
   const Acc score_scale = Exp::score_scale(p.scale);
   const int E = int(p.head_dim), Ev = int(p.head_dim_v);
 
@@ -400,7 +400,7 @@ __global__ void __launch_bounds__(DqConfig<Elem, kDim>::kThreads)
   const BiasTileLayout bias_tile = kFeatures ? bias_tile_layout<kBM, kBN>(p) : BiasTileLayout{};
   const bool bias_chunked = kFeatures && bias_rows_chunked(p);
   auto load_kv = [&](int64_t n0, int buf) {
-    const int rows_k = int(sq.len_k - n0 < kBN ? sq.len_k - n0 : kBN);
+    const int rows_k = sq.k_tile_rows(n0, kBN);
     if (kFeatures && bias_tile.rows > 0)
       stage_bias_tile<kBM, kBN, kThreads>(sBias + buf * bias_tile.buffer_bytes(), bias_tile, bias_chunked, p, sq,
                                           h, m0, n0, rows_q, rows_k, tid);

@@ -73,7 +73,7 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
   const Seq sq = kFeatures ? sequence(p, b) : plain_sequence(p, b);
   const int64_t n0 = int64_t(blk.tile) * kBN;
   if (n0 >= sq.len_k) return;
-  const int rows_k = int(sq.len_k - n0 < kBN ? sq.len_k - n0 : kBN);
+  const int rows_k = sq.k_tile_rows(n0, kBN);
   const int E = int(p.head_dim), Ev = int(p.head_dim_v);
   const Acc score_scale = Exp::score_scale(p.scale);
 
@@ -87,7 +87,7 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
   auto load = [&](int64_t h, int64_t m0, int buf) {
     if (kFeatures && bias_tile.rows > 0)
       stage_bias_tile<kBM, kBN, kThreads>(sBias + buf * bias_tile.buffer_bytes(), bias_tile, bias_chunked, p, sq,
-                                          h, m0, n0, int(sq.len_q - m0 < kBM ? sq.len_q - m0 : kBM), rows_k, tid);
+                                          h, m0, n0, sq.q_tile_rows(m0, kBM), rows_k, tid);
     load_query_tile<kBM, kDim, kThreads>(sQ, sdO, sLse, sD, kLd, p, sq, dsum_g, h, m0, buf, tid);
   };
 
@@ -255,7 +255,7 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
         }
       }
       Acc* dq_tile = dq_accum + sq.row_index(p.heads_q, h, m0) * E;
-      const int rows_valid = int(sq.len_q - m0 < kBM ? sq.len_q - m0 : kBM);
+      const int rows_valid = sq.q_tile_rows(m0, kBM);
 #pragma unroll
       for (int i = 0; i < kRQ; ++i) add_dq_atoms(dq_tile, dq[i], q_row + 16 * i, q_col, rows_valid, E, lane);
     }

@@ -67,7 +67,7 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim, kFeatures>::kThreads)
   const Seq sq = kFeatures ? sequence(p, b) : plain_sequence(p, b);
   const int64_t m0 = int64_t(mt) * kBM;
   if (m0 >= sq.len_q) return;
-  const int rows_q = int(sq.len_q - m0 < kBM ? sq.len_q - m0 : kBM);
+  const int rows_q = sq.q_tile_rows(m0, kBM);
   const Acc score_scale = Exp::score_scale(p.scale);
   const ScoreMods<Acc> mods(p, sq, h);
   const int E = int(p.head_dim), Ev = int(p.head_dim_v);
@@ -82,7 +82,7 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim, kFeatures>::kThreads)
   const int64_t n_end = sq.key_end(m_last);
   const BiasTileLayout bias_tile = kFeatures ? bias_tile_layout<kBM, kBN>(p) : BiasTileLayout{};
   const bool bias_chunked = kFeatures && bias_rows_chunked(p);
-  auto rows_k = [&](int64_t n0) { return int(sq.len_k - n0 < kBN ? sq.len_k - n0 : kBN); };
+  auto rows_k = [&](int64_t n0) { return sq.k_tile_rows(n0, kBN); };
   auto load_k = [&](int64_t n0, int buf) {
     if (kFeatures && bias_tile.rows > 0)
       stage_bias_tile<kBM, kBN, kThreads>(sBias + buf * bias_tile.buffer_bytes(), bias_tile, bias_chunked, p, sq,

@@ -20,7 +20,7 @@ template <int kBM, int kDim, int kThreads, class Elem, class Acc>
 __device__ __forceinline__ void load_query_tile(Elem* sQ, Elem* sdO, Acc* sLse, Acc* sD, int kLd, const BwdParams& p,
                                                 const Seq& sq, const Acc* dsum_g, int64_t h, int64_t m0, int buf,
                                                 int tid) {
-  const int rows = int(sq.len_q - m0 < kBM ? sq.len_q - m0 : kBM);
+  const int rows = sq.q_tile_rows(m0, kBM);
   copy_tile_async<kBM, kDim, kThreads>(sQ + buf * kBM * kLd, kLd, sq.q_rows<const Elem>(p.q, p.q_stride, h, m0),
                                        p.q_stride.row, rows, int(p.head_dim), tid);
   copy_tile_async<kBM, kDim, kThreads>(sdO + buf * kBM * kLd, kLd,
