@@ -88,11 +88,11 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim, kFeatures>::kThreads)
       stage_bias_tile<kBM, kBN, kThreads>(sBias + buf * bias_tile.buffer_bytes(), bias_tile, bias_chunked, p, sq,
                                           h, m0, n0, rows_q, rows_k(n0), tid);
     copy_tile_async<kBN, kDim, kThreads, Cfg::kFullTileCopies>(sK + buf * kBN * kLd, kLd, k + n0 * p.k_stride.row,
-                                         p.k_stride.row, rows_k(n0), E, tid);
+                                                               p.k_stride.row, rows_k(n0), E, tid);
   };
   auto load_v = [&](int64_t n0, int buf) {
     copy_tile_async<kBN, kDim, kThreads, Cfg::kFullTileCopies>(sV + buf * kBN * kLd, kLd, v + n0 * p.v_stride.row,
-                                         p.v_stride.row, rows_k(n0), Ev, tid);
+                                                               p.v_stride.row, rows_k(n0), Ev, tid);
   };
   if (n_end > n_begin) {
     copy_tile_async<kBM, kDim, kThreads>(sQ, kLd, q, p.q_stride.row, rows_q, E, tid);

@@ -19,30 +19,27 @@ __host__ __device__ constexpr int chunk_elems() { return 16 / int(sizeof(Elem));
 // arithmetic stays out of the unrolled loop (a strided loop from `tid` cost ~25 instructions per
 // chunk). Otherwise (dims 96, 192) the block walks the tile's chunks in order, kThreads at a
 // time (a division by the constant kPerRow per chunk).
-// kFullTilePath: a full tile (every row and column valid: all but a sequence's last tile and
-// padded head dims) takes a path without predicates, its source stepping by one stride. The
-// per-chunk bounds tests and 64-bit selects cost ~14 instructions per chunk where that path
-// needs ~3; whether it is faster depends on the kernel (FwdConfig says where it is taken).
+// kFullTilePath (in the layout where a row's chunks divide the block): a full tile (every row
+// and column valid: all but a sequence's last tile and padded head dims) takes a path without
+// predicates, its source stepping by one stride. The per-chunk bounds tests and 64-bit selects
+// cost ~14 instructions per chunk where that path needs ~3; whether it is faster depends on the
+// kernel (FwdConfig::kFullTileCopies says where it is taken).
 template <int kRows, int kCols, int kThreads, bool kFullTilePath = false, class Elem>
 __device__ __forceinline__ void copy_tile_async(Elem* s, int ld, const Elem* g, int64_t g_ld,
                                                 int rows, int cols, int tid) {
   constexpr int kChunk = chunk_elems<Elem>();
   constexpr int kPerRow = kCols / kChunk;
   static_assert(kCols % kChunk == 0, "tile width is a whole number of 16-byte chunks");
-  const bool full = kFullTilePath && rows >= kRows && cols >= kCols;
   if constexpr (kThreads % kPerRow != 0) {
+    static_assert(!kFullTilePath, "the full-tile path is written for the layout below");
     constexpr int kIters = (kRows * kPerRow + kThreads - 1) / kThreads;
 #pragma unroll
     for (int it = 0; it < kIters; ++it) {
       const int i = tid + it * kThreads;
       if ((kRows * kPerRow) % kThreads != 0 && i >= kRows * kPerRow) break;
       const int r = i / kPerRow, c = (i % kPerRow) * kChunk;
-      if (full) {
-        cp_async_16(s + r * ld + c, g + r * g_ld + c);
-      } else {
-        const bool valid = c < cols && r < rows;
-        cp_async_16_zfill(s + r * ld + c, valid ? g + r * g_ld + c : g, valid);
-      }
+      const bool valid = c < cols && r < rows;
+      cp_async_16_zfill(s + r * ld + c, valid ? g + r * g_ld + c : g, valid);
     }
     return;
   }
@@ -52,7 +49,7 @@ __device__ __forceinline__ void copy_tile_async(Elem* s, int ld, const Elem* g, 
   const Elem* src = g + r0 * g_ld + c;
   const int64_t src_step = kRowStep * g_ld;
   Elem* dst = s + r0 * ld + c;
-  if (full) {
+  if (kFullTilePath && rows >= kRows && cols >= kCols) {
 #pragma unroll
     for (int it = 0; it < kIters; ++it) {
       if (kRows % kRowStep != 0 && r0 + it * kRowStep >= kRows) break;
