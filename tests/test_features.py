@@ -164,6 +164,20 @@ def test_window(device, dtype, window, causal, lq, lk):
     check_features(_op(0.25, causal, **features), _ref(0.25, causal, window=window), [q, k, v])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("mask", [None, "bool"], ids=["window", "window_bool_mask"])
+@pytest.mark.parametrize("e", [64, 96, 128, 256])
+def test_window_and_mask_at_tensor_core_dims(device, dtype, mask, e):
+    """A window, alone and with a bool mask, at the head dims where the CUDA backward takes the
+    2-D dK/dV kernel's feature variant (at 256 the mask's tiles do not fit beside it: the 1-D
+    kernel), over several query and key tiles with ragged ends."""
+    q, k, v = _qkv(dtype, device, b=1, hq=2, hkv=1, lq=200, lk=300, e=e, ev=e)
+    features, ref_features = dict(window_left=70, window_right=10), dict(window=(70, 10))
+    if mask is not None:
+        features["attn_bias"] = ref_features["bias"] = _mask("bool", (1, 2, 200, 300), dtype, device)
+    check_features(_op(e**-0.5, NONE, **features), _ref(e**-0.5, NONE, **ref_features), [q, k, v])
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("causal", [NONE, BOTTOM_RIGHT], ids=["none", "bottom_right"])
 @pytest.mark.parametrize("per_batch", [False, True], ids=["H", "BH"])
@@ -315,8 +329,21 @@ def test_varlen_equals_each_sequence_alone(device, dtype, causal, features, lens
     on that sequence alone: out and lse identical on CPU (the same kernel; on CUDA a plain
     call may take a tensor-core kernel, so there equal to rounding), gradients equal to
     rounding."""
+    _check_varlen_against_each_sequence(device, dtype, causal, features, lens, e=16)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("e", [64, 128, 256])
+def test_varlen_at_tensor_core_dims(device, dtype, causal, e):
+    """As above at the head dims where a CUDA varlen backward takes the 2-D dK/dV kernel's
+    feature variant (and each sequence alone its plain variant)."""
+    _check_varlen_against_each_sequence(device, dtype, causal, "plain", LENS["mixed"], e=e)
+
+
+def _check_varlen_against_each_sequence(device, dtype, causal, features, lens, e):
     lens_q, lens_k = lens
-    q, k, v, cu_q, cu_k = _packed(lens_q, lens_k, dtype, device)
+    q, k, v, cu_q, cu_k = _packed(lens_q, lens_k, dtype, device, e=e)
     n = len(lens_q)
     opts = dict(causal=causal)
     slopes = torch.rand(n, 4, device=device)
@@ -324,7 +351,7 @@ def test_varlen_equals_each_sequence_alone(device, dtype, causal, features, lens
         opts.update(window_size=(20, 3), softcap=4.0)
     out, lse = flashattn_ext.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), return_lse=True,
                                                     alibi_slopes=None if features == "plain" else slopes, **opts)
-    assert out.shape == (sum(lens_q), 4, 16) and lse.shape == (4, sum(lens_q))
+    assert out.shape == (sum(lens_q), 4, e) and lse.shape == (4, sum(lens_q))
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     for b in range(n):
