@@ -154,10 +154,8 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim, kGeneral>::kThreads, Bwd
   const BiasTileLayout bias_tile = kFeatures ? bias_tile_layout<kBM, kBN>(p) : BiasTileLayout{};
   const bool bias_chunked = kFeatures && bias_rows_chunked(p);
   auto load = [&](int64_t h, int64_t m0, int buf) {
-    if (kFeatures && bias_tile.rows > 0)
-      stage_bias_tile<kBM, kBN, kThreads>(sBias + buf * bias_tile.buffer_bytes(), bias_tile, bias_chunked, p, sq,
-                                          h, m0, n0, sq.q_tile_rows(m0, kBM), rows_k, tid);
-    load_query_tile<kBM, kDim, kThreads>(sQ, sdO, sLse, sD, kLd, p, sq, dsum_g, h, m0, buf, tid);
+    load_query_tile<kBM, kBN, kDim, kThreads>(sQ, sdO, sLse, sD, sBias, kLd, bias_tile, bias_chunked, p, sq, dsum_g,
+                                              h, m0, n0, rows_k, buf, tid);
   };
 
   Acc dk[kDA][4], dv[kDA][4];

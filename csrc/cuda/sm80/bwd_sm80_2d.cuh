@@ -1,9 +1,9 @@
 // Tensor-core dK/dV kernel (with the atomic dQ) in a 2-D warp layout, for fp16/bf16 calls at
 // dims 64 to 256 (Bwd2dConfig) without the general per-score step: plain, or (kFeatures)
 // with a sliding window, a variable-length batch and a bias / mask, staged in smem per tile as
-// in bwd_sm80.cuh. The block and its walk
-// (query_walk.cuh) are those of bwd_sm80.cuh's kernel: one block per (batch, kv head, 128-key
-// tile); the products are laid out differently:
+// in bwd_sm80.cuh. The block and its walk (query_walk.cuh) are those of bwd_sm80.cuh's kernel:
+// one block per (batch, kv head, key tile of kBN = 128 keys, 64 above dim 128); the products
+// are laid out differently:
 //   S = Q K^T, dP = dO V^T      warps on a grid of rows x 32 keys (2 x 4 of kBM / 2 rows for
 //                               128-key blocks, 4 x 2 of kBM / 4 rows for 64; A: Q / dO rows,
 //                               B: K / V rows)
@@ -85,10 +85,8 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
   const BiasTileLayout bias_tile = kFeatures ? bias_tile_layout<kBM, kBN>(p) : BiasTileLayout{};
   const bool bias_chunked = kFeatures && bias_rows_chunked(p);
   auto load = [&](int64_t h, int64_t m0, int buf) {
-    if (kFeatures && bias_tile.rows > 0)
-      stage_bias_tile<kBM, kBN, kThreads>(sBias + buf * bias_tile.buffer_bytes(), bias_tile, bias_chunked, p, sq,
-                                          h, m0, n0, sq.q_tile_rows(m0, kBM), rows_k, tid);
-    load_query_tile<kBM, kDim, kThreads>(sQ, sdO, sLse, sD, kLd, p, sq, dsum_g, h, m0, buf, tid);
+    load_query_tile<kBM, kBN, kDim, kThreads>(sQ, sdO, sLse, sD, sBias, kLd, bias_tile, bias_chunked, p, sq, dsum_g,
+                                              h, m0, n0, rows_k, buf, tid);
   };
 
   // This warp's places in the three layouts (kKeyW is 2 or 4: shifts and masks).

@@ -91,13 +91,13 @@ struct BwdConfig {
 // per-score step; with a bias, its two tiles come on top of kSmemBytes): 8 warps. Up to dim 128:
 // 128 keys per block, 64-row query tiles (128 at dim 64, which the first version ran with 64
 // rows: 6-11% slower than the 1-D kernel); S and dP on a 2 x 4 warp grid of kBM / 2 rows x 32
-// keys, dK/dV on 4 x 2 warps of 32 keys x half the dims. Dims 192 and 256 (FlashAttention-2's
-// shape there): 64 keys x 64 rows, S and dP on 4 x 2 warps of 16 rows x 32 keys, dK/dV on 2 x 4
+// keys, dK/dV on 4 x 2 warps of 32 keys x half the dims. Dim 256 (FlashAttention-2's shape
+// there): 64 keys x 64 rows, S and dP on 4 x 2 warps of 16 rows x 32 keys, dK/dV on 2 x 4
 // warps of 32 keys x a quarter of the dims (dK and dV then take 128 registers, as at dim 128).
 // P and dS go through smem once per tile; dQ on 2 x 4 warps of kBM / 2 rows x a quarter of
 // the dims. Fewer ldmatrix per MMA than BwdConfig's 1-D layout (counted per warp and tile: dim
 // 128 152 / 320 against 184 / 320; dim 64 with 128-row tiles 168 / 320 against 56 / 80).
-// Measured (H200, bf16): backward +3-12% at dim 64, +7-11% at 128.
+// Measured (H200, bf16): backward +3-12% at dim 64, +7-11% at 128, +15-22% at 256.
 template <class Elem, int kDim>
 struct Bwd2dConfig {
   // Dim 192 stays on the 1-D kernel: 64 x 64 tiles measured 3-5% slower there (H200, bf16).
