@@ -4,7 +4,8 @@
 //
 // Backward workspace: [D = rowsum(dO * O): acc, (batch, heads_q, len_q)] padded to 256 bytes,
 // then, on the non-deterministic path only, the dQ accumulator [acc, (batch, heads_q, len_q,
-// head_dim)] that the dK/dV kernel adds into with atomics.
+// head_dim)] that the dK/dV kernel adds into with atomics: row-major, or blocked where the
+// fp16/bf16 tensor-core kernels fill it (common/dq_layout.cuh; sized for either).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -18,6 +19,7 @@
 #include "../common/sequence.h"
 #include "api.h"
 #include "common/check.h"
+#include "common/dq_layout.cuh"
 #include "simt/launch.h"
 #include "sm80/launch.h"
 
@@ -41,6 +43,13 @@ size_t align_up(size_t x) { return (x + 255) / 256 * 256; }
 
 // Rows of q as stored, over all heads (a variable-length batch has batch 1 of total_q rows).
 int64_t stored_rows(const FwdParams& p) { return tensor_batches(p) * p.heads_q * tensor_rows(p); }
+
+// Bytes of the dQ accumulator, room for the row-major and the blocked layout.
+size_t dq_accum_bytes(const BwdParams& p) {
+  const int64_t rows = stored_rows(p);
+  const int64_t row_major = rows * p.head_dim, blocked = DqBlocked(p.head_dim).size(rows);
+  return size_t(row_major > blocked ? row_major : blocked) * acc_size(p.dtype);
+}
 
 void check_dims(const FwdParams& p) {
   if (p.head_dim < 1 || p.head_dim > 256 || p.head_dim_v < 1 || p.head_dim_v > 256)
@@ -127,19 +136,19 @@ void bwd_typed(const BwdParams& p, cudaStream_t stream) {
   void* dq_accum = nullptr;
   if (!p.deterministic) {
     dq_accum = ws + align_up(size_t(stored_rows(p)) * acc_size(p.dtype));
-    check_cuda(cudaMemsetAsync(dq_accum, 0, size_t(stored_rows(p) * p.head_dim) * acc_size(p.dtype),
-                               stream),
-               "cudaMemsetAsync(dq accumulator)");
+    check_cuda(cudaMemsetAsync(dq_accum, 0, dq_accum_bytes(p), stream), "cudaMemsetAsync(dq accumulator)");
   }
   simt::bwd_dot_do_o<T>(p, dsum, stream);
 
   bool dkdv_done = false;  // dK, dV (and the atomic dQ when not deterministic)
   bool dq_done = false;    // dQ of the deterministic path
+  bool dq_blocked = false;  // the fp16/bf16 tensor-core kernels fill the blocked layout
   if constexpr (!std::is_same_v<T, float>) {
     if (tensor_core_kernels_allowed<T>()) {
       on_sm80_tier<T>(e_max, [&](auto tier) {
         constexpr int kTier = decltype(tier)::value;
         dkdv_done = sm80::bwd_dkdv<T, kTier>(p, dsum, dq_accum, stream);
+        dq_blocked = dkdv_done && !std::is_same_v<T, double>;
         if constexpr (kTier <= 128) {  // the deterministic dQ kernel stops at 128
           if (p.deterministic) dq_done = sm80::bwd_dq<T, kTier>(p, dsum, stream);
         }
@@ -163,7 +172,7 @@ void bwd_typed(const BwdParams& p, cudaStream_t stream) {
       if constexpr (kCap >= 128) run_tier(std::integral_constant<int, 128>{});
       break;
   }
-  if (!p.deterministic) simt::bwd_dq_convert<T>(p, dq_accum, stream);
+  if (!p.deterministic) simt::bwd_dq_convert<T>(p, dq_accum, dq_blocked, stream);
 }
 
 }  // namespace
@@ -182,7 +191,7 @@ void run_fwd(const FwdParams& p, void* stream) {
 size_t bwd_workspace_bytes(const BwdParams& p) {
   const size_t rows = size_t(stored_rows(p));
   size_t bytes = align_up(rows * acc_size(p.dtype));
-  if (!p.deterministic) bytes += rows * size_t(p.head_dim) * acc_size(p.dtype);
+  if (!p.deterministic) bytes += dq_accum_bytes(p);
   return bytes;
 }
 

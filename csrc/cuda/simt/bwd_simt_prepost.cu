@@ -9,6 +9,7 @@
 
 #include "../../common/sequence.h"
 #include "../common/check.h"
+#include "../common/dq_layout.cuh"
 #include "../common/numeric.cuh"
 #include "launch.h"
 
@@ -73,10 +74,13 @@ __global__ void __launch_bounds__(kThreads) dot_do_o_kernel(const BwdParams p, a
   }
 }
 
-template <class T, int kVec>
+// The accumulator's values are read in runs of up to 4 (16 bytes of fp32): a run of 4 adjacent
+// columns starting at a multiple of 4 lies together in both layouts.
+template <class T, int kVec, class Layout>
 __global__ void __launch_bounds__(kThreads)
-    dq_convert_kernel(const BwdParams p, const acc_t<T>* dq_accum, int lane_shift) {
+    dq_convert_kernel(const BwdParams p, const acc_t<T>* dq_accum, Layout layout, int lane_shift) {
   using Acc = acc_t<T>;
+  constexpr int kRun = kVec < 4 ? kVec : 4;
   const int64_t len = tensor_rows(p);
   const int64_t rows = tensor_batches(p) * p.heads_q * len;
   const int step = kVec << lane_shift, E = int(p.head_dim);
@@ -84,13 +88,15 @@ __global__ void __launch_bounds__(kThreads)
   for (RowGroup grp(lane_shift); grp.warp_row < rows; grp.warp_row += grp.step) {
     const int64_t row = grp.row();
     if (row >= rows) continue;
-    const Acc* src = dq_accum + row * E;
     T* dst = static_cast<T*>(p.dq) + row_offset(row, len, p.heads_q, p.dq_stride);
     for (int d = grp.sub * kVec; d < E; d += step) {
-      const Pack<Acc, kVec> a = *reinterpret_cast<const Pack<Acc, kVec>*>(src + d);
       Pack<T, kVec> o;
 #pragma unroll
-      for (int i = 0; i < kVec; ++i) o.v[i] = from_acc<T>(a.v[i] * scale);
+      for (int i = 0; i < kVec; i += kRun) {
+        const Pack<Acc, kRun> a = *reinterpret_cast<const Pack<Acc, kRun>*>(dq_accum + layout.offset(row, d + i));
+#pragma unroll
+        for (int j = 0; j < kRun; ++j) o.v[i + j] = from_acc<T>(a.v[j] * scale);
+      }
       *reinterpret_cast<Pack<T, kVec>*>(dst + d) = o;
     }
   }
@@ -142,27 +148,34 @@ void bwd_dot_do_o(const BwdParams& p, void* dsum, cudaStream_t stream) {
 }
 
 template <class T>
-void bwd_dq_convert(const BwdParams& p, const void* dq_accum, cudaStream_t stream) {
+void bwd_dq_convert(const BwdParams& p, const void* dq_accum, bool blocked, cudaStream_t stream) {
   constexpr int kVec = 16 / sizeof(T);
   const int64_t rows = tensor_batches(p) * p.heads_q * tensor_rows(p);
-  // The accumulator is contiguous (rows of head_dim) and 256-byte aligned.
-  const bool wide = vec_ok<T, kVec>(p.dq, p.dq_stride, p.head_dim) &&
-                    reinterpret_cast<uintptr_t>(dq_accum) % sizeof(Pack<acc_t<T>, kVec>) == 0;
+  // The accumulator is 256-byte aligned; its rows (row-major) or 4-column runs (blocked) too.
+  const bool wide = vec_ok<T, kVec>(p.dq, p.dq_stride, p.head_dim);
   auto* acc = static_cast<const acc_t<T>*>(dq_accum);
-  launch_rows(
-      wide, kVec, rows, p.head_dim, stream,
-      [&](unsigned blocks, int shift) { dq_convert_kernel<T, kVec><<<blocks, kThreads, 0, stream>>>(p, acc, shift); },
-      [&](unsigned blocks, int shift) { dq_convert_kernel<T, 1><<<blocks, kThreads, 0, stream>>>(p, acc, shift); },
-      "dq_convert_kernel");
+  auto run = [&](auto layout) {
+    launch_rows(
+        wide, kVec, rows, p.head_dim, stream,
+        [&](unsigned blocks, int shift) {
+          dq_convert_kernel<T, kVec><<<blocks, kThreads, 0, stream>>>(p, acc, layout, shift);
+        },
+        [&](unsigned blocks, int shift) { dq_convert_kernel<T, 1><<<blocks, kThreads, 0, stream>>>(p, acc, layout, shift); },
+        "dq_convert_kernel");
+  };
+  if constexpr (sizeof(T) == 2) {
+    if (blocked) return run(DqBlocked(p.head_dim));
+  }
+  run(DqRowMajor{p.head_dim});
 }
 
 template void bwd_dot_do_o<double>(const BwdParams&, void*, cudaStream_t);
 template void bwd_dot_do_o<float>(const BwdParams&, void*, cudaStream_t);
 template void bwd_dot_do_o<__nv_bfloat16>(const BwdParams&, void*, cudaStream_t);
 template void bwd_dot_do_o<__half>(const BwdParams&, void*, cudaStream_t);
-template void bwd_dq_convert<double>(const BwdParams&, const void*, cudaStream_t);
-template void bwd_dq_convert<float>(const BwdParams&, const void*, cudaStream_t);
-template void bwd_dq_convert<__nv_bfloat16>(const BwdParams&, const void*, cudaStream_t);
-template void bwd_dq_convert<__half>(const BwdParams&, const void*, cudaStream_t);
+template void bwd_dq_convert<double>(const BwdParams&, const void*, bool, cudaStream_t);
+template void bwd_dq_convert<float>(const BwdParams&, const void*, bool, cudaStream_t);
+template void bwd_dq_convert<__nv_bfloat16>(const BwdParams&, const void*, bool, cudaStream_t);
+template void bwd_dq_convert<__half>(const BwdParams&, const void*, bool, cudaStream_t);
 
 }  // namespace flashattn::cuda::simt

@@ -329,8 +329,8 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim, kGeneral>::kThreads, Bwd
           M::mma(dq[d + 1], a, bk[1]);
         }
       }
-      Acc* dq_tile = dq_accum + sq.row_index(p.heads_q, h, m0) * E;
-      add_dq_atoms(dq_tile, dq, 16 * rg, cg * kQCols, sq.q_tile_rows(m0, kBM), E, lane);
+      add_dq_atoms(dq_accum, sq.row_index(p.heads_q, h, m0), dq, 16 * rg, cg * kQCols, sq.q_tile_rows(m0, kBM), E,
+                   lane);
     }
   });
 

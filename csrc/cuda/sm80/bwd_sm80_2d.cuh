@@ -252,10 +252,11 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
           }
         }
       }
-      Acc* dq_tile = dq_accum + sq.row_index(p.heads_q, h, m0) * E;
+      const int64_t tile_row = sq.row_index(p.heads_q, h, m0);
       const int rows_valid = sq.q_tile_rows(m0, kBM);
 #pragma unroll
-      for (int i = 0; i < kRQ; ++i) add_dq_atoms(dq_tile, dq[i], q_row + 16 * i, q_col, rows_valid, E, lane);
+      for (int i = 0; i < kRQ; ++i)
+        add_dq_atoms(dq_accum, tile_row, dq[i], q_row + 16 * i, q_col, rows_valid, E, lane);
     }
   });
 

@@ -16,8 +16,8 @@ template <class Elem, int kDim>
 bool fwd(const FwdParams& p, cudaStream_t stream);
 
 // dK and dV for head_dim and head_dim_v both <= kDim (the forward's tiers), and, when
-// `dq_accum` is not null, dQ / scale added atomically into it (accumulator type, contiguous (batch,
-// heads_q, len_q, head_dim)). `dsum` holds D = rowsum(dO * O) - dlse (accumulator type).
+// `dq_accum` is not null, dQ / scale added atomically into it (accumulator type; fp32 in
+// common/dq_layout.cuh's blocked layout, fp64 row-major). `dsum` holds D = rowsum(dO * O) - dlse (accumulator type).
 template <class Elem, int kDim>
 bool bwd_dkdv(const BwdParams& p, const void* dsum, void* dq_accum, cudaStream_t stream);
 
