@@ -45,6 +45,7 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
   using Acc = float;
   using Exp = ExpDomain<Acc>;
   constexpr int kBM = Cfg::kBM, kBN = Cfg::kBN, kLd = Cfg::kLd, kLdP = Cfg::kLdP, kThreads = Cfg::kThreads;
+  constexpr bool kSw = Cfg::kSwizzle;  // K, V, Q, dO tiles swizzled (their loads take <kSw>)
   constexpr int kKeyW = Cfg::kKeyWarps, kRowW = Cfg::kWarps / kKeyW;  // S / dP: kRowW x kKeyW
   constexpr int kColW = Cfg::kWarps / kKeyW;                          // dK / dV: kKeyW x kColW
   constexpr int kKA = kDim / kColW / 8;  // dK / dV atoms per 16-key group of a warp
@@ -54,7 +55,7 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
   constexpr int kRQ = kBM / kQRW / 16;  // 16-row groups of a warp in dQ
   static_assert(kKA % 2 == 0 && kQA % 2 == 0, "B atoms load in pairs");
 
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  extern __shared__ __align__(128) unsigned char smem_raw[];  // swizzled tiles start on 128-byte lines
   Elem* sK = reinterpret_cast<Elem*>(smem_raw);
   Elem* sV = sK + kBN * kLd;
   Elem* sQ = sV + kBN * kLd;         // [2][kBM][kLd]
@@ -77,15 +78,15 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
   const int E = int(p.head_dim), Ev = int(p.head_dim_v);
   const Acc score_scale = Exp::score_scale(p.scale);
 
-  copy_tile_async<kBN, kDim, kThreads>(sK, kLd, sq.k_rows<const Elem>(p.k, p.k_stride, hk, n0), p.k_stride.row,
+  copy_tile_async<kBN, kDim, kThreads, false, kSw>(sK, kLd, sq.k_rows<const Elem>(p.k, p.k_stride, hk, n0), p.k_stride.row,
                                        rows_k, E, tid);
-  copy_tile_async<kBN, kDim, kThreads>(sV, kLd, sq.k_rows<const Elem>(p.v, p.v_stride, hk, n0), p.v_stride.row,
+  copy_tile_async<kBN, kDim, kThreads, false, kSw>(sV, kLd, sq.k_rows<const Elem>(p.v, p.v_stride, hk, n0), p.v_stride.row,
                                        rows_k, Ev, tid);
 
   const BiasTileLayout bias_tile = kFeatures ? bias_tile_layout<kBM, kBN>(p) : BiasTileLayout{};
   const bool bias_chunked = kFeatures && bias_rows_chunked(p);
   auto load = [&](int64_t h, int64_t m0, int buf) {
-    load_query_tile<kBM, kBN, kDim, kThreads>(sQ, sdO, sLse, sD, sBias, kLd, bias_tile, bias_chunked, p, sq, dsum_g,
+    load_query_tile<kBM, kBN, kDim, kThreads, kSw>(sQ, sdO, sLse, sD, sBias, kLd, bias_tile, bias_chunked, p, sq, dsum_g,
                                               h, m0, n0, rows_k, buf, tid);
   };
 
@@ -124,14 +125,14 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
       typename M::A aq[kRA], ado[kRA];
 #pragma unroll
       for (int i = 0; i < kRA; ++i) {
-        M::load_a(aq[i], q_s + (s_row + 16 * i) * kLd + kk, kLd, lane);
-        M::load_a(ado[i], do_s + (s_row + 16 * i) * kLd + kk, kLd, lane);
+        M::template load_a<kSw>(aq[i], q_s + (s_row + 16 * i) * kLd + kk, kLd, lane);
+        M::template load_a<kSw>(ado[i], do_s + (s_row + 16 * i) * kLd + kk, kLd, lane);
       }
 #pragma unroll
       for (int j = 0; j < 4; j += 2) {
         typename M::B bk[2], bv[2];
-        M::load_b2_nk(bk, sK + (s_key + 8 * j) * kLd + kk, kLd, lane);
-        M::load_b2_nk(bv, sV + (s_key + 8 * j) * kLd + kk, kLd, lane);
+        M::template load_b2_nk<kSw>(bk, sK + (s_key + 8 * j) * kLd + kk, kLd, lane);
+        M::template load_b2_nk<kSw>(bv, sV + (s_key + 8 * j) * kLd + kk, kLd, lane);
 #pragma unroll
         for (int i = 0; i < kRA; ++i) {
           M::mma(s[i][j], aq[i], bk[0]);
@@ -215,8 +216,8 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
 #pragma unroll
       for (int d = 0; d < kKA; d += 2) {
         typename M::B bo[2], bq[2];
-        M::load_b2_kn(bo, do_s + kk * kLd + k_col + 8 * d, kLd, lane);
-        M::load_b2_kn(bq, q_s + kk * kLd + k_col + 8 * d, kLd, lane);
+        M::template load_b2_kn<kSw>(bo, do_s + kk * kLd + k_col + 8 * d, kLd, lane);
+        M::template load_b2_kn<kSw>(bq, q_s + kk * kLd + k_col + 8 * d, kLd, lane);
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
           M::mma(dv[i][d], ap[i], bo[0]);
@@ -244,7 +245,7 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
 #pragma unroll
         for (int d = 0; d < kQA; d += 2) {
           typename M::B bk[2];
-          M::load_b2_kn(bk, sK + kk * kLd + q_col + 8 * d, kLd, lane);
+          M::template load_b2_kn<kSw>(bk, sK + kk * kLd + q_col + 8 * d, kLd, lane);
 #pragma unroll
           for (int i = 0; i < kRQ; ++i) {
             M::mma(dq[i][d], a[i], bk[0]);

@@ -11,7 +11,8 @@
 // and this one makes a lane's A operand exactly the pair of accumulator columns it already
 // holds (P in P V, dS in dS K) and lets it read both k's of a row with one 16-byte load.
 //
-// Interface (s points at the step's first element, ld is the smem row pitch in elements):
+// Interface (s points at the step's first element, ld is the smem row pitch in elements; the
+// fp16/bf16 loaders take <true> for operands in a swizzled tile, tile_copy.cuh):
 //   load_a(A, s, ld, lane)      A rows 0..15, k 0..kK-1 from row-major smem (s at (row0, k0))
 //   load_a_kn(A, s, ld, lane)   the same A from smem stored [k][row] (s at (k0, row0))
 //   load_b2_nk(B, s, ld, lane)  two B atoms (n 0..7, 8..15) from smem stored [n][k]
@@ -41,26 +42,36 @@ struct Mma16Bit {
   struct A { uint32_t r[4]; };
   struct B { uint32_t r[2]; };
 
+  // kSwizzled: s lies in a swizzled tile (tile_copy.cuh) at a row that is a multiple of 8, so
+  // lane l's row is l % 8 modulo 8 and its 16-byte chunk is XORed with l % 8.
+  template <bool kSwizzled>
+  static __device__ __forceinline__ uint32_t chunk_xor(int lane) {
+    return kSwizzled ? uint32_t(lane & 7) << 4 : 0u;
+  }
   // Lane l addresses row l % 8 (+8 for matrices 1 and 3) and column 8 * (l / 16): matrices
   // (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15).
+  template <bool kSwizzled = false>
   static __device__ __forceinline__ void load_a(A& a, const Elem* s, int ld, int lane) {
-    ldmatrix_x4(a.r, s + ((lane & 7) + (lane & 8)) * ld + ((lane >> 4) << 3));
+    ldmatrix_x4(a.r, s + ((lane & 7) + (lane & 8)) * ld + ((lane >> 4) << 3), chunk_xor<kSwizzled>(lane));
   }
   // Transposed matrices (k 0-7, rows 0-7), (k 0-7, rows 8-15), (k 8-15, rows 0-7), (k 8-15,
   // rows 8-15): the lane addressing of load_b2_nk with the roles of the two indices swapped.
+  template <bool kSwizzled = false>
   static __device__ __forceinline__ void load_a_kn(A& a, const Elem* s, int ld, int lane) {
-    ldmatrix_x4_trans(a.r, s + ((lane & 7) + ((lane >> 4) << 3)) * ld + (lane & 8));
+    ldmatrix_x4_trans(a.r, s + ((lane & 7) + ((lane >> 4) << 3)) * ld + (lane & 8), chunk_xor<kSwizzled>(lane));
   }
   // Matrices (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15).
+  template <bool kSwizzled = false>
   static __device__ __forceinline__ void load_b2_nk(B (&b)[2], const Elem* s, int ld, int lane) {
     uint32_t r[4];
-    ldmatrix_x4(r, s + ((lane & 7) + ((lane >> 4) << 3)) * ld + (lane & 8));
+    ldmatrix_x4(r, s + ((lane & 7) + ((lane >> 4) << 3)) * ld + (lane & 8), chunk_xor<kSwizzled>(lane));
     b[0].r[0] = r[0]; b[0].r[1] = r[1]; b[1].r[0] = r[2]; b[1].r[1] = r[3];
   }
   // Transposed matrices (k 0-7, n 0-7), (k 8-15, n 0-7), (k 0-7, n 8-15), (k 8-15, n 8-15).
+  template <bool kSwizzled = false>
   static __device__ __forceinline__ void load_b2_kn(B (&b)[2], const Elem* s, int ld, int lane) {
     uint32_t r[4];
-    ldmatrix_x4_trans(r, s + ((lane & 7) + (lane & 8)) * ld + ((lane >> 4) << 3));
+    ldmatrix_x4_trans(r, s + ((lane & 7) + (lane & 8)) * ld + ((lane >> 4) << 3), chunk_xor<kSwizzled>(lane));
     b[0].r[0] = r[0]; b[0].r[1] = r[1]; b[1].r[0] = r[2]; b[1].r[1] = r[3];
   }
   static __device__ __forceinline__ uint32_t pack(float lo, float hi) {

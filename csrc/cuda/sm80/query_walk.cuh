@@ -16,10 +16,10 @@ namespace flashattn::cuda::sm80 {
 
 // Starts the copies of query tile (h, m0) into buffer `buf`: with a bias / mask (bias_tile.rows
 // > 0; never in the plain variants, whose layout is the empty one) its tile against the block's
-// keys [n0, n0 + rows_k) into buffer `buf` of sBias; Q and dO rows (kBM x kDim, pitch kLd; rows
-// past len_q zero-filled) and their LSE and D. Rows past len_q get LSE = D = 0: with zero Q and
+// keys [n0, n0 + rows_k) into buffer `buf` of sBias; Q and dO rows (kBM x kDim, pitch kLd, or
+// kSwizzle: swizzled as tile_copy.cuh says; rows past len_q zero-filled) and their LSE and D. Rows past len_q get LSE = D = 0: with zero Q and
 // dO they add exactly 0 to every gradient (P = 1, dP = D = 0).
-template <int kBM, int kBN, int kDim, int kThreads, class Elem, class Acc>
+template <int kBM, int kBN, int kDim, int kThreads, bool kSwizzle, class Elem, class Acc>
 __device__ __forceinline__ void load_query_tile(Elem* sQ, Elem* sdO, Acc* sLse, Acc* sD, unsigned char* sBias, int kLd,
                                                 const BiasTileLayout& bias_tile, bool bias_chunked,
                                                 const BwdParams& p, const Seq& sq, const Acc* dsum_g, int64_t h,
@@ -28,9 +28,9 @@ __device__ __forceinline__ void load_query_tile(Elem* sQ, Elem* sdO, Acc* sLse, 
     stage_bias_tile<kBM, kBN, kThreads>(sBias + buf * bias_tile.buffer_bytes(), bias_tile, bias_chunked, p, sq, h,
                                         m0, n0, sq.q_tile_rows(m0, kBM), rows_k, tid);
   const int rows = sq.q_tile_rows(m0, kBM);
-  copy_tile_async<kBM, kDim, kThreads>(sQ + buf * kBM * kLd, kLd, sq.q_rows<const Elem>(p.q, p.q_stride, h, m0),
+  copy_tile_async<kBM, kDim, kThreads, false, kSwizzle>(sQ + buf * kBM * kLd, kLd, sq.q_rows<const Elem>(p.q, p.q_stride, h, m0),
                                        p.q_stride.row, rows, int(p.head_dim), tid);
-  copy_tile_async<kBM, kDim, kThreads>(sdO + buf * kBM * kLd, kLd,
+  copy_tile_async<kBM, kDim, kThreads, false, kSwizzle>(sdO + buf * kBM * kLd, kLd,
                                        sq.q_rows<const Elem>(p.dout, p.dout_stride, h, m0), p.dout_stride.row, rows,
                                        int(p.head_dim_v), tid);
   const int64_t r0 = sq.row_index(p.heads_q, h, m0);

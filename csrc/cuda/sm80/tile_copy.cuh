@@ -24,14 +24,21 @@ __host__ __device__ constexpr int chunk_elems() { return 16 / int(sizeof(Elem));
 // predicates, its source stepping by one stride. The per-chunk bounds tests and 64-bit selects
 // cost ~14 instructions per chunk where that path needs ~3; whether it is faster depends on the
 // kernel (FwdConfig::kFullTileCopies says where it is taken).
-template <int kRows, int kCols, int kThreads, bool kFullTilePath = false, class Elem>
+// kSwizzle: the tile is stored swizzled instead of padded: rows of exactly kCols elements (ld ==
+// kCols, a multiple of 64 16-bit elements, so 128-byte lines), and 16-byte chunk c of row r at
+// chunk c ^ (r % 8) of its line. A warp's copy of two rows then writes whole lines (with padded
+// rows 272 bytes apart, the second row's chunks straddled lines: ncu counted 24 L2 sectors per
+// 16 moved and 6.5 excess smem wavefronts per copy instruction), and ldmatrix's 8 rows of one
+// chunk still hit 8 different banks. The tile starts 128-byte aligned; readers XOR their
+// addresses the same way (fragments.cuh, kSwizzled).
+template <int kRows, int kCols, int kThreads, bool kFullTilePath = false, bool kSwizzle = false, class Elem>
 __device__ __forceinline__ void copy_tile_async(Elem* s, int ld, const Elem* g, int64_t g_ld,
                                                 int rows, int cols, int tid) {
   constexpr int kChunk = chunk_elems<Elem>();
   constexpr int kPerRow = kCols / kChunk;
   static_assert(kCols % kChunk == 0, "tile width is a whole number of 16-byte chunks");
   if constexpr (kThreads % kPerRow != 0) {
-    static_assert(!kFullTilePath, "the full-tile path is written for the layout below");
+    static_assert(!kFullTilePath && !kSwizzle, "the full-tile path and the swizzle are written for the layout below");
     constexpr int kIters = (kRows * kPerRow + kThreads - 1) / kThreads;
 #pragma unroll
     for (int it = 0; it < kIters; ++it) {
@@ -48,7 +55,9 @@ __device__ __forceinline__ void copy_tile_async(Elem* s, int ld, const Elem* g, 
   const int r0 = tid / kPerRow, c = (tid % kPerRow) * kChunk;
   const Elem* src = g + r0 * g_ld + c;
   const int64_t src_step = kRowStep * g_ld;
-  Elem* dst = s + r0 * ld + c;
+  static_assert(!kSwizzle || (kCols * sizeof(Elem) % 128 == 0 && kRowStep % 8 == 0),
+                "swizzled rows are whole 128-byte lines, and a thread's rows agree modulo 8");
+  Elem* dst = s + r0 * ld + (kSwizzle ? c ^ ((r0 & 7) * kChunk) : c);
   if (kFullTilePath && rows >= kRows && cols >= kCols) {
 #pragma unroll
     for (int it = 0; it < kIters; ++it) {
