@@ -55,7 +55,7 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
   constexpr int kRQ = kBM / kQRW / 16;  // 16-row groups of a warp in dQ
   static_assert(kKA % 2 == 0 && kQA % 2 == 0, "B atoms load in pairs");
 
-  extern __shared__ __align__(128) unsigned char smem_raw[];  // swizzled tiles start on 128-byte lines
+  extern __shared__ __align__(16) unsigned char smem_raw[];  // dynamic smem starts the block window: 128-byte aligned, as swizzled tiles need
   Elem* sK = reinterpret_cast<Elem*>(smem_raw);
   Elem* sV = sK + kBN * kLd;
   Elem* sQ = sV + kBN * kLd;         // [2][kBM][kLd]

@@ -109,8 +109,9 @@ struct Bwd2dConfig {
   // dQ warp grid: 2 x 4 (kBM / 2 rows x kDim / 4 dims), or 4 x 2 where a quarter of the dims is
   // not a whole number of 16-wide atom pairs (dim 96).
   static constexpr int kDqColWarps = (kDim / 4) % 16 == 0 ? 4 : 2;
-  // K, V, Q and dO swizzled where a row is whole 128-byte lines (tile_copy.cuh), else padded.
-  static constexpr bool kSwizzle = kDim % 64 == 0;
+  // K, V, Q and dO swizzled instead of padded (tile_copy.cuh) at dim 256: backward +2-4%
+  // (H200, bf16). At 64 and 128 it measured -2..0% and -1..+1% (16 bytes of spills there).
+  static constexpr bool kSwizzle = kDim == 256;
   static constexpr int kLd = kSwizzle ? kDim : kDim + 8;  // K, V, Q, dO rows
   static constexpr int kLdP = kBN + 8;                      // P, dS rows (one per query)
   static constexpr size_t kSmemBytes =
