@@ -20,6 +20,7 @@
 #include "api.h"
 #include "common/check.h"
 #include "common/dq_layout.cuh"
+#include "common/numeric.cuh"
 #include "simt/launch.h"
 #include "sm80/launch.h"
 
@@ -148,7 +149,7 @@ void bwd_typed(const BwdParams& p, cudaStream_t stream) {
       on_sm80_tier<T>(e_max, [&](auto tier) {
         constexpr int kTier = decltype(tier)::value;
         dkdv_done = sm80::bwd_dkdv<T, kTier>(p, dsum, dq_accum, stream);
-        dq_blocked = dkdv_done && !std::is_same_v<T, double>;
+        dq_blocked = dkdv_done && std::is_same_v<TensorCoreDqLayout<acc_t<T>>, DqBlocked>;
         if constexpr (kTier <= 128) {  // the deterministic dQ kernel stops at 128
           if (p.deterministic) dq_done = sm80::bwd_dq<T, kTier>(p, dsum, stream);
         }

@@ -11,6 +11,7 @@
 //             Rows are padded to a multiple of 8 and columns to one of 16 (blocked_size).
 #pragma once
 #include <cstdint>
+#include <type_traits>
 
 #include "../../common/hd.h"
 
@@ -34,5 +35,9 @@ struct DqBlocked {
   // Elements of a blocked accumulator of `rows` rows.
   FLASHATTN_HD int64_t size(int64_t rows) const { return (rows + 7) / 8 * 8 * cols_padded; }
 };
+
+// The layout the tensor-core kernels add into, by accumulator type (fp32: fp16/bf16 inputs).
+template <class Acc>
+using TensorCoreDqLayout = std::conditional_t<std::is_same_v<Acc, float>, DqBlocked, DqRowMajor>;
 
 }  // namespace flashattn::cuda

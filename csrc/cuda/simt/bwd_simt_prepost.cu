@@ -121,14 +121,14 @@ int lane_shift(int64_t width, int vec) {
   return shift;
 }
 
-// Launches kernel<kVec> where every tensor allows it, else kernel<1>, over `rows` rows of `width`.
-template <class Wide, class Narrow>
-void launch_rows(bool wide, int vec, int64_t rows, int64_t width, cudaStream_t stream, Wide&& wide_kernel,
-                 Narrow&& narrow_kernel, const char* name) {
-  const int shift = lane_shift(width, wide ? vec : 1);
+// Calls launch(vec, blocks, lane_shift) with vec = integral_constant<kVec> where every tensor
+// allows 16-byte accesses (`wide`), else <1>, for `rows` rows of `width` elements.
+template <int kVec, class Launch>
+void launch_rows(bool wide, int64_t rows, int64_t width, const char* name, Launch&& launch) {
+  const int shift = lane_shift(width, wide ? kVec : 1);
   const unsigned blocks = capped_blocks(rows, int64_t(kWarps) * (32 >> shift));
-  if (wide) wide_kernel(blocks, shift);
-  else narrow_kernel(blocks, shift);
+  if (wide) launch(std::integral_constant<int, kVec>{}, blocks, shift);
+  else launch(std::integral_constant<int, 1>{}, blocks, shift);
   check_launch(name);
 }
 
@@ -140,11 +140,9 @@ void bwd_dot_do_o(const BwdParams& p, void* dsum, cudaStream_t stream) {
   const int64_t rows = tensor_batches(p) * p.heads_q * tensor_rows(p);
   const bool wide = vec_ok<T, kVec>(p.dout, p.dout_stride, p.head_dim_v) && vec_ok<T, kVec>(p.out, p.out_stride, 0);
   auto* d = static_cast<acc_t<T>*>(dsum);
-  launch_rows(
-      wide, kVec, rows, p.head_dim_v, stream,
-      [&](unsigned blocks, int shift) { dot_do_o_kernel<T, kVec><<<blocks, kThreads, 0, stream>>>(p, d, shift); },
-      [&](unsigned blocks, int shift) { dot_do_o_kernel<T, 1><<<blocks, kThreads, 0, stream>>>(p, d, shift); },
-      "dot_do_o_kernel");
+  launch_rows<kVec>(wide, rows, p.head_dim_v, "dot_do_o_kernel", [&](auto vec, unsigned blocks, int shift) {
+    dot_do_o_kernel<T, decltype(vec)::value><<<blocks, kThreads, 0, stream>>>(p, d, shift);
+  });
 }
 
 template <class T>
@@ -155,13 +153,9 @@ void bwd_dq_convert(const BwdParams& p, const void* dq_accum, bool blocked, cuda
   const bool wide = vec_ok<T, kVec>(p.dq, p.dq_stride, p.head_dim);
   auto* acc = static_cast<const acc_t<T>*>(dq_accum);
   auto run = [&](auto layout) {
-    launch_rows(
-        wide, kVec, rows, p.head_dim, stream,
-        [&](unsigned blocks, int shift) {
-          dq_convert_kernel<T, kVec><<<blocks, kThreads, 0, stream>>>(p, acc, layout, shift);
-        },
-        [&](unsigned blocks, int shift) { dq_convert_kernel<T, 1><<<blocks, kThreads, 0, stream>>>(p, acc, layout, shift); },
-        "dq_convert_kernel");
+    launch_rows<kVec>(wide, rows, p.head_dim, "dq_convert_kernel", [&](auto vec, unsigned blocks, int shift) {
+      dq_convert_kernel<T, decltype(vec)::value><<<blocks, kThreads, 0, stream>>>(p, acc, layout, shift);
+    });
   };
   if constexpr (sizeof(T) == 2) {
     if (blocked) return run(DqBlocked(p.head_dim));

@@ -60,8 +60,7 @@ __device__ __forceinline__ void atomic_add_atom_pair(float* dst, float a0, float
 template <int kCA, class Acc>
 __device__ __forceinline__ void add_dq_atoms(Acc* accum, int64_t tile_row, const Acc (&dq)[kCA][4], int row0,
                                              int col0, int rows_valid, int E, int lane) {
-  using Layout = std::conditional_t<std::is_same_v<Acc, float>, DqBlocked, DqRowMajor>;
-  const Layout layout{E};
+  const TensorCoreDqLayout<Acc> layout{E};
   const int g = lane >> 2, t = lane & 3;
   // The column test is skipped when the warp's columns all lie below E (the usual case: E a
   // multiple of 8 * kCA).
