@@ -58,21 +58,21 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// Four 8x8 matrices of 16-bit elements; lane l gives the address of row l % 8 of matrix l / 8,
-// XORed with `xor_bytes` (a swizzled tile's permutation of 16-byte chunks; 0 for plain tiles).
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row, uint32_t xor_bytes = 0) {
+// Four 8x8 matrices of 16-bit elements; lane l gives the shared-memory address of row l % 8 of
+// matrix l / 8 (as a 32-bit smem address: swizzled tiles form theirs by XOR, tile_copy.cuh).
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t row) {
 #ifdef FLASHATTN_MMA_SM80
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(row) ^ xor_bytes));
+               : "r"(row));
 #endif
 }
 
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row, uint32_t xor_bytes = 0) {
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t row) {
 #ifdef FLASHATTN_MMA_SM80
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(row) ^ xor_bytes));
+               : "r"(row));
 #endif
 }
 

@@ -45,7 +45,7 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
   using Acc = float;
   using Exp = ExpDomain<Acc>;
   constexpr int kBM = Cfg::kBM, kBN = Cfg::kBN, kLd = Cfg::kLd, kLdP = Cfg::kLdP, kThreads = Cfg::kThreads;
-  constexpr bool kSw = Cfg::kSwizzle;  // K, V, Q, dO tiles swizzled (their loads take <kSw>)
+  constexpr bool kSw = Cfg::kSwizzle;  // K, V, Q, dO tiles swizzled (tile_copy.cuh)
   constexpr int kKeyW = Cfg::kKeyWarps, kRowW = Cfg::kWarps / kKeyW;  // S / dP: kRowW x kKeyW
   constexpr int kColW = Cfg::kWarps / kKeyW;                          // dK / dV: kKeyW x kColW
   constexpr int kKA = kDim / kColW / 8;  // dK / dV atoms per 16-key group of a warp
@@ -98,6 +98,20 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
   const unsigned uwarp = unsigned(warp);  // (unsigned: / and % by the constants are shifts)
   const int q_row = (kBM / kQRW) * int(uwarp / kQCW), q_col = (kDim / kQCW) * int(uwarp % kQCW);  // dQ
 
+  // The lanes' ldmatrix addresses in K / V / Q / dO (tile_copy.cuh's TileAddress): in K and in
+  // buffer 0 of Q; V, dO and Q's buffer 1 lie whole lines further. A warp's column offset is a
+  // multiple of its span (a power of two, or of 8 chunks), so that no step carries in the swizzle.
+  using TA = TileAddress<kSw, kLd * int(sizeof(Elem))>;
+  static_assert(!kSw || ((kKA % 8 == 0 || (kKA & (kKA - 1)) == 0) && (kQA % 8 == 0 || (kQA & (kQA - 1)) == 0)),
+                "a warp's chunk span in dK / dV and dQ is a power of two or whole lines");
+  constexpr uint32_t kRowBytes = kLd * sizeof(Elem), kBufBytes = kBM * kRowBytes;
+  constexpr uint32_t kVBytes = kBN * kRowBytes, kDoBytes = 2 * kBufBytes;  // sV - sK, sdO - sQ
+  const auto rows_first = M::rows_first(lane), chunks_first = M::chunks_first(lane);
+  const uint32_t q_of_s = TA::base(sQ, s_row + rows_first.row, rows_first.chunk);             // S, dP: A
+  const uint32_t k_of_s = TA::base(sK, s_key + chunks_first.row, chunks_first.chunk);         // S, dP: B
+  const uint32_t q_of_dk = TA::base(sQ, rows_first.row, k_col / 8 + rows_first.chunk);        // dK, dV: B
+  const uint32_t k_of_dq = TA::base(sK, rows_first.row, q_col / 8 + rows_first.chunk);        // dQ: B
+
   Acc dk[2][kKA][4], dv[2][kKA][4];
 #pragma unroll
   for (int i = 0; i < 2; ++i)
@@ -107,8 +121,7 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
       for (int e = 0; e < 4; ++e) dk[i][d][e] = dv[i][d][e] = Acc(0);
 
   walk_query_tiles<kBM>(sq, n0, rows_k, hk * group, group, load, [&](int64_t h, int64_t m0, int buf) {
-    const Elem* q_s = sQ + buf * kBM * kLd;
-    const Elem* do_s = sdO + buf * kBM * kLd;
+    const uint32_t q_buf_s = q_of_s + buf * kBufBytes, q_buf_dk = q_of_dk + buf * kBufBytes;
     const Acc* lse_s = sLse + buf * kBM;
     const Acc* d_s = sD + buf * kBM;
 
@@ -125,14 +138,16 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
       typename M::A aq[kRA], ado[kRA];
 #pragma unroll
       for (int i = 0; i < kRA; ++i) {
-        M::template load_a<kSw>(aq[i], q_s + (s_row + 16 * i) * kLd + kk, kLd, lane);
-        M::template load_a<kSw>(ado[i], do_s + (s_row + 16 * i) * kLd + kk, kLd, lane);
+        const uint32_t at = TA::at(q_buf_s, 16 * i, kk / 8);
+        M::load_a(aq[i], at);
+        M::load_a(ado[i], at + kDoBytes);
       }
 #pragma unroll
       for (int j = 0; j < 4; j += 2) {
         typename M::B bk[2], bv[2];
-        M::template load_b2_nk<kSw>(bk, sK + (s_key + 8 * j) * kLd + kk, kLd, lane);
-        M::template load_b2_nk<kSw>(bv, sV + (s_key + 8 * j) * kLd + kk, kLd, lane);
+        const uint32_t at = TA::at(k_of_s, 8 * j, kk / 8);
+        M::load_b2_nk(bk, at);
+        M::load_b2_nk(bv, at + kVBytes);
 #pragma unroll
         for (int i = 0; i < kRA; ++i) {
           M::mma(s[i][j], aq[i], bk[0]);
@@ -216,8 +231,9 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
 #pragma unroll
       for (int d = 0; d < kKA; d += 2) {
         typename M::B bo[2], bq[2];
-        M::template load_b2_kn<kSw>(bo, do_s + kk * kLd + k_col + 8 * d, kLd, lane);
-        M::template load_b2_kn<kSw>(bq, q_s + kk * kLd + k_col + 8 * d, kLd, lane);
+        const uint32_t at = TA::at(q_buf_dk, kk, d);
+        M::load_b2_kn(bo, at + kDoBytes);
+        M::load_b2_kn(bq, at);
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
           M::mma(dv[i][d], ap[i], bo[0]);
@@ -245,7 +261,7 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
 #pragma unroll
         for (int d = 0; d < kQA; d += 2) {
           typename M::B bk[2];
-          M::template load_b2_kn<kSw>(bk, sK + kk * kLd + q_col + 8 * d, kLd, lane);
+          M::load_b2_kn(bk, TA::at(k_of_dq, kk, d));
 #pragma unroll
           for (int i = 0; i < kRQ; ++i) {
             M::mma(dq[i][d], a[i], bk[0]);

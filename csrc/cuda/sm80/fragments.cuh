@@ -12,7 +12,7 @@
 // holds (P in P V, dS in dS K) and lets it read both k's of a row with one 16-byte load.
 //
 // Interface (s points at the step's first element, ld is the smem row pitch in elements; the
-// fp16/bf16 loaders take <true> for operands in a swizzled tile, tile_copy.cuh):
+// fp16/bf16 loaders also take the lane's smem address instead, for swizzled tiles):
 //   load_a(A, s, ld, lane)      A rows 0..15, k 0..kK-1 from row-major smem (s at (row0, k0))
 //   load_a_kn(A, s, ld, lane)   the same A from smem stored [k][row] (s at (k0, row0))
 //   load_b2_nk(B, s, ld, lane)  two B atoms (n 0..7, 8..15) from smem stored [n][k]
@@ -42,37 +42,46 @@ struct Mma16Bit {
   struct A { uint32_t r[4]; };
   struct B { uint32_t r[2]; };
 
-  // kSwizzled: s lies in a swizzled tile (tile_copy.cuh) at a row that is a multiple of 8, so
-  // lane l's row is l % 8 modulo 8 and its 16-byte chunk is XORed with l % 8.
-  template <bool kSwizzled>
-  static __device__ __forceinline__ uint32_t chunk_xor(int lane) {
-    return kSwizzled ? uint32_t(lane & 7) << 4 : 0u;
+  // Where lane l points in a step's 16 rows x 16 columns: the row and the 16-byte chunk (0 or 1)
+  // of its ldmatrix address. Rows-first: rows l % 16, chunk l / 16, matrices (rows 0-7, chunk 0),
+  // (rows 8-15, chunk 0), (rows 0-7, chunk 1), (rows 8-15, chunk 1). Chunks-first: rows l % 8
+  // (+8 for l >= 16), chunk (l / 8) % 2, matrices (rows 0-7, chunk 0), (rows 0-7, chunk 1), (rows
+  // 8-15, chunk 0), (rows 8-15, chunk 1).
+  struct LaneSpot { int row, chunk; };
+  static __device__ __forceinline__ LaneSpot rows_first(int lane) { return {lane & 15, lane >> 4}; }
+  static __device__ __forceinline__ LaneSpot chunks_first(int lane) { return {(lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1}; }
+  static __device__ __forceinline__ uint32_t spot_addr(const Elem* s, int ld, LaneSpot at) {
+    return smem_addr(s + at.row * ld + at.chunk * 8);
   }
-  // Lane l addresses row l % 8 (+8 for matrices 1 and 3) and column 8 * (l / 16): matrices
-  // (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15).
-  template <bool kSwizzled = false>
+
+  // Each loader takes s and ld, or the lane's smem address `at` (its spot formed by the caller:
+  // swizzled tiles, tile_copy.cuh's TileAddress). A (rows, k) from row-major smem: rows-first.
+  static __device__ __forceinline__ void load_a(A& a, uint32_t at) { ldmatrix_x4(a.r, at); }
   static __device__ __forceinline__ void load_a(A& a, const Elem* s, int ld, int lane) {
-    ldmatrix_x4(a.r, s + ((lane & 7) + (lane & 8)) * ld + ((lane >> 4) << 3), chunk_xor<kSwizzled>(lane));
+    load_a(a, spot_addr(s, ld, rows_first(lane)));
   }
-  // Transposed matrices (k 0-7, rows 0-7), (k 0-7, rows 8-15), (k 8-15, rows 0-7), (k 8-15,
-  // rows 8-15): the lane addressing of load_b2_nk with the roles of the two indices swapped.
-  template <bool kSwizzled = false>
+  // The same A from smem stored [k][row], transposed: chunks-first.
+  static __device__ __forceinline__ void load_a_kn(A& a, uint32_t at) { ldmatrix_x4_trans(a.r, at); }
   static __device__ __forceinline__ void load_a_kn(A& a, const Elem* s, int ld, int lane) {
-    ldmatrix_x4_trans(a.r, s + ((lane & 7) + ((lane >> 4) << 3)) * ld + (lane & 8), chunk_xor<kSwizzled>(lane));
+    load_a_kn(a, spot_addr(s, ld, chunks_first(lane)));
   }
-  // Matrices (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15).
-  template <bool kSwizzled = false>
+  // Two B atoms (n 0-7, n 8-15) from smem stored [n][k]: chunks-first.
+  static __device__ __forceinline__ void load_b2_nk(B (&b)[2], uint32_t at) {
+    uint32_t r[4];
+    ldmatrix_x4(r, at);
+    b[0].r[0] = r[0]; b[0].r[1] = r[1]; b[1].r[0] = r[2]; b[1].r[1] = r[3];
+  }
   static __device__ __forceinline__ void load_b2_nk(B (&b)[2], const Elem* s, int ld, int lane) {
+    load_b2_nk(b, spot_addr(s, ld, chunks_first(lane)));
+  }
+  // Two B atoms from smem stored [k][n], transposed: rows-first (k rows, n chunks).
+  static __device__ __forceinline__ void load_b2_kn(B (&b)[2], uint32_t at) {
     uint32_t r[4];
-    ldmatrix_x4(r, s + ((lane & 7) + ((lane >> 4) << 3)) * ld + (lane & 8), chunk_xor<kSwizzled>(lane));
+    ldmatrix_x4_trans(r, at);
     b[0].r[0] = r[0]; b[0].r[1] = r[1]; b[1].r[0] = r[2]; b[1].r[1] = r[3];
   }
-  // Transposed matrices (k 0-7, n 0-7), (k 8-15, n 0-7), (k 0-7, n 8-15), (k 8-15, n 8-15).
-  template <bool kSwizzled = false>
   static __device__ __forceinline__ void load_b2_kn(B (&b)[2], const Elem* s, int ld, int lane) {
-    uint32_t r[4];
-    ldmatrix_x4_trans(r, s + ((lane & 7) + (lane & 8)) * ld + ((lane >> 4) << 3), chunk_xor<kSwizzled>(lane));
-    b[0].r[0] = r[0]; b[0].r[1] = r[1]; b[1].r[0] = r[2]; b[1].r[1] = r[3];
+    load_b2_kn(b, spot_addr(s, ld, rows_first(lane)));
   }
   static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
     Elem2 v;
