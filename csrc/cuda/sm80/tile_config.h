@@ -109,9 +109,11 @@ struct Bwd2dConfig {
   // dQ warp grid: 2 x 4 (kBM / 2 rows x kDim / 4 dims), or 4 x 2 where a quarter of the dims is
   // not a whole number of 16-wide atom pairs (dim 96).
   static constexpr int kDqColWarps = (kDim / 4) % 16 == 0 ? 4 : 2;
-  // K, V, Q and dO swizzled instead of padded (tile_copy.cuh) at dim 256: backward +2-4%
-  // (H200, bf16). At 64 and 128 it measured -2..0% and -1..+1% (16 bytes of spills there).
-  static constexpr bool kSwizzle = kDim == 256;
+  // K, V, Q and dO swizzled instead of padded (tile_copy.cuh) where rows are whole 128-byte
+  // lines: the copies then read no excess L2 sectors. Dim 256: backward +2-4% (H200, bf16).
+  // Dims 64 and 128 measured -2..+1% while every load XORed a full address (spills); with
+  // TileAddress's per-step XOR: measured in NOTES_sm80 Version 11.
+  static constexpr bool kSwizzle = kDim % 64 == 0;
   static constexpr int kLd = kSwizzle ? kDim : kDim + 8;  // K, V, Q, dO rows
   static constexpr int kLdP = kBN + 8;                      // P, dS rows (one per query)
   static constexpr size_t kSmemBytes =
