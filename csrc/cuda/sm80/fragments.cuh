@@ -50,20 +50,18 @@ struct Mma16Bit {
   struct LaneSpot { int row, chunk; };
   static __device__ __forceinline__ LaneSpot rows_first(int lane) { return {lane & 15, lane >> 4}; }
   static __device__ __forceinline__ LaneSpot chunks_first(int lane) { return {(lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1}; }
-  static __device__ __forceinline__ uint32_t spot_addr(const Elem* s, int ld, LaneSpot at) {
-    return smem_addr(s + at.row * ld + at.chunk * 8);
-  }
 
-  // Each loader takes s and ld, or the lane's smem address `at` (its spot formed by the caller:
-  // swizzled tiles, tile_copy.cuh's TileAddress). A (rows, k) from row-major smem: rows-first.
+  // Each loader takes s and ld (the lane's spot as above, written out), or the lane's smem
+  // address `at` formed by the caller (tile_copy.cuh's TileAddress). A (rows, k) from row-major
+  // smem: rows-first.
   static __device__ __forceinline__ void load_a(A& a, uint32_t at) { ldmatrix_x4(a.r, at); }
   static __device__ __forceinline__ void load_a(A& a, const Elem* s, int ld, int lane) {
-    load_a(a, spot_addr(s, ld, rows_first(lane)));
+    load_a(a, smem_addr(s + ((lane & 7) + (lane & 8)) * ld + ((lane >> 4) << 3)));
   }
   // The same A from smem stored [k][row], transposed: chunks-first.
   static __device__ __forceinline__ void load_a_kn(A& a, uint32_t at) { ldmatrix_x4_trans(a.r, at); }
   static __device__ __forceinline__ void load_a_kn(A& a, const Elem* s, int ld, int lane) {
-    load_a_kn(a, spot_addr(s, ld, chunks_first(lane)));
+    load_a_kn(a, smem_addr(s + ((lane & 7) + ((lane >> 4) << 3)) * ld + (lane & 8)));
   }
   // Two B atoms (n 0-7, n 8-15) from smem stored [n][k]: chunks-first.
   static __device__ __forceinline__ void load_b2_nk(B (&b)[2], uint32_t at) {
@@ -72,7 +70,7 @@ struct Mma16Bit {
     b[0].r[0] = r[0]; b[0].r[1] = r[1]; b[1].r[0] = r[2]; b[1].r[1] = r[3];
   }
   static __device__ __forceinline__ void load_b2_nk(B (&b)[2], const Elem* s, int ld, int lane) {
-    load_b2_nk(b, spot_addr(s, ld, chunks_first(lane)));
+    load_b2_nk(b, smem_addr(s + ((lane & 7) + ((lane >> 4) << 3)) * ld + (lane & 8)));
   }
   // Two B atoms from smem stored [k][n], transposed: rows-first (k rows, n chunks).
   static __device__ __forceinline__ void load_b2_kn(B (&b)[2], uint32_t at) {
@@ -81,7 +79,7 @@ struct Mma16Bit {
     b[0].r[0] = r[0]; b[0].r[1] = r[1]; b[1].r[0] = r[2]; b[1].r[1] = r[3];
   }
   static __device__ __forceinline__ void load_b2_kn(B (&b)[2], const Elem* s, int ld, int lane) {
-    load_b2_kn(b, spot_addr(s, ld, rows_first(lane)));
+    load_b2_kn(b, smem_addr(s + ((lane & 7) + (lane & 8)) * ld + ((lane >> 4) << 3)));
   }
   static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
     Elem2 v;

@@ -47,6 +47,7 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim, kFeatures>::kThreads)
   // 128-key tiles at dim 64 (the S accumulators leave no room: 204 B of spills).
   constexpr bool kQInRegs = sizeof(Elem) == 2 && (kDim <= 32 || (kDim <= 64 && kBN < 128));
   constexpr int kKSteps = kDim / M::kK;
+  constexpr bool kSw = Cfg::kSwizzle;  // Q, K, V tiles swizzled (tile_copy.cuh)
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   Elem* sQ = reinterpret_cast<Elem*>(smem_raw);
@@ -87,15 +88,15 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim, kFeatures>::kThreads)
     if (kFeatures && bias_tile.rows > 0)
       stage_bias_tile<kBM, kBN, kThreads>(sBias + buf * bias_tile.buffer_bytes(), bias_tile, bias_chunked, p, sq,
                                           h, m0, n0, rows_q, rows_k(n0), tid);
-    copy_tile_async<kBN, kDim, kThreads, Cfg::kFullTileCopies>(sK + buf * kBN * kLd, kLd, k + n0 * p.k_stride.row,
+    copy_tile_async<kBN, kDim, kThreads, Cfg::kFullTileCopies, kSw>(sK + buf * kBN * kLd, kLd, k + n0 * p.k_stride.row,
                                                                p.k_stride.row, rows_k(n0), E, tid);
   };
   auto load_v = [&](int64_t n0, int buf) {
-    copy_tile_async<kBN, kDim, kThreads, Cfg::kFullTileCopies>(sV + buf * kBN * kLd, kLd, v + n0 * p.v_stride.row,
+    copy_tile_async<kBN, kDim, kThreads, Cfg::kFullTileCopies, kSw>(sV + buf * kBN * kLd, kLd, v + n0 * p.v_stride.row,
                                                                p.v_stride.row, rows_k(n0), Ev, tid);
   };
   if (n_end > n_begin) {
-    copy_tile_async<kBM, kDim, kThreads>(sQ, kLd, q, p.q_stride.row, rows_q, E, tid);
+    copy_tile_async<kBM, kDim, kThreads, false, kSw>(sQ, kLd, q, p.q_stride.row, rows_q, E, tid);
     load_k(n_begin, 0);
     if (!Cfg::kStaggered) load_v(n_begin, 0);
   }
@@ -116,6 +117,30 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim, kFeatures>::kThreads)
       for (int e = 0; e < 4; ++e) o[mw][d][e] = Acc(0);
   }
 
+  // The operand reads from smem: swizzled tiles through the lanes' smem addresses (TileAddress; a K / V
+  // buffer lies whole lines further), padded ones through pointers (every Elem, fp64 included).
+  using TA = TileAddress<kSw, kLd * int(sizeof(Elem))>;
+  constexpr uint32_t kKvBufBytes = kBN * kLd * sizeof(Elem);
+  uint32_t q_at = 0, k_at = 0, v_at = 0;
+  if constexpr (kSw) {
+    const auto rows_first = M::rows_first(lane), chunks_first = M::chunks_first(lane);
+    q_at = TA::base(sQ, wrow + rows_first.row, rows_first.chunk);
+    k_at = TA::base(sK, chunks_first.row, chunks_first.chunk);
+    v_at = TA::base(sV, rows_first.row, rows_first.chunk);
+  }
+  auto read_q = [&](typename M::A& a, int mw, int kk) {  // rows 16 mw.., k kk..
+    if constexpr (kSw) M::load_a(a, TA::at(q_at, 16 * mw, kk / 8));
+    else M::load_a(a, sQ + (wrow + 16 * mw) * kLd + kk, kLd, lane);
+  };
+  auto read_k = [&](typename M::B (&b)[2], int buf, int key, int kk) {  // keys key.., k kk..
+    if constexpr (kSw) M::load_b2_nk(b, TA::at(k_at + buf * kKvBufBytes, key, kk / 8));
+    else M::load_b2_nk(b, sK + buf * kBN * kLd + key * kLd + kk, kLd, lane);
+  };
+  auto read_v = [&](typename M::B (&b)[2], int buf, int key, int col) {  // keys key.., columns col..
+    if constexpr (kSw) M::load_b2_kn(b, TA::at(v_at + buf * kKvBufBytes, key, col / 8));
+    else M::load_b2_kn(b, sV + buf * kBN * kLd + key * kLd + col, kLd, lane);
+  };
+
   typename M::A qa[kQInRegs ? kKSteps : 1][kMW];
   if (kQInRegs && n_end > n_begin) {
     cp_async_wait<0>();
@@ -123,7 +148,7 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim, kFeatures>::kThreads)
 #pragma unroll
     for (int kk = 0; kk < (kQInRegs ? kKSteps : 0); ++kk)
 #pragma unroll
-      for (int mw = 0; mw < kMW; ++mw) M::load_a(qa[kk][mw], sQ + (wrow + 16 * mw) * kLd + kk * M::kK, kLd, lane);
+      for (int mw = 0; mw < kMW; ++mw) read_q(qa[kk][mw], mw, kk * M::kK);
   }
 
   int buf = 0;
@@ -140,8 +165,6 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim, kFeatures>::kThreads)
       load_v(n0 + kBN, buf ^ 1);
     }
     cp_async_commit();
-    const Elem* k_s = sK + buf * kBN * kLd;
-    const Elem* v_s = sV + buf * kBN * kLd;
 
     Acc s[kMW][kNA][4];
 #pragma unroll
@@ -157,12 +180,12 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim, kFeatures>::kThreads)
 #pragma unroll
       for (int mw = 0; mw < kMW; ++mw) {
         if constexpr (kQInRegs) a[mw] = qa[ks][mw];
-        else M::load_a(a[mw], sQ + (wrow + 16 * mw) * kLd + kk, kLd, lane);
+        else read_q(a[mw], mw, kk);
       }
 #pragma unroll
       for (int j = 0; j < kNA; j += 2) {
         typename M::B bf[2];
-        M::load_b2_nk(bf, k_s + 8 * j * kLd + kk, kLd, lane);
+        read_k(bf, buf, 8 * j, kk);
 #pragma unroll
         for (int mw = 0; mw < kMW; ++mw) {
           M::mma(s[mw][j], a[mw], bf[0]);
@@ -333,7 +356,7 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim, kFeatures>::kThreads)
 #pragma unroll
       for (int d = 0; d < kDA; d += 2) {
         typename M::B bf[2];
-        M::load_b2_kn(bf, v_s + kk * kLd + 8 * d, kLd, lane);
+        read_v(bf, buf, kk, 8 * d);
 #pragma unroll
         for (int mw = 0; mw < kMW; ++mw) {
           M::mma(o[mw][d], a[mw], bf[0]);

@@ -44,7 +44,11 @@ struct FwdConfig {
   static constexpr bool kFullTileCopies = kHalf && kDim == 64;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kBM = 16 * kMW * kWarps;
-  static constexpr int kLd = kDim + 8;  // smem row pitch in elements
+  // Q, K and V swizzled instead of padded (tile_copy.cuh) at dims 64 and 128: the copies then read
+  // no excess L2 sectors. (Above 128, 4 warps copy a 512-byte row 4 rows at a time: the rows of
+  // a thread would not agree modulo 8.)
+  static constexpr bool kSwizzle = kHalf && (kDim == 64 || kDim == 128);
+  static constexpr int kLd = kSwizzle ? kDim : kDim + 8;  // smem row pitch in elements
   static constexpr size_t kSmemBytes = size_t(kBM + (kStaggered ? 2 : 4) * kBN) * kLd * sizeof(Elem);
   static_assert(kDim % 16 == 0 && kBN % 16 == 0, "products step over pairs of 8-wide atoms");
 };
