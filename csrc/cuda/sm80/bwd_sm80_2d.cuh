@@ -98,9 +98,11 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
   const unsigned uwarp = unsigned(warp);  // (unsigned: / and % by the constants are shifts)
   const int q_row = (kBM / kQRW) * int(uwarp / kQCW), q_col = (kDim / kQCW) * int(uwarp % kQCW);  // dQ
 
-  // The lanes' ldmatrix addresses in K / V / Q / dO (tile_copy.cuh's TileAddress): in K and in
-  // buffer 0 of Q; V, dO and Q's buffer 1 lie whole lines further. A warp's column offset is a
-  // multiple of its span (a power of two, or of 8 chunks), so that no step carries in the swizzle.
+  // Swizzled, the lanes' ldmatrix addresses in K / V / Q / dO (tile_copy.cuh's TileAddress): in K
+  // and in buffer 0 of Q; V, dO and Q's buffer 1 lie whole lines further. A warp's column offset
+  // is a multiple of its span (a power of two, or of 8 chunks), so that no step carries in the
+  // swizzle. Padded, the reads take pointers (the same addresses through TileAddress measured
+  // 2-4% slower at dim 64: ptxas schedules the loop differently).
   using TA = TileAddress<kSw, kLd * int(sizeof(Elem))>;
   static_assert(!kSw || ((kKA % 8 == 0 || (kKA & (kKA - 1)) == 0) && (kQA % 8 == 0 || (kQA & (kQA - 1)) == 0)),
                 "a warp's chunk span in dK / dV and dQ is a power of two or whole lines");
@@ -122,6 +124,8 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
 
   walk_query_tiles<kBM>(sq, n0, rows_k, hk * group, group, load, [&](int64_t h, int64_t m0, int buf) {
     const uint32_t q_buf_s = q_of_s + buf * kBufBytes, q_buf_dk = q_of_dk + buf * kBufBytes;
+    const Elem* q_s = sQ + buf * kBM * kLd;
+    const Elem* do_s = sdO + buf * kBM * kLd;
     const Acc* lse_s = sLse + buf * kBM;
     const Acc* d_s = sD + buf * kBM;
 
@@ -138,16 +142,26 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
       typename M::A aq[kRA], ado[kRA];
 #pragma unroll
       for (int i = 0; i < kRA; ++i) {
-        const uint32_t at = TA::at(q_buf_s, 16 * i, kk / 8);
-        M::load_a(aq[i], at);
-        M::load_a(ado[i], at + kDoBytes);
+        if constexpr (kSw) {
+          const uint32_t at = TA::at(q_buf_s, 16 * i, kk / 8);
+          M::load_a(aq[i], at);
+          M::load_a(ado[i], at + kDoBytes);
+        } else {
+          M::load_a(aq[i], q_s + (s_row + 16 * i) * kLd + kk, kLd, lane);
+          M::load_a(ado[i], do_s + (s_row + 16 * i) * kLd + kk, kLd, lane);
+        }
       }
 #pragma unroll
       for (int j = 0; j < 4; j += 2) {
         typename M::B bk[2], bv[2];
-        const uint32_t at = TA::at(k_of_s, 8 * j, kk / 8);
-        M::load_b2_nk(bk, at);
-        M::load_b2_nk(bv, at + kVBytes);
+        if constexpr (kSw) {
+          const uint32_t at = TA::at(k_of_s, 8 * j, kk / 8);
+          M::load_b2_nk(bk, at);
+          M::load_b2_nk(bv, at + kVBytes);
+        } else {
+          M::load_b2_nk(bk, sK + (s_key + 8 * j) * kLd + kk, kLd, lane);
+          M::load_b2_nk(bv, sV + (s_key + 8 * j) * kLd + kk, kLd, lane);
+        }
 #pragma unroll
         for (int i = 0; i < kRA; ++i) {
           M::mma(s[i][j], aq[i], bk[0]);
@@ -231,9 +245,14 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
 #pragma unroll
       for (int d = 0; d < kKA; d += 2) {
         typename M::B bo[2], bq[2];
-        const uint32_t at = TA::at(q_buf_dk, kk, d);
-        M::load_b2_kn(bo, at + kDoBytes);
-        M::load_b2_kn(bq, at);
+        if constexpr (kSw) {
+          const uint32_t at = TA::at(q_buf_dk, kk, d);
+          M::load_b2_kn(bo, at + kDoBytes);
+          M::load_b2_kn(bq, at);
+        } else {
+          M::load_b2_kn(bo, do_s + kk * kLd + k_col + 8 * d, kLd, lane);
+          M::load_b2_kn(bq, q_s + kk * kLd + k_col + 8 * d, kLd, lane);
+        }
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
           M::mma(dv[i][d], ap[i], bo[0]);
@@ -261,7 +280,8 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
 #pragma unroll
         for (int d = 0; d < kQA; d += 2) {
           typename M::B bk[2];
-          M::load_b2_kn(bk, TA::at(k_of_dq, kk, d));
+          if constexpr (kSw) M::load_b2_kn(bk, TA::at(k_of_dq, kk, d));
+          else M::load_b2_kn(bk, sK + kk * kLd + q_col + 8 * d, kLd, lane);
 #pragma unroll
           for (int i = 0; i < kRQ; ++i) {
             M::mma(dq[i][d], a[i], bk[0]);

@@ -44,10 +44,9 @@ struct FwdConfig {
   static constexpr bool kFullTileCopies = kHalf && kDim == 64;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kBM = 16 * kMW * kWarps;
-  // Q, K and V swizzled instead of padded (tile_copy.cuh) at dims 64 and 128: the copies then read
-  // no excess L2 sectors. (Above 128, 4 warps copy a 512-byte row 4 rows at a time: the rows of
-  // a thread would not agree modulo 8.)
-  static constexpr bool kSwizzle = kHalf && (kDim == 64 || kDim == 128);
+  // Q, K and V swizzled instead of padded (tile_copy.cuh) where rows are whole 128-byte lines:
+  // the copies then read no excess L2 sectors. Forward +4-6% at 64 and 128 (H200, bf16).
+  static constexpr bool kSwizzle = kHalf && kDim % 64 == 0;
   static constexpr int kLd = kSwizzle ? kDim : kDim + 8;  // smem row pitch in elements
   static constexpr size_t kSmemBytes = size_t(kBM + (kStaggered ? 2 : 4) * kBN) * kLd * sizeof(Elem);
   static_assert(kDim % 16 == 0 && kBN % 16 == 0, "products step over pairs of 8-wide atoms");
@@ -113,11 +112,10 @@ struct Bwd2dConfig {
   // dQ warp grid: 2 x 4 (kBM / 2 rows x kDim / 4 dims), or 4 x 2 where a quarter of the dims is
   // not a whole number of 16-wide atom pairs (dim 96).
   static constexpr int kDqColWarps = (kDim / 4) % 16 == 0 ? 4 : 2;
-  // K, V, Q and dO swizzled instead of padded (tile_copy.cuh) where rows are whole 128-byte
-  // lines: the copies then read no excess L2 sectors. Dim 256: backward +2-4% (H200, bf16).
-  // Dims 64 and 128 measured -2..+1% while every load XORed a full address (spills); with
-  // TileAddress's per-step XOR: measured in NOTES_sm80 Version 11.
-  static constexpr bool kSwizzle = kDim % 64 == 0;
+  // K, V, Q and dO swizzled instead of padded (tile_copy.cuh) at dims 128 and 256: the copies
+  // then read no excess L2 sectors; backward +2-4% at 128, +2-3% at 256 (H200, bf16). At dim 64
+  // it measured -1..0% against the padded tiles, which stay there (96: rows are not whole lines).
+  static constexpr bool kSwizzle = kDim == 128 || kDim == 256;
   static constexpr int kLd = kSwizzle ? kDim : kDim + 8;  // K, V, Q, dO rows
   static constexpr int kLdP = kBN + 8;                      // P, dS rows (one per query)
   static constexpr size_t kSmemBytes =
