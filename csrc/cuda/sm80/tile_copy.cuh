@@ -51,36 +51,36 @@ __device__ __forceinline__ void copy_tile_async(Elem* s, int ld, const Elem* g, 
       const bool valid = c < cols && r < rows;
       cp_async_16_zfill(s + r * ld + c_s, valid ? g + r * g_ld + c : g, valid);
     }
-    return;
-  }
-  constexpr int kRowStep = kThreads / kPerRow;
-  constexpr int kIters = (kRows + kRowStep - 1) / kRowStep;
-  const int r0 = tid / kPerRow, c = (tid % kPerRow) * kChunk;
-  const Elem* src = g + r0 * g_ld + c;
-  const int64_t src_step = kRowStep * g_ld;
-  static_assert(!kSwizzle || (kCols * sizeof(Elem) % 128 == 0 && kRowStep % 4 == 0),
-                "swizzled rows are whole 128-byte lines, and a thread's rows agree modulo 4");
-  // Swizzled, a thread's rows r0 + it * kRowStep fall on chunk c ^ (r % 8): where kRowStep is an
-  // odd multiple of 4, r % 8 flips bit 2 from one row to the next (two column offsets in turn).
-  Elem* const dst_even = s + r0 * ld + (kSwizzle ? c ^ ((r0 & 7) * kChunk) : c);
-  Elem* const dst_odd = kSwizzle && kRowStep % 8 != 0 ? s + r0 * ld + (c ^ (((r0 & 7) ^ 4) * kChunk)) : dst_even;
-  auto dst = [&](int it) { return (it % 2 ? dst_odd : dst_even) + it * kRowStep * ld; };
-  if (kFullTilePath && rows >= kRows && cols >= kCols) {
+  } else {
+    constexpr int kRowStep = kThreads / kPerRow;
+    constexpr int kIters = (kRows + kRowStep - 1) / kRowStep;
+    const int r0 = tid / kPerRow, c = (tid % kPerRow) * kChunk;
+    const Elem* src = g + r0 * g_ld + c;
+    const int64_t src_step = kRowStep * g_ld;
+    static_assert(!kSwizzle || (kCols * sizeof(Elem) % 128 == 0 && kRowStep % 4 == 0),
+                  "swizzled rows are whole 128-byte lines, and a thread's rows agree modulo 4");
+    // Swizzled, a thread's rows r0 + it * kRowStep fall on chunk c ^ (r % 8): where kRowStep is an
+    // odd multiple of 4, r % 8 flips bit 2 from one row to the next (two column offsets in turn).
+    Elem* const dst_even = s + r0 * ld + (kSwizzle ? c ^ ((r0 & 7) * kChunk) : c);
+    Elem* const dst_odd = kSwizzle && kRowStep % 8 != 0 ? s + r0 * ld + (c ^ (((r0 & 7) ^ 4) * kChunk)) : dst_even;
+    auto dst = [&](int it) { return (it % 2 ? dst_odd : dst_even) + it * kRowStep * ld; };
+    if (kFullTilePath && rows >= kRows && cols >= kCols) {
+#pragma unroll
+      for (int it = 0; it < kIters; ++it) {
+        if (kRows % kRowStep != 0 && r0 + it * kRowStep >= kRows) break;
+        cp_async_16(dst(it), src);
+        src += src_step;
+      }
+      return;
+    }
+    const bool col_ok = c < cols;
 #pragma unroll
     for (int it = 0; it < kIters; ++it) {
-      if (kRows % kRowStep != 0 && r0 + it * kRowStep >= kRows) break;
-      cp_async_16(dst(it), src);
-      src += src_step;
+      const int r = r0 + it * kRowStep;
+      if (kRows % kRowStep != 0 && r >= kRows) break;
+      const bool valid = col_ok && r < rows;
+      cp_async_16_zfill(dst(it), valid ? src + it * src_step : g, valid);
     }
-    return;
-  }
-  const bool col_ok = c < cols;
-#pragma unroll
-  for (int it = 0; it < kIters; ++it) {
-    const int r = r0 + it * kRowStep;
-    if (kRows % kRowStep != 0 && r >= kRows) break;
-    const bool valid = col_ok && r < rows;
-    cp_async_16_zfill(dst(it), valid ? src + it * src_step : g, valid);
   }
 }
 
