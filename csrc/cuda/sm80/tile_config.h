@@ -44,10 +44,10 @@ struct FwdConfig {
   static constexpr bool kFullTileCopies = kHalf && kDim == 64;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kBM = 16 * kMW * kWarps;
-  // Q, K and V swizzled instead of padded (tile_copy.cuh) where rows are whole 128-byte lines
-  // (dims 64, 128, 192, 256): the copies then read no excess L2 sectors; forward +4-6% at 64 and
-  // 128, +10-15% at 256 (H200, bf16).
-  static constexpr bool kSwizzle = kHalf && kDim % 64 == 0;
+  // Q, K and V swizzled instead of padded (tile_copy.cuh) at dims 64, 128 and 256: the copies then
+  // read no excess L2 sectors; forward +4-6% at 64 and 128, +10-15% at 256 (H200, bf16). At 192
+  // (rows of 24 chunks, copied by a walk over the tile's chunks) it measured -3..+4%: padded.
+  static constexpr bool kSwizzle = kHalf && (kDim == 64 || kDim == 128 || kDim == 256);
   static constexpr int kLd = kSwizzle ? kDim : kDim + 8;  // smem row pitch in elements
   static constexpr size_t kSmemBytes = size_t(kBM + (kStaggered ? 2 : 4) * kBN) * kLd * sizeof(Elem);
   static_assert(kDim % 16 == 0 && kBN % 16 == 0, "products step over pairs of 8-wide atoms");

@@ -39,17 +39,15 @@ __device__ __forceinline__ void copy_tile_async(Elem* s, int ld, const Elem* g, 
   constexpr int kPerRow = kCols / kChunk;
   static_assert(kCols % kChunk == 0, "tile width is a whole number of 16-byte chunks");
   if constexpr (kThreads % kPerRow != 0) {
-    static_assert(!kFullTilePath, "the full-tile path is written for the layout below");
-    static_assert(!kSwizzle || kCols * sizeof(Elem) % 128 == 0, "swizzled rows are whole 128-byte lines");
+    static_assert(!kFullTilePath && !kSwizzle, "the full-tile path and the swizzle are written for the layout below");
     constexpr int kIters = (kRows * kPerRow + kThreads - 1) / kThreads;
 #pragma unroll
     for (int it = 0; it < kIters; ++it) {
       const int i = tid + it * kThreads;
       if ((kRows * kPerRow) % kThreads != 0 && i >= kRows * kPerRow) break;
-      const int r = i / kPerRow, chunk = i % kPerRow, c = chunk * kChunk;
-      const int c_s = kSwizzle ? ((chunk & ~7) | ((chunk ^ r) & 7)) * kChunk : c;
+      const int r = i / kPerRow, c = (i % kPerRow) * kChunk;
       const bool valid = c < cols && r < rows;
-      cp_async_16_zfill(s + r * ld + c_s, valid ? g + r * g_ld + c : g, valid);
+      cp_async_16_zfill(s + r * ld + c, valid ? g + r * g_ld + c : g, valid);
     }
   } else {
     constexpr int kRowStep = kThreads / kPerRow;
