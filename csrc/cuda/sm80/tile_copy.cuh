@@ -1,5 +1,6 @@
 // Global -> shared tile copies for the tensor-core kernels: 16-byte cp.async chunks, rows
-// padded by 8 elements in smem (conflict-free ldmatrix and fragment loads), everything outside
+// padded by 8 elements in smem or swizzled (either keeps ldmatrix and the fragment loads
+// conflict-free; the tile configs say which), everything outside
 // the valid rows and columns zero-filled so the products need no bounds checks and garbage
 // (or NaN) past a ragged edge never meets a zero probability. The host checks that pointers,
 // row strides and the valid column counts are multiples of 16 bytes.
@@ -26,8 +27,8 @@ __host__ __device__ constexpr int chunk_elems() { return 16 / int(sizeof(Elem));
 // cost ~14 instructions per chunk where that path needs ~3; whether it is faster depends on the
 // kernel (FwdConfig::kFullTileCopies says where it is taken).
 // kSwizzle: the tile is stored swizzled instead of padded: rows of exactly kCols elements (ld ==
-// kCols, a multiple of 64 16-bit elements, so 128-byte lines), and 16-byte chunk c of row r at
-// chunk c ^ (r % 8) of its line. A warp's copy of two rows then writes whole lines (with padded
+// kCols, a multiple of 64 16-bit elements, so whole 128-byte lines), and 16-byte chunk c of row
+// r at chunk c ^ (r % 8) of its line. A warp's copy of two rows then writes whole lines (with padded
 // rows 272 bytes apart, the second row's chunks straddled lines: ncu counted 24 L2 sectors per
 // 16 moved and 6.5 excess smem wavefronts per copy instruction), and ldmatrix's 8 rows of one
 // chunk still hit 8 different banks. The tile starts 128-byte aligned; readers XOR their
