@@ -98,21 +98,24 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
   const unsigned uwarp = unsigned(warp);  // (unsigned: / and % by the constants are shifts)
   const int q_row = (kBM / kQRW) * int(uwarp / kQCW), q_col = (kDim / kQCW) * int(uwarp % kQCW);  // dQ
 
-  // Swizzled, the lanes' ldmatrix addresses in K / V / Q / dO (tile_copy.cuh's TileAddress): in K
-  // and in buffer 0 of Q; V, dO and Q's buffer 1 lie whole lines further. A warp's column offset
-  // is a multiple of its span (a power of two, or of 8 chunks), so that no step carries in the
-  // swizzle. Padded, the reads take pointers (the same addresses through TileAddress measured
+  // Swizzled, the lanes' ldmatrix addresses in K / V / Q / dO (tile_copy.cuh's SwizzledAddress):
+  // in K and in buffer 0 of Q; V, dO and Q's buffer 1 lie whole lines further. A warp's column
+  // offset is a multiple of its span (a power of two, or of 8 chunks), so that no step carries in
+  // the swizzle. Padded, the reads take pointers (the same addresses formed this way measured
   // 2-4% slower at dim 64: ptxas schedules the loop differently).
-  using TA = TileAddress<kSw, kLd * int(sizeof(Elem))>;
+  using TA = SwizzledAddress<kLd * int(sizeof(Elem))>;
   static_assert(!kSw || ((kKA % 8 == 0 || (kKA & (kKA - 1)) == 0) && (kQA % 8 == 0 || (kQA & (kQA - 1)) == 0)),
                 "a warp's chunk span in dK / dV and dQ is a power of two or whole lines");
   constexpr uint32_t kRowBytes = kLd * sizeof(Elem), kBufBytes = kBM * kRowBytes;
   constexpr uint32_t kVBytes = kBN * kRowBytes, kDoBytes = 2 * kBufBytes;  // sV - sK, sdO - sQ
-  const auto rows_first = M::rows_first(lane), chunks_first = M::chunks_first(lane);
-  const uint32_t q_of_s = TA::base(sQ, s_row + rows_first.row, rows_first.chunk);             // S, dP: A
-  const uint32_t k_of_s = TA::base(sK, s_key + chunks_first.row, chunks_first.chunk);         // S, dP: B
-  const uint32_t q_of_dk = TA::base(sQ, rows_first.row, k_col / 8 + rows_first.chunk);        // dK, dV: B
-  const uint32_t k_of_dq = TA::base(sK, rows_first.row, q_col / 8 + rows_first.chunk);        // dQ: B
+  uint32_t q_of_s = 0, k_of_s = 0, q_of_dk = 0, k_of_dq = 0;
+  if constexpr (kSw) {
+    const auto rows_first = M::rows_first(lane), chunks_first = M::chunks_first(lane);
+    q_of_s = TA::base(sQ, s_row + rows_first.row, rows_first.chunk);       // S, dP: A
+    k_of_s = TA::base(sK, s_key + chunks_first.row, chunks_first.chunk);   // S, dP: B
+    q_of_dk = TA::base(sQ, rows_first.row, k_col / 8 + rows_first.chunk);  // dK, dV: B
+    k_of_dq = TA::base(sK, rows_first.row, q_col / 8 + rows_first.chunk);  // dQ: B
+  }
 
   Acc dk[2][kKA][4], dv[2][kKA][4];
 #pragma unroll

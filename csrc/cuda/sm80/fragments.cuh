@@ -52,7 +52,7 @@ struct Mma16Bit {
   static __device__ __forceinline__ LaneSpot chunks_first(int lane) { return {(lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1}; }
 
   // Each loader takes s and ld (the lane's spot as above, written out), or the lane's smem
-  // address `at` formed by the caller (tile_copy.cuh's TileAddress). A (rows, k) from row-major
+  // address `at` formed by the caller (tile_copy.cuh's SwizzledAddress). A (rows, k) from row-major
   // smem: rows-first.
   static __device__ __forceinline__ void load_a(A& a, uint32_t at) { ldmatrix_x4(a.r, at); }
   static __device__ __forceinline__ void load_a(A& a, const Elem* s, int ld, int lane) {

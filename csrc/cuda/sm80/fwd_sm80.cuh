@@ -117,9 +117,10 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim, kFeatures>::kThreads)
       for (int e = 0; e < 4; ++e) o[mw][d][e] = Acc(0);
   }
 
-  // The operand reads from smem: swizzled tiles through the lanes' smem addresses (TileAddress; a K / V
-  // buffer lies whole lines further), padded ones through pointers (every Elem, fp64 included).
-  using TA = TileAddress<kSw, kLd * int(sizeof(Elem))>;
+  // The operand reads from smem: swizzled tiles through the lanes' smem addresses
+  // (SwizzledAddress; a K / V buffer lies whole lines further), padded ones through pointers
+  // (every Elem, fp64 included).
+  using TA = SwizzledAddress<kLd * int(sizeof(Elem))>;
   constexpr uint32_t kKvBufBytes = kBN * kLd * sizeof(Elem);
   uint32_t q_at = 0, k_at = 0, v_at = 0;
   if constexpr (kSw) {

@@ -32,7 +32,7 @@ __host__ __device__ constexpr int chunk_elems() { return 16 / int(sizeof(Elem));
 // rows 272 bytes apart, the second row's chunks straddled lines: ncu counted 24 L2 sectors per
 // 16 moved and 6.5 excess smem wavefronts per copy instruction), and ldmatrix's 8 rows of one
 // chunk still hit 8 different banks. The tile starts 128-byte aligned; readers XOR their
-// addresses the same way (TileAddress below).
+// addresses the same way (SwizzledAddress below).
 template <int kRows, int kCols, int kThreads, bool kFullTilePath = false, bool kSwizzle = false, class Elem>
 __device__ __forceinline__ void copy_tile_async(Elem* s, int ld, const Elem* g, int64_t g_ld,
                                                 int rows, int cols, int tid) {
@@ -83,24 +83,24 @@ __device__ __forceinline__ void copy_tile_async(Elem* s, int ld, const Elem* g, 
   }
 }
 
-// The smem addresses the ldmatrix loaders read a tile of copy_tile_async at, rows kRowBytes
-// apart, padded or swizzled. `base` once per tile and lane: the lane's row (the warp's first row
-// plus the loader's lane row, fragments.cuh's LaneSpot) and 16-byte chunk. `at` per product
-// step, `row0` rows and `chunk0` chunks further (compile-time constants in the unrolled loops).
-// Swizzled, a step must not carry within the lane's line: row0 a multiple of 8 and chunk0's
-// bits below 8 none of the lane chunk's. Then the step XORs the chunk bits of the address
-// (1 instruction) and adds the rest as the ldmatrix's immediate offset; XORing a full address
-// per load instead cost 2 instructions per load and 16 bytes of spills (dims 64 and 128).
-template <bool kSwizzle, int kRowBytes>
-struct TileAddress {
-  static_assert(!kSwizzle || kRowBytes % 128 == 0, "swizzled rows are whole 128-byte lines");
+// The smem addresses the ldmatrix loaders read a swizzled tile of copy_tile_async at, rows
+// kRowBytes apart. `base` once per tile and lane: the lane's row (the warp's first row plus the
+// loader's lane row, fragments.cuh's LaneSpot) and 16-byte chunk. `at` per product step, `row0`
+// rows and `chunk0` chunks further (compile-time constants in the unrolled loops). A step must
+// not carry within the lane's line: row0 a multiple of 8 and chunk0's bits below 8 none of the
+// lane chunk's. Then the step XORs the chunk bits of the address (1 instruction) and adds the
+// rest as the ldmatrix's immediate offset; XORing a full address per load instead cost 2
+// instructions per load and 16 bytes of spills (dims 64 and 128). Padded tiles are read through
+// pointers (fragments.cuh).
+template <int kRowBytes>
+struct SwizzledAddress {
+  static_assert(kRowBytes % 128 == 0, "swizzled rows are whole 128-byte lines");
   static __device__ __forceinline__ uint32_t base(const void* tile, int row, int chunk) {
-    if constexpr (kSwizzle) chunk = (chunk & ~7) | ((chunk ^ row) & 7);
+    chunk = (chunk & ~7) | ((chunk ^ row) & 7);
     return smem_addr(tile) + uint32_t(row * kRowBytes + chunk * 16);
   }
   static __device__ __forceinline__ uint32_t at(uint32_t base, int row0, int chunk0) {
-    if constexpr (kSwizzle) return (base ^ uint32_t((chunk0 & 7) << 4)) + uint32_t(row0 * kRowBytes + (chunk0 >> 3) * 128);
-    else return base + uint32_t(row0 * kRowBytes + chunk0 * 16);
+    return (base ^ uint32_t((chunk0 & 7) << 4)) + uint32_t(row0 * kRowBytes + (chunk0 >> 3) * 128);
   }
 };
 
