@@ -74,13 +74,13 @@ __global__ void __launch_bounds__(kThreads) dot_do_o_kernel(const BwdParams p, a
   }
 }
 
-// The accumulator's values are read in runs of up to 4 (16 bytes of fp32): a run of 4 adjacent
-// columns starting at a multiple of 4 lies together in both layouts.
+// The accumulator's values are read in runs of up to Layout::kRun adjacent columns starting at
+// a multiple of it, which lie together (4 row-major, 2 blocked).
 template <class T, int kVec, class Layout>
 __global__ void __launch_bounds__(kThreads)
     dq_convert_kernel(const BwdParams p, const acc_t<T>* dq_accum, Layout layout, int lane_shift) {
   using Acc = acc_t<T>;
-  constexpr int kRun = kVec < 4 ? kVec : 4;
+  constexpr int kRun = kVec < Layout::kRun ? kVec : Layout::kRun;
   const int64_t len = tensor_rows(p);
   const int64_t rows = tensor_batches(p) * p.heads_q * len;
   const int step = kVec << lane_shift, E = int(p.head_dim);
@@ -149,7 +149,7 @@ template <class T>
 void bwd_dq_convert(const BwdParams& p, const void* dq_accum, bool blocked, cudaStream_t stream) {
   constexpr int kVec = 16 / sizeof(T);
   const int64_t rows = tensor_batches(p) * p.heads_q * tensor_rows(p);
-  // The accumulator is 256-byte aligned; its rows (row-major) or 4-column runs (blocked) too.
+  // The accumulator is 256-byte aligned; its rows (row-major) or 2-column runs (blocked) too.
   const bool wide = vec_ok<T, kVec>(p.dq, p.dq_stride, p.head_dim);
   auto* acc = static_cast<const acc_t<T>*>(dq_accum);
   auto run = [&](auto layout) {

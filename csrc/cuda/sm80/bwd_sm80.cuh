@@ -312,11 +312,11 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim, kGeneral>::kThreads, Bwd
       __syncthreads();
       if (warp >= kRowGroups * kColGroups) return;
       const int rg = warp % kRowGroups, cg = warp / kRowGroups;
-      Acc dq[kQCA][4];
+      Acc dq[1][kQCA][4];  // one row group (add_dq_atoms takes several)
 #pragma unroll
       for (int d = 0; d < kQCA; ++d)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) dq[d][e] = Acc(0);
+        for (int e = 0; e < 4; ++e) dq[0][d][e] = Acc(0);
 #pragma unroll
       for (int kk = 0; kk < kBN; kk += M::kK) {
         typename M::A a;
@@ -325,8 +325,8 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim, kGeneral>::kThreads, Bwd
         for (int d = 0; d < kQCA; d += 2) {
           typename M::B bk[2];
           M::load_b2_kn(bk, sK + kk * kLd + cg * kQCols + 8 * d, kLd, lane);
-          M::mma(dq[d], a, bk[0]);
-          M::mma(dq[d + 1], a, bk[1]);
+          M::mma(dq[0][d], a, bk[0]);
+          M::mma(dq[0][d + 1], a, bk[1]);
         }
       }
       add_dq_atoms(dq_accum, sq.row_index(p.heads_q, h, m0), dq, 16 * rg, cg * kQCols, sq.q_tile_rows(m0, kBM), E,

@@ -196,21 +196,28 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           const int row = s_row + 16 * i + g + 8 * r;
-          const Acc lse = Exp::from_lse(lse_s[row]), dsum = d_s[row];
-          const bool row_on = lse != neg_inf<Acc>();
+          // A row that sees no key (LSE -inf) takes +inf: its exponentials are then 0, and its
+          // dS 0, without a select per score where the tile is not masked.
+          const Acc lse_row = Exp::from_lse(lse_s[row]), dsum = d_s[row];
+          const Acc lse = lse_row == neg_inf<Acc>() ? -neg_inf<Acc>() : lse_row;
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
 #pragma unroll
             for (int c = 0; c < 2; ++c) {
               const int key = s_key + 8 * j + 2 * t + c, e = 2 * r + c;
-              bool vis = row_on;
-              if constexpr (kMasked) vis = vis && key - row >= lo0 && key - row <= hi0 && key < k_lim;
               Acc x = s[i][j][e] * score_scale - lse;
               if constexpr (R::kBytes > 0)
                 x += Exp::score_scale(1.0) * reader.template value<Acc>(bias_s + bias_tile.offset(row, key));
-              const Acc pr = Exp::exp_if(vis, x);
-              s[i][j][e] = pr;
-              dp[i][j][e] = vis ? pr * (dp[i][j][e] - dsum) : Acc(0);
+              if constexpr (kMasked) {
+                const bool vis = key - row >= lo0 && key - row <= hi0 && key < k_lim;
+                const Acc pr = Exp::exp_if(vis, x);
+                s[i][j][e] = pr;
+                dp[i][j][e] = vis ? pr * (dp[i][j][e] - dsum) : Acc(0);
+              } else {
+                const Acc pr = Exp::exp(x);
+                s[i][j][e] = pr;
+                dp[i][j][e] = pr * (dp[i][j][e] - dsum);
+              }
             }
           }
         }
@@ -294,9 +301,7 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
       }
       const int64_t tile_row = sq.row_index(p.heads_q, h, m0);
       const int rows_valid = sq.q_tile_rows(m0, kBM);
-#pragma unroll
-      for (int i = 0; i < kRQ; ++i)
-        add_dq_atoms(dq_accum, tile_row, dq[i], q_row + 16 * i, q_col, rows_valid, E, lane);
+      add_dq_atoms(dq_accum, tile_row, dq, q_row, q_col, rows_valid, E, lane);
     }
   });
 
