@@ -154,7 +154,7 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim, kGeneral>::kThreads, Bwd
   const BiasTileLayout bias_tile = kFeatures ? bias_tile_layout<kBM, kBN>(p) : BiasTileLayout{};
   const bool bias_chunked = kFeatures && bias_rows_chunked(p);
   auto load = [&](int64_t h, int64_t m0, int buf) {
-    load_query_tile<kBM, kBN, kDim, kThreads, false>(sQ, sdO, sLse, sD, sBias, kLd, bias_tile, bias_chunked, p, sq, dsum_g,
+    load_query_tile<kBM, kBN, kDim, kThreads, false, RowStats<kBM>>(sQ, sdO, sLse, sBias, kLd, bias_tile, bias_chunked, p, sq, dsum_g,
                                               h, m0, n0, rows_k, buf, tid);
   };
 

@@ -11,7 +11,7 @@
 //   dV += P^T dO, dK += dS^T Q  warps on a grid of 32 keys x dims (4 x 2 of kDim / 2 for
 //                               128-key blocks, 2 x 4 of kDim / 4 for 64; A: P^T / dS^T read
 //                               transposed from smem, B: dO / Q)
-//   dQ += dS K                  warps on 2 x 4 (kBM / 2 rows x kDim / 4 dims; 4 x 2 at dim 96),
+//   dQ += dS K                  warps on 2 x 4 or 4 x 2 (rows x dims; Bwd2dConfig::kDqColWarps),
 //                               added with atomics
 // P and dS round to Elem before the products, as in the 1-D kernel.
 #pragma once
@@ -37,6 +37,20 @@
 
 namespace flashattn::cuda::sm80 {
 
+// Where the LSE and D of query row m lie in the kernel's stats area at dim 64 (elsewhere
+// query_walk.cuh's RowStats): a lane of S / dP reads those of rows 16 i + g and 16 i + g + 8 of
+// its warp's slab of kSlab rows as one 16-byte chunk, and the 8 chunks of one i lie in 128
+// contiguous bytes: one conflict-free LDS.128 per row group, 4 per tile where RowStats takes 16
+// scalar LDS (Bwd2dConfig::kSlabStats says why only there).
+template <int kBM, int kSlab>
+struct SlabStats {
+  static __device__ __forceinline__ int lse(int buf, int m) {
+    const int r = m % kSlab;
+    return buf * 2 * kBM + 2 * (m - r) + 32 * (r / 16) + 4 * (r % 8) + 2 * (r / 8 % 2);
+  }
+  static __device__ __forceinline__ int d(int buf, int m) { return lse(buf, m) + 1; }
+};
+
 template <class Elem, int kDim, bool kFeatures>
 __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
     bwd_dkdv_2d_kernel(const BwdParams p, const float* dsum_g, float* dq_accum, int num_n_tiles) {
@@ -54,6 +68,7 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
   constexpr int kQA = kDim / kQCW / 8;  // dQ atoms per 16-row group of a warp
   constexpr int kRQ = kBM / kQRW / 16;  // 16-row groups of a warp in dQ
   static_assert(kKA % 2 == 0 && kQA % 2 == 0, "B atoms load in pairs");
+  using Stats = std::conditional_t<Cfg::kSlabStats, SlabStats<kBM, kBM / kRowW>, RowStats<kBM>>;
 
   extern __shared__ __align__(16) unsigned char smem_raw[];  // dynamic smem starts the block window: 128-byte aligned, as swizzled tiles need
   Elem* sK = reinterpret_cast<Elem*>(smem_raw);
@@ -62,9 +77,8 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
   Elem* sdO = sQ + 2 * kBM * kLd;    // [2][kBM][kLd]
   Elem* sP = sdO + 2 * kBM * kLd;    // [kBM][kLdP]
   Elem* sdS = sP + kBM * kLdP;       // [kBM][kLdP]
-  Acc* sLse = reinterpret_cast<Acc*>(sdS + kBM * kLdP);  // [2][kBM], natural log as stored
-  Acc* sD = sLse + 2 * kBM;                              // [2][kBM]
-  unsigned char* sBias = reinterpret_cast<unsigned char*>(sD + 2 * kBM);  // [2] bias tiles (kFeatures)
+  Acc* sStats = reinterpret_cast<Acc*>(sdS + kBM * kLdP);  // LSE (natural log as stored) and D of 2 tiles: Stats
+  unsigned char* sBias = reinterpret_cast<unsigned char*>(sStats + 4 * kBM);  // [2] bias tiles (kFeatures)
 
   const TileBlock blk = tile_block(num_n_tiles, 1, p.heads_kv, /*heaviest_first=*/false);
   const int64_t hk = blk.head, b = blk.batch;
@@ -86,7 +100,7 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
   const BiasTileLayout bias_tile = kFeatures ? bias_tile_layout<kBM, kBN>(p) : BiasTileLayout{};
   const bool bias_chunked = kFeatures && bias_rows_chunked(p);
   auto load = [&](int64_t h, int64_t m0, int buf) {
-    load_query_tile<kBM, kBN, kDim, kThreads, kSw>(sQ, sdO, sLse, sD, sBias, kLd, bias_tile, bias_chunked, p, sq, dsum_g,
+    load_query_tile<kBM, kBN, kDim, kThreads, kSw, Stats>(sQ, sdO, sStats, sBias, kLd, bias_tile, bias_chunked, p, sq, dsum_g,
                                               h, m0, n0, rows_k, buf, tid);
   };
 
@@ -129,8 +143,9 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
     const uint32_t q_buf_s = q_of_s + buf * kBufBytes, q_buf_dk = q_of_dk + buf * kBufBytes;
     const Elem* q_s = sQ + buf * kBM * kLd;
     const Elem* do_s = sdO + buf * kBM * kLd;
-    const Acc* lse_s = sLse + buf * kBM;
-    const Acc* d_s = sD + buf * kBM;
+    const Acc* stats_s = sStats + buf * 2 * kBM + 2 * s_row + 4 * g;  // SlabStats: the lane's chunk of row group 0
+    const Acc* lse_s = sStats + buf * kBM;                             // RowStats
+    const Acc* d_s = lse_s + 2 * kBM;
 
     // S and dP of the warp's rows x 32 keys: [row group][key atom].
     Acc s[kRA][4][4], dp[kRA][4][4];
@@ -193,12 +208,15 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
       }
 #pragma unroll
       for (int i = 0; i < kRA; ++i) {
+        float4 slab;  // SlabStats: LSE and D of rows g and g + 8
+        if constexpr (Cfg::kSlabStats) slab = *reinterpret_cast<const float4*>(stats_s + 32 * i);
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           const int row = s_row + 16 * i + g + 8 * r;
           // A row that sees no key (LSE -inf) takes +inf: its exponentials are then 0, and its
           // dS 0, without a select per score where the tile is not masked.
-          const Acc lse_row = Exp::from_lse(lse_s[row]), dsum = d_s[row];
+          const Acc lse_row = Exp::from_lse(Cfg::kSlabStats ? (r ? slab.z : slab.x) : lse_s[row]);
+          const Acc dsum = Cfg::kSlabStats ? (r ? slab.w : slab.y) : d_s[row];
           const Acc lse = lse_row == neg_inf<Acc>() ? -neg_inf<Acc>() : lse_row;
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
@@ -273,7 +291,7 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
       }
     }
 
-    // dQ += dS K for the warp's kBM / 2 rows x kDim / 4 dims, added into the accumulator.
+    // dQ += dS K for the warp's kBM / kQRW rows x kDim / kQCW dims, added into the accumulator.
     if (dq_accum != nullptr) {
       Acc dq[kRQ][kQA][4];
 #pragma unroll

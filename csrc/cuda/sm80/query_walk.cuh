@@ -14,13 +14,24 @@
 
 namespace flashattn::cuda::sm80 {
 
+// Where the LSE and D of a query tile's row m lie in a kernel's stats area (two buffers of kBM
+// LSE and kBM D values), as offsets from its start: RowStats keeps [2][kBM] LSE, then [2][kBM] D,
+// in row order (the 1-D kernel reads two adjacent rows at once); the 2-D kernel has its own
+// (bwd_sm80_2d.cuh's SlabStats).
+template <int kBM>
+struct RowStats {
+  static __device__ __forceinline__ int lse(int buf, int m) { return buf * kBM + m; }
+  static __device__ __forceinline__ int d(int buf, int m) { return 2 * kBM + buf * kBM + m; }
+};
+
 // Starts the copies of query tile (h, m0) into buffer `buf`: with a bias / mask (bias_tile.rows
 // > 0; never in the plain variants, whose layout is the empty one) its tile against the block's
 // keys [n0, n0 + rows_k) into buffer `buf` of sBias; Q and dO rows (kBM x kDim, pitch kLd, or
-// kSwizzle: swizzled as tile_copy.cuh says; rows past len_q zero-filled) and their LSE and D. Rows past len_q get LSE = D = 0: with zero Q and
-// dO they add exactly 0 to every gradient (P = 1, dP = D = 0).
-template <int kBM, int kBN, int kDim, int kThreads, bool kSwizzle, class Elem, class Acc>
-__device__ __forceinline__ void load_query_tile(Elem* sQ, Elem* sdO, Acc* sLse, Acc* sD, unsigned char* sBias, int kLd,
+// kSwizzle: swizzled as tile_copy.cuh says; rows past len_q zero-filled) and their LSE and D
+// into sStats where Stats places them. Rows past len_q get LSE = D = 0: with zero Q and dO they
+// add exactly 0 to every gradient (P = 1, dP = D = 0).
+template <int kBM, int kBN, int kDim, int kThreads, bool kSwizzle, class Stats, class Elem, class Acc>
+__device__ __forceinline__ void load_query_tile(Elem* sQ, Elem* sdO, Acc* sStats, unsigned char* sBias, int kLd,
                                                 const BiasTileLayout& bias_tile, bool bias_chunked,
                                                 const BwdParams& p, const Seq& sq, const Acc* dsum_g, int64_t h,
                                                 int64_t m0, int64_t n0, int rows_k, int buf, int tid) {
@@ -38,8 +49,8 @@ __device__ __forceinline__ void load_query_tile(Elem* sQ, Elem* sdO, Acc* sLse, 
   static_assert(kBM <= kThreads, "one LSE / D element per thread");
   if (tid < kBM) {
     const bool ok = tid < rows;
-    cp_async_elem_zfill(sLse + buf * kBM + tid, ok ? lse_g + tid : lse_g, ok);
-    cp_async_elem_zfill(sD + buf * kBM + tid, ok ? dsum_g + r0 + tid : dsum_g, ok);
+    cp_async_elem_zfill(sStats + Stats::lse(buf, tid), ok ? lse_g + tid : lse_g, ok);
+    cp_async_elem_zfill(sStats + Stats::d(buf, tid), ok ? dsum_g + r0 + tid : dsum_g, ok);
   }
 }
 

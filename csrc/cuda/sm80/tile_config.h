@@ -98,8 +98,7 @@ struct BwdConfig {
 // keys, dK/dV on 4 x 2 warps of 32 keys x half the dims. Dim 256 (FlashAttention-2's shape
 // there): 64 keys x 64 rows, S and dP on 4 x 2 warps of 16 rows x 32 keys, dK/dV on 2 x 4
 // warps of 32 keys x a quarter of the dims (dK and dV then take 128 registers, as at dim 128).
-// P and dS go through smem once per tile; dQ on 2 x 4 warps of kBM / 2 rows x a quarter of
-// the dims. Fewer ldmatrix per MMA than BwdConfig's 1-D layout (counted per warp and tile: dim
+// P and dS go through smem once per tile; dQ on 2 x 4 or 4 x 2 warps (kDqColWarps). Fewer ldmatrix per MMA than BwdConfig's 1-D layout (counted per warp and tile: dim
 // 128 152 / 320 against 184 / 320; dim 64 with 128-row tiles 168 / 320 against 56 / 80).
 // Measured (H200, bf16): backward +3-12% at dim 64, +7-11% at 128, +15-22% at 256.
 template <class Elem, int kDim>
@@ -110,14 +109,23 @@ struct Bwd2dConfig {
   static constexpr int kBN = kDim <= 128 ? 128 : 64, kBM = kDim <= 64 ? 128 : 64;
   // Warps across the keys in S / dP and in dK / dV: each takes 32 keys.
   static constexpr int kKeyWarps = kBN / 32;
-  // dQ warp grid: 2 x 4 (kBM / 2 rows x kDim / 4 dims), or 4 x 2 where a quarter of the dims is
-  // not a whole number of 16-wide atom pairs (dim 96).
-  static constexpr int kDqColWarps = (kDim / 4) % 16 == 0 ? 4 : 2;
-  // K, V, Q and dO swizzled instead of padded (tile_copy.cuh) at dims 128 and 256: the copies
-  // then read no excess L2 sectors; backward +2-4% at 128, +2-3% at 256 (H200, bf16). At dim 64
-  // it measured -1..0% against the padded tiles, which stay there (96: rows are not whole lines).
-  static constexpr bool kSwizzle = kDim == 128 || kDim == 256;
+  // dQ warp grid: kWarps / kDqColWarps x kDqColWarps (rows x dims), 2 x 4 or 4 x 2: the one with
+  // fewer fragment loads per product step (a warp loads rows / 16 A and dims / 16 B fragments;
+  // dim 64: 4 x 2, 4 loads against 5, and FlashAttention-2's grid there), where a warp's dims are
+  // a whole number of 16-wide atom pairs (dim 96: 4 x 2).
+  static constexpr int dq_loads(int col_warps) { return kBM / (kWarps / col_warps) / 16 + kDim / col_warps / 16; }
+  static constexpr int kDqColWarps = (kDim / 4) % 16 == 0 && dq_loads(4) < dq_loads(2) ? 4 : 2;
+  // K, V, Q and dO swizzled instead of padded (tile_copy.cuh) at dims 64, 128 and 256: the
+  // copies then read no excess L2 sectors and write no excess smem wavefronts (ncu at dim 64:
+  // 8.9 wavefronts per padded copy instruction against 4); backward +2-4% at 128, +2-3% at 256,
+  // +3.5-4% at 64 on top of the 4 x 2 dQ grid and SlabStats (H200, bf16; before those, 64
+  // measured -1..0%). 96 stays padded: its rows are not whole lines.
+  static constexpr bool kSwizzle = kDim == 64 || kDim == 128 || kDim == 256;
   static constexpr int kLd = kSwizzle ? kDim : kDim + 8;  // K, V, Q, dO rows
+  // LSE and D read as one 16-byte chunk per row group (bwd_sm80_2d.cuh's SlabStats) at dim 64:
+  // with the 4 x 2 dQ grid +5-6% there; at 128 and 256 it measured -1% (H200, bf16), so those
+  // read row by row.
+  static constexpr bool kSlabStats = kDim == 64;
   static constexpr int kLdP = kBN + 8;                      // P, dS rows (one per query)
   static constexpr size_t kSmemBytes =
       size_t((2 * kBN + 4 * kBM) * kLd + 2 * kBM * kLdP) * sizeof(Elem) + 4 * kBM * sizeof(float);
