@@ -40,8 +40,10 @@ struct FwdConfig {
   static constexpr bool kStaggered = kHalf && kDim > 128 && !kFeatures;
   static constexpr int kBN = kDouble ? (kDim > 64 ? 16 : 32) : ((kFeatures && kDim > 64) ? 32 : !kFeatures && kDim <= 64 ? 128 : 64);
   // Full K and V tiles copied without per-chunk predicates (copy_tile_async) at dim 64: +2-3%
-  // there; at 96, 128 and 192 measured 1-6% slower, at 256 +-1% (H200, bf16), so not there.
-  static constexpr bool kFullTileCopies = kHalf && kDim == 64;
+  // there; at 96, 128 and 192 measured 1-6% slower with padded tiles, at 256 +-1% (H200, bf16).
+  // With swizzled tiles: plain dim 128 +1.2..+3.5%, 256 -2..+2% (not taken); the dim-128 feature
+  // variant (32-key tiles) keeps the predicated copies (not measured with these).
+  static constexpr bool kFullTileCopies = kHalf && (kDim == 64 || (kDim == 128 && !kFeatures));
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kBM = 16 * kMW * kWarps;
   // Q, K and V swizzled instead of padded (tile_copy.cuh) at dims 64, 128 and 256: the copies then
