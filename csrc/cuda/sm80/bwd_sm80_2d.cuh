@@ -69,6 +69,8 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
   constexpr int kRQ = kBM / kQRW / 16;  // 16-row groups of a warp in dQ
   static_assert(kKA % 2 == 0 && kQA % 2 == 0, "B atoms load in pairs");
   using Stats = std::conditional_t<Cfg::kSlabStats, SlabStats<kBM, kBM / kRowW>, RowStats<kBM>>;
+  static_assert(!Cfg::kSlabStats || ((2 * kBN + 4 * kBM) * kLd + 2 * kBM * kLdP) * sizeof(Elem) % 16 == 0,
+                "SlabStats chunks are read 16 bytes at a time");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];  // dynamic smem starts the block window: 128-byte aligned, as swizzled tiles need
   Elem* sK = reinterpret_cast<Elem*>(smem_raw);
