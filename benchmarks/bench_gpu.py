@@ -28,7 +28,7 @@ import torch
 
 from flashattn_ext import _measure as M
 
-IMPLS = ("ours", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "sdpa-math")
+IMPLS = ("ours", "ours-det", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "sdpa-math")  # ours-det: deterministic=True
 LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)
 PASSES = ("fwd", "bwd")
 
@@ -44,7 +44,7 @@ def parse_args(argv):
     p.add_argument("--causal", choices=("both", "yes", "no"), default="both")
     p.add_argument("--tokens", type=int, help="B·L of every row (default 16384; 1024 with --device cpu)")
     p.add_argument("--hidden", type=int, help="H·E of every row (default 2048; 128 with --device cpu)")
-    p.add_argument("--impls", default=",".join(IMPLS))
+    p.add_argument("--impls", default=",".join(i for i in IMPLS if i != "ours-det"))
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--math-max-gb", type=float, default=8.0, help="skip sdpa-math when B·H·L²·4 bytes pass this")
@@ -258,7 +258,7 @@ def rows_from_table(text):
         head, _, rest = line.partition("|")
         cells = head.split()
         if head.startswith("dtype"):
-            impls = ["ours" if n == "ours" else "sdpa-" + n for n in rest.split("|")[0].split()[1:]]
+            impls = [n if n.startswith("ours") else "sdpa-" + n for n in rest.split("|")[0].split()[1:]]
         elif impls and len(cells) == 7 and cells[0] in M.DTYPES:
             dtype, e, length, b, h, causal, ps = cells
             if ps == "fwd":

@@ -56,7 +56,7 @@ DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 # name -> SDPA backend forced with torch.nn.attention.sdpa_kernel; "sdpa" lets torch choose.
 SDPA_BACKENDS = {"sdpa-flash": "FLASH_ATTENTION", "sdpa-cudnn": "CUDNN_ATTENTION",
                  "sdpa-efficient": "EFFICIENT_ATTENTION", "sdpa-math": "MATH"}
-IMPLS = ("ours", "sdpa") + tuple(SDPA_BACKENDS)
+IMPLS = ("ours", "ours-det", "sdpa") + tuple(SDPA_BACKENDS)
 
 
 # ----------------------------------------------------------------------------------------- FLOPs
@@ -76,6 +76,10 @@ def get_attention(name):
     if name == "ours":
         import flashattn_ext
         return lambda q, k, v, is_causal: flashattn_ext.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+    if name == "ours-det":  # ours with deterministic=True (bitwise-reproducible backward)
+        import flashattn_ext
+        return lambda q, k, v, is_causal: flashattn_ext.flash_attn_func(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=is_causal, deterministic=True).transpose(1, 2)
     if name == "sdpa":
         return lambda q, k, v, is_causal: F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
     from torch.nn.attention import SDPBackend, sdpa_kernel

@@ -3,9 +3,11 @@
 // stream.
 //
 // Backward workspace: [D = rowsum(dO * O): acc, (batch, heads_q, len_q)] padded to 256 bytes,
-// then, on the non-deterministic path only, the dQ accumulator [acc, (batch, heads_q, len_q,
-// head_dim)] that the dK/dV kernel adds into with atomics: row-major, or blocked where the
-// fp16/bf16 tensor-core kernels fill it (common/dq_layout.cuh; sized for either).
+// then the dQ accumulator [acc, (batch, heads_q, len_q, head_dim)] that the dK/dV kernels add
+// into with atomics: row-major, or blocked where the fp16/bf16 tensor-core kernels fill it
+// (common/dq_layout.cuh; sized for either), padded to 256 bytes. The deterministic path of the
+// tensor-core kernels takes several (sm80/launch.h's DqAccum); that of the SIMT kernels none
+// (their dQ kernel writes dQ directly).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -76,10 +78,31 @@ bool tensor_core_kernels_allowed() {
   return !std::is_same_v<T, float> && allowed;
 }
 
+// The dQ accumulators of a backward call: on the deterministic path where the tensor-core
+// kernels may serve it, one per block of a (batch, kv head) in each round of key tiles
+// (sm80/launch.h's for_key_tile_rounds): enough for about one block per SM, at most 16 (each
+// takes the size of dQ in fp32 / fp64); none where the SIMT kernels would (their dQ kernel
+// writes dQ); else one. (Tensor-core kernels that decline the call leave the accumulators to the
+// SIMT kernels, which then use one or none.)
+int dq_accumulators(const BwdParams& p) {
+  if (!p.deterministic) return 1;
+  bool tensor_cores = false;
+  switch (p.dtype) {
+    case DType::kFloat64: tensor_cores = tensor_core_kernels_allowed<double>(); break;
+    case DType::kBFloat16: tensor_cores = tensor_core_kernels_allowed<__nv_bfloat16>(); break;
+    case DType::kFloat16: tensor_cores = tensor_core_kernels_allowed<__half>(); break;
+    default: break;
+  }
+  const DeviceLimits lim = device_limits();
+  if (!tensor_cores || lim.major < 8) return 0;
+  const int64_t per_head = lim.sms / (p.batch * p.heads_kv);
+  return int(per_head < 1 ? 1 : per_head > 16 ? 16 : per_head);
+}
+
 // The tensor-core kernels' head-dim tier for e_max (fp16/bf16: 32, 64, 96, 128, 192, 256; fp64:
 // 64, 128), handed to `run` as a std::integral_constant. Returns what `run` returns (false when
-// that kernel declines the call), false above the last tier. One list for the forward, the
-// dK/dV and the deterministic dQ dispatch.
+// that kernel declines the call), false above the last tier. One list for the forward and the
+// dK/dV dispatch.
 template <class T, class Run>
 bool on_sm80_tier(int64_t e_max, Run&& run) {
   using std::integral_constant;
@@ -134,46 +157,49 @@ void bwd_typed(const BwdParams& p, cudaStream_t stream) {
 
   char* ws = static_cast<char*>(p.workspace);
   void* dsum = ws;
-  void* dq_accum = nullptr;
-  if (!p.deterministic) {
-    dq_accum = ws + align_up(size_t(stored_rows(p)) * acc_size(p.dtype));
-    check_cuda(cudaMemsetAsync(dq_accum, 0, dq_accum_bytes(p), stream), "cudaMemsetAsync(dq accumulator)");
-  }
+  const int accumulators = dq_accumulators(p);
+  const size_t accum_bytes = align_up(dq_accum_bytes(p));
+  void* dq_accum = accumulators > 0 ? ws + align_up(size_t(stored_rows(p)) * acc_size(p.dtype)) : nullptr;
+  if (accumulators > 0)
+    check_cuda(cudaMemsetAsync(dq_accum, 0, accumulators * accum_bytes, stream), "cudaMemsetAsync(dq accumulator)");
   simt::bwd_dot_do_o<T>(p, dsum, stream);
 
-  bool dkdv_done = false;  // dK, dV (and the atomic dQ when not deterministic)
-  bool dq_done = false;    // dQ of the deterministic path
-  bool dq_blocked = false;  // the fp16/bf16 tensor-core kernels fill the blocked layout
+  bool tensor_cores_done = false;  // dK, dV and dQ (into the accumulators) by the tensor-core kernels
+  bool dq_blocked = false;         // those fill the blocked layout (fp16/bf16)
+  const sm80::DqAccum accum{dq_accum, p.deterministic ? accumulators : 0,
+                            int64_t(accum_bytes / acc_size(p.dtype))};
   if constexpr (!std::is_same_v<T, float>) {
-    if (tensor_core_kernels_allowed<T>()) {
+    if (tensor_core_kernels_allowed<T>() && dq_accum != nullptr) {
       on_sm80_tier<T>(e_max, [&](auto tier) {
-        constexpr int kTier = decltype(tier)::value;
-        dkdv_done = sm80::bwd_dkdv<T, kTier>(p, dsum, dq_accum, stream);
-        dq_blocked = dkdv_done && std::is_same_v<TensorCoreDqLayout<acc_t<T>>, DqBlocked>;
-        if constexpr (kTier <= 128) {  // the deterministic dQ kernel stops at 128
-          if (p.deterministic) dq_done = sm80::bwd_dq<T, kTier>(p, dsum, stream);
-        }
-        return dkdv_done;
+        tensor_cores_done = sm80::bwd_dkdv<T, decltype(tier)::value>(p, dsum, accum, stream);
+        dq_blocked = tensor_cores_done && std::is_same_v<TensorCoreDqLayout<acc_t<T>>, DqBlocked>;
+        return tensor_cores_done;
       });
     }
   }
-  if constexpr (!std::is_same_v<T, double>) {
-    if (!dkdv_done && e_max <= 64) dkdv_done = simt::bwd_dkdv_kvres<T, 64>(p, dsum, dq_accum, stream);
-    else if (!dkdv_done && e_max <= 128) dkdv_done = simt::bwd_dkdv_kvres<T, 128>(p, dsum, dq_accum, stream);
+  if (!tensor_cores_done) {
+    // The SIMT kernels: dQ atomically into the accumulator, or (deterministic) by the dQ kernel.
+    void* simt_dq_accum = p.deterministic ? nullptr : dq_accum;
+    bool dkdv_done = false;
+    if constexpr (!std::is_same_v<T, double>) {
+      if (e_max <= 64) dkdv_done = simt::bwd_dkdv_kvres<T, 64>(p, dsum, simt_dq_accum, stream);
+      else if (e_max <= 128) dkdv_done = simt::bwd_dkdv_kvres<T, 128>(p, dsum, simt_dq_accum, stream);
+    }
+    auto run_tier = [&](auto tier_tag) {
+      constexpr int kTier = decltype(tier_tag)::value;
+      if (!dkdv_done) simt::bwd_dkdv<T, kTier>(p, dsum, simt_dq_accum, splits, stream);
+      if (p.deterministic) simt::bwd_dq<T, kTier>(p, dsum, num_slices(p.head_dim, kTier), stream);
+    };
+    switch (tier) {
+      case 32: run_tier(std::integral_constant<int, 32>{}); break;
+      case 64: run_tier(std::integral_constant<int, 64>{}); break;
+      default:
+        if constexpr (kCap >= 128) run_tier(std::integral_constant<int, 128>{});
+        break;
+    }
   }
-  auto run_tier = [&](auto tier_tag) {
-    constexpr int kTier = decltype(tier_tag)::value;
-    if (!dkdv_done) simt::bwd_dkdv<T, kTier>(p, dsum, dq_accum, splits, stream);
-    if (p.deterministic && !dq_done) simt::bwd_dq<T, kTier>(p, dsum, num_slices(p.head_dim, kTier), stream);
-  };
-  switch (tier) {
-    case 32: run_tier(std::integral_constant<int, 32>{}); break;
-    case 64: run_tier(std::integral_constant<int, 64>{}); break;
-    default:
-      if constexpr (kCap >= 128) run_tier(std::integral_constant<int, 128>{});
-      break;
-  }
-  if (!p.deterministic) simt::bwd_dq_convert<T>(p, dq_accum, dq_blocked, stream);
+  if (tensor_cores_done || !p.deterministic)
+    simt::bwd_dq_convert<T>(p, dq_accum, dq_blocked, accum.slices > 0 ? accum.slices : 1, accum.slice_elems, stream);
 }
 
 }  // namespace
@@ -191,9 +217,7 @@ void run_fwd(const FwdParams& p, void* stream) {
 
 size_t bwd_workspace_bytes(const BwdParams& p) {
   const size_t rows = size_t(stored_rows(p));
-  size_t bytes = align_up(rows * acc_size(p.dtype));
-  if (!p.deterministic) bytes += dq_accum_bytes(p);
-  return bytes;
+  return align_up(rows * acc_size(p.dtype)) + dq_accumulators(p) * align_up(dq_accum_bytes(p));
 }
 
 void run_bwd(const BwdParams& p, void* stream) {

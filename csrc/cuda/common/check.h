@@ -26,6 +26,7 @@ struct DeviceLimits {
   int device = 0;
   size_t smem_optin = 0;
   int major = 0;
+  int sms = 0;  // streaming multiprocessors
 };
 inline DeviceLimits device_limits() {
   constexpr int kMaxDevices = 64;
@@ -34,11 +35,13 @@ inline DeviceLimits device_limits() {
   check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
   DeviceLimits& d = cache[dev < kMaxDevices ? dev : 0];
   if (d.major == 0 || d.device != dev) {
-    int smem = 0, major = 0;
+    int smem = 0, major = 0, sms = 0;
     check_cuda(cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev),
                "cudaDeviceGetAttribute(MaxSharedMemoryPerBlockOptin)");
     check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev),
                "cudaDeviceGetAttribute(ComputeCapabilityMajor)");
+    check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev),
+               "cudaDeviceGetAttribute(MultiProcessorCount)");
     // FLASHATTN_CUDA_SMEM_LIMIT caps the shared memory per block the kernels may take, to test
     // on one GPU what runs on GPUs with less (99 KB = 101376 on sm_86/89/120, 163 KB = 166912
     // on sm_80/87).
@@ -46,7 +49,7 @@ inline DeviceLimits device_limits() {
       const long v = std::strtol(cap, nullptr, 10);
       if (v > 0 && v < smem) smem = int(v);
     }
-    d = DeviceLimits{dev, size_t(smem), major};
+    d = DeviceLimits{dev, size_t(smem), major, sms};
   }
   return d;
 }

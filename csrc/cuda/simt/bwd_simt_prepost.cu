@@ -78,7 +78,8 @@ __global__ void __launch_bounds__(kThreads) dot_do_o_kernel(const BwdParams p, a
 // a multiple of it, which lie together (4 row-major, 2 blocked).
 template <class T, int kVec, class Layout>
 __global__ void __launch_bounds__(kThreads)
-    dq_convert_kernel(const BwdParams p, const acc_t<T>* dq_accum, Layout layout, int lane_shift) {
+    dq_convert_kernel(const BwdParams p, const acc_t<T>* dq_accum, int slices, int64_t slice_elems, Layout layout,
+                      int lane_shift) {
   using Acc = acc_t<T>;
   constexpr int kRun = kVec < Layout::kRun ? kVec : Layout::kRun;
   const int64_t len = tensor_rows(p);
@@ -93,7 +94,13 @@ __global__ void __launch_bounds__(kThreads)
       Pack<T, kVec> o;
 #pragma unroll
       for (int i = 0; i < kVec; i += kRun) {
-        const Pack<Acc, kRun> a = *reinterpret_cast<const Pack<Acc, kRun>*>(dq_accum + layout.offset(row, d + i));
+        const Acc* src = dq_accum + layout.offset(row, d + i);
+        Pack<Acc, kRun> a = *reinterpret_cast<const Pack<Acc, kRun>*>(src);
+        for (int sl = 1; sl < slices; ++sl) {  // the deterministic path's accumulators, in order
+          const Pack<Acc, kRun> b = *reinterpret_cast<const Pack<Acc, kRun>*>(src + sl * slice_elems);
+#pragma unroll
+          for (int j = 0; j < kRun; ++j) a.v[j] += b.v[j];
+        }
 #pragma unroll
         for (int j = 0; j < kRun; ++j) o.v[i + j] = from_acc<T>(a.v[j] * scale);
       }
@@ -146,7 +153,8 @@ void bwd_dot_do_o(const BwdParams& p, void* dsum, cudaStream_t stream) {
 }
 
 template <class T>
-void bwd_dq_convert(const BwdParams& p, const void* dq_accum, bool blocked, cudaStream_t stream) {
+void bwd_dq_convert(const BwdParams& p, const void* dq_accum, bool blocked, int slices, int64_t slice_elems,
+                    cudaStream_t stream) {
   constexpr int kVec = 16 / sizeof(T);
   const int64_t rows = tensor_batches(p) * p.heads_q * tensor_rows(p);
   // The accumulator is 256-byte aligned; its rows (row-major) or 2-column runs (blocked) too.
@@ -154,7 +162,8 @@ void bwd_dq_convert(const BwdParams& p, const void* dq_accum, bool blocked, cuda
   auto* acc = static_cast<const acc_t<T>*>(dq_accum);
   auto run = [&](auto layout) {
     launch_rows<kVec>(wide, rows, p.head_dim, "dq_convert_kernel", [&](auto vec, unsigned blocks, int shift) {
-      dq_convert_kernel<T, decltype(vec)::value><<<blocks, kThreads, 0, stream>>>(p, acc, layout, shift);
+      dq_convert_kernel<T, decltype(vec)::value><<<blocks, kThreads, 0, stream>>>(p, acc, slices, slice_elems, layout,
+                                                                                  shift);
     });
   };
   if constexpr (sizeof(T) == 2) {
@@ -167,9 +176,9 @@ template void bwd_dot_do_o<double>(const BwdParams&, void*, cudaStream_t);
 template void bwd_dot_do_o<float>(const BwdParams&, void*, cudaStream_t);
 template void bwd_dot_do_o<__nv_bfloat16>(const BwdParams&, void*, cudaStream_t);
 template void bwd_dot_do_o<__half>(const BwdParams&, void*, cudaStream_t);
-template void bwd_dq_convert<double>(const BwdParams&, const void*, bool, cudaStream_t);
-template void bwd_dq_convert<float>(const BwdParams&, const void*, bool, cudaStream_t);
-template void bwd_dq_convert<__nv_bfloat16>(const BwdParams&, const void*, bool, cudaStream_t);
-template void bwd_dq_convert<__half>(const BwdParams&, const void*, bool, cudaStream_t);
+template void bwd_dq_convert<double>(const BwdParams&, const void*, bool, int, int64_t, cudaStream_t);
+template void bwd_dq_convert<float>(const BwdParams&, const void*, bool, int, int64_t, cudaStream_t);
+template void bwd_dq_convert<__nv_bfloat16>(const BwdParams&, const void*, bool, int, int64_t, cudaStream_t);
+template void bwd_dq_convert<__half>(const BwdParams&, const void*, bool, int, int64_t, cudaStream_t);
 
 }  // namespace flashattn::cuda::simt

@@ -39,9 +39,11 @@ bool bwd_dkdv_kvres(const BwdParams& p, const void* d, void* dq_accum, cudaStrea
 template <class T, int kTier>
 void bwd_dq(const BwdParams& p, const void* d, int num_splits, cudaStream_t stream);
 
-// dq = scale * dq_accum, in the output dtype and strides; the accumulator row-major or (`blocked`,
-// fp16/bf16 only) blocked (common/dq_layout.cuh).
+// dq = scale * (the sum of `slices` accumulators `slice_elems` apart, first to last), in the
+// output dtype and strides; the accumulators row-major or (`blocked`, fp16/bf16 only) blocked
+// (common/dq_layout.cuh).
 template <class T>
-void bwd_dq_convert(const BwdParams& p, const void* dq_accum, bool blocked, cudaStream_t stream);
+void bwd_dq_convert(const BwdParams& p, const void* dq_accum, bool blocked, int slices, int64_t slice_elems,
+                    cudaStream_t stream);
 
 }  // namespace flashattn::cuda::simt

@@ -1,5 +1,5 @@
-// Tensor-core backward (sm_80+): dK, dV, and (when `dq_accum` is given) dQ added atomically,
-// one kernel for fp16, bf16 and fp64 through fragments.cuh, and the deterministic dQ kernel.
+// Tensor-core backward (sm_80+): dK, dV, and dQ added atomically into an accumulator (launch.h's
+// DqAccum), one kernel for fp16, bf16 and fp64 through fragments.cuh.
 //
 // One block per (batch, kv head, kBN-key tile); each warp owns 16 keys (at the dims where dK
 // and dV do not fit in one warp's registers, a pair of warps owns them: see below). K and V stay in smem;
@@ -13,7 +13,7 @@
 // dQ = dS K needs dS by query row: dS^T goes through smem once per tile, stored as the warps
 // hold it (key-major, two adjacent rows per store) and read back transposed by ldmatrix; warps
 // then split that product by (16-row group, column group) and add their part into the fp32
-// (fp64) accumulator. The deterministic path leaves dQ to a separate kernel.
+// (fp64) accumulator.
 // Warp pairs (BwdConfig::kPair = 2): the two warps of a key group each take half the dims of the
 // S^T and dP^T reductions, add each other's partial sums through smem (both get the same sums:
 // a + b == b + a), and keep dK, dV for their half of the columns.
@@ -60,7 +60,7 @@ __device__ __forceinline__ void add_atom(double (&c)[4], const double* src) {
 // The two products of the backward that share their shape, over the kDim head dims in smem
 // rows of pitch kLd: s = A_s B_s^T and dp = A_dp B_dp^T for a warp's 16 A rows and kN B rows
 // (8 per atom). The dK/dV kernel takes A = its keys of K, V and B = the query tile's Q, dO
-// (S^T, dP^T); the dQ kernel the transpose, A = its rows of Q, dO and B = the key tile's K, V.
+// (S^T, dP^T).
 template <class M, int kDim, int kLd, class Elem, class Acc, int kNA>
 __device__ __forceinline__ void scores_and_dp(Acc (&s)[kNA][4], Acc (&dp)[kNA][4], const Elem* a_s,
                                               const Elem* a_dp, const Elem* b_s, const Elem* b_dp, int lane) {
@@ -91,8 +91,8 @@ __device__ __forceinline__ void scores_and_dp(Acc (&s)[kNA][4], Acc (&dp)[kNA][4
 // which takes registers and so smaller tiles; windows, varlen and a bias alone go without it.
 template <class Elem, int kDim, bool kFeatures, bool kGeneral>
 __global__ void __launch_bounds__(BwdConfig<Elem, kDim, kGeneral>::kThreads, BwdConfig<Elem, kDim, kGeneral>::kMinBlocks)
-    bwd_dkdv_kernel(const BwdParams p, const typename Mma<Elem>::Acc* dsum_g,
-                    typename Mma<Elem>::Acc* dq_accum, int num_n_tiles) {
+    bwd_dkdv_kernel(const BwdParams p, const typename Mma<Elem>::Acc* dsum_g, const DqAccum accum,
+                    KeyTileRound round) {
   static_assert(kFeatures || !kGeneral, "the general step is a feature");
   using Cfg = BwdConfig<Elem, kDim, kGeneral>;
   using M = Mma<Elem>;
@@ -129,8 +129,8 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim, kGeneral>::kThreads, Bwd
   unsigned char* sBias = reinterpret_cast<unsigned char*>(sX) + Cfg::kExchangeBytes;  // [2] bias tiles
 
   // Early key tiles (seen by the most query rows under causal masking) first.
-  const TileBlock blk = tile_block(num_n_tiles, 1, p.heads_kv, /*heaviest_first=*/false);
-  const int nt = blk.tile;
+  const TileBlock blk = tile_block(round.groups, 1, p.heads_kv, /*heaviest_first=*/false);
+  const int nt = round.first + blk.tile;
   const int64_t hk = blk.head, b = blk.batch;
   const int64_t group = p.heads_q / p.heads_kv;
 
@@ -299,7 +299,7 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim, kGeneral>::kThreads, Bwd
       }
     }
 
-    if (dq_accum != nullptr) {
+    if (accum.base != nullptr) {  // (never null; kept as the measured kernels had it)
       // dS^T into smem as held: key wkey + g (+ 8), query rows 8j + 2t and 8j + 2t + 1 (by one
       // warp of a pair: both hold the same values).
       if (half == 0) {
@@ -329,8 +329,8 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim, kGeneral>::kThreads, Bwd
           M::mma(dq[0][d + 1], a, bk[1]);
         }
       }
-      add_dq_atoms(dq_accum, sq.row_index(p.heads_q, h, m0), dq, 16 * rg, cg * kQCols, sq.q_tile_rows(m0, kBM), E,
-                   lane);
+      add_dq_atoms(accum.block_slice<Acc>(round.groups), sq.row_index(p.heads_q, h, m0), dq, 16 * rg, cg * kQCols,
+                   sq.q_tile_rows(m0, kBM), E, lane);
     }
   });
 
@@ -353,187 +353,6 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim, kGeneral>::kThreads, Bwd
   }
 }
 
-// Deterministic dQ: one block per (batch, query head, kBM-row query tile), each warp owning 16
-// rows, walking the key tiles in order (no atomics): S = Q K^T and dP = dO V^T in registers,
-// dS = P (dP - D), dQ += dS K with dS straight from registers.
-template <class Elem, int kDim, bool kFeatures>
-__global__ void __launch_bounds__(DqConfig<Elem, kDim>::kThreads)
-    bwd_dq_kernel(const BwdParams p, const typename Mma<Elem>::Acc* dsum_g, int num_m_tiles) {
-  using Cfg = DqConfig<Elem, kDim>;
-  using M = Mma<Elem>;
-  using Acc = typename M::Acc;
-  using Exp = ExpDomain<Acc>;
-  constexpr int kBM = Cfg::kBM, kBN = Cfg::kBN, kLd = Cfg::kLd, kThreads = Cfg::kThreads;
-  constexpr int kNA = kBN / 8, kDA = kDim / 8;
-
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  Elem* sQ = reinterpret_cast<Elem*>(smem_raw);
-  Elem* sdO = sQ + kBM * kLd;
-  Elem* sK = sdO + kBM * kLd;     // [2][kBN][kLd]
-  Elem* sV = sK + 2 * kBN * kLd;  // [2][kBN][kLd]
-  unsigned char* sBias = reinterpret_cast<unsigned char*>(sV + 2 * kBN * kLd);  // [2] bias tiles
-
-  const TileBlock blk = tile_block(num_m_tiles, 1, p.heads_q, /*heaviest_first=*/true);
-  const int mt = blk.tile;
-  const int64_t h = blk.head, b = blk.batch, hk = kv_head(p, h);
-
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int g = lane >> 2, t = lane & 3;
-  const int wrow = warp * 16;
-  const Seq sq = kFeatures ? sequence(p, b) : plain_sequence(p, b);
-  const int64_t m0 = int64_t(mt) * kBM;
-  if (m0 >= sq.len_q) return;
-  const int rows_q = sq.q_tile_rows(m0, kBM);
-  const Acc score_scale = Exp::score_scale(p.scale);
-  const int E = int(p.head_dim), Ev = int(p.head_dim_v);
-
-  const Elem* q = sq.q_rows<const Elem>(p.q, p.q_stride, h, m0);
-  const Elem* dout = sq.q_rows<const Elem>(p.dout, p.dout_stride, h, m0);
-  const Elem* k = sq.k_rows<const Elem>(p.k, p.k_stride, hk, 0);
-  const Elem* v = sq.k_rows<const Elem>(p.v, p.v_stride, hk, 0);
-
-  const int64_t m_last = m0 + rows_q - 1;
-  const int64_t n_begin = sq.key_begin(m0) / kBN * kBN;
-  const int64_t n_end = sq.key_end(m_last);
-  const BiasTileLayout bias_tile = kFeatures ? bias_tile_layout<kBM, kBN>(p) : BiasTileLayout{};
-  const bool bias_chunked = kFeatures && bias_rows_chunked(p);
-  auto load_kv = [&](int64_t n0, int buf) {
-    const int rows_k = sq.k_tile_rows(n0, kBN);
-    if (kFeatures && bias_tile.rows > 0)
-      stage_bias_tile<kBM, kBN, kThreads>(sBias + buf * bias_tile.buffer_bytes(), bias_tile, bias_chunked, p, sq,
-                                          h, m0, n0, rows_q, rows_k, tid);
-    copy_tile_async<kBN, kDim, kThreads>(sK + buf * kBN * kLd, kLd, k + n0 * p.k_stride.row,
-                                         p.k_stride.row, rows_k, E, tid);
-    copy_tile_async<kBN, kDim, kThreads>(sV + buf * kBN * kLd, kLd, v + n0 * p.v_stride.row,
-                                         p.v_stride.row, rows_k, Ev, tid);
-  };
-  if (n_end > n_begin) {
-    copy_tile_async<kBM, kDim, kThreads>(sQ, kLd, q, p.q_stride.row, rows_q, E, tid);
-    copy_tile_async<kBM, kDim, kThreads>(sdO, kLd, dout, p.dout_stride.row, rows_q, Ev, tid);
-    load_kv(n_begin, 0);
-  }
-  cp_async_commit();
-
-  // LSE (exponent domain; -inf masks rows past len_q) and D of the lane's two rows.
-  Acc lse[2], dsum[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int64_t m = m0 + wrow + g + 8 * r;
-    const bool ok = m < sq.len_q;
-    lse[r] = ok ? Exp::from_lse(static_cast<const Acc*>(p.lse)[sq.row_index(p.heads_q, h, m)]) : neg_inf<Acc>();
-    dsum[r] = ok ? dsum_g[sq.row_index(p.heads_q, h, m)] : Acc(0);
-  }
-
-  Acc dq[kDA][4];
-#pragma unroll
-  for (int d = 0; d < kDA; ++d)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) dq[d][e] = Acc(0);
-
-  const ScoreMods<Acc> mods(p, sq, h);
-  const DropoutMask<Acc> drop(p, sq, h);
-  int buf = 0;
-  for (int64_t n0 = n_begin; n0 < n_end; n0 += kBN, buf ^= 1) {
-    cp_async_wait<0>();
-    __syncthreads();
-    if (n0 + kBN < n_end) load_kv(n0 + kBN, buf ^ 1);
-    cp_async_commit();
-    const Elem* k_s = sK + buf * kBN * kLd;
-    const Elem* v_s = sV + buf * kBN * kLd;
-
-    Acc s[kNA][4], dp[kNA][4];
-    scores_and_dp<M, kDim, kLd>(s, dp, sQ + wrow * kLd, sdO + wrow * kLd, k_s, v_s, lane);
-
-    auto tile_column = [](int64_t x) { return int(x < 0 ? 0 : x > kBN ? kBN : x); };
-    bool featured = false;
-    if constexpr (kFeatures) {
-      featured = mods_beyond_bias(p) || drop.on;  // a bias alone: the plain step
-      if (featured) {
-        const unsigned char* bias_s = sBias + buf * bias_tile.buffer_bytes();
-        // A set per row of the lane: its scores at columns 8j + 2t (+1), [lo, hi) in the band.
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int tr = wrow + g + 8 * r;
-          const int64_t m = m0 + tr;
-          const int lo = tile_column(sq.key_begin(m) - n0), hi = tile_column(sq.key_end(m) - n0);
-          auto col = [&](int i) { return 8 * (i >> 1) + 2 * t + (i & 1); };
-          Acc x[2 * kNA], th[2 * kNA];
-          bool in[2 * kNA];
-#pragma unroll
-          for (int i = 0; i < 2 * kNA; ++i) {
-            x[i] = s[i >> 1][2 * r + (i & 1)];
-            in[i] = lse[r] != neg_inf<Acc>() && col(i) >= lo && col(i) < hi;
-          }
-          mods.scores(x, in, m, n0, [&](int i) { return int2{0, col(i)}; },
-                      [&](int i) { return bias_s + bias_tile.offset(tr, col(i)); }, th);
-#pragma unroll
-          for (int i = 0; i < 2 * kNA; ++i)
-            feature_grad(s[i >> 1][2 * r + (i & 1)], dp[i >> 1][2 * r + (i & 1)], x[i], in[i], th[i], lse[r], dsum[r],
-                         m, n0 + col(i), sq, mods, drop, static_cast<Acc*>(nullptr));
-        }
-      }
-    }
-    if (!featured) {
-      // The columns of this tile each row sees, as 32-bit bounds; skipped on all-visible tiles.
-      const bool all_visible = n0 >= sq.key_begin(m_last) && n0 + kBN <= sq.key_end(m0);
-      int lo[2] = {0, 0}, hi[2] = {kBN, kBN};
-      if (!all_visible) {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          lo[r] = tile_column(sq.key_begin(m0 + wrow + g + 8 * r) - n0);
-          hi[r] = tile_column(sq.key_end(m0 + wrow + g + 8 * r) - n0);
-        }
-      }
-      // With a bias, its term joins the exponent (see the dK/dV kernel).
-      auto probs = [&](auto reader) {
-        using R = decltype(reader);
-        const unsigned char* bias_s = sBias + buf * bias_tile.buffer_bytes();
-#pragma unroll
-        for (int j = 0; j < kNA; ++j)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int r = e >> 1, col = 8 * j + 2 * t + (e & 1);
-            const bool vis = lse[r] != neg_inf<Acc>() && col >= lo[r] && col < hi[r];
-            Acc x = s[j][e] * score_scale - lse[r];
-            if constexpr (R::kBytes > 0)
-              x += Exp::score_scale(1.0) *
-                   reader.template value<Acc>(bias_s + bias_tile.row_offset(wrow + g + 8 * r) + col * R::kBytes);
-            const Acc pr = Exp::exp_if(vis, x);
-            dp[j][e] = vis ? pr * (dp[j][e] - dsum[r]) : Acc(0);
-          }
-      };
-      if constexpr (kFeatures) with_bias_reader<Elem>(p.bias_kind, p.bias_dtype, probs);
-      else probs(NoBias{});
-    }
-
-#pragma unroll
-    for (int kk = 0; kk < kBN; kk += M::kK) {
-      typename M::A a;
-      M::a_from_acc(a, &dp[kk / 8]);
-#pragma unroll
-      for (int d = 0; d < kDA; d += 2) {
-        typename M::B bk[2];
-        M::load_b2_kn(bk, k_s + kk * kLd + 8 * d, kLd, lane);
-        M::mma(dq[d], a, bk[0]);
-        M::mma(dq[d + 1], a, bk[1]);
-      }
-    }
-  }
-
-  Elem* dq_g = sq.q_rows<Elem>(p.dq, p.dq_stride, h, 0);
-  const Acc scale = Acc(p.scale);
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int64_t m = m0 + wrow + g + 8 * r;
-    if (m >= sq.len_q) continue;
-#pragma unroll
-    for (int d = 0; d < kDA; ++d) {
-      const int col = 8 * d + 2 * t;
-      if (col < E) M::store_pair(dq_g + m * p.dq_stride.row + col, dq[d][2 * r] * scale, dq[d][2 * r + 1] * scale);
-    }
-  }
-}
-
 // Operands every kernel here reads through 16-byte copies, and outputs written in pairs.
 template <class Elem>
 bool bwd_operands_aligned(const BwdParams& p) {
@@ -546,42 +365,18 @@ bool bwd_operands_aligned(const BwdParams& p) {
          pairs_aligned<Elem>(p.dq, p.dq_stride);
 }
 
-template <class Elem, int kDim>
-bool bwd_dq(const BwdParams& p, const void* dsum, cudaStream_t stream) {
-  using Cfg = DqConfig<Elem, kDim>;
-  if constexpr (!Cfg::kServed) {
-    return false;
-  } else {
-    // The bias tiles take smem beside the operands (see fwd).
-    const size_t smem = Cfg::kSmemBytes + 2 * size_t(bias_tile_layout<Cfg::kBM, Cfg::kBN>(p).buffer_bytes());
-    if (!tensor_cores_usable(smem) || !bwd_operands_aligned<Elem>(p)) return false;
-    using Acc = typename Mma<Elem>::Acc;
-    const int64_t num_m_tiles = (p.len_q + Cfg::kBM - 1) / Cfg::kBM;
-    const int64_t blocks = num_m_tiles * p.heads_q * p.batch;
-    if (blocks > 0x7fffffff) throw std::runtime_error("flashattn_ext CUDA backend: backward grid too large");
-    auto kernel = p.has_features() ? bwd_dq_kernel<Elem, kDim, true> : bwd_dq_kernel<Elem, kDim, false>;
-    set_smem(kernel, smem, "sm80::bwd_dq_kernel");
-    kernel<<<unsigned(blocks), Cfg::kThreads, smem, stream>>>(
-        p, static_cast<const Acc*>(dsum), int(num_m_tiles));
-    check_launch("sm80::bwd_dq_kernel");
-    return true;
-  }
-}
-
 template <class Elem, int kDim, bool kFeatures, bool kGeneral>
-bool launch_dkdv(const BwdParams& p, const void* dsum, void* dq_accum, cudaStream_t stream) {
+bool launch_dkdv(const BwdParams& p, const void* dsum, const DqAccum& accum, cudaStream_t stream) {
   using Cfg = BwdConfig<Elem, kDim, kGeneral>;
   const size_t smem = Cfg::kSmemBytes + 2 * size_t(bias_tile_layout<Cfg::kBM, Cfg::kBN>(p).buffer_bytes());
   if (!tensor_cores_usable(smem) || !bwd_operands_aligned<Elem>(p)) return false;
   using Acc = typename Mma<Elem>::Acc;
-  const int64_t num_n_tiles = (p.len_k + Cfg::kBN - 1) / Cfg::kBN;
-  const int64_t blocks = num_n_tiles * p.heads_kv * p.batch;
-  if (blocks > 0x7fffffff) throw std::runtime_error("flashattn_ext CUDA backend: backward grid too large");
   auto kernel = bwd_dkdv_kernel<Elem, kDim, kFeatures, kGeneral>;
   set_smem(kernel, smem, "sm80::bwd_dkdv_kernel");
-  kernel<<<unsigned(blocks), Cfg::kThreads, smem, stream>>>(p, static_cast<const Acc*>(dsum),
-                                                            static_cast<Acc*>(dq_accum), int(num_n_tiles));
-  check_launch("sm80::bwd_dkdv_kernel");
+  for_key_tile_rounds(p, Cfg::kBN, accum, [&](unsigned blocks, KeyTileRound round) {
+    kernel<<<blocks, Cfg::kThreads, smem, stream>>>(p, static_cast<const Acc*>(dsum), accum, round);
+    check_launch("sm80::bwd_dkdv_kernel");
+  });
   return true;
 }
 
@@ -591,17 +386,17 @@ inline bool needs_general_step(const BwdParams& p) {
 }
 
 template <class Elem, int kDim>
-bool bwd_dkdv(const BwdParams& p, const void* dsum, void* dq_accum, cudaStream_t stream) {
+bool bwd_dkdv(const BwdParams& p, const void* dsum, const DqAccum& accum, cudaStream_t stream) {
   if constexpr (!BwdConfig<Elem, kDim>::kServed) {
     return false;
   } else {
-    if (needs_general_step(p)) return launch_dkdv<Elem, kDim, true, true>(p, dsum, dq_accum, stream);
-    if (launch_dkdv_2d<Elem, kDim>(p, dsum, dq_accum, bwd_operands_aligned<Elem>(p), stream)) return true;
+    if (needs_general_step(p)) return launch_dkdv<Elem, kDim, true, true>(p, dsum, accum, stream);
+    if (launch_dkdv_2d<Elem, kDim>(p, dsum, accum, bwd_operands_aligned<Elem>(p), stream)) return true;
     // Where the plain or bias variant's tiles do not fit in the GPU's shared memory, the general
     // variant (half the query rows per tile) serves the call: it computes any call.
-    const bool done = p.has_features() ? launch_dkdv<Elem, kDim, true, false>(p, dsum, dq_accum, stream)
-                                       : launch_dkdv<Elem, kDim, false, false>(p, dsum, dq_accum, stream);
-    return done || launch_dkdv<Elem, kDim, true, true>(p, dsum, dq_accum, stream);
+    const bool done = p.has_features() ? launch_dkdv<Elem, kDim, true, false>(p, dsum, accum, stream)
+                                       : launch_dkdv<Elem, kDim, false, false>(p, dsum, accum, stream);
+    return done || launch_dkdv<Elem, kDim, true, true>(p, dsum, accum, stream);
   }
 }
 

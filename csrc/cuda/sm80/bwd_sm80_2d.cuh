@@ -31,6 +31,7 @@
 #include "bias_tile.cuh"
 #include "dq_atomics.cuh"
 #include "fragments.cuh"
+#include "launch.h"
 #include "query_walk.cuh"
 #include "tile_config.h"
 #include "tile_copy.cuh"
@@ -53,7 +54,7 @@ struct SlabStats {
 
 template <class Elem, int kDim, bool kFeatures>
 __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
-    bwd_dkdv_2d_kernel(const BwdParams p, const float* dsum_g, float* dq_accum, int num_n_tiles) {
+    bwd_dkdv_2d_kernel(const BwdParams p, const float* dsum_g, const DqAccum accum, KeyTileRound round) {
   using Cfg = Bwd2dConfig<Elem, kDim>;
   using M = Mma<Elem>;
   using Acc = float;
@@ -82,13 +83,13 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
   Acc* sStats = reinterpret_cast<Acc*>(sdS + kBM * kLdP);  // LSE (natural log as stored) and D of 2 tiles: Stats
   unsigned char* sBias = reinterpret_cast<unsigned char*>(sStats + 4 * kBM);  // [2] bias tiles (kFeatures)
 
-  const TileBlock blk = tile_block(num_n_tiles, 1, p.heads_kv, /*heaviest_first=*/false);
+  const TileBlock blk = tile_block(round.groups, 1, p.heads_kv, /*heaviest_first=*/false);
   const int64_t hk = blk.head, b = blk.batch;
   const int64_t group = p.heads_q / p.heads_kv;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   const Seq sq = kFeatures ? sequence(p, b) : plain_sequence(p, b);
-  const int64_t n0 = int64_t(blk.tile) * kBN;
+  const int64_t n0 = int64_t(round.first + blk.tile) * kBN;
   if (n0 >= sq.len_k) return;
   const int rows_k = sq.k_tile_rows(n0, kBN);
   const int E = int(p.head_dim), Ev = int(p.head_dim_v);
@@ -294,7 +295,9 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
     }
 
     // dQ += dS K for the warp's kBM / kQRW rows x kDim / kQCW dims, added into the accumulator.
-    if (dq_accum != nullptr) {
+    // (accum.base is never null; without the test, ptxas allocates the dim-256 feature variant
+    // with 112 bytes of spills instead of none.)
+    if (accum.base != nullptr) {
       Acc dq[kRQ][kQA][4];
 #pragma unroll
       for (int i = 0; i < kRQ; ++i)
@@ -321,7 +324,7 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
       }
       const int64_t tile_row = sq.row_index(p.heads_q, h, m0);
       const int rows_valid = sq.q_tile_rows(m0, kBM);
-      add_dq_atoms(dq_accum, tile_row, dq, q_row, q_col, rows_valid, E, lane);
+      add_dq_atoms(accum.block_slice<float>(round.groups), tile_row, dq, q_row, q_col, rows_valid, E, lane);
     }
   });
 
@@ -350,21 +353,19 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
 // (softcap, ALiBi, dropout, the bias gradient). `operands_ok`: the 16-byte / pair alignment
 // checks passed.
 template <class Elem, int kDim>
-bool launch_dkdv_2d(const BwdParams& p, const void* dsum, void* dq_accum, bool operands_ok, cudaStream_t stream) {
+bool launch_dkdv_2d(const BwdParams& p, const void* dsum, const DqAccum& accum, bool operands_ok, cudaStream_t stream) {
   using Cfg = Bwd2dConfig<Elem, kDim>;
   if constexpr (!Cfg::kServed) {
     return false;
   } else {
     const size_t smem = Cfg::kSmemBytes + 2 * size_t(bias_tile_layout<Cfg::kBM, Cfg::kBN>(p).buffer_bytes());
     if (!operands_ok || !tensor_cores_usable(smem)) return false;
-    const int64_t num_n_tiles = (p.len_k + Cfg::kBN - 1) / Cfg::kBN;
-    const int64_t blocks = num_n_tiles * p.heads_kv * p.batch;
-    if (blocks > 0x7fffffff) throw std::runtime_error("flashattn_ext CUDA backend: backward grid too large");
     auto kernel = p.has_features() ? bwd_dkdv_2d_kernel<Elem, kDim, true> : bwd_dkdv_2d_kernel<Elem, kDim, false>;
     set_smem(kernel, smem, "sm80::bwd_dkdv_2d_kernel");
-    kernel<<<unsigned(blocks), Cfg::kThreads, smem, stream>>>(p, static_cast<const float*>(dsum),
-                                                              static_cast<float*>(dq_accum), int(num_n_tiles));
-    check_launch("sm80::bwd_dkdv_2d_kernel");
+    for_key_tile_rounds(p, Cfg::kBN, accum, [&](unsigned blocks, KeyTileRound round) {
+      kernel<<<blocks, Cfg::kThreads, smem, stream>>>(p, static_cast<const float*>(dsum), accum, round);
+      check_launch("sm80::bwd_dkdv_2d_kernel");
+    });
     return true;
   }
 }

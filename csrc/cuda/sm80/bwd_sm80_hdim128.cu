@@ -1,14 +1,8 @@
-// Tensor-core dK/dV(/dQ) kernels, head dims up to 128.
+// Tensor-core dK/dV/dQ kernels, head dims up to 128.
 #include "bwd_sm80.cuh"
 
 namespace flashattn::cuda::sm80 {
-template bool bwd_dkdv<double, 128>(const BwdParams&, const void*, void*, cudaStream_t);
-template bool bwd_dkdv<__nv_bfloat16, 128>(const BwdParams&, const void*, void*, cudaStream_t);
-template bool bwd_dkdv<__half, 128>(const BwdParams&, const void*, void*, cudaStream_t);
-}  // namespace flashattn::cuda::sm80
-
-namespace flashattn::cuda::sm80 {
-template bool bwd_dq<double, 128>(const BwdParams&, const void*, cudaStream_t);
-template bool bwd_dq<__nv_bfloat16, 128>(const BwdParams&, const void*, cudaStream_t);
-template bool bwd_dq<__half, 128>(const BwdParams&, const void*, cudaStream_t);
+template bool bwd_dkdv<double, 128>(const BwdParams&, const void*, const DqAccum&, cudaStream_t);
+template bool bwd_dkdv<__nv_bfloat16, 128>(const BwdParams&, const void*, const DqAccum&, cudaStream_t);
+template bool bwd_dkdv<__half, 128>(const BwdParams&, const void*, const DqAccum&, cudaStream_t);
 }  // namespace flashattn::cuda::sm80

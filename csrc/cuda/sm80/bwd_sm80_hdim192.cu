@@ -1,7 +1,7 @@
-// Tensor-core dK/dV(/dQ) kernels, head dims 129..192 (fp16/bf16), output columns split in two.
+// Tensor-core dK/dV/dQ kernels, head dims 129..192 (fp16/bf16), output columns split in two.
 #include "bwd_sm80.cuh"
 
 namespace flashattn::cuda::sm80 {
-template bool bwd_dkdv<__nv_bfloat16, 192>(const BwdParams&, const void*, void*, cudaStream_t);
-template bool bwd_dkdv<__half, 192>(const BwdParams&, const void*, void*, cudaStream_t);
+template bool bwd_dkdv<__nv_bfloat16, 192>(const BwdParams&, const void*, const DqAccum&, cudaStream_t);
+template bool bwd_dkdv<__half, 192>(const BwdParams&, const void*, const DqAccum&, cudaStream_t);
 }  // namespace flashattn::cuda::sm80

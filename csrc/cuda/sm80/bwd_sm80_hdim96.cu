@@ -1,9 +1,7 @@
-// Tensor-core dK/dV(/dQ) and deterministic dQ kernels, head dims 65..96 (fp16/bf16).
+// Tensor-core dK/dV/dQ kernels, head dims 65..96 (fp16/bf16).
 #include "bwd_sm80.cuh"
 
 namespace flashattn::cuda::sm80 {
-template bool bwd_dkdv<__nv_bfloat16, 96>(const BwdParams&, const void*, void*, cudaStream_t);
-template bool bwd_dkdv<__half, 96>(const BwdParams&, const void*, void*, cudaStream_t);
-template bool bwd_dq<__nv_bfloat16, 96>(const BwdParams&, const void*, cudaStream_t);
-template bool bwd_dq<__half, 96>(const BwdParams&, const void*, cudaStream_t);
+template bool bwd_dkdv<__nv_bfloat16, 96>(const BwdParams&, const void*, const DqAccum&, cudaStream_t);
+template bool bwd_dkdv<__half, 96>(const BwdParams&, const void*, const DqAccum&, cudaStream_t);
 }  // namespace flashattn::cuda::sm80

@@ -152,22 +152,15 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim, kFeatures>::kThreads)
       for (int mw = 0; mw < kMW; ++mw) read_q(qa[kk][mw], mw, kk * M::kK);
   }
 
-  int buf = 0;
   // A key offset from n0, clamped to the tile: the row's band as 32-bit column bounds.
   auto tile_column = [](int64_t x) { return int(x < 0 ? 0 : x > kBN ? kBN : x); };
   const DropoutMask<Acc> drop(p, sq, h);
-  for (int64_t n0 = n_begin; n0 < n_end; n0 += kBN, buf = Cfg::kStaggered ? 0 : buf ^ 1) {
-    cp_async_wait<0>();
-    __syncthreads();  // this K (and V) landed for all; every warp is done with the other buffer
-    if constexpr (Cfg::kStaggered) {
-      load_v(n0, 0);  // lands while S and the softmax run
-    } else if (n0 + kBN < n_end) {
-      load_k(n0 + kBN, buf ^ 1);
-      load_v(n0 + kBN, buf ^ 1);
-    }
-    cp_async_commit();
+  auto row_of = [&](int mw, int r) { return m0 + wrow + 16 * mw + g + 8 * r; };
+  // Tiles every row of the block sees in full (most of them) skip the per-element mask.
+  auto all_visible = [&](int64_t n0) { return n0 >= sq.key_begin(m_last) && n0 + kBN <= sq.key_end(m0); };
 
-    Acc s[kMW][kNA][4];
+  // S = Q K^T for the key tile in K buffer kb.
+  auto compute_scores = [&](Acc (&s)[kMW][kNA][4], int kb) {
 #pragma unroll
     for (int mw = 0; mw < kMW; ++mw)
 #pragma unroll
@@ -186,7 +179,7 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim, kFeatures>::kThreads)
 #pragma unroll
       for (int j = 0; j < kNA; j += 2) {
         typename M::B bf[2];
-        read_k(bf, buf, 8 * j, kk);
+        read_k(bf, kb, 8 * j, kk);
 #pragma unroll
         for (int mw = 0; mw < kMW; ++mw) {
           M::mma(s[mw][j], a[mw], bf[0]);
@@ -194,89 +187,31 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim, kFeatures>::kThreads)
         }
       }
     }
+  };
 
-    // Scores -> exponent domain (masked ones -inf), then each row's tile max over its quad.
-    // The scale is applied before the max, not folded into the exp2 argument (s * c - max * c
-    // as one FFMA): that leaves the row's largest P at 2^(rounding error) instead of exactly 1,
-    // and a one-hot row then loses O = V exactly to the bf16/fp16 rounding of P in P V.
-    // Tiles every row of the block sees in full (most of them) skip the per-element mask.
-    const bool all_visible = n0 >= sq.key_begin(m_last) && n0 + kBN <= sq.key_end(m0);
-    // One uniform branch per tile (not per row), so the max and exp code below is one block.
-    auto row_of = [&](int mw, int r) { return m0 + wrow + 16 * mw + g + 8 * r; };
-    // Softcap and ALiBi take the general path of ScoreMods; a bias alone is one add per score.
-    const unsigned char* bias_s = sBias + buf * bias_tile.buffer_bytes();
-    if (kFeatures && mods_beyond_bias(p)) {
+  // Scores outside each row's band (causal, window, sequence ends) -> -inf; a masked tile
+  // compares 32-bit column indices against each row's band.
+  auto mask_band = [&](Acc (&s)[kMW][kNA][4], int64_t n0) {
+    if (all_visible(n0)) return;
 #pragma unroll
-      for (int mw = 0; mw < kMW; ++mw)
+    for (int mw = 0; mw < kMW; ++mw)
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          // The lane's scores of one row a set: columns [lo, hi) of the tile are in the row's
-          // band (all on an all-visible tile, none for rows past the sequence); the mods may
-          // still mask.
-          const int tr = wrow + 16 * mw + g + 8 * r;
-          const int64_t m = m0 + tr;
-          int lo = 0, hi = tr < rows_q ? kBN : 0;
-          if (!all_visible && hi > 0) {
-            lo = tile_column(sq.key_begin(m) - n0);
-            hi = tile_column(sq.key_end(m) - n0);
-          }
-          auto col = [&](int i) { return 8 * (i >> 1) + 2 * t + (i & 1); };
-          Acc x[2 * kNA];
-          bool in[2 * kNA];
-#pragma unroll
-          for (int i = 0; i < 2 * kNA; ++i) {
-            x[i] = s[mw][i >> 1][2 * r + (i & 1)];
-            in[i] = col(i) >= lo && col(i) < hi;
-          }
-          mods.scores(x, in, m, n0, [&](int i) { return int2{0, col(i)}; },
-                      [&](int i) { return bias_s + bias_tile.offset(tr, col(i)); }, static_cast<Acc*>(nullptr));
-#pragma unroll
-          for (int i = 0; i < 2 * kNA; ++i) s[mw][i >> 1][2 * r + (i & 1)] = x[i] * Exp::score_scale(1.0);
-        }
-    } else {
-#pragma unroll
-      for (int mw = 0; mw < kMW; ++mw)
+      for (int r = 0; r < 2; ++r) {
+        const int64_t m = row_of(mw, r);
+        const int lo = tile_column(sq.key_begin(m) - n0), hi = tile_column(sq.key_end(m) - n0);
 #pragma unroll
         for (int j = 0; j < kNA; ++j)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) s[mw][j][e] *= score_scale;
-      if constexpr (kFeatures) {
-        with_bias_reader<Elem>(p.bias_kind, p.bias_dtype, [&](auto reader) {
-          using R = decltype(reader);
-          if constexpr (R::kBytes > 0) {
-#pragma unroll
-            for (int mw = 0; mw < kMW; ++mw)
-#pragma unroll
-              for (int r = 0; r < 2; ++r) {
-                const unsigned char* row = bias_s + bias_tile.row_offset(wrow + 16 * mw + g + 8 * r);
-#pragma unroll
-                for (int j = 0; j < kNA; ++j)
-#pragma unroll
-                  for (int cc = 0; cc < 2; ++cc)
-                    s[mw][j][2 * r + cc] +=
-                        Exp::score_scale(1.0) * reader.template value<Acc>(row + (8 * j + 2 * t + cc) * R::kBytes);
-              }
-          }
-        });
-      }
-      // A masked tile compares 32-bit column indices against each row's band.
-      if (!all_visible) {
-#pragma unroll
-        for (int mw = 0; mw < kMW; ++mw)
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            const int64_t m = row_of(mw, r);
-            const int lo = tile_column(sq.key_begin(m) - n0), hi = tile_column(sq.key_end(m) - n0);
-#pragma unroll
-            for (int j = 0; j < kNA; ++j)
-#pragma unroll
-              for (int cc = 0; cc < 2; ++cc) {
-                const int col = 8 * j + 2 * t + cc;
-                if (col < lo || col >= hi) s[mw][j][2 * r + cc] = neg_inf<Acc>();
-              }
+          for (int cc = 0; cc < 2; ++cc) {
+            const int col = 8 * j + 2 * t + cc;
+            if (col < lo || col >= hi) s[mw][j][2 * r + cc] = neg_inf<Acc>();
           }
       }
-    }
+  };
+
+  // The online softmax of tile n0's scores (in the exponent domain, masked ones -inf) and
+  // O = alpha O + P V with V from buffer vb.
+  auto softmax_pv = [&](Acc (&s)[kMW][kNA][4], int vb, int64_t n0) {
     // Each row's tile max over its quad, as a tree (depth log2(2 kNA), not a chain of 2 kNA
     // dependent FMNMX).
     Acc tile_max[kMW][2];
@@ -291,8 +226,8 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim, kFeatures>::kThreads)
       }
 
     // Online softmax. alpha differs from 1 only on tiles where the max of some row of the warp
-    // grew. The max is never left stale: with a lagging max the
-    // row's largest P is no longer exactly 1 and a one-hot row loses O = V exactly (see above).
+    // grew. The max is never left stale: with a lagging max the row's largest P is no longer
+    // exactly 1 and a one-hot row loses O = V exactly (see below).
     bool grow = false;
 #pragma unroll
     for (int mw = 0; mw < kMW; ++mw)
@@ -360,7 +295,7 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim, kFeatures>::kThreads)
 #pragma unroll
       for (int d = 0; d < kDA; d += 2) {
         typename M::B bf[2];
-        read_v(bf, buf, kk, 8 * d);
+        read_v(bf, vb, kk, 8 * d);
 #pragma unroll
         for (int mw = 0; mw < kMW; ++mw) {
           M::mma(o[mw][d], a[mw], bf[0]);
@@ -368,8 +303,88 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim, kFeatures>::kThreads)
         }
       }
     }
-  }
+  };
 
+  int buf = 0;
+  for (int64_t n0 = n_begin; n0 < n_end; n0 += kBN, buf = Cfg::kStaggered ? 0 : buf ^ 1) {
+    cp_async_wait<0>();
+    __syncthreads();  // this K (and V) landed for all; every warp is done with the other buffer
+    if constexpr (Cfg::kStaggered) {
+      load_v(n0, 0);  // lands while S and the softmax run
+    } else if (n0 + kBN < n_end) {
+      load_k(n0 + kBN, buf ^ 1);
+      load_v(n0 + kBN, buf ^ 1);
+    }
+    cp_async_commit();
+
+    Acc s[kMW][kNA][4];
+    compute_scores(s, buf);
+
+    // Scores -> exponent domain (masked ones -inf). The scale is applied before the max, not
+    // folded into the exp2 argument (s * c - max * c as one FFMA): that leaves the row's
+    // largest P at 2^(rounding error) instead of exactly 1, and a one-hot row then loses O = V
+    // exactly to the bf16/fp16 rounding of P in P V.
+    // Softcap and ALiBi take the general path of ScoreMods; a bias alone is one add per score.
+    const unsigned char* bias_s = sBias + buf * bias_tile.buffer_bytes();
+    if (kFeatures && mods_beyond_bias(p)) {
+      const bool tile_all_visible = all_visible(n0);
+#pragma unroll
+      for (int mw = 0; mw < kMW; ++mw)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          // The lane's scores of one row a set: columns [lo, hi) of the tile are in the row's
+          // band (all on an all-visible tile, none for rows past the sequence); the mods may
+          // still mask.
+          const int tr = wrow + 16 * mw + g + 8 * r;
+          const int64_t m = m0 + tr;
+          int lo = 0, hi = tr < rows_q ? kBN : 0;
+          if (!tile_all_visible && hi > 0) {
+            lo = tile_column(sq.key_begin(m) - n0);
+            hi = tile_column(sq.key_end(m) - n0);
+          }
+          auto col = [&](int i) { return 8 * (i >> 1) + 2 * t + (i & 1); };
+          Acc x[2 * kNA];
+          bool in[2 * kNA];
+#pragma unroll
+          for (int i = 0; i < 2 * kNA; ++i) {
+            x[i] = s[mw][i >> 1][2 * r + (i & 1)];
+            in[i] = col(i) >= lo && col(i) < hi;
+          }
+          mods.scores(x, in, m, n0, [&](int i) { return int2{0, col(i)}; },
+                      [&](int i) { return bias_s + bias_tile.offset(tr, col(i)); }, static_cast<Acc*>(nullptr));
+#pragma unroll
+          for (int i = 0; i < 2 * kNA; ++i) s[mw][i >> 1][2 * r + (i & 1)] = x[i] * Exp::score_scale(1.0);
+        }
+    } else {
+#pragma unroll
+      for (int mw = 0; mw < kMW; ++mw)
+#pragma unroll
+        for (int j = 0; j < kNA; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[mw][j][e] *= score_scale;
+      if constexpr (kFeatures) {
+        with_bias_reader<Elem>(p.bias_kind, p.bias_dtype, [&](auto reader) {
+          using R = decltype(reader);
+          if constexpr (R::kBytes > 0) {
+#pragma unroll
+            for (int mw = 0; mw < kMW; ++mw)
+#pragma unroll
+              for (int r = 0; r < 2; ++r) {
+                const unsigned char* row = bias_s + bias_tile.row_offset(wrow + 16 * mw + g + 8 * r);
+#pragma unroll
+                for (int j = 0; j < kNA; ++j)
+#pragma unroll
+                  for (int cc = 0; cc < 2; ++cc)
+                    s[mw][j][2 * r + cc] +=
+                        Exp::score_scale(1.0) * reader.template value<Acc>(row + (8 * j + 2 * t + cc) * R::kBytes);
+              }
+          }
+        });
+      }
+      mask_band(s, n0);
+    }
+    softmax_pv(s, buf, n0);
+  }
   Elem* out = sq.q_rows<Elem>(p.out, p.out_stride, h, 0);
   Acc* lse = static_cast<Acc*>(p.lse);
 #pragma unroll

@@ -6,6 +6,9 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <cstdint>
+#include <stdexcept>
+
 #include "../../params.h"
 
 namespace flashattn::cuda::sm80 {
@@ -15,14 +18,49 @@ namespace flashattn::cuda::sm80 {
 template <class Elem, int kDim>
 bool fwd(const FwdParams& p, cudaStream_t stream);
 
-// dK and dV for head_dim and head_dim_v both <= kDim (the forward's tiers), and, when
-// `dq_accum` is not null, dQ / scale added atomically into it (accumulator type; fp32 in
-// common/dq_layout.cuh's blocked layout, fp64 row-major). `dsum` holds D = rowsum(dO * O) - dlse (accumulator type).
-template <class Elem, int kDim>
-bool bwd_dkdv(const BwdParams& p, const void* dsum, void* dq_accum, cudaStream_t stream);
+// Where the dK/dV kernels add dQ / scale, with atomics (accumulator type; fp32 in
+// common/dq_layout.cuh's blocked layout, fp64 row-major), zeroed by the caller. slices == 0:
+// one accumulator at `base`, one block per key tile, the atomics landing in any order.
+// slices >= 1 (deterministic): `slices` accumulators `slice_elems` apart, key tiles g, g +
+// slices, ... adding into accumulator g one after the other (for_key_tile_rounds), so each value
+// sums in one order on every run; the dQ convert kernel adds the accumulators in order.
+struct DqAccum {
+  void* base;
+  int slices;
+  int64_t slice_elems;
 
-// dQ written directly (deterministic path), for head dims up to 128 (tiers 32, 64, 96, 128; fp64 64, 128).
+  // The accumulator of the calling block in a launch of `groups` blocks per (batch, kv head)
+  // (formed where it is used: a pointer kept through the kernel costs two registers).
+  template <class Acc>
+  __device__ __forceinline__ Acc* block_slice(int groups) const {
+    Acc* a = static_cast<Acc*>(base);
+    return slices ? a + int64_t(blockIdx.x % unsigned(groups)) * slice_elems : a;
+  }
+};
+
+// One launch of a dK/dV kernel: block (g, kv head, batch) takes key tile first + g.
+struct KeyTileRound {
+  int groups;  // blocks per (batch, kv head)
+  int first;   // the key tile of block 0
+};
+
+// Calls launch(blocks, round) for the launches of a dK/dV kernel with kBN-key tiles: one with a
+// block per key tile (accum.slices == 0), or (deterministic) rounds of accum.slices blocks per
+// (batch, kv head), block g of round r taking key tile r * slices + g into accumulator g.
+// Launches on one stream run in order, so each accumulator takes its key tiles' adds one tile
+// after the other.
+template <class Launch>
+void for_key_tile_rounds(const BwdParams& p, int kBN, const DqAccum& accum, Launch&& launch) {
+  const int64_t tiles = (p.len_k + kBN - 1) / kBN;
+  const int64_t groups = accum.slices > 0 && accum.slices < tiles ? accum.slices : tiles;
+  const int64_t blocks = groups * p.heads_kv * p.batch;
+  if (blocks > 0x7fffffff) throw std::runtime_error("flashattn_ext CUDA backend: backward grid too large");
+  for (int64_t first = 0; first < tiles; first += groups) launch(unsigned(blocks), KeyTileRound{int(groups), int(first)});
+}
+
+// dK and dV for head_dim and head_dim_v both <= kDim (the forward's tiers), and dQ into
+// `accum`. `dsum` holds D = rowsum(dO * O) - dlse (accumulator type).
 template <class Elem, int kDim>
-bool bwd_dq(const BwdParams& p, const void* dsum, cudaStream_t stream);
+bool bwd_dkdv(const BwdParams& p, const void* dsum, const DqAccum& accum, cudaStream_t stream);
 
 }  // namespace flashattn::cuda::sm80

@@ -133,19 +133,6 @@ struct Bwd2dConfig {
       size_t((2 * kBN + 4 * kBM) * kLd + 2 * kBM * kLdP) * sizeof(Elem) + 4 * kBM * sizeof(float);
 };
 
-// Deterministic dQ kernel: 4 warps x 16 query rows, key tiles as the forward's. Served where
-// the dK/dV kernel is.
-template <class Elem, int kDim>
-struct DqConfig {
-  static constexpr bool kServed = BwdConfig<Elem, kDim>::kServed && kDim <= 128;
-  static constexpr int kWarps = 4;
-  static constexpr int kThreads = 32 * kWarps;
-  static constexpr int kBM = 16 * kWarps;
-  static constexpr int kBN = std::is_same_v<Elem, double> ? (kDim > 64 ? 16 : 32) : 64;
-  static constexpr int kLd = kDim + 8;
-  static constexpr size_t kSmemBytes = size_t(2 * kBM + 4 * kBN) * kLd * sizeof(Elem);
-};
-
 // Compute capability 8.0 or newer and `smem` bytes of shared memory per block available.
 inline bool tensor_cores_usable(size_t smem) {
   const DeviceLimits lim = device_limits();
