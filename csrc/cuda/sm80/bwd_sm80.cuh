@@ -299,7 +299,7 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim, kGeneral>::kThreads, Bwd
       }
     }
 
-    if (accum.base != nullptr) {  // (never null; kept as the measured kernels had it)
+    if (accum.base != nullptr) {  // (never null: the test steers register allocation, see bwd_sm80_2d.cuh)
       // dS^T into smem as held: key wkey + g (+ 8), query rows 8j + 2t and 8j + 2t + 1 (by one
       // warp of a pair: both hold the same values).
       if (half == 0) {
