@@ -64,18 +64,23 @@ void check_dims(const FwdParams& p) {
                              " not a multiple of heads_kv " + std::to_string(p.heads_kv));
 }
 
-// The tensor-core kernels (sm80/) serve fp16, bf16 and fp64. fp32 stays on the SIMT kernels:
-// a 3xTF32 tensor-core forward was measured (H200, commit 933d59f) at 0.87-1.09x SDPA-efficient
-// but with 5x torch's fp32 error on large logits (scores ~1e4: tf32 pairs keep ~22 bits).
-// FLASHATTN_CUDA_KERNELS=simt keeps every dtype on the portable kernels (to test them on GPUs
-// where the tensor-core ones would be taken).
-template <class T>
-bool tensor_core_kernels_allowed() {
-  static const bool allowed = [] {
+// FLASHATTN_CUDA_KERNELS=simt keeps every dtype on the portable kernels, FMA products only (to
+// test them on GPUs where the tensor-core ones would be taken).
+bool tensor_cores_enabled() {
+  static const bool enabled = [] {
     const char* v = std::getenv("FLASHATTN_CUDA_KERNELS");
     return v == nullptr || std::strcmp(v, "simt") != 0;
   }();
-  return !std::is_same_v<T, float> && allowed;
+  return enabled;
+}
+
+// The tensor-core kernels (sm80/) serve fp16, bf16 and fp64. fp32 stays on the SIMT kernels:
+// a 3xTF32 tensor-core forward was measured (H200, commit 933d59f) at 0.87-1.09x SDPA-efficient
+// but with 5x torch's fp32 error on large logits (scores ~1e4: tf32 pairs keep ~22 bits). Its
+// Q-resident forward forms P V (not the scores) on the tensor cores (simt/pv_tf32x3.cuh).
+template <class T>
+bool tensor_core_kernels_allowed() {
+  return !std::is_same_v<T, float> && tensor_cores_enabled();
 }
 
 // The dQ accumulators of a backward call: on the deterministic path where the tensor-core
@@ -132,8 +137,8 @@ void fwd_typed(const FwdParams& p, cudaStream_t stream) {
     }
   }
   if constexpr (!std::is_same_v<T, double>) {
-    if (e_max <= 64 && simt::fwd_qres<T, 64>(p, stream)) return;
-    if (e_max > 64 && e_max <= 128 && simt::fwd_qres<T, 128>(p, stream)) return;
+    if (e_max <= 64 && simt::fwd_qres<T, 64>(p, tensor_cores_enabled(), stream)) return;
+    if (e_max > 64 && e_max <= 128 && simt::fwd_qres<T, 128>(p, tensor_cores_enabled(), stream)) return;
   }
   constexpr int kCap = std::is_same_v<T, double> ? 128 : 256;
   const int tier = pick_tier(p.head_dim_v, kCap);

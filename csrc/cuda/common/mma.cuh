@@ -1,5 +1,5 @@
 // Warp-level tensor-core instructions (sm_80+) as small inline functions: mma.sync for
-// fp16/bf16 (m16n8k16) and fp64 (m8n8k4; m16n8k8 on sm_90+), and ldmatrix. On older archs the
+// fp16/bf16 (m16n8k16), tf32 (m16n8k8) and fp64 (m8n8k4; m16n8k8 on sm_90+), and ldmatrix. On older archs the
 // bodies compile to nothing; dispatch never launches the kernels that use them there.
 #pragma once
 #include <cstdint>
@@ -51,6 +51,31 @@ __device__ __forceinline__ void mma_f64_16x8x8(double (&d)[4], const double (&a)
       "mma.sync.aligned.m16n8k8.row.col.f64.f64.f64.f64 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
       : "+d"(d[0]), "+d"(d[1]), "+d"(d[2]), "+d"(d[3])
       : "d"(a[0]), "d"(a[1]), "d"(a[2]), "d"(a[3]), "d"(b[0]), "d"(b[1]));
+#endif
+}
+
+// D += A B in TF32 (the fp32 operands' top 19 bits), A 16x8, B 8x8, D 16x8 fp32, fragments laid
+// out as mma_f64_16x8x8's: a0 (row g, k t), a1 (g + 8, t), a2 (g, t + 4), a3 (g + 8, t + 4); b0
+// (k t, col g), b1 (k t + 4, col g); d0, d1 (row g, cols 2t, 2t + 1), d2, d3 (row g + 8).
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+#ifdef FLASHATTN_MMA_SM80
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
+}
+
+// x rounded to the nearest TF32 value (fp32 bits with the low 13 mantissa bits 0; inf where the
+// rounding overflows).
+__device__ __forceinline__ float round_tf32(float x) {
+#ifdef FLASHATTN_MMA_SM80
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return __uint_as_float(r);
+#else
+  return x;
 #endif
 }
 

@@ -14,9 +14,10 @@ void fwd(const FwdParams& p, int num_splits, cudaStream_t stream);
 // Forward with the query tile resident in smem (fp32 accumulation only): head_dim and
 // head_dim_v both <= kDim (64 or 128), one block per query tile. Returns false, launching
 // nothing, on a device whose smem per block is too small (sm_75 at kDim 128), or when an
-// optional feature is on (only fwd has them).
+// optional feature is on (only fwd has them). `tensor_cores`: fp32 on sm_80+ may form P V on
+// the tensor cores (three TF32 products, fp32 accuracy).
 template <class T, int kDim>
-bool fwd_qres(const FwdParams& p, cudaStream_t stream);
+bool fwd_qres(const FwdParams& p, bool tensor_cores, cudaStream_t stream);
 
 // D = rowsum(dO * O) into `d` (accumulator type, contiguous (batch, heads_q, len_q)).
 template <class T>
