@@ -170,8 +170,8 @@ def test_bwd_bad_arguments(device, name, bad, match):
 
 # ---- NaN / Inf inputs ----
 
-def _poisoned_case(device, where, value, causal):
-    q, k, v = (t.double() for t in _qkv(device, lq=6, lk=6))
+def _poisoned_case(device, where, value, causal, e):
+    q, k, v = (t.double() for t in _qkv(device, lq=6, lk=6, e=e, ev=e))
     {"q": q, "k": k, "v": v}[where][0, 1, 3, 2] = value
     return q, k, v
 
@@ -182,8 +182,9 @@ def _poisoned_case(device, where, value, causal):
     ("v", float("inf"), NONE),
 ])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=["fp64", "fp32", "bf16"])
-def test_nan_inf_propagate_like_torch(device, where, value, causal, dtype):
-    q, k, v = _poisoned_case(device, where, value, causal)
+@pytest.mark.parametrize("e", [8, 100])  # the CUDA kernels of head-dim tiers 64 and 128
+def test_nan_inf_propagate_like_torch(device, where, value, causal, dtype, e):
+    q, k, v = _poisoned_case(device, where, value, causal, e)
     ref_out, ref_lse = attention(q, k, v, 0.5, causal)
     q, k, v = (t.to(dtype).requires_grad_() for t in (q, k, v))
     out, lse = ours(q, k, v, 0.5, causal)
