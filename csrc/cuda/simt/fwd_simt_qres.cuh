@@ -11,8 +11,9 @@
 // broadcast loads of Q and P are single wavefronts. Row statistics reduce over one half-warp.
 //
 // kTf32Pv (fp32 on sm_80+): O += P V runs on the tensor cores at fp32 accuracy instead
-// (pv_tf32x3.cuh: three TF32 products per tile), each warp owning 16 rows of O; the scores stay
-// on the FMA product above, the rows' rescale factors and final 1 / l reach the warps through smem.
+// (pv_tf32x3.cuh: three TF32 products per tile), each warp owning 32 rows x kDim / 2 columns of O;
+// the scores stay on the FMA product above; the rows' rescale factors and final 1 / l reach the
+// warps through smem.
 //
 // Wider dims, fp64, and devices with too little smem use the chunked kernel of fwd_simt.cuh.
 #pragma once
@@ -106,7 +107,7 @@ __global__ void __launch_bounds__(QresTraits<kDim, kTf32Pv>::kThreads, 1)
     load_v(0);
   }
 
-  // O: per thread (SIMT P V) or per warp's 16 rows in accumulator atoms (kTf32Pv).
+  // O: per thread (FMA P V) or as the warp's accumulator atoms (kTf32Pv, pv_tf32x3.cuh).
   using Pv = PvTf32x3<kBN, kDim, kLd, kLdP>;
   float acc[kTf32Pv ? 1 : kTM][kTf32Pv ? 1 : 4 * kCG];
   float o[2][kTf32Pv ? Pv::kNA : 1][4];
