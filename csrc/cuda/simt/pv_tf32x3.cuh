@@ -15,20 +15,21 @@
 #include <cstdint>
 
 #include "../common/mma.cuh"
+#include "tile_load_x4.cuh"
 
 namespace flashattn::cuda::simt {
 
-// Splits the elements of a kRows x kCols tile that thread `tid` copied with load_tile_x4 (the
-// same mapping): x_hi over x in `hi`, x_lo at the same place in `lo`. Returns whether one of them
+// Splits the elements of a kRows x kCols tile that thread `tid` copied with load_tile_x4
+// (TileX4Share): x_hi over x in `hi`, x_lo at the same place in `lo`. Returns whether one of them
 // is not finite or rounds to inf (then x_hi = x and x_lo = 0, so that x_hi + x_lo = x always).
 template <int kRows, int kCols, int kThreads>
 __device__ __forceinline__ bool split_tile_tf32(float* hi, float* lo, int ld, int tid) {
-  constexpr int kGroups = kCols / 4, kRowsPerStep = kThreads / kGroups;
-  const int col = tid % kGroups * 4, row0 = tid / kGroups;
+  using Share = TileX4Share<kRows, kCols, kThreads>;
+  const Share mine(tid);
   bool not_finite = false;
 #pragma unroll
-  for (int it = 0; it < kRows / kRowsPerStep; ++it) {
-    const int at = (row0 + it * kRowsPerStep) * ld + col;
+  for (int it = 0; it < Share::kSteps; ++it) {
+    const int at = (mine.row0 + it * Share::kRowsPerStep) * ld + mine.col;
     float4 x = *reinterpret_cast<const float4*>(hi + at), h, l;
     float* xs = &x.x;
     float* hs = &h.x;

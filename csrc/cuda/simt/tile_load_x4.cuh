@@ -28,6 +28,18 @@ __device__ __forceinline__ float4 load4(const __half* g) {
   return make_float4(lo.x, lo.y, hi.x, hi.y);
 }
 
+// Which groups of four columns thread `tid` copies: column `col`, rows row0 + i * kRowsPerStep
+// for i < kSteps (also what the fp32 forward's TF32 split of V walks, pv_tf32x3.cuh).
+template <int kRows, int kCols, int kThreads>
+struct TileX4Share {
+  static constexpr int kGroups = kCols / 4;
+  static_assert(kCols % 4 == 0 && kThreads % kGroups == 0 && kRows % (kThreads / kGroups) == 0,
+                "tile must split evenly over the block");
+  static constexpr int kRowsPerStep = kThreads / kGroups, kSteps = kRows / kRowsPerStep;
+  int col, row0;
+  __device__ __forceinline__ explicit TileX4Share(int tid) : col(tid % kGroups * 4), row0(tid / kGroups) {}
+};
+
 // `g` points at element (row 0, col 0); rows are `row_stride` elements apart. `vec` says every
 // row start is aligned to four elements (checked on the host), so whole in-bounds groups can be
 // read as one vector; groups that straddle `cols_valid` fall back to scalar reads. Whole fp32
@@ -36,16 +48,12 @@ __device__ __forceinline__ float4 load4(const __half* g) {
 template <int kRows, int kCols, int kThreads, class T>
 __device__ __forceinline__ void load_tile_x4(float* s, int ld, const T* g, int64_t row_stride,
                                              int rows_valid, int cols_valid, bool vec, int tid) {
-  constexpr int kGroups = kCols / 4;
-  static_assert(kCols % 4 == 0 && kThreads % kGroups == 0 &&
-                    kRows % (kThreads / kGroups) == 0,
-                "tile must split evenly over the block");
-  constexpr int kRowsPerStep = kThreads / kGroups;
-  const int col = tid % kGroups * 4;
-  const int row0 = tid / kGroups;
+  using Share = TileX4Share<kRows, kCols, kThreads>;
+  const Share mine(tid);
+  const int col = mine.col;
 #pragma unroll
-  for (int it = 0; it < kRows / kRowsPerStep; ++it) {
-    const int row = row0 + it * kRowsPerStep;
+  for (int it = 0; it < Share::kSteps; ++it) {
+    const int row = mine.row0 + it * Share::kRowsPerStep;
     const T* src = g + row * row_stride + col;
     float* dst = s + row * ld + col;
     if constexpr (std::is_same_v<T, float> && cp_async_available()) {
