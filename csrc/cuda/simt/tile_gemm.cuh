@@ -76,17 +76,18 @@ __device__ __forceinline__ void gemm_rows_x_cols(Acc (&acc)[4][kVec], const Acc*
 }
 
 // The large-tile kernels' variant (fwd_simt_qres, bwd_simt_kvres): a thread's rows are
-// interleaved, r + kStepA i, and the depth is a bound the caller picks (the tile's full width,
-// a compile-time constant, lets kUnroll steps be scheduled together).
-// acc[i][j] += sum_d A[r + kStepA i][d] * B[c + 16 j][d] over d < dmax; rows are kLd apart
-// and zero-padded past dmax up to a multiple of 4, so the last group needs no care.
-template <int kTI, int kTJ, int kLd, int kStepA, int kUnroll = 2>
+// interleaved, r + kStepA i, and the depth is the tile's full width kDepth, a compile-time
+// constant, so that four steps are scheduled together (fp32 forward +2-10%, backward +2% over a
+// run-time depth unrolled by 2; H200).
+// acc[i][j] += sum_d A[r + kStepA i][d] * B[c + 16 j][d] over d < kDepth; rows are kLd apart
+// and zero past the operands' true width (the copies fill them so).
+template <int kTI, int kTJ, int kLd, int kStepA, int kDepth>
 __device__ __forceinline__ void gemm_rows_x_rows_interleaved(float (&acc)[kTI][kTJ], const float* A, const float* B,
-                                                             int dmax, int r, int c) {
+                                                             int r, int c) {
   const float* a0 = A + r * kLd;
   const float* b0 = B + c * kLd;
-#pragma unroll kUnroll
-  for (int d = 0; d < dmax; d += 4) {
+#pragma unroll 4
+  for (int d = 0; d < kDepth; d += 4) {
     float a[kTI][4], b[kTJ][4];
 #pragma unroll
     for (int i = 0; i < kTI; ++i) lds(a[i], a0 + kStepA * i * kLd + d);
