@@ -172,6 +172,9 @@ def test_bwd_bad_arguments(device, name, bad, match):
 
 def _poisoned_case(device, where, value, causal, e):
     q, k, v = (t.double() for t in _qkv(device, lq=6, lk=6, e=e, ev=e))
+    # Keys with alternating signs in column 2, so that a poisoned query element makes the row's
+    # scores a mix of +inf and -inf (a NaN row in torch) whatever the random draw on the device.
+    k[..., 2] = k[..., 2].abs() * torch.tensor([1.0, -1.0], device=device).repeat(3)
     {"q": q, "k": k, "v": v}[where][0, 1, 3, 2] = value
     return q, k, v
 
@@ -197,6 +200,21 @@ def test_nan_inf_propagate_like_torch(device, where, value, causal, dtype, e):
     (out.nan_to_num().sum() + lse.nan_to_num().sum()).backward()  # must not crash
     for t in (q, k, v):
         assert t.grad.shape == t.shape
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=["fp64", "fp32", "bf16"])
+@pytest.mark.parametrize("e", [8, 100])
+def test_query_inf_with_every_score_minus_inf_gives_zero_row(device, dtype, e):
+    # A query element of -inf against keys all positive there: every score of that row is -inf,
+    # and torch's softmax then treats the row as fully masked (out 0), not as NaN.
+    q, k, v = (t.double() for t in _qkv(device, lq=6, lk=6, e=e, ev=e))
+    k[..., 2] = k[..., 2].abs() + 0.1
+    q[0, 1, 3, 2] = float("-inf")
+    ref = F.scaled_dot_product_attention(q, k, v, scale=0.5)
+    assert ref[0, 1, 3].eq(0).all() and ref.isfinite().all()
+    out, lse = ours(q.to(dtype), k.to(dtype), v.to(dtype), 0.5, NONE)
+    assert out[0, 1, 3].eq(0).all() and out.isfinite().all()
+    assert lse[0, 1, 3] == float("-inf") and lse.isfinite().sum() == lse.numel() - 1
 
 
 # ---- wrapper checks ----
