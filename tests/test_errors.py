@@ -206,7 +206,8 @@ def test_nan_inf_propagate_like_torch(device, where, value, causal, dtype, e):
 @pytest.mark.parametrize("e", [8, 100])
 def test_query_inf_with_every_score_minus_inf_gives_zero_row(device, dtype, e):
     # A query element of -inf against keys all positive there: every score of that row is -inf,
-    # and torch's softmax then treats the row as fully masked (out 0), not as NaN.
+    # and torch's SDPA (its safe softmax, torch >= 2.5) then treats the row as fully masked
+    # (out 0), not as NaN; so do we.
     q, k, v = (t.double() for t in _qkv(device, lq=6, lk=6, e=e, ev=e))
     k[..., 2] = k[..., 2].abs() + 0.1
     q[0, 1, 3, 2] = float("-inf")
