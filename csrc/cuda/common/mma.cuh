@@ -67,16 +67,13 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], 
 #endif
 }
 
-// x rounded to the nearest TF32 value (fp32 bits with the low 13 mantissa bits 0; inf where the
-// rounding overflows).
+// x rounded to the nearest TF32 value, ties away from zero (fp32 bits with the low 13 mantissa
+// bits 0; inf where the rounding overflows): half a TF32 ulp added to the magnitude bits, then
+// truncated. For finite x this is cvt.rna.tf32.f32 bit for bit, in 2 integer instructions where
+// sm_90 emulates cvt.rna in ~5. Not for inf or NaN (a NaN can come out as 0 or inf): callers
+// whose operands may be either guard on x itself.
 __device__ __forceinline__ float round_tf32(float x) {
-#ifdef FLASHATTN_MMA_SM80
-  uint32_t r;
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-  return __uint_as_float(r);
-#else
-  return x;
-#endif
+  return __uint_as_float((__float_as_uint(x) + 0x1000u) & 0xffffe000u);
 }
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {

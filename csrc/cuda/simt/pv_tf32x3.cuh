@@ -37,7 +37,8 @@ __device__ __forceinline__ bool split_tile_tf32(float* hi, float* lo, int ld, in
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const float r = round_tf32(xs[e]);
-      const bool finite = fabsf(r) <= 3.402823466e38f;  // false for inf and NaN
+      // False for inf, NaN and the x that round to inf (|x| >= the bits 0x7f7ff000).
+      const bool finite = fabsf(xs[e]) < 0x1.ffep+127f;
       not_finite |= !finite;
       hs[e] = finite ? r : xs[e];
       ls[e] = finite ? xs[e] - r : 0.f;
@@ -86,7 +87,7 @@ struct PvTf32x3 {
           const float2 bot = *reinterpret_cast<const float2*>(sP + (row + 16 * i + 8) * kLdP + k0 + 2 * t);
           const float a[4] = {top.x, bot.x, top.y, bot.y};
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {  // P is in [0, 1] (or NaN, which then reaches O either way)
+          for (int e = 0; e < 4; ++e) {  // P is in [0, 1], or NaN (then lo = x - r is NaN and reaches O)
             const float r = round_tf32(a[e]);
             a_hi[i][e] = __float_as_uint(r);
             a_lo[i][e] = __float_as_uint(a[e] - r);
