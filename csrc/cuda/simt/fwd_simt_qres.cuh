@@ -38,7 +38,9 @@ struct QresTraits {
   static constexpr int kRowGroups = kThreads / 16;
   static constexpr int kTM = 8;  // query rows per thread
   static constexpr int kBlockM = kRowGroups * kTM;
-  static constexpr int kBlockN = 64;
+  // kTf32Pv at dim 64: 128-key tiles (smem allows it there): twice the FMAs per K load and half
+  // the barriers and row reductions per key.
+  static constexpr int kBlockN = kTf32Pv && kDim == 64 ? 128 : 64;
   static constexpr int kTN = kBlockN / 16;  // key columns per thread
   static constexpr int kCG = kDim / 64;     // groups of 4 output columns per thread
   static constexpr int kLd = kDim + 4;      // Q, K, V rows: 16-byte padding, conflict-free
