@@ -32,15 +32,13 @@
 
 namespace flashattn::cuda::simt {
 
-template <int kDim, bool kTf32Pv>
+template <int kDim, bool kTf32Pv, int kKeys>
 struct QresTraits {
   static constexpr int kThreads = 256;
   static constexpr int kRowGroups = kThreads / 16;
   static constexpr int kTM = 8;  // query rows per thread
   static constexpr int kBlockM = kRowGroups * kTM;
-  // kTf32Pv at dim 64: 128-key tiles (smem allows it there): twice the FMAs per K load and half
-  // the barriers and row reductions per key.
-  static constexpr int kBlockN = kTf32Pv && kDim == 64 ? 128 : 64;
+  static constexpr int kBlockN = kKeys;
   static constexpr int kTN = kBlockN / 16;  // key columns per thread
   static constexpr int kCG = kDim / 64;     // groups of 4 output columns per thread
   static constexpr int kLd = kDim + 4;      // Q, K, V rows: 16-byte padding, conflict-free
@@ -55,10 +53,10 @@ struct QresTraits {
   static_assert(kDim % 64 == 0, "output columns come in 64-wide groups");
 };
 
-template <class T, int kDim, bool kTf32Pv>
-__global__ void __launch_bounds__(QresTraits<kDim, kTf32Pv>::kThreads, 1)
+template <class T, int kDim, bool kTf32Pv, int kKeys>
+__global__ void __launch_bounds__(QresTraits<kDim, kTf32Pv, kKeys>::kThreads, 1)
     fwd_qres_kernel(const FwdParams p, int num_m_tiles, bool vec) {
-  using Tr = QresTraits<kDim, kTf32Pv>;
+  using Tr = QresTraits<kDim, kTf32Pv, kKeys>;
   using Exp = ExpDomain<float>;
   constexpr int kBM = Tr::kBlockM, kBN = Tr::kBlockN, kTM = Tr::kTM, kTN = Tr::kTN;
   constexpr int kCG = Tr::kCG, kLd = Tr::kLd, kLdP = Tr::kLdP, kNT = Tr::kThreads;
@@ -243,9 +241,9 @@ __global__ void __launch_bounds__(QresTraits<kDim, kTf32Pv>::kThreads, 1)
   }
 }
 
-template <class T, int kDim, bool kTf32Pv>
+template <class T, int kDim, bool kTf32Pv, int kKeys = 64>
 bool launch_fwd_qres(const FwdParams& p, cudaStream_t stream) {
-  using Tr = QresTraits<kDim, kTf32Pv>;
+  using Tr = QresTraits<kDim, kTf32Pv, kKeys>;
   if (Tr::kSmemBytes > device_limits().smem_optin) return false;
   const int64_t num_m_tiles = (p.len_q + Tr::kBlockM - 1) / Tr::kBlockM;
   const int64_t blocks = num_m_tiles * p.heads_q * p.batch;
@@ -253,7 +251,7 @@ bool launch_fwd_qres(const FwdParams& p, cudaStream_t stream) {
   const bool vec = rows_aligned_x4<T>(p.q, p.q_stride.batch, p.q_stride.head, p.q_stride.row) &&
                    rows_aligned_x4<T>(p.k, p.k_stride.batch, p.k_stride.head, p.k_stride.row) &&
                    rows_aligned_x4<T>(p.v, p.v_stride.batch, p.v_stride.head, p.v_stride.row);
-  auto kernel = fwd_qres_kernel<T, kDim, kTf32Pv>;
+  auto kernel = fwd_qres_kernel<T, kDim, kTf32Pv, kKeys>;
   set_smem(kernel, Tr::kSmemBytes, "fwd_qres_kernel");
   kernel<<<unsigned(blocks), Tr::kThreads, Tr::kSmemBytes, stream>>>(p, int(num_m_tiles), vec);
   check_launch("fwd_qres_kernel");
@@ -262,12 +260,20 @@ bool launch_fwd_qres(const FwdParams& p, cudaStream_t stream) {
 
 // fp32 on sm_80+ (unless `tensor_cores` is off) takes the TF32x3 P V (H200: +5-7% at dim 128;
 // at 64 +-1% with the score loop unrolled by 2 and +10% by 4, where ptxas allocates the FMA
-// variant differently); fp16/bf16 (here only for calls the tensor-core kernels decline) the FMA one.
+// variant differently), at dim 64 with 128-key tiles where 209 KB of smem fit (sm_90, sm_100:
+// +4-10% over 64-key tiles on the H200: twice the FMAs per K load, half the barriers and row
+// reductions per key), else 64-key ones (124 KB: sm_80); fp16/bf16 (here only for calls the
+// tensor-core kernels decline) the FMA one.
 template <class T, int kDim>
 bool fwd_qres(const FwdParams& p, bool tensor_cores, cudaStream_t stream) {
   if (p.has_features()) return false;  // the optional features are in the general SIMT kernels only
   if constexpr (std::is_same_v<T, float>) {
-    if (tensor_cores && device_limits().major >= 8 && launch_fwd_qres<T, kDim, true>(p, stream)) return true;
+    if (tensor_cores && device_limits().major >= 8) {
+      if constexpr (kDim == 64) {
+        if (launch_fwd_qres<T, kDim, true, 128>(p, stream)) return true;
+      }
+      if (launch_fwd_qres<T, kDim, true>(p, stream)) return true;
+    }
   }
   return launch_fwd_qres<T, kDim, false>(p, stream);
 }
