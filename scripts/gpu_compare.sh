@@ -7,7 +7,8 @@
 # there); the other trees time ours (and ours-det) alone. TEST_TREES limits the tests to some trees.
 # Logs and JSON go to $OUT (else gpu_out/), one folder per tree.
 #   BENCH_ARGS="--dtypes bf16 --head-dims 256 --lens 1024,4096,16384 --impls ours,sdpa-flash | --dtypes fp64 --head-dims 128"
-#   TEST_ARGS="-x tests/test_accuracy.py -k cuda"
+#   TEST_ARGS="-x tests/test_accuracy.py -k cuda"   (no -q: pytest already runs with -q, and -qq
+#   drops the summary line this script prints)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
