@@ -1,14 +1,15 @@
-// Forward SIMT kernel with the query tile resident in smem, for fp32 accumulation and head dims
-// up to kDim (64 or 128) on both Q/K and V. One block of 256 threads per (batch, query head,
-// 128-row query tile): Q is loaded once; per 64-key tile, S = Q K^T is formed in registers, the
-// online softmax turns it into P (kept in smem) and O += P V accumulates in registers. K and V
-// have a buffer each, so the next K loads (cp.async) during P V and the next V during Q K^T.
+// Forward SIMT kernel with the query tile resident in smem, for fp32 accumulation and head dims up
+// to kDim (64 or 128) on both Q/K and V. One block of 256 threads per (batch, query head, 128-row
+// query tile): Q is loaded once; per key tile (kKeys: 64, or 128 for fp32 at dim 64, see fwd_qres),
+// S = Q K^T is formed in registers, the online softmax turns it into P (kept in smem) and O += P V
+// accumulates in registers. K and V have a buffer each, so the next K loads (cp.async) during P V
+// and the next V during Q K^T.
 //
-// Thread (r, c) = (tid / 16, tid % 16) owns query rows r + 16i (i < 8), key columns c + 16j
-// (j < 4) and output columns g*64 + c*4 + e. Eight rows per thread make both products FMA-bound
-// rather than smem-bound (12 16-byte loads per 128 FMAs while scoring); interleaving the rows
-// (r + 16i rather than 8r + i) puts the two row groups of a warp on different banks, so the
-// broadcast loads of Q and P are single wavefronts. Row statistics reduce over one half-warp.
+// Thread (r, c) = (tid / 16, tid % 16) owns query rows r + 16i (i < 8), key columns c + 16j (j <
+// kKeys / 16) and output columns g*64 + c*4 + e. Eight rows per thread make both products FMA-bound
+// rather than smem-bound (12 16-byte loads per 128 FMAs while scoring); interleaving the rows (r +
+// 16i rather than 8r + i) puts the two row groups of a warp on different banks, so the broadcast
+// loads of Q and P are single wavefronts. Row statistics reduce over one half-warp.
 //
 // kTf32Pv (fp32 on sm_80+): O += P V runs on the tensor cores at fp32 accuracy instead
 // (pv_tf32x3.cuh: three TF32 products per tile), each warp owning 32 rows x kDim / 2 columns of O;
