@@ -172,18 +172,19 @@ __global__ void __launch_bounds__(KvresTraits<kDim>::kThreads, 1)
 
     // P = exp(scale S - LSE), dS = P (dP - D); both 0 wherever the key is not visible, so
     // values there (even NaN/inf) never reach a gradient. Tiles every row sees in full (most
-    // of them) skip the per-element mask.
-    // Two copies of the loop, so that the common one carries none of the mask's 64-bit compares
-    // (ptxas if-converts them into every element otherwise: 792 -> 261 instructions per query
-    // tile at dim 64, 409 -> 133 at 128).
+    // of them) take a copy of the loop without the per-element mask (with a run-time test
+    // instead, ptxas if-converted the mask's 64-bit compares into every element: 792 -> 261
+    // instructions per query tile at dim 64, 409 -> 133 at 128).
     auto p_and_ds = [&](auto masked) {
 #pragma unroll
       for (int i = 0; i < kTK; ++i) {
-        const int64_t n = n0 + r + 16 * i;
 #pragma unroll
         for (int j = 0; j < kTQ; ++j) {
           bool vis = lse[j] != neg_inf<float>();
-          if constexpr (decltype(masked)::value) vis = vis && n < p.len_k && sq.band.visible(m0 + c + 16 * j, n);
+          if constexpr (decltype(masked)::value) {
+            const int64_t n = n0 + r + 16 * i;
+            vis = vis && n < p.len_k && sq.band.visible(m0 + c + 16 * j, n);
+          }
           const float pr = Exp::exp_if(vis, fmaf(s[i][j], score_scale, -lse[j]));
           sPt[(r + 16 * i) * kLdP + c + 16 * j] = pr;
           sdSt[(r + 16 * i) * kLdP + c + 16 * j] = vis ? pr * (dp[i][j] - dsum[j]) : 0.f;
