@@ -141,17 +141,25 @@ __global__ void __launch_bounds__(QresTraits<kDim, kTf32Pv, kKeys>::kThreads, 1)
     __syncthreads();  // sK free; the previous P V product is done with sP
     if (n0 + kBN < n_end) load_k(n0 + kBN); else cp_async_commit();
 
-    // Tiles every row of the block sees in full (most of them) skip the per-element mask.
-    const bool all_visible = n0 + kBN <= sq.key_end(m0);
+    // Scaled scores, -inf where the key is not visible. Tiles every row of the block sees in
+    // full (most of them) take a copy of the loop without the per-element mask (as one loop
+    // with a run-time test, ptxas branched around every element's compares).
+    auto scale_scores = [&](auto masked) {
+#pragma unroll
+      for (int i = 0; i < kTM; ++i)
+#pragma unroll
+        for (int j = 0; j < kTN; ++j) {
+          bool vis = true;
+          if constexpr (decltype(masked)::value) {
+            const int64_t m = m0 + r + kRG * i, n = n0 + c + 16 * j;
+            vis = n < p.len_k && sq.band.visible(m, n);
+          }
+          s[i][j] = vis ? s[i][j] * score_scale : neg_inf<float>();
+        }
+    };
+    if (n0 + kBN <= sq.key_end(m0)) scale_scores(std::false_type{}); else scale_scores(std::true_type{});
 #pragma unroll
     for (int i = 0; i < kTM; ++i) {
-      const int64_t m = m0 + r + kRG * i;
-#pragma unroll
-      for (int j = 0; j < kTN; ++j) {
-        const int64_t n = n0 + c + 16 * j;
-        s[i][j] = (all_visible || (n < p.len_k && sq.band.visible(m, n))) ? s[i][j] * score_scale
-                                                                          : neg_inf<float>();
-      }
       const float alpha = online_softmax_step<16>(s[i], row_max[i], row_sum[i]);
       if constexpr (kTf32Pv) {
         if (c == 0) sRow[r + kRG * i] = alpha;
