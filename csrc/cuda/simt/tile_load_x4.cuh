@@ -51,6 +51,18 @@ __device__ __forceinline__ void load_tile_x4(float* s, int ld, const T* g, int64
   using Share = TileX4Share<kRows, kCols, kThreads>;
   const Share mine(tid);
   const int col = mine.col;
+  if constexpr (std::is_same_v<T, float> && cp_async_available()) {
+    // A whole tile (the common case) is copied without a test per group: with them, every
+    // group took ~25 instructions and three branches.
+    if (vec && rows_valid >= kRows && cols_valid >= kCols) {
+#pragma unroll
+      for (int it = 0; it < Share::kSteps; ++it) {
+        const int row = mine.row0 + it * Share::kRowsPerStep;
+        cp_async_16(s + row * ld + col, g + row * row_stride + col);
+      }
+      return;
+    }
+  }
 #pragma unroll
   for (int it = 0; it < Share::kSteps; ++it) {
     const int row = mine.row0 + it * Share::kRowsPerStep;
