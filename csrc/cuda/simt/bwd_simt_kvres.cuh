@@ -107,21 +107,26 @@ __global__ void __launch_bounds__(KvresTraits<kDim>::kThreads, 1)
   const int64_t m_begin = first_row / kBM * kBM;
   const int64_t tiles_per_head = first_row < p.len_q ? (p.len_q - m_begin + kBM - 1) / kBM : 0;
   const int64_t num_iters = tiles_per_head * group;
-  // Iteration `it` covers query head hk * group + it / tiles_per_head and query tile
-  // m_begin + (it % tiles_per_head) * kBM.
-  auto head_of = [&](int64_t it) { return hk * group + it / tiles_per_head; };
-  auto row_of = [&](int64_t it) { return m_begin + it % tiles_per_head * kBM; };
-  auto load_q = [&](int64_t it) {
-    const int64_t m0 = row_of(it);
+  // The walk: the query tiles m_begin, m_begin + kBM, ... of head hk * group, then of the next
+  // head, advanced by addition (as a 64-bit division per tile it cost a call to the division
+  // routine in each of the three places that needed it).
+  const int64_t m_end = m_begin + tiles_per_head * kBM;
+  auto advance = [&](int64_t& h, int64_t& m0) {
+    m0 += kBM;
+    if (m0 == m_end) {
+      m0 = m_begin;
+      ++h;
+    }
+  };
+  auto load_q = [&](int64_t h, int64_t m0) {
     const int rows_q = int(p.len_q - m0 < kBM ? p.len_q - m0 : kBM);
-    load_tile_x4<kBM, kDim, kNT>(sQ, kLd, sq.q_rows<const T>(p.q, p.q_stride, head_of(it), m0),
+    load_tile_x4<kBM, kDim, kNT>(sQ, kLd, sq.q_rows<const T>(p.q, p.q_stride, h, m0),
                                  p.q_stride.row, rows_q, E, vec, tid);
     cp_async_commit();
   };
-  auto load_do = [&](int64_t it) {
-    const int64_t m0 = row_of(it);
+  auto load_do = [&](int64_t h, int64_t m0) {
     const int rows_q = int(p.len_q - m0 < kBM ? p.len_q - m0 : kBM);
-    load_tile_x4<kBM, kDim, kNT>(sdO, kLd, sq.q_rows<const T>(p.dout, p.dout_stride, head_of(it), m0),
+    load_tile_x4<kBM, kDim, kNT>(sdO, kLd, sq.q_rows<const T>(p.dout, p.dout_stride, h, m0),
                                  p.dout_stride.row, rows_q, Ev, vec, tid);
     cp_async_commit();
   };
@@ -133,8 +138,8 @@ __global__ void __launch_bounds__(KvresTraits<kDim>::kThreads, 1)
     const T* v = sq.k_rows<const T>(p.v, p.v_stride, hk, n0);
     load_tile_x4<kBN, kDim, kNT>(sK, kLd, k, p.k_stride.row, rows_k, E, vec, tid);
     load_tile_x4<kBN, kDim, kNT>(sV, kLd, v, p.v_stride.row, rows_k, Ev, vec, tid);
-    load_do(0);
-    load_q(0);
+    load_do(hk * group, m_begin);
+    load_q(hk * group, m_begin);
   }
 
   float dk[kTK][4 * kCG], dv[kTK][4 * kCG];
@@ -143,8 +148,10 @@ __global__ void __launch_bounds__(KvresTraits<kDim>::kThreads, 1)
 #pragma unroll
     for (int d = 0; d < 4 * kCG; ++d) dk[i][d] = dv[i][d] = 0.f;
 
+  int64_t h = hk * group, m0 = m_begin;  // this tile
+  int64_t h_next = h, m_next = m0;       // the next one
+  advance(h_next, m_next);
   for (int64_t it = 0; it < num_iters; ++it) {
-    const int64_t h = head_of(it), m0 = row_of(it);
     const int64_t bh = b * p.heads_q + h;
     // LSE (exponent domain) and D of the thread's query columns; rows past len_q get
     // LSE = -inf, which masks them.
@@ -195,7 +202,7 @@ __global__ void __launch_bounds__(KvresTraits<kDim>::kThreads, 1)
     __syncthreads();  // P^T and dS^T visible to all
     kvres_grad<Tr>(dv, sPt, sdO, r, c);
     __syncthreads();  // sdO free
-    if (it + 1 < num_iters) load_do(it + 1); else cp_async_commit();
+    if (it + 1 < num_iters) load_do(h_next, m_next); else cp_async_commit();
     kvres_grad<Tr>(dk, sdSt, sQ, r, c);
     if (dq_accum) {
       // dQ[r*4 + i][64g + 4c + e] += sum_n dS^T[n][r*4 + i] K[n][64g + 4c + e].
@@ -241,7 +248,10 @@ __global__ void __launch_bounds__(KvresTraits<kDim>::kThreads, 1)
       }
     }
     __syncthreads();  // sQ, sdSt free
-    if (it + 1 < num_iters) load_q(it + 1); else cp_async_commit();
+    if (it + 1 < num_iters) load_q(h_next, m_next); else cp_async_commit();
+    h = h_next;
+    m0 = m_next;
+    advance(h_next, m_next);
   }
 
   T* dk_g = sq.k_rows<T>(p.dk, p.dk_stride, hk, 0);
