@@ -2,7 +2,6 @@
 dq, dk, dv over dtypes, lengths, causal alignments, GQA, head dims, strided views, empty
 and fully masked problems, large logits."""
 import math
-import os
 
 import pytest
 import torch
@@ -92,31 +91,15 @@ def test_large_logits(device, dtype, causal):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("causal", CAUSAL_MODES, ids=CAUSAL_IDS)
-def test_large_logits_over_tiles(request, device, dtype, causal):
+def test_large_logits_over_tiles(device, dtype, causal):
     """Large logits over several key tiles at a tensor-core head dim: rows close to one-hot,
     where O = V (and so dS = 0) only if P's largest element and the row sum agree as P V rounds
-    them. (fp32 meets the rule at the small shape only: the backward recomputes P from the LSE,
-    an fp32 value near 1e4 here whose rounding alone (~5e-4) moves P by more than twice the error
-    of torch, which keeps P.)"""
-    if device == "cuda" and dtype == torch.float16 and _smem_per_block() < _DKDV_128_TENSOR_CORE_BYTES:
-        # Known defect: with less shared memory the fp16/bf16 backward above dim 96 runs on the
-        # SIMT kernel, whose fp32 FMA scores differ by a few ulps (~1e-3 at 1e4) from the tensor-core
-        # forward's that the LSE came from; fp16 then misses the rule (dv 0.074 against a bound of
-        # 0.054 on the H200 capped to 99 KB); bf16's bound is wider. Fixed when that backward runs
-        # on the tensor cores (strict: the test then passes and this marker must go).
-        request.applymarker(pytest.mark.xfail(strict=True, reason="SIMT backward after a tensor-core forward"))
+    them, and the backward's scores must match the forward's to the ulp (both on the tensor
+    cores: fp16 missed the rule when GPUs with 99 KB of smem ran this backward on the SIMT kernel).
+    (fp32 meets the rule at the small shape only: the backward recomputes P from the LSE, an fp32
+    value near 1e4 here whose rounding alone (~5e-4) moves P by more than twice the error of
+    torch, which keeps P.)"""
     _check_large_logits(device, dtype, causal, 300, 128)
-
-
-# What the tensor-core dK/dV kernel takes at dim 128 (csrc/cuda/sm80/tile_config.h, Bwd2dConfig).
-_DKDV_128_TENSOR_CORE_BYTES = 166912
-
-
-def _smem_per_block():
-    """Shared memory per block the kernels may take: the GPU's, or FLASHATTN_CUDA_SMEM_LIMIT's cap."""
-    limit = torch.cuda.get_device_properties(torch.cuda.current_device()).shared_memory_per_block_optin
-    cap = int(os.environ.get("FLASHATTN_CUDA_SMEM_LIMIT", "0"))
-    return min(limit, cap) if cap > 0 else limit
 
 
 def _check_large_logits(device, dtype, causal, length, head_dim):

@@ -89,12 +89,14 @@ __device__ __forceinline__ void scores_and_dp(Acc (&s)[kNA][4], Acc (&dp)[kNA][4
 // kFeatures: the variant for calls with optional features (see fwd_sm80.cuh). kGeneral: with
 // the per-score step for softcap, ALiBi, dropout and the bias gradient (needs_general_step),
 // which takes registers and so smaller tiles; windows, varlen and a bias alone go without it.
-template <class Elem, int kDim, bool kFeatures, bool kGeneral>
-__global__ void __launch_bounds__(BwdConfig<Elem, kDim, kGeneral>::kThreads, BwdConfig<Elem, kDim, kGeneral>::kMinBlocks)
+// kCompact: the general variant's tiles for GPUs with 99 KB of smem per block (BwdConfig).
+template <class Elem, int kDim, bool kFeatures, bool kGeneral, bool kCompact = false>
+__global__ void __launch_bounds__(BwdConfig<Elem, kDim, kGeneral, kCompact>::kThreads,
+                                  BwdConfig<Elem, kDim, kGeneral, kCompact>::kMinBlocks)
     bwd_dkdv_kernel(const BwdParams p, const typename Mma<Elem>::Acc* dsum_g, const DqAccum accum,
                     KeyTileRound round) {
   static_assert(kFeatures || !kGeneral, "the general step is a feature");
-  using Cfg = BwdConfig<Elem, kDim, kGeneral>;
+  using Cfg = BwdConfig<Elem, kDim, kGeneral, kCompact>;
   using M = Mma<Elem>;
   using Acc = typename M::Acc;
   using Exp = ExpDomain<Acc>;
@@ -365,13 +367,13 @@ bool bwd_operands_aligned(const BwdParams& p) {
          pairs_aligned<Elem>(p.dq, p.dq_stride);
 }
 
-template <class Elem, int kDim, bool kFeatures, bool kGeneral>
+template <class Elem, int kDim, bool kFeatures, bool kGeneral, bool kCompact = false>
 bool launch_dkdv(const BwdParams& p, const void* dsum, const DqAccum& accum, cudaStream_t stream) {
-  using Cfg = BwdConfig<Elem, kDim, kGeneral>;
+  using Cfg = BwdConfig<Elem, kDim, kGeneral, kCompact>;
   const size_t smem = Cfg::kSmemBytes + 2 * size_t(bias_tile_layout<Cfg::kBM, Cfg::kBN>(p).buffer_bytes());
   if (!tensor_cores_usable(smem) || !bwd_operands_aligned<Elem>(p)) return false;
   using Acc = typename Mma<Elem>::Acc;
-  auto kernel = bwd_dkdv_kernel<Elem, kDim, kFeatures, kGeneral>;
+  auto kernel = bwd_dkdv_kernel<Elem, kDim, kFeatures, kGeneral, kCompact>;
   set_smem(kernel, smem, "sm80::bwd_dkdv_kernel");
   for_key_tile_rounds(p, Cfg::kBN, accum, [&](unsigned blocks, KeyTileRound round) {
     kernel<<<blocks, Cfg::kThreads, smem, stream>>>(p, static_cast<const Acc*>(dsum), accum, round);
@@ -390,13 +392,19 @@ bool bwd_dkdv(const BwdParams& p, const void* dsum, const DqAccum& accum, cudaSt
   if constexpr (!BwdConfig<Elem, kDim>::kServed) {
     return false;
   } else {
-    if (needs_general_step(p)) return launch_dkdv<Elem, kDim, true, true>(p, dsum, accum, stream);
+    // Where a variant's tiles do not fit in the GPU's shared memory, the next one takes the call:
+    // the general variant (half the query rows per tile, any call), then its compact tiles.
+    auto general = [&] {
+      if (launch_dkdv<Elem, kDim, true, true>(p, dsum, accum, stream)) return true;
+      if constexpr (BwdConfig<Elem, kDim, true, true>::kServed)
+        return launch_dkdv<Elem, kDim, true, true, true>(p, dsum, accum, stream);
+      return false;
+    };
+    if (needs_general_step(p)) return general();
     if (launch_dkdv_2d<Elem, kDim>(p, dsum, accum, bwd_operands_aligned<Elem>(p), stream)) return true;
-    // Where the plain or bias variant's tiles do not fit in the GPU's shared memory, the general
-    // variant (half the query rows per tile) serves the call: it computes any call.
     const bool done = p.has_features() ? launch_dkdv<Elem, kDim, true, false>(p, dsum, accum, stream)
                                        : launch_dkdv<Elem, kDim, false, false>(p, dsum, accum, stream);
-    return done || launch_dkdv<Elem, kDim, true, true>(p, dsum, accum, stream);
+    return done || general();
   }
 }
 

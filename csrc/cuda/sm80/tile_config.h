@@ -66,24 +66,30 @@ struct FwdConfig {
 // takes half the query rows per tile and one block per SM where the plain one is at its register
 // limit: that step needs registers beside dK and dV (measured: 1116 bytes of spills at dim 128
 // with 64-row tiles, 140 with 32).
-template <class Elem, int kDim, bool kGeneral = false>
+// kCompact (fp16/bf16 above dim 64, with kGeneral): the last tensor-core variant, for GPUs whose
+// blocks get 99 KB of smem (sm_86/89/120), where none of the above fits above dim 64: 4 warps
+// and 32-row query tiles (16 above dim 128), 55-78 KB. Without it those calls ran on the SIMT
+// kernel, whose fp32 FMA scores differ by a few ulps from the tensor-core forward's that the
+// LSE came from (at logits ~1e4 fp16 then missed the accuracy rule).
+template <class Elem, int kDim, bool kGeneral = false, bool kCompact = false>
 struct BwdConfig {
   using Acc = std::conditional_t<std::is_same_v<Elem, double>, double, float>;
   static constexpr bool kHalf = sizeof(Elem) == 2;
   static constexpr bool kDouble = std::is_same_v<Elem, double>;
-  static constexpr bool kServed = !(kDouble && kDim > 128);
+  static constexpr bool kServed = !(kDouble && kDim > 128) && (!kCompact || (kHalf && kGeneral && kDim > 64));
   static constexpr int kPair = kDim > 192 || (kGeneral && kDim > 128) || (kDouble && kDim > 64) ? 2 : 1;
   static constexpr int kDimOut = kDim / kPair;  // dK / dV columns of a warp (and its share of the reduction)
   // fp64 at dim 64: 8 warps (128 keys) with 16-row query tiles, one block of 8 warps per SM
   // instead of 4 (the DMMA latency wants more warps): +9-11% measured (H200).
-  static constexpr int kWarps = kHalf || (kDouble && kDim <= 64 && !kGeneral) ? 8 : 4;
+  static constexpr int kWarps = !kCompact && (kHalf || (kDouble && kDim <= 64 && !kGeneral)) ? 8 : 4;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kBN = 16 * kWarps / kPair;
   // fp16/bf16 at dim 64: 32-row query tiles keep a thread within 128 registers, so two
   // blocks (16 warps) share an SM.
   // fp64 at dim 128: 16-row query tiles, so K, V and two stages of Q, dO fit in smem.
   static constexpr int kBM = kDouble ? (kDim > 64 || kGeneral || kWarps == 8 ? 16 : 32)
-                                     : (kDim > 64 && kDim <= 128 && !kGeneral ? 64 : 32);
+                                     : kCompact ? (kDim > 128 ? 16 : 32)
+                                                : (kDim > 64 && kDim <= 128 && !kGeneral ? 64 : 32);
   static constexpr int kMinBlocks = kHalf && kDim <= 64 && !kGeneral ? 2 : 1;
   static constexpr int kLd = kDim + 8;   // K, V, Q, dO rows
   static constexpr int kLdS = kBM + 8;   // dS^T rows (one per key)
