@@ -66,9 +66,9 @@ struct FwdConfig {
 // takes half the query rows per tile and one block per SM where the plain one is at its register
 // limit: that step needs registers beside dK and dV (measured: 1116 bytes of spills at dim 128
 // with 64-row tiles, 140 with 32).
-// kCompact (fp16/bf16 above dim 64, with kGeneral): the last tensor-core variant, for GPUs whose
-// blocks get 99 KB of smem (sm_86/89/120), where none of the above fits above dim 64: 4 warps
-// and 32-row query tiles (16 above dim 128), 55-78 KB. Without it those calls ran on the SIMT
+// kCompact (fp16/bf16 above dim 96, with kGeneral): the last tensor-core variant, for GPUs whose
+// blocks get 99 KB of smem (sm_86/89/120), where none of the above fits above dim 96: 4 warps
+// and 32-row query tiles (16 above dim 128), 74 / 56 / 72 KB at dims 128 / 192 / 256. Without it those calls ran on the SIMT
 // kernel, whose fp32 FMA scores differ by a few ulps from the tensor-core forward's that the
 // LSE came from (at logits ~1e4 fp16 then missed the accuracy rule).
 template <class Elem, int kDim, bool kGeneral = false, bool kCompact = false>
@@ -76,7 +76,7 @@ struct BwdConfig {
   using Acc = std::conditional_t<std::is_same_v<Elem, double>, double, float>;
   static constexpr bool kHalf = sizeof(Elem) == 2;
   static constexpr bool kDouble = std::is_same_v<Elem, double>;
-  static constexpr bool kServed = !(kDouble && kDim > 128) && (!kCompact || (kHalf && kGeneral && kDim > 64));
+  static constexpr bool kServed = !(kDouble && kDim > 128) && (!kCompact || (kHalf && kGeneral && kDim > 96));
   static constexpr int kPair = kDim > 192 || (kGeneral && kDim > 128) || (kDouble && kDim > 64) ? 2 : 1;
   static constexpr int kDimOut = kDim / kPair;  // dK / dV columns of a warp (and its share of the reduction)
   // fp64 at dim 64: 8 warps (128 keys) with 16-row query tiles, one block of 8 warps per SM
