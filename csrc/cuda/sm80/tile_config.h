@@ -68,9 +68,10 @@ struct FwdConfig {
 // with 64-row tiles, 140 with 32).
 // kCompact (fp16/bf16 above dim 96, with kGeneral): the last tensor-core variant, for GPUs whose
 // blocks get 99 KB of smem (sm_86/89/120), where none of the above fits above dim 96: 4 warps
-// and 32-row query tiles (16 above dim 128), 74 / 56 / 72 KB at dims 128 / 192 / 256. Without it those calls ran on the SIMT
-// kernel, whose fp32 FMA scores differ by a few ulps from the tensor-core forward's that the
-// LSE came from (at logits ~1e4 fp16 then missed the accuracy rule).
+// and 32-row query tiles (16 above dim 128), 74 / 56 / 72 KB at dims 128 / 192 / 256. The SIMT
+// kernel that served those calls before was 11x slower (H100 capped to 99 KB), and its fp32 FMA
+// scores differ by a few ulps from the tensor-core forward's that the LSE came from (at logits
+// ~1e4 fp16 then missed the accuracy rule).
 template <class Elem, int kDim, bool kGeneral = false, bool kCompact = false>
 struct BwdConfig {
   using Acc = std::conditional_t<std::is_same_v<Elem, double>, double, float>;
