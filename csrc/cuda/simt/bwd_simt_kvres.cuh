@@ -46,8 +46,9 @@ struct KvresTraits {
   static_assert(kDim % 64 == 0, "output columns come in 64-wide groups");
 };
 
-// acc[i][4g + e] += sum_q At[r + 16i][q] * B[q][64g + 4c + e] over the whole query tile.
-template <class Tr>
+// acc[i][4g + e] += sum_q At[r + 16i][q] * B[q][64g + 4c + e] over the whole query tile, for the
+// key rows i < kRows.
+template <class Tr, int kRows = Tr::kTK>
 __device__ __forceinline__ void kvres_grad(float (&acc)[Tr::kTK][4 * Tr::kCG], const float* At,
                                            const float* B, int r, int c) {
   const float* a0 = At + r * Tr::kLdP;
@@ -56,14 +57,14 @@ __device__ __forceinline__ void kvres_grad(float (&acc)[Tr::kTK][4 * Tr::kCG], c
   for (int q = 0; q < Tr::kBlockM; q += 4) {
     float a[Tr::kTK][4];
 #pragma unroll
-    for (int i = 0; i < Tr::kTK; ++i) lds(a[i], a0 + 16 * i * Tr::kLdP + q);
+    for (int i = 0; i < kRows; ++i) lds(a[i], a0 + 16 * i * Tr::kLdP + q);
 #pragma unroll
     for (int qq = 0; qq < 4; ++qq) {
       float b[Tr::kCG][4];
 #pragma unroll
       for (int g = 0; g < Tr::kCG; ++g) lds(b[g], b0 + (q + qq) * Tr::kLd + 64 * g);
 #pragma unroll
-      for (int i = 0; i < Tr::kTK; ++i)
+      for (int i = 0; i < kRows; ++i)
 #pragma unroll
         for (int g = 0; g < Tr::kCG; ++g)
 #pragma unroll
@@ -170,12 +171,23 @@ __global__ void __launch_bounds__(KvresTraits<kDim>::kThreads, 1)
     for (int i = 0; i < kTK; ++i)
 #pragma unroll
       for (int j = 0; j < kTQ; ++j) s[i][j] = dp[i][j] = 0.f;
+    // With key tiles twice as tall as query tiles (dim 64), the tile's second half of keys
+    // (rows i >= kTK / 2) may be invisible to every row of the query tile (on the causal
+    // diagonal, the first query tile of the two it covers): their products are skipped (the
+    // mask below makes their P and dS 0).
+    const bool second_half_blind = kBN > kBM && n0 + kBN / 2 >= sq.key_end(m0 + kBM - 1);
+    // The products over the key rows i < kRows (kTK, or kTK / 2 where the rest are blind).
+    auto products = [&](auto rows) {
+      constexpr int kRows = decltype(rows)::value;
+      gemm_rows_x_rows_interleaved<kTK, kTQ, kLd, 16, kDim, 0, kRows>(dp, sV, sdO, r, c);
+      cp_async_wait<0>();
+      __syncthreads();  // this Q visible to all
+      gemm_rows_x_rows_interleaved<kTK, kTQ, kLd, 16, kDim, 0, kRows>(s, sK, sQ, r, c);
+    };
     cp_async_wait<1>();
     __syncthreads();  // K, V and this dO visible to all
-    gemm_rows_x_rows_interleaved<kTK, kTQ, kLd, 16, kDim>(dp, sV, sdO, r, c);
-    cp_async_wait<0>();
-    __syncthreads();  // this Q visible to all
-    gemm_rows_x_rows_interleaved<kTK, kTQ, kLd, 16, kDim>(s, sK, sQ, r, c);
+    if (kBN > kBM && second_half_blind) products(std::integral_constant<int, kTK / 2>{});
+    else products(std::integral_constant<int, kTK>{});
 
     // P = exp(scale S - LSE), dS = P (dP - D); both 0 wherever the key is not visible, so
     // values there (even NaN/inf) never reach a gradient. Tiles every row sees in full (most
@@ -200,30 +212,38 @@ __global__ void __launch_bounds__(KvresTraits<kDim>::kThreads, 1)
     };
     if (n0 + kBN <= sq.key_end(m0)) p_and_ds(std::false_type{}); else p_and_ds(std::true_type{});
     __syncthreads();  // P^T and dS^T visible to all
-    kvres_grad<Tr>(dv, sPt, sdO, r, c);
+    if (kBN > kBM && second_half_blind) kvres_grad<Tr, kTK / 2>(dv, sPt, sdO, r, c);
+    else kvres_grad<Tr>(dv, sPt, sdO, r, c);
     __syncthreads();  // sdO free
     if (it + 1 < num_iters) load_do(h_next, m_next); else cp_async_commit();
-    kvres_grad<Tr>(dk, sdSt, sQ, r, c);
+    if (kBN > kBM && second_half_blind) kvres_grad<Tr, kTK / 2>(dk, sdSt, sQ, r, c);
+    else kvres_grad<Tr>(dk, sdSt, sQ, r, c);
     if (dq_accum) {
-      // dQ[r*4 + i][64g + 4c + e] += sum_n dS^T[n][r*4 + i] K[n][64g + 4c + e].
+      // dQ[r*4 + i][64g + 4c + e] += sum_n dS^T[n][r*4 + i] K[n][64g + 4c + e] over the keys
+      // n < kKeys (the blind half's dS is 0).
       float dq[kTQ][4 * kCG];
 #pragma unroll
       for (int i = 0; i < kTQ; ++i)
 #pragma unroll
         for (int d = 0; d < 4 * kCG; ++d) dq[i][d] = 0.f;
+      auto dq_product = [&](auto keys) {
+        constexpr int kKeys = decltype(keys)::value;
 #pragma unroll 4
-      for (int n = 0; n < kBN; ++n) {
-        float a[kTQ], bk[kCG][4];
-        lds(a, sdSt + n * kLdP + r * kTQ);
+        for (int n = 0; n < kKeys; ++n) {
+          float a[kTQ], bk[kCG][4];
+          lds(a, sdSt + n * kLdP + r * kTQ);
 #pragma unroll
-        for (int g = 0; g < kCG; ++g) lds(bk[g], sK + n * kLd + 64 * g + 4 * c);
+          for (int g = 0; g < kCG; ++g) lds(bk[g], sK + n * kLd + 64 * g + 4 * c);
 #pragma unroll
-        for (int i = 0; i < kTQ; ++i)
+          for (int i = 0; i < kTQ; ++i)
 #pragma unroll
-          for (int g = 0; g < kCG; ++g)
+            for (int g = 0; g < kCG; ++g)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) dq[i][4 * g + e] = fmaf(a[i], bk[g][e], dq[i][4 * g + e]);
-      }
+              for (int e = 0; e < 4; ++e) dq[i][4 * g + e] = fmaf(a[i], bk[g][e], dq[i][4 * g + e]);
+        }
+      };
+      if (kBN > kBM && second_half_blind) dq_product(std::integral_constant<int, kBN / 2>{});
+      else dq_product(std::integral_constant<int, kBN>{});
       float* dq_h = dq_accum + bh * p.len_q * E;
 #pragma unroll
       for (int i = 0; i < kTQ; ++i) {

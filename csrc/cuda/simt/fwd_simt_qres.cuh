@@ -137,7 +137,14 @@ __global__ void __launch_bounds__(QresTraits<kDim, kTf32Pv, kKeys>::kThreads, 1)
     for (int i = 0; i < kTM; ++i)
 #pragma unroll
       for (int j = 0; j < kTN; ++j) s[i][j] = 0.f;
-    gemm_rows_x_rows_interleaved<kTM, kTN, kLd, kRG, kDim>(s, sQ, sK, r, c);
+    // Where the block's first kBM / 2 rows see no key of the tile (the second of the causal
+    // diagonal's two 64-key tiles), their scores (i < kTM / 2) and their warps' P V are skipped:
+    // the mask below makes those scores -inf, so their P is 0 and alpha 1.
+    const bool first_half_blind = n0 >= sq.key_end(m0 + kBM / 2 - 1);
+    if (first_half_blind)
+      gemm_rows_x_rows_interleaved<kTM, kTN, kLd, kRG, kDim, kTM / 2>(s, sQ, sK, r, c);
+    else
+      gemm_rows_x_rows_interleaved<kTM, kTN, kLd, kRG, kDim>(s, sQ, sK, r, c);
     __syncthreads();  // sK free; the previous P V product is done with sP
     if (n0 + kBN < n_end) load_k(n0 + kBN); else cp_async_commit();
 
@@ -175,7 +182,7 @@ __global__ void __launch_bounds__(QresTraits<kDim, kTf32Pv, kKeys>::kThreads, 1)
     if constexpr (kTf32Pv) {
       // This thread's part of V (landed for it) split in place; then P, alpha and V visible to all.
       const bool exact = __syncthreads_or(split_tile_tf32<kBN, kDim, kNT>(sV, sVlo, kLd, tid));
-      Pv::run(o, sP, sV, sVlo, sRow, exact, warp, lane);
+      if (!first_half_blind || Pv::row0(warp) >= kBM / 2) Pv::run(o, sP, sV, sVlo, sRow, exact, warp, lane);
     } else {
       __syncthreads();  // P and this V visible to all
       const float* a0 = sP + r * kLdP;
