@@ -176,18 +176,20 @@ __global__ void __launch_bounds__(KvresTraits<kDim>::kThreads, 1)
     // diagonal, the first query tile of the two it covers): their products are skipped (the
     // mask below makes their P and dS 0).
     const bool second_half_blind = kBN > kBM && n0 + kBN / 2 >= sq.key_end(m0 + kBM - 1);
-    // The products over the key rows i < kRows (kTK, or kTK / 2 where the rest are blind).
-    auto products = [&](auto rows) {
+    // Calls f with the number of key rows per thread that see the query tile (kTK, or kTK / 2).
+    auto over_seen_rows = [&](auto f) {
+      if (second_half_blind) f(std::integral_constant<int, kTK / 2>{});
+      else f(std::integral_constant<int, kTK>{});
+    };
+    cp_async_wait<1>();
+    __syncthreads();  // K, V and this dO visible to all
+    over_seen_rows([&](auto rows) {
       constexpr int kRows = decltype(rows)::value;
       gemm_rows_x_rows_interleaved<kTK, kTQ, kLd, 16, kDim, 0, kRows>(dp, sV, sdO, r, c);
       cp_async_wait<0>();
       __syncthreads();  // this Q visible to all
       gemm_rows_x_rows_interleaved<kTK, kTQ, kLd, 16, kDim, 0, kRows>(s, sK, sQ, r, c);
-    };
-    cp_async_wait<1>();
-    __syncthreads();  // K, V and this dO visible to all
-    if (kBN > kBM && second_half_blind) products(std::integral_constant<int, kTK / 2>{});
-    else products(std::integral_constant<int, kTK>{});
+    });
 
     // P = exp(scale S - LSE), dS = P (dP - D); both 0 wherever the key is not visible, so
     // values there (even NaN/inf) never reach a gradient. Tiles every row sees in full (most
@@ -212,22 +214,20 @@ __global__ void __launch_bounds__(KvresTraits<kDim>::kThreads, 1)
     };
     if (n0 + kBN <= sq.key_end(m0)) p_and_ds(std::false_type{}); else p_and_ds(std::true_type{});
     __syncthreads();  // P^T and dS^T visible to all
-    if (kBN > kBM && second_half_blind) kvres_grad<Tr, kTK / 2>(dv, sPt, sdO, r, c);
-    else kvres_grad<Tr>(dv, sPt, sdO, r, c);
+    over_seen_rows([&](auto rows) { kvres_grad<Tr, decltype(rows)::value>(dv, sPt, sdO, r, c); });
     __syncthreads();  // sdO free
     if (it + 1 < num_iters) load_do(h_next, m_next); else cp_async_commit();
-    if (kBN > kBM && second_half_blind) kvres_grad<Tr, kTK / 2>(dk, sdSt, sQ, r, c);
-    else kvres_grad<Tr>(dk, sdSt, sQ, r, c);
+    over_seen_rows([&](auto rows) { kvres_grad<Tr, decltype(rows)::value>(dk, sdSt, sQ, r, c); });
     if (dq_accum) {
       // dQ[r*4 + i][64g + 4c + e] += sum_n dS^T[n][r*4 + i] K[n][64g + 4c + e] over the keys
-      // n < kKeys (the blind half's dS is 0).
+      // that see the query tile (the blind half's dS is 0).
       float dq[kTQ][4 * kCG];
 #pragma unroll
       for (int i = 0; i < kTQ; ++i)
 #pragma unroll
         for (int d = 0; d < 4 * kCG; ++d) dq[i][d] = 0.f;
-      auto dq_product = [&](auto keys) {
-        constexpr int kKeys = decltype(keys)::value;
+      over_seen_rows([&](auto rows) {
+        constexpr int kKeys = 16 * decltype(rows)::value;
 #pragma unroll 4
         for (int n = 0; n < kKeys; ++n) {
           float a[kTQ], bk[kCG][4];
@@ -241,9 +241,7 @@ __global__ void __launch_bounds__(KvresTraits<kDim>::kThreads, 1)
 #pragma unroll
               for (int e = 0; e < 4; ++e) dq[i][4 * g + e] = fmaf(a[i], bk[g][e], dq[i][4 * g + e]);
         }
-      };
-      if (kBN > kBM && second_half_blind) dq_product(std::integral_constant<int, kBN / 2>{});
-      else dq_product(std::integral_constant<int, kBN>{});
+      });
       float* dq_h = dq_accum + bh * p.len_q * E;
 #pragma unroll
       for (int i = 0; i < kTQ; ++i) {
