@@ -14,7 +14,8 @@
 // kTf32Pv (fp32 on sm_80+): O += P V runs on the tensor cores at fp32 accuracy instead
 // (pv_tf32x3.cuh: three TF32 products per tile), each warp owning 32 rows x kDim / 2 columns of O;
 // the scores stay on the FMA product above; the rows' rescale factors and final 1 / l reach the
-// warps through smem.
+// warps through smem. (At dim 128 fp32 takes fwd_simt_ws.cuh instead, which puts the two
+// products on different warps; this file keeps the dim-64 variants and the FMA P V.)
 //
 // Wider dims, fp64, and devices with too little smem use the chunked kernel of fwd_simt.cuh.
 #pragma once
@@ -26,6 +27,7 @@
 #include "../common/grid.cuh"
 #include "../common/online_softmax.cuh"
 #include "launch.h"
+#include "fwd_simt_ws.cuh"
 #include "pv_tf32x3.cuh"
 #include "tile_gemm.cuh"
 #include "smem_vec.cuh"
@@ -274,21 +276,25 @@ bool launch_fwd_qres(const FwdParams& p, cudaStream_t stream) {
   return true;
 }
 
-// fp32 on sm_80+ (unless `tensor_cores` is off) takes the TF32x3 P V (H200: +5-7% at dim 128;
-// at 64 +-1% with the score loop unrolled by 2 and +10% by 4, where ptxas allocates the FMA
-// variant differently), at dim 64 with 128-key tiles where 209 KB of smem fit (sm_90, sm_100:
-// +4-10% over 64-key tiles on the H200: twice the FMAs per K load, half the barriers and row
-// reductions per key), else 64-key ones (124 KB: sm_80); fp16/bf16 (here only for calls the
-// tensor-core kernels decline) the FMA one.
+// fp32 on sm_80+ (unless `tensor_cores` is off) takes the TF32x3 P V: at dim 128 in the
+// warp-specialized kernel (fwd_simt_ws.cuh: 202 KB of smem, so sm_90 / sm_100; +6-8% over this
+// kernel's TF32x3 variant on the H200, which it replaces: no GPU has smem for one and not the
+// other), at dim 64 here (H200: +-1% over the FMA P V with the score loop unrolled by 2, +10% by 4,
+// where ptxas allocates the FMA variant differently), with 128-key tiles where 209 KB of smem fit
+// (sm_90, sm_100: +4-10% over 64-key tiles on the H200: twice the FMAs per K load, half the
+// barriers and row reductions per key), else 64-key ones (124 KB: sm_80); fp16/bf16 (here only
+// for calls the tensor-core kernels decline) the FMA one.
 template <class T, int kDim>
 bool fwd_qres(const FwdParams& p, bool tensor_cores, cudaStream_t stream) {
   if (p.has_features()) return false;  // the optional features are in the general SIMT kernels only
   if constexpr (std::is_same_v<T, float>) {
     if (tensor_cores && device_limits().major >= 8) {
-      if constexpr (kDim == 64) {
+      if constexpr (kDim == 128) {
+        if (launch_fwd_ws<kDim>(p, stream)) return true;
+      } else {
         if (launch_fwd_qres<T, kDim, true, 128>(p, stream)) return true;
+        if (launch_fwd_qres<T, kDim, true>(p, stream)) return true;
       }
-      if (launch_fwd_qres<T, kDim, true>(p, stream)) return true;
     }
   }
   return launch_fwd_qres<T, kDim, false>(p, stream);

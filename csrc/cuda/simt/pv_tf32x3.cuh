@@ -65,6 +65,9 @@ struct PvTf32x3 {
   static __device__ __forceinline__ int row0(int warp) { return 32 * (warp >> 1); }
   static __device__ __forceinline__ int col0(int warp) { return (kDim / 2) * (warp & 1); }
 
+  // kRawV: V as copied (v_lo unused), split into TF32 halves here as its fragments are read (the
+  // warp-specialized forward, fwd_simt_ws.cuh, whose P V warps have issue slots to spare).
+  template <bool kRawV = false>
   static __device__ __forceinline__ void run(float (&o)[2][kNA][4], const float* sP, const float* v_hi,
                                              const float* v_lo, const float* row_alpha, bool exact, int warp,
                                              int lane) {
@@ -97,8 +100,21 @@ struct PvTf32x3 {
         const float* vl = v_lo + (k0 + 2 * t) * kLd + col + g;
 #pragma unroll
         for (int n = 0; n < kNA; ++n) {
-          const uint32_t b_hi[2] = {__float_as_uint(vh[8 * n]), __float_as_uint(vh[kLd + 8 * n])};
-          const uint32_t b_lo[2] = {__float_as_uint(vl[8 * n]), __float_as_uint(vl[kLd + 8 * n])};
+          uint32_t b_hi[2], b_lo[2];
+          if constexpr (kRawV) {
+            const float x[2] = {vh[8 * n], vh[kLd + 8 * n]};
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {  // (finite: the caller took `exact` for tiles that are not)
+              const float r = round_tf32(x[e]);
+              b_hi[e] = __float_as_uint(r);
+              b_lo[e] = __float_as_uint(x[e] - r);
+            }
+          } else {
+            b_hi[0] = __float_as_uint(vh[8 * n]);
+            b_hi[1] = __float_as_uint(vh[kLd + 8 * n]);
+            b_lo[0] = __float_as_uint(vl[8 * n]);
+            b_lo[1] = __float_as_uint(vl[kLd + 8 * n]);
+          }
 #pragma unroll
           for (int i = 0; i < 2; ++i) {
             mma_tf32(tile[i][n], a_lo[i], b_hi);
@@ -117,7 +133,7 @@ struct PvTf32x3 {
 #pragma unroll
             for (int c = 0; c < 2; ++c) {
               const int at = k * kLd + col + 8 * n + 2 * t + c;
-              const float x = v_hi[at] + v_lo[at];
+              const float x = kRawV ? v_hi[at] : v_hi[at] + v_lo[at];
               tile[i][n][c] = fmaf(p_top, x, tile[i][n][c]);
               tile[i][n][2 + c] = fmaf(p_bot, x, tile[i][n][2 + c]);
             }

@@ -79,21 +79,21 @@ __device__ __forceinline__ void gemm_rows_x_cols(Acc (&acc)[4][kVec], const Acc*
 // interleaved, r + kStepA i, and the depth is the tile's full width kDepth, a compile-time
 // constant, so that four steps are scheduled together (fp32 forward +2-10%, backward +2% over a
 // run-time depth unrolled by 2; H200).
-// acc[i][j] += sum_d A[r + kStepA i][d] * B[c + 16 j][d] over d < kDepth, for the rows
+// acc[i][j] += sum_d A[r + kStepA i][d] * B[c + kStepB j][d] over d < kDepth, for the rows
 // kI0 <= i < kI1 only (callers skip rows that see none of B's keys); rows are kLd apart and zero
-// past the operands' true width (the copies fill them so).
-template <int kTI, int kTJ, int kLd, int kStepA, int kDepth, int kI0 = 0, int kI1 = kTI>
+// past the operands' true width (the copies fill them so). kUnroll: steps of 4 dims unrolled.
+template <int kTI, int kTJ, int kLd, int kStepA, int kDepth, int kI0 = 0, int kI1 = kTI, int kStepB = 16, int kUnroll = 4>
 __device__ __forceinline__ void gemm_rows_x_rows_interleaved(float (&acc)[kTI][kTJ], const float* A, const float* B,
                                                              int r, int c) {
   const float* a0 = A + r * kLd;
   const float* b0 = B + c * kLd;
-#pragma unroll 4
+#pragma unroll kUnroll
   for (int d = 0; d < kDepth; d += 4) {
     float a[kTI][4], b[kTJ][4];
 #pragma unroll
     for (int i = kI0; i < kI1; ++i) lds(a[i], a0 + kStepA * i * kLd + d);
 #pragma unroll
-    for (int j = 0; j < kTJ; ++j) lds(b[j], b0 + 16 * j * kLd + d);
+    for (int j = 0; j < kTJ; ++j) lds(b[j], b0 + kStepB * j * kLd + d);
 #pragma unroll
     for (int dd = 0; dd < 4; ++dd)
 #pragma unroll
