@@ -30,6 +30,17 @@ def test_long_sequences(device, dtype, causal, len_q, len_k):
     check_against_reference(q, k, v, 1 / 8, causal)
 
 
+@pytest.mark.parametrize("causal", CAUSAL_MODES, ids=CAUSAL_IDS)
+def test_many_query_tiles(device, causal):
+    """A grid of at least 4 query tiles per SM: the fp32 dim-128 CUDA forward then gives each block
+    a pair of 128-row tiles (the last and the first, ..., the middle one alone, a ragged last one)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device == "cuda" else 8
+    tiles = 3  # per head: 300 rows
+    batch = -(-4 * sms // (8 * tiles))
+    q, k, v = make_qkv(batch, 8, 4, 300, 260, 128, 128, torch.float32, device)
+    check_against_reference(q, k, v, 128**-0.5, causal)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("causal", CAUSAL_MODES, ids=CAUSAL_IDS)
 @pytest.mark.parametrize("heads_kv", [2, 1], ids=["gqa", "mqa"])

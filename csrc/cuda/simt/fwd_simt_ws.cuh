@@ -34,6 +34,14 @@ namespace flashattn::cuda::simt {
 // Named barriers within one role: among the score warps, among the P V warps.
 enum WsBarrier : int { kBarScore = 1, kBarPv = 2 };
 
+// `x`, hidden from the compiler's loop-invariant code motion: addresses derived from it are formed
+// per query tile instead of once for the block and held (spilled: +1 KB with the two-tile loop)
+// across every key loop.
+__device__ __forceinline__ int64_t opaque(int64_t x) {
+  asm volatile("" : "+l"(x));
+  return x;
+}
+
 template <int kDim>
 struct WsTraits {
   static constexpr int kScoreThreads = 128, kPvThreads = 256, kThreads = kScoreThreads + kPvThreads;
@@ -54,7 +62,7 @@ struct WsTraits {
 
 template <int kDim>
 __global__ void __launch_bounds__(WsTraits<kDim>::kThreads, 1)
-    fwd_ws_kernel(const FwdParams p, int num_m_tiles, bool vec) {
+    fwd_ws_kernel(const FwdParams p, int num_m_tiles, bool paired, bool vec) {
   using Tr = WsTraits<kDim>;
   using Exp = ExpDomain<float>;
   using Pv = PvTf32x3<Tr::kBlockN, kDim, Tr::kLd, Tr::kLdP>;
@@ -75,165 +83,194 @@ __global__ void __launch_bounds__(WsTraits<kDim>::kThreads, 1)
   }
   __syncthreads();  // the mbarriers initialised for all
 
-  const TileBlock blk = tile_block(num_m_tiles, 1, p.heads_q, /*heaviest_first=*/true);
+  // The block's query tiles: with `paired`, the pair (num_m_tiles - 1 - j, j), heavier first, or
+  // the middle tile alone; the score warps start the second tile while the P V warps finish the
+  // first, so a block fills and drains the two-role pipeline once per pair (and under causal
+  // masking every pair sees the same number of keys). Else tile num_m_tiles - 1 - j, heaviest
+  // first (grids too small to pair without idling SMs).
+  const int num_slots = paired ? (num_m_tiles + 1) / 2 : num_m_tiles;
+  const TileBlock blk = tile_block(num_slots, 1, p.heads_q, /*heaviest_first=*/false);
   const int64_t h = blk.head, b = blk.batch, hk = kv_head(p, h);
-  const int64_t m0 = int64_t(blk.tile) * kBM;
-  const int rows_q = int(p.len_q - m0 < kBM ? p.len_q - m0 : kBM);
+  const int num_items = paired && 2 * blk.tile + 1 != num_m_tiles ? 2 : 1;
+  auto item_m0 = [&](int item) { return int64_t(item == 0 ? num_m_tiles - 1 - blk.tile : blk.tile) * kBM; };
   const Seq sq = plain_sequence(p, b);  // this kernel serves calls without optional features
-  const int64_t n_end = sq.key_end(m0 + rows_q - 1);
+  auto item_n_end = [&](int64_t m0) { return sq.key_end((p.len_q - m0 < kBM ? p.len_q : m0 + kBM) - 1); };
   const int E = int(p.head_dim), Ev = int(p.head_dim_v);
-  // Where the block's first kBM / 2 rows see no key of a tile (the second of the causal
-  // diagonal's two tiles), their scores and their P V warps' products are skipped (the mask
-  // makes those scores -inf, so P is 0 and alpha 1 there).
-  auto first_half_blind = [&](int64_t n0) { return n0 >= sq.key_end(m0 + kBM / 2 - 1); };
+  // Where the tile's first kBM / 2 rows see no key of a key tile (the second of the causal
+  // diagonal's two), their scores and their P V warps' products are skipped (the mask makes those
+  // scores -inf, so P is 0 and alpha 1 there).
+  auto first_half_blind = [&](int64_t m0, int64_t n0) { return n0 >= sq.key_end(m0 + kBM / 2 - 1); };
+  // Both roles count the hand-overs (a key tile's P, or a query tile's 1 / l) in `phase`: the
+  // mbarriers' phase parity, and (P V warps) which V buffer a key tile takes.
+  int phase = 0;
 
   if (threadIdx.x < kNS) {
     // ---- score warps ----
     const int tid = threadIdx.x, r = tid >> 3, c = tid & 7;
     const float score_scale = Exp::score_scale(p.scale);
     const float* k = sq.k_rows<const float>(p.k, p.k_stride, hk, 0);
-    auto load_k = [&](int64_t n0) {
-      const int rows_k = int(p.len_k - n0 < kBN ? p.len_k - n0 : kBN);
-      load_tile_x4<kBN, kDim, kNS>(sK, kLd, k + n0 * p.k_stride.row, p.k_stride.row, rows_k, E, vec, tid);
-      cp_async_commit();
-    };
-    if (n_end > 0) {
-      load_tile_x4<kBM, kDim, kNS>(sQ, kLd, sq.q_rows<const float>(p.q, p.q_stride, h, m0), p.q_stride.row,
-                                   rows_q, E, vec, tid);
-      load_k(0);
-    }
-    float row_max[kTM], row_sum[kTM];
+    float* lse = static_cast<float*>(p.lse) + (b * p.heads_q + h) * p.len_q;
+#pragma unroll 1
+    for (int item = 0; item < num_items; ++item) {
+      const int64_t m0 = item_m0(item), n_end = item_n_end(m0);
+      const int64_t k_row = opaque(p.k_stride.row);
+      auto load_k = [&](int64_t n0) {
+        const int rows_k = int(p.len_k - n0 < kBN ? p.len_k - n0 : kBN);
+        load_tile_x4<kBN, kDim, kNS>(sK, kLd, k + n0 * k_row, k_row, rows_k, E, vec, tid);
+        cp_async_commit();
+      };
+      // (sQ and sK are free: every score warp has passed the barrier after the previous tile's product)
+      if (n_end > 0) {
+        const int rows_q = int(p.len_q - m0 < kBM ? p.len_q - m0 : kBM);
+        load_tile_x4<kBM, kDim, kNS>(sQ, kLd, sq.q_rows<const float>(p.q, p.q_stride, h, m0),
+                                     opaque(p.q_stride.row), rows_q, E, vec, tid);
+        load_k(0);
+      }
+      float row_max[kTM], row_sum[kTM];
 #pragma unroll
-    for (int i = 0; i < kTM; ++i) {
-      row_max[i] = neg_inf<float>();
-      row_sum[i] = 0.f;
-    }
-    int tile = 0;
-    for (int64_t n0 = 0; n0 < n_end; n0 += kBN) {
-      cp_async_wait<0>();
-      bar_sync(kBarScore, kNS);  // Q and this K visible to the score warps
-      float s[kTM][kTN];
-#pragma unroll
-      for (int i = 0; i < kTM; ++i)
-#pragma unroll
-        for (int j = 0; j < kTN; ++j) s[i][j] = 0.f;
-      if (first_half_blind(n0))
-        gemm_rows_x_rows_interleaved<kTM, kTN, kLd, 16, kDim, kTM / 2, kTM, 8, kScoreUnroll>(s, sQ, sK, r, c);
-      else
-        gemm_rows_x_rows_interleaved<kTM, kTN, kLd, 16, kDim, 0, kTM, 8, kScoreUnroll>(s, sQ, sK, r, c);
-      bar_sync(kBarScore, kNS);  // sK free
-      if (n0 + kBN < n_end) load_k(n0 + kBN);
-
-      // Scaled scores, -inf where the key is not visible; tiles every row sees in full take a
-      // copy of the loop without the mask (one loop with a run-time test branched per score).
-      auto scale_scores = [&](auto masked) {
+      for (int i = 0; i < kTM; ++i) {
+        row_max[i] = neg_inf<float>();
+        row_sum[i] = 0.f;
+      }
+      for (int64_t n0 = 0; n0 < n_end; n0 += kBN) {
+        cp_async_wait<0>();
+        bar_sync(kBarScore, kNS);  // Q and this K visible to the score warps
+        float s[kTM][kTN];
 #pragma unroll
         for (int i = 0; i < kTM; ++i)
 #pragma unroll
-          for (int j = 0; j < kTN; ++j) {
-            bool vis = true;
-            if constexpr (decltype(masked)::value) {
-              const int64_t m = m0 + r + 16 * i, n = n0 + c + 8 * j;
-              vis = n < p.len_k && sq.band.visible(m, n);
-            }
-            s[i][j] = vis ? s[i][j] * score_scale : neg_inf<float>();
-          }
-      };
-      if (n0 + kBN <= sq.key_end(m0)) scale_scores(std::false_type{}); else scale_scores(std::true_type{});
-      float alpha[kTM];
-#pragma unroll
-      for (int i = 0; i < kTM; ++i) alpha[i] = online_softmax_step<8>(s[i], row_max[i], row_sum[i]);
+          for (int j = 0; j < kTN; ++j) s[i][j] = 0.f;
+        if (first_half_blind(m0, n0))
+          gemm_rows_x_rows_interleaved<kTM, kTN, kLd, 16, kDim, kTM / 2, kTM, 8, kScoreUnroll>(s, sQ, sK, r, c);
+        else
+          gemm_rows_x_rows_interleaved<kTM, kTN, kLd, 16, kDim, 0, kTM, 8, kScoreUnroll>(s, sQ, sK, r, c);
+        bar_sync(kBarScore, kNS);  // sK (and after the last key tile sQ) free
+        if (n0 + kBN < n_end) load_k(n0 + kBN);
 
-      if (tile > 0) mbar_wait(p_free, (tile - 1) & 1);  // the P V warps are done with the previous P
+        // Scaled scores, -inf where the key is not visible; tiles every row sees in full take a
+        // copy of the loop without the mask (one loop with a run-time test branched per score).
+        auto scale_scores = [&](auto masked) {
+#pragma unroll
+          for (int i = 0; i < kTM; ++i)
+#pragma unroll
+            for (int j = 0; j < kTN; ++j) {
+              bool vis = true;
+              if constexpr (decltype(masked)::value) {
+                const int64_t m = m0 + r + 16 * i, n = n0 + c + 8 * j;
+                vis = n < p.len_k && sq.band.visible(m, n);
+              }
+              s[i][j] = vis ? s[i][j] * score_scale : neg_inf<float>();
+            }
+        };
+        if (n0 + kBN <= sq.key_end(m0)) scale_scores(std::false_type{}); else scale_scores(std::true_type{});
+        float alpha[kTM];
+#pragma unroll
+        for (int i = 0; i < kTM; ++i) alpha[i] = online_softmax_step<8>(s[i], row_max[i], row_sum[i]);
+
+        if (phase > 0) mbar_wait(p_free, (phase - 1) & 1);  // the P V warps are done with the previous hand-over
+#pragma unroll
+        for (int i = 0; i < kTM; ++i) {
+          if (c == 0) sRow[r + 16 * i] = alpha[i];
+#pragma unroll
+          for (int j = 0; j < kTN; ++j) sP[(r + 16 * i) * kLdP + c + 8 * j] = s[i][j];
+        }
+        mbar_arrive(p_full);
+        ++phase;
+      }
+
+      float l[kTM];
+#pragma unroll
+      for (int i = 0; i < kTM; ++i) l[i] = reduce_sum_lanes<8>(row_sum[i]);
+      if (phase > 0) mbar_wait(p_free, (phase - 1) & 1);  // the last P V product has read the alphas
 #pragma unroll
       for (int i = 0; i < kTM; ++i) {
-        if (c == 0) sRow[r + 16 * i] = alpha[i];
-#pragma unroll
-        for (int j = 0; j < kTN; ++j) sP[(r + 16 * i) * kLdP + c + 8 * j] = s[i][j];
+        // l == 0 only when no key is visible: out = 0, lse = -inf. A NaN l propagates.
+        const bool empty = l[i] == 0.f;
+        const int64_t m = m0 + r + 16 * i;
+        if (c == 0) sRow[r + 16 * i] = empty ? 0.f : 1.f / l[i];
+        if (c == 0 && m < p.len_q) lse[m] = empty ? neg_inf<float>() : Exp::lse(row_max[i], l[i]);
       }
       mbar_arrive(p_full);
-      ++tile;
+      ++phase;
     }
-
-    float* lse = static_cast<float*>(p.lse) + (b * p.heads_q + h) * p.len_q;
-    float l[kTM];
-#pragma unroll
-    for (int i = 0; i < kTM; ++i) l[i] = reduce_sum_lanes<8>(row_sum[i]);
-    if (tile > 0) mbar_wait(p_free, (tile - 1) & 1);  // the last P V product has read the alphas
-#pragma unroll
-    for (int i = 0; i < kTM; ++i) {
-      // l == 0 only when no key is visible: out = 0, lse = -inf. A NaN l propagates.
-      const bool empty = l[i] == 0.f;
-      const int64_t m = m0 + r + 16 * i;
-      if (c == 0) sRow[r + 16 * i] = empty ? 0.f : 1.f / l[i];
-      if (c == 0 && m < p.len_q) lse[m] = empty ? neg_inf<float>() : Exp::lse(row_max[i], l[i]);
-    }
-    mbar_arrive(p_full);
   } else {
     // ---- P V warps ----
     const int tid = threadIdx.x - kNS, warp = tid >> 5, lane = tid & 31;
     const float* v = sq.k_rows<const float>(p.v, p.v_stride, hk, 0);
-    auto load_v = [&](int64_t n0, float* dst) {
-      if (n0 < n_end) {
-        const int rows_k = int(p.len_k - n0 < kBN ? p.len_k - n0 : kBN);
-        load_tile_x4<kBN, kDim, kNP>(dst, kLd, v + n0 * p.v_stride.row, p.v_stride.row, rows_k, Ev, vec, tid);
-      }
-      cp_async_commit();  // (empty past the last tile, so that one group per tile is always in flight)
-    };
-    load_v(0, sV);
-    load_v(kBN, sV + kBN * kLd);
-    float o[2][Pv::kNA][4];
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-      for (int n = 0; n < Pv::kNA; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) o[i][n][e] = 0.f;
-    int tile = 0;
-    for (int64_t n0 = 0; n0 < n_end; n0 += kBN, ++tile) {
-      float* vt = sV + (tile & 1) * kBN * kLd;
-      cp_async_wait<1>();
-      // A tile with a V element that is not finite, or that rounds to inf, takes the exact fp32
-      // product (pv_tf32x3.cuh); each thread checks the part it copied, the barrier ORs them.
-      bool bad = false;
-      {
-        using Share = TileX4Share<kBN, kDim, kNP>;
-        const Share mine(tid);
-#pragma unroll
-        for (int it = 0; it < Share::kSteps; ++it) {
-          const float4 x = *reinterpret_cast<const float4*>(vt + (mine.row0 + it * Share::kRowsPerStep) * kLd + mine.col);
-          bad |= !(fabsf(x.x) < 0x1.ffep+127f) | !(fabsf(x.y) < 0x1.ffep+127f) |
-                 !(fabsf(x.z) < 0x1.ffep+127f) | !(fabsf(x.w) < 0x1.ffep+127f);
+#pragma unroll 1
+    for (int item = 0; item < num_items; ++item) {
+      const int64_t m0 = item_m0(item), n_end = item_n_end(m0);
+      // Key tiles as int counts (64-bit ones held across the loop made ptxas spill O).
+      const int num_n_tiles = int((n_end + kBN - 1) / kBN);
+      const int blind_from = int((sq.key_end(m0 + kBM / 2 - 1) + kBN - 1) / kBN);  // first_half_blind
+      const int64_t v_row = opaque(p.v_stride.row);
+      auto load_v = [&](int tile, float* dst) {
+        if (tile < num_n_tiles) {
+          const int64_t n0 = int64_t(tile) * kBN;
+          const int rows_k = int(p.len_k - n0 < kBN ? p.len_k - n0 : kBN);
+          load_tile_x4<kBN, kDim, kNP>(dst, kLd, v + n0 * v_row, v_row, rows_k, Ev, vec, tid);
         }
-      }
-      const bool exact = bar_sync_or(kBarPv, kNP, bad);  // this V visible to the P V warps
-      mbar_wait(p_full, tile & 1);                         // this P and alpha written
-      if (!first_half_blind(n0) || Pv::row0(warp) >= kBM / 2)
-        Pv::template run<true>(o, sP, vt, vt, sRow, exact, warp, lane);
-      mbar_arrive(p_free);
-      bar_sync(kBarPv, kNP);  // every P V warp is done with this V buffer
-      load_v(n0 + 2 * kBN, vt);
-    }
-    mbar_wait(p_full, tile & 1);  // 1 / l of every row in sRow
-
-    float* out = sq.q_rows<float>(p.out, p.out_stride, h, 0);
-    const int g = lane >> 2, t = lane & 3;
+        cp_async_commit();  // (empty past the last tile, so that one group per tile is always in flight)
+      };
+      // (both buffers are free: every P V warp has passed the barrier after the previous key tile)
+      load_v(0, sV + (phase & 1) * kBN * kLd);
+      load_v(1, sV + (~phase & 1) * kBN * kLd);
+      float o[2][Pv::kNA][4];
 #pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = Pv::row0(warp) + 16 * i + g + 8 * half;
-        if (m0 + row >= p.len_q) continue;
-        const float inv = sRow[row];
-        float* orow = out + (m0 + row) * p.out_stride.row;
+      for (int i = 0; i < 2; ++i)
 #pragma unroll
         for (int n = 0; n < Pv::kNA; ++n)
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int d = Pv::col0(warp) + 8 * n + 2 * t + e;
-            if (d < Ev) orow[d] = o[i][n][2 * half + e] * inv;
+          for (int e = 0; e < 4; ++e) o[i][n][e] = 0.f;
+      for (int tile = 0; tile < num_n_tiles; ++tile, ++phase) {
+        float* vt = sV + (phase & 1) * kBN * kLd;
+        cp_async_wait<1>();
+        // A tile with a V element that is not finite, or that rounds to inf, takes the exact fp32
+        // product (pv_tf32x3.cuh); each thread checks the part it copied, the barrier ORs them.
+        bool bad = false;
+        {
+          using Share = TileX4Share<kBN, kDim, kNP>;
+          const Share mine(tid);
+#pragma unroll
+          for (int it = 0; it < Share::kSteps; ++it) {
+            const float4 x =
+                *reinterpret_cast<const float4*>(vt + (mine.row0 + it * Share::kRowsPerStep) * kLd + mine.col);
+            bad |= !(fabsf(x.x) < 0x1.ffep+127f) | !(fabsf(x.y) < 0x1.ffep+127f) |
+                   !(fabsf(x.z) < 0x1.ffep+127f) | !(fabsf(x.w) < 0x1.ffep+127f);
           }
+        }
+        const bool exact = bar_sync_or(kBarPv, kNP, bad);  // this V visible to the P V warps
+        mbar_wait(p_full, phase & 1);                        // this P and alpha written
+        if (tile < blind_from || Pv::row0(warp) >= kBM / 2) Pv::template run<true>(o, sP, vt, vt, sRow, exact, warp, lane);
+        mbar_arrive(p_free);
+        bar_sync(kBarPv, kNP);  // every P V warp is done with this V buffer
+        load_v(tile + 2, vt);
       }
+      mbar_wait(p_full, phase & 1);  // 1 / l of every row in sRow
+      const int g = lane >> 2, t = lane & 3;
+      float inv[2][2];
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) inv[i][half] = sRow[Pv::row0(warp) + 16 * i + g + 8 * half];
+      mbar_arrive(p_free);  // sRow free for the next query tile's alphas
+      ++phase;
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int row = Pv::row0(warp) + 16 * i + g + 8 * half;
+          if (m0 + row >= p.len_q) continue;
+          float* orow = sq.q_rows<float>(p.out, p.out_stride, h, m0 + row);
+#pragma unroll
+          for (int n = 0; n < Pv::kNA; ++n)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int d = Pv::col0(warp) + 8 * n + 2 * t + e;
+              if (d < Ev) orow[d] = o[i][n][2 * half + e] * inv[i][half];
+            }
+        }
+    }
   }
 }
 
@@ -244,14 +281,16 @@ bool launch_fwd_ws(const FwdParams& p, cudaStream_t stream) {
   using Tr = WsTraits<kDim>;
   if (p.has_features() || device_limits().major < 8 || Tr::kSmemBytes > device_limits().smem_optin) return false;
   const int64_t num_m_tiles = (p.len_q + Tr::kBlockM - 1) / Tr::kBlockM;
-  const int64_t blocks = num_m_tiles * p.heads_q * p.batch;
+  // Pairs of query tiles per block where there are blocks for at least two waves even so.
+  const bool paired = num_m_tiles * p.heads_q * p.batch >= 4 * int64_t(device_limits().sms);
+  const int64_t blocks = (paired ? (num_m_tiles + 1) / 2 : num_m_tiles) * p.heads_q * p.batch;
   if (blocks > 0x7fffffff) throw std::runtime_error("flashattn_ext CUDA backend: forward grid too large");
   const bool vec = rows_aligned_x4<float>(p.q, p.q_stride.batch, p.q_stride.head, p.q_stride.row) &&
                    rows_aligned_x4<float>(p.k, p.k_stride.batch, p.k_stride.head, p.k_stride.row) &&
                    rows_aligned_x4<float>(p.v, p.v_stride.batch, p.v_stride.head, p.v_stride.row);
   auto kernel = fwd_ws_kernel<kDim>;
   set_smem(kernel, Tr::kSmemBytes, "fwd_ws_kernel");
-  kernel<<<unsigned(blocks), Tr::kThreads, Tr::kSmemBytes, stream>>>(p, int(num_m_tiles), vec);
+  kernel<<<unsigned(blocks), Tr::kThreads, Tr::kSmemBytes, stream>>>(p, int(num_m_tiles), paired, vec);
   check_launch("fwd_ws_kernel");
   return true;
 }
