@@ -33,7 +33,7 @@ namespace flashattn::cuda::simt {
 template <int kDim>
 struct KvresTraits {
   static constexpr int kThreads = 256;
-  static constexpr int kTK = kDim == 64 ? 8 : 4;  // key rows per thread (registers cap it at 128)
+  static constexpr int kTK = kDim == 64 ? 8 : 6;  // key rows per thread (registers cap it at 128)
   static constexpr int kBlockN = 16 * kTK;
   static constexpr int kBlockM = 64;
   static constexpr int kTQ = kBlockM / 16;  // query columns (and dQ rows) per thread
