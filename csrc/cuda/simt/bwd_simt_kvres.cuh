@@ -3,13 +3,16 @@
 // tile): K and V are loaded once; for every query head of the GQA group and every 64-row query
 // tile that sees the key tile, S^T = K Q^T and dP^T = V dO^T are formed in registers, turned
 // into P^T and dS^T (kept in smem, [key][query]), and dV += P^T dO, dK += dS^T Q accumulate in
-// registers; on the atomic path dQ += dS K is added into the fp32 accumulator.
+// registers; on the atomic path dQ += dS K is added into the fp32 accumulator (at dim 64 on the
+// tensor cores, add_dq_tf32x3).
 //
 // Thread (r, c) = (tid / 16, tid % 16) owns key rows r + 16i (i < kTK), query columns c + 16j
 // (j < 4) of the score tiles, output columns g*64 + c*4 + e of dK/dV and, for dQ, query rows
 // r*4 .. r*4+3. Rows interleaved by 16 keep the two row groups of a warp on different banks
 // (broadcast loads are single wavefronts) and every operand is read 16 bytes at a time.
-// At kDim 64 a thread owns 8 key rows, so the products are FMA-bound rather than smem-bound.
+// At kDim 64 a thread owns 8 key rows, so the products are FMA-bound rather than smem-bound; at
+// 128 it owns 6 (96-key tiles, 230 KB of smem; H200: +3..+13% over 4 rows, which were bound by
+// smem reads; 10 rows at dim 64 measured -6..+2%).
 //
 // Q and dO have one buffer each, refilled by cp.async as soon as their last reader is done:
 // the next dO loads during dK/dQ and the next Q during dP^T = V dO^T.
@@ -22,6 +25,7 @@
 #include "../../common/sequence.h"
 #include "../common/check.h"
 #include "../common/grid.cuh"
+#include "../common/mma.cuh"
 #include "../common/online_softmax.cuh"
 #include "launch.h"
 #include "tile_gemm.cuh"
@@ -33,7 +37,7 @@ namespace flashattn::cuda::simt {
 template <int kDim>
 struct KvresTraits {
   static constexpr int kThreads = 256;
-  static constexpr int kTK = kDim == 64 ? 8 : 6;  // key rows per thread (registers cap it at 128)
+  static constexpr int kTK = kDim == 64 ? 8 : 6;  // key rows per thread (registers and smem cap it)
   static constexpr int kBlockN = 16 * kTK;
   static constexpr int kBlockM = 64;
   static constexpr int kTQ = kBlockM / 16;  // query columns (and dQ rows) per thread
@@ -41,8 +45,16 @@ struct KvresTraits {
   static constexpr int kLd = kDim + 4;      // Q, K, V, dO rows: 16-byte padding, conflict-free
   // P^T / dS^T rows: 16 banks of padding so the two row groups' scalar stores use disjoint banks.
   static constexpr int kLdP = kBlockM + 16;
+  // kTf32Dq: dQ += dS K on the tensor cores (sm_80+; every GPU with the smem for this kernel) as
+  // three TF32 products (pv_tf32x3.cuh explains the split), K's low halves split once per block
+  // into a second buffer. Only at dim 64 (H200: backward +3..+6.5%): at 128 that buffer does not
+  // fit beside 96-key tiles, and K split as read measured -1.4..-4.5% against the FMA product.
+  // K rows then 8 banks apart, so that the MMA's B reads (4 keys x 8 dims) are conflict-free.
+  static constexpr bool kTf32Dq = kDim == 64;
+  static constexpr int kLdK = kTf32Dq ? kDim + 8 : kLd;
   static constexpr size_t kSmemBytes =
-      size_t(2 * (kBlockN + kBlockM) * kLd + 2 * kBlockN * kLdP) * sizeof(float);
+      size_t((kTf32Dq ? 2 : 1) * kBlockN * kLdK + kBlockN * kLd + 2 * kBlockM * kLd + 2 * kBlockN * kLdP) *
+      sizeof(float);
   static_assert(kDim % 64 == 0, "output columns come in 64-wide groups");
 };
 
@@ -74,6 +86,80 @@ __device__ __forceinline__ void kvres_grad(float (&acc)[Tr::kTK][4 * Tr::kCG], c
   }
 }
 
+// Adds dQ[row][d .. d + 3] (dq_row: the row in the fp32 accumulator) with atomics.
+__device__ __forceinline__ void add_dq4(float* dq_row, int d, int E, const float (&x)[4]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // One 16-byte reduction instead of four (accumulator rows are 16-byte aligned when E % 4 == 0).
+  if (E % 4 == 0 && d + 4 <= E) {
+    atomicAdd(reinterpret_cast<float4*>(dq_row + d), make_float4(x[0], x[1], x[2], x[3]));
+    return;
+  }
+#endif
+#pragma unroll
+  for (int e = 0; e < 4; ++e)
+    if (d + e < E) atomicAdd(dq_row + d + e, x[e]);
+}
+
+// dQ += dS K for the block's query tile (m0) over its first kKeys keys on the tensor cores
+// (Tr::kTf32Dq): 8 warps as 4 x 2, warp w owning rows 16 (w / 2) .. + 16 and columns 32 (w % 2)
+// .. + 32 (four m16n8k8 atoms). dS is split into TF32 halves as read, K's halves are K - K_lo and
+// K_lo (sKlo). The product is summed from zero (the MMA truncates into its accumulator;
+// pv_tf32x3.cuh) and added with one 16-byte reduction per atom and lane: quad neighbours swap
+// half their values so that each lane holds four adjacent columns of one row.
+template <class Tr, int kKeys>
+__device__ __forceinline__ void add_dq_tf32x3(float* dq_h, const float* sdSt, const float* sK, const float* sKlo,
+                                              int64_t m0, int64_t len_q, int E, int tid) {
+  static_assert(Tr::kBlockM == 64 && Tr::kThreads == 256 && Tr::kCG == 1, "warp grid of 4 x 2 over 64 x 64");
+  constexpr int kLdP = Tr::kLdP, kLdK = Tr::kLdK;
+  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int row0 = 16 * (warp >> 1), col0 = 32 * (warp & 1);
+  float acc[4][4];
+#pragma unroll
+  for (int n = 0; n < 4; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
+#pragma unroll 4
+  for (int kb = 0; kb < kKeys; kb += 8) {
+    // A = dS (rows x keys), stored transposed: a0..a3 = (g, t), (g + 8, t), (g, t + 4), (g + 8, t + 4).
+    const float* a = sdSt + (kb + t) * kLdP + row0 + g;
+    const float av[4] = {a[0], a[8], a[4 * kLdP], a[4 * kLdP + 8]};
+    uint32_t a_hi[4], a_lo[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {  // (a NaN dS stays NaN in lo and reaches dQ)
+      const float r = round_tf32(av[e]);
+      a_hi[e] = __float_as_uint(r);
+      a_lo[e] = __float_as_uint(av[e] - r);
+    }
+    // B = K (keys x dims): b0, b1 = (t, g), (t + 4, g).
+    const float* kh = sK + (kb + t) * kLdK + col0 + g;
+    const float* kl = sKlo + (kb + t) * kLdK + col0 + g;
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+      const float l0 = kl[8 * n], l1 = kl[4 * kLdK + 8 * n];
+      const uint32_t b_lo[2] = {__float_as_uint(l0), __float_as_uint(l1)};
+      const uint32_t b_hi[2] = {__float_as_uint(kh[8 * n] - l0), __float_as_uint(kh[4 * kLdK + 8 * n] - l1)};
+      mma_tf32(acc[n], a_lo, b_hi);
+      mma_tf32(acc[n], a_hi, b_lo);
+      mma_tf32(acc[n], a_hi, b_hi);
+    }
+  }
+  // Lane (g, t) holds rows g, g + 8 at columns 2t, 2t + 1 of each atom. Even t keeps row g and
+  // takes its right neighbour's; odd t keeps row g + 8 and takes its left neighbour's.
+  const bool even = (t & 1) == 0;
+  const int row = row0 + g + (even ? 0 : 8);
+  float* dq_row = dq_h + (m0 + row) * E;
+#pragma unroll
+  for (int n = 0; n < 4; ++n) {
+    const float x0 = __shfl_xor_sync(0xffffffffu, even ? acc[n][2] : acc[n][0], 1);
+    const float x1 = __shfl_xor_sync(0xffffffffu, even ? acc[n][3] : acc[n][1], 1);
+    const int d = col0 + 8 * n + 2 * (t & ~1);
+    if (m0 + row < len_q) {
+      if (even) add_dq4(dq_row, d, E, {acc[n][0], acc[n][1], x0, x1});
+      else add_dq4(dq_row, d, E, {x0, x1, acc[n][2], acc[n][3]});
+    }
+  }
+}
+
 template <class T, int kDim>
 __global__ void __launch_bounds__(KvresTraits<kDim>::kThreads, 1)
     bwd_dkdv_kvres_kernel(const BwdParams p, const float* dsum_g, float* dq_accum,
@@ -81,15 +167,16 @@ __global__ void __launch_bounds__(KvresTraits<kDim>::kThreads, 1)
   using Tr = KvresTraits<kDim>;
   using Exp = ExpDomain<float>;
   constexpr int kBM = Tr::kBlockM, kBN = Tr::kBlockN, kTK = Tr::kTK, kTQ = Tr::kTQ;
-  constexpr int kCG = Tr::kCG, kLd = Tr::kLd, kLdP = Tr::kLdP, kNT = Tr::kThreads;
+  constexpr int kCG = Tr::kCG, kLd = Tr::kLd, kLdK = Tr::kLdK, kLdP = Tr::kLdP, kNT = Tr::kThreads;
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   float* sK = reinterpret_cast<float*>(smem_raw);
-  float* sV = sK + kBN * kLd;
+  float* sV = sK + kBN * kLdK;
   float* sQ = sV + kBN * kLd;
   float* sdO = sQ + kBM * kLd;
   float* sPt = sdO + kBM * kLd;
   float* sdSt = sPt + kBN * kLdP;
+  float* sKlo = sdSt + kBN * kLdP;  // kTf32Dq
 
   // Key tiles seen by the most query tiles (the first ones, under causal masking) go first.
   const TileBlock blk = tile_block(num_n_tiles, 1, p.heads_kv, /*heaviest_first=*/false);
@@ -137,10 +224,26 @@ __global__ void __launch_bounds__(KvresTraits<kDim>::kThreads, 1)
   if (num_iters > 0) {
     const T* k = sq.k_rows<const T>(p.k, p.k_stride, hk, n0);
     const T* v = sq.k_rows<const T>(p.v, p.v_stride, hk, n0);
-    load_tile_x4<kBN, kDim, kNT>(sK, kLd, k, p.k_stride.row, rows_k, E, vec, tid);
+    load_tile_x4<kBN, kDim, kNT>(sK, kLdK, k, p.k_stride.row, rows_k, E, vec, tid);
     load_tile_x4<kBN, kDim, kNT>(sV, kLd, v, p.v_stride.row, rows_k, Ev, vec, tid);
     load_do(hk * group, m_begin);
     load_q(hk * group, m_begin);
+    if constexpr (Tr::kTf32Dq) {
+      // K's low TF32 halves, by each thread for the part it copied (0 where K is not finite, so
+      // that hi = K - lo keeps inf and NaN); the first tile's barrier publishes them.
+      cp_async_wait<1>();
+      using Share = TileX4Share<kBN, kDim, kNT>;
+      const Share mine(tid);
+#pragma unroll
+      for (int it = 0; it < Share::kSteps; ++it) {
+        const int at = (mine.row0 + it * Share::kRowsPerStep) * kLdK + mine.col;
+        float4 x = *reinterpret_cast<const float4*>(sK + at);
+        float* xs = &x.x;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) xs[e] = fabsf(xs[e]) < 0x1.ffep+127f ? xs[e] - round_tf32(xs[e]) : 0.f;
+        *reinterpret_cast<float4*>(sKlo + at) = x;
+      }
+    }
   }
 
   float dk[kTK][4 * kCG], dv[kTK][4 * kCG];
@@ -188,7 +291,7 @@ __global__ void __launch_bounds__(KvresTraits<kDim>::kThreads, 1)
       gemm_rows_x_rows_interleaved<kTK, kTQ, kLd, 16, kDim, 0, kRows>(dp, sV, sdO, r, c);
       cp_async_wait<0>();
       __syncthreads();  // this Q visible to all
-      gemm_rows_x_rows_interleaved<kTK, kTQ, kLd, 16, kDim, 0, kRows>(s, sK, sQ, r, c);
+      gemm_rows_x_rows_interleaved<kTK, kTQ, kLdK, 16, kDim, 0, kRows, 16, 4, kLd>(s, sK, sQ, r, c);
     });
 
     // P = exp(scale S - LSE), dS = P (dP - D); both 0 wherever the key is not visible, so
@@ -219,49 +322,43 @@ __global__ void __launch_bounds__(KvresTraits<kDim>::kThreads, 1)
     if (it + 1 < num_iters) load_do(h_next, m_next); else cp_async_commit();
     over_seen_rows([&](auto rows) { kvres_grad<Tr, decltype(rows)::value>(dk, sdSt, sQ, r, c); });
     if (dq_accum) {
-      // dQ[r*4 + i][64g + 4c + e] += sum_n dS^T[n][r*4 + i] K[n][64g + 4c + e] over the keys
-      // that see the query tile (the blind half's dS is 0).
-      float dq[kTQ][4 * kCG];
-#pragma unroll
-      for (int i = 0; i < kTQ; ++i)
-#pragma unroll
-        for (int d = 0; d < 4 * kCG; ++d) dq[i][d] = 0.f;
-      over_seen_rows([&](auto rows) {
-        constexpr int kKeys = 16 * decltype(rows)::value;
-#pragma unroll 4
-        for (int n = 0; n < kKeys; ++n) {
-          float a[kTQ], bk[kCG][4];
-          lds(a, sdSt + n * kLdP + r * kTQ);
-#pragma unroll
-          for (int g = 0; g < kCG; ++g) lds(bk[g], sK + n * kLd + 64 * g + 4 * c);
-#pragma unroll
-          for (int i = 0; i < kTQ; ++i)
-#pragma unroll
-            for (int g = 0; g < kCG; ++g)
-#pragma unroll
-              for (int e = 0; e < 4; ++e) dq[i][4 * g + e] = fmaf(a[i], bk[g][e], dq[i][4 * g + e]);
-        }
-      });
       float* dq_h = dq_accum + bh * p.len_q * E;
+      if constexpr (Tr::kTf32Dq) {
+        over_seen_rows([&](auto rows) {
+          add_dq_tf32x3<Tr, 16 * decltype(rows)::value>(dq_h, sdSt, sK, sKlo, m0, p.len_q, E, tid);
+        });
+      } else {
+        // dQ[r*4 + i][64g + 4c + e] += sum_n dS^T[n][r*4 + i] K[n][64g + 4c + e] over the keys
+        // that see the query tile (the blind half's dS is 0).
+        float dq[kTQ][4 * kCG];
 #pragma unroll
-      for (int i = 0; i < kTQ; ++i) {
-        const int64_t m = m0 + r * kTQ + i;
-        if (m >= p.len_q) continue;
+        for (int i = 0; i < kTQ; ++i)
 #pragma unroll
-        for (int g = 0; g < kCG; ++g) {
-          const int d = 64 * g + 4 * c;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-          // One 16-byte reduction instead of four (accumulator rows are 16-byte aligned when
-          // E % 4 == 0).
-          if (E % 4 == 0 && d + 4 <= E) {
-            atomicAdd(reinterpret_cast<float4*>(dq_h + m * E + d),
-                      make_float4(dq[i][4 * g], dq[i][4 * g + 1], dq[i][4 * g + 2], dq[i][4 * g + 3]));
-            continue;
+          for (int d = 0; d < 4 * kCG; ++d) dq[i][d] = 0.f;
+        over_seen_rows([&](auto rows) {
+          constexpr int kKeys = 16 * decltype(rows)::value;
+#pragma unroll 4
+          for (int n = 0; n < kKeys; ++n) {
+            float a[kTQ], bk[kCG][4];
+            lds(a, sdSt + n * kLdP + r * kTQ);
+#pragma unroll
+            for (int g = 0; g < kCG; ++g) lds(bk[g], sK + n * kLdK + 64 * g + 4 * c);
+#pragma unroll
+            for (int i = 0; i < kTQ; ++i)
+#pragma unroll
+              for (int g = 0; g < kCG; ++g)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) dq[i][4 * g + e] = fmaf(a[i], bk[g][e], dq[i][4 * g + e]);
           }
-#endif
+        });
 #pragma unroll
-          for (int e = 0; e < 4; ++e)
-            if (d + e < E) atomicAdd(dq_h + m * E + d + e, dq[i][4 * g + e]);
+        for (int i = 0; i < kTQ; ++i) {
+          const int64_t m = m0 + r * kTQ + i;
+          if (m >= p.len_q) continue;
+#pragma unroll
+          for (int g = 0; g < kCG; ++g)
+            add_dq4(dq_h + m * E, 64 * g + 4 * c, E,
+                    {dq[i][4 * g], dq[i][4 * g + 1], dq[i][4 * g + 2], dq[i][4 * g + 3]});
         }
       }
     }

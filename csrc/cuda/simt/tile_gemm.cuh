@@ -82,18 +82,20 @@ __device__ __forceinline__ void gemm_rows_x_cols(Acc (&acc)[4][kVec], const Acc*
 // acc[i][j] += sum_d A[r + kStepA i][d] * B[c + kStepB j][d] over d < kDepth, for the rows
 // kI0 <= i < kI1 only (callers skip rows that see none of B's keys); rows are kLd apart and zero
 // past the operands' true width (the copies fill them so). kUnroll: steps of 4 dims unrolled.
-template <int kTI, int kTJ, int kLd, int kStepA, int kDepth, int kI0 = 0, int kI1 = kTI, int kStepB = 16, int kUnroll = 4>
+// kLdB: B's row pitch where it differs from A's.
+template <int kTI, int kTJ, int kLd, int kStepA, int kDepth, int kI0 = 0, int kI1 = kTI, int kStepB = 16, int kUnroll = 4,
+          int kLdB = kLd>
 __device__ __forceinline__ void gemm_rows_x_rows_interleaved(float (&acc)[kTI][kTJ], const float* A, const float* B,
                                                              int r, int c) {
   const float* a0 = A + r * kLd;
-  const float* b0 = B + c * kLd;
+  const float* b0 = B + c * kLdB;
 #pragma unroll kUnroll
   for (int d = 0; d < kDepth; d += 4) {
     float a[kTI][4], b[kTJ][4];
 #pragma unroll
     for (int i = kI0; i < kI1; ++i) lds(a[i], a0 + kStepA * i * kLd + d);
 #pragma unroll
-    for (int j = 0; j < kTJ; ++j) lds(b[j], b0 + kStepB * j * kLd + d);
+    for (int j = 0; j < kTJ; ++j) lds(b[j], b0 + kStepB * j * kLdB + d);
 #pragma unroll
     for (int dd = 0; dd < 4; ++dd)
 #pragma unroll
