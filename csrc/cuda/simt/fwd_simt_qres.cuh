@@ -29,6 +29,7 @@
 #include "launch.h"
 #include "fwd_simt_ws.cuh"
 #include "pv_tf32x3.cuh"
+#include "scale_scores.cuh"
 #include "tile_gemm.cuh"
 #include "smem_vec.cuh"
 #include "tile_load_x4.cuh"
@@ -150,23 +151,7 @@ __global__ void __launch_bounds__(QresTraits<kDim, kTf32Pv, kKeys>::kThreads, 1)
     __syncthreads();  // sK free; the previous P V product is done with sP
     if (n0 + kBN < n_end) load_k(n0 + kBN); else cp_async_commit();
 
-    // Scaled scores, -inf where the key is not visible. Tiles every row of the block sees in
-    // full (most of them) take a copy of the loop without the per-element mask (as one loop
-    // with a run-time test, ptxas branched around every element's compares).
-    auto scale_scores = [&](auto masked) {
-#pragma unroll
-      for (int i = 0; i < kTM; ++i)
-#pragma unroll
-        for (int j = 0; j < kTN; ++j) {
-          bool vis = true;
-          if constexpr (decltype(masked)::value) {
-            const int64_t m = m0 + r + kRG * i, n = n0 + c + 16 * j;
-            vis = n < p.len_k && sq.band.visible(m, n);
-          }
-          s[i][j] = vis ? s[i][j] * score_scale : neg_inf<float>();
-        }
-    };
-    if (n0 + kBN <= sq.key_end(m0)) scale_scores(std::false_type{}); else scale_scores(std::true_type{});
+    scale_scores<kRG, 16, kBN>(s, score_scale, p, sq, m0, n0, r, c);  // (-inf where not visible)
 #pragma unroll
     for (int i = 0; i < kTM; ++i) {
       const float alpha = online_softmax_step<16>(s[i], row_max[i], row_sum[i]);
@@ -239,23 +224,8 @@ __global__ void __launch_bounds__(QresTraits<kDim, kTf32Pv, kKeys>::kThreads, 1)
   if constexpr (kTf32Pv) {
     static_assert(kBM == 128 && kNT == 256, "8 warps as 4 x 2 cover 128 rows of O");
     __syncthreads();  // 1 / l of every row visible to all
-    const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = Pv::row0(warp) + 16 * i + g + 8 * half;
-        if (m0 + row >= p.len_q) continue;
-        const float inv = sRow[row];
-        T* orow = out + (m0 + row) * p.out_stride.row;
-#pragma unroll
-        for (int n = 0; n < Pv::kNA; ++n)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int d = Pv::col0(warp) + 8 * n + 2 * t + e;
-            if (d < Ev) orow[d] = from_acc<T>(o[i][n][2 * half + e] * inv);
-          }
-      }
+    Pv::store(o, [&](int, int, int row) { return sRow[row]; }, out + m0 * p.out_stride.row, p.out_stride.row,
+              p.len_q - m0, Ev, warp, lane);
   }
 }
 

@@ -26,6 +26,7 @@
 #include "../common/online_softmax.cuh"
 #include "launch.h"
 #include "pv_tf32x3.cuh"
+#include "scale_scores.cuh"
 #include "tile_gemm.cuh"
 #include "tile_load_x4.cuh"
 
@@ -147,22 +148,7 @@ __global__ void __launch_bounds__(WsTraits<kDim>::kThreads, 1)
         bar_sync(kBarScore, kNS);  // sK (and after the last key tile sQ) free
         if (n0 + kBN < n_end) load_k(n0 + kBN);
 
-        // Scaled scores, -inf where the key is not visible; tiles every row sees in full take a
-        // copy of the loop without the mask (one loop with a run-time test branched per score).
-        auto scale_scores = [&](auto masked) {
-#pragma unroll
-          for (int i = 0; i < kTM; ++i)
-#pragma unroll
-            for (int j = 0; j < kTN; ++j) {
-              bool vis = true;
-              if constexpr (decltype(masked)::value) {
-                const int64_t m = m0 + r + 16 * i, n = n0 + c + 8 * j;
-                vis = n < p.len_k && sq.band.visible(m, n);
-              }
-              s[i][j] = vis ? s[i][j] * score_scale : neg_inf<float>();
-            }
-        };
-        if (n0 + kBN <= sq.key_end(m0)) scale_scores(std::false_type{}); else scale_scores(std::true_type{});
+        scale_scores<16, 8, kBN>(s, score_scale, p, sq, m0, n0, r, c);
         float alpha[kTM];
 #pragma unroll
         for (int i = 0; i < kTM; ++i) alpha[i] = online_softmax_step<8>(s[i], row_max[i], row_sum[i]);
@@ -247,7 +233,7 @@ __global__ void __launch_bounds__(WsTraits<kDim>::kThreads, 1)
         load_v(tile + 2, vt);
       }
       mbar_wait(p_full, phase & 1);  // 1 / l of every row in sRow
-      const int g = lane >> 2, t = lane & 3;
+      const int g = lane >> 2;
       float inv[2][2];
 #pragma unroll
       for (int i = 0; i < 2; ++i)
@@ -255,21 +241,8 @@ __global__ void __launch_bounds__(WsTraits<kDim>::kThreads, 1)
         for (int half = 0; half < 2; ++half) inv[i][half] = sRow[Pv::row0(warp) + 16 * i + g + 8 * half];
       mbar_arrive(p_free);  // sRow free for the next query tile's alphas
       ++phase;
-#pragma unroll
-      for (int i = 0; i < 2; ++i)
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int row = Pv::row0(warp) + 16 * i + g + 8 * half;
-          if (m0 + row >= p.len_q) continue;
-          float* orow = sq.q_rows<float>(p.out, p.out_stride, h, m0 + row);
-#pragma unroll
-          for (int n = 0; n < Pv::kNA; ++n)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const int d = Pv::col0(warp) + 8 * n + 2 * t + e;
-              if (d < Ev) orow[d] = o[i][n][2 * half + e] * inv[i][half];
-            }
-        }
+      Pv::store(o, [&](int i, int half, int) { return inv[i][half]; }, sq.q_rows<float>(p.out, p.out_stride, h, m0),
+                p.out_stride.row, p.len_q - m0, Ev, warp, lane);
     }
   }
 }

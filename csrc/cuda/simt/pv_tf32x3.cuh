@@ -65,6 +65,31 @@ struct PvTf32x3 {
   static __device__ __forceinline__ int row0(int warp) { return 32 * (warp >> 1); }
   static __device__ __forceinline__ int col0(int warp) { return (kDim / 2) * (warp & 1); }
 
+  // out[row][d] = O[row][d] * row_inv(i, half, row) for the warp's rows below rows_left and columns
+  // below cols (rows `row_stride` apart from `out`, the tile's first row); row_inv gives 1 / l of
+  // row row0(warp) + 16 i + 8 half + g.
+  template <class T, class RowInv>
+  static __device__ __forceinline__ void store(const float (&o)[2][kNA][4], RowInv row_inv, T* out, int64_t row_stride,
+                                               int64_t rows_left, int cols, int warp, int lane) {
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = row0(warp) + 16 * i + g + 8 * half;
+        if (row >= rows_left) continue;
+        const float inv = row_inv(i, half, row);
+        T* orow = out + row * row_stride;
+#pragma unroll
+        for (int n = 0; n < kNA; ++n)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int d = col0(warp) + 8 * n + 2 * t + e;
+            if (d < cols) orow[d] = from_acc<T>(o[i][n][2 * half + e] * inv);
+          }
+      }
+  }
+
   // kRawV: V as copied (v_lo unused), split into TF32 halves here as its fragments are read (the
   // warp-specialized forward, fwd_simt_ws.cuh, whose P V warps have issue slots to spare).
   template <bool kRawV = false>
