@@ -20,7 +20,9 @@ p.add_argument("--causal", type=int, default=0)
 p.add_argument("--impls", default="ours,sdpa-flash")
 p.add_argument("--calls", type=int, default=5, help="profiled calls per case (times are per call)")
 args = p.parse_args()
-dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+torch.backends.cuda.matmul.allow_tf32 = False  # (fp32: as in benchmarks/bench_gpu.py)
+torch.backends.cudnn.allow_tf32 = False
 
 for E in map(int, args.head_dims.split(",")):
     for L in map(int, args.lens.split(",")):
