@@ -3,7 +3,8 @@
 // every warp forms scores, then every warp forms P V, barrier to barrier, and each pipe idles
 // while the other one works.
 //
-// One block of 384 threads per (batch, query head, 128-row query tile), 64-key tiles:
+// One block of 384 threads per (batch, query head) and one or two 128-row query tiles (see the
+// kernel), 64-key tiles:
 // - warps 0-3, the score warps: thread (r, c) = (tid / 8, tid % 8) owns query rows r + 16i and
 //   keys c + 8j (i, j < 8) of S = Q K^T, formed with FMAs (the accuracy fp32 logits need, see
 //   pv_tf32x3.cuh), masks and scales them, runs the online softmax (a row's statistics over the 8
