@@ -274,10 +274,9 @@ __global__ void __launch_bounds__(KvresTraits<kDim>::kThreads, 1)
     for (int i = 0; i < kTK; ++i)
 #pragma unroll
       for (int j = 0; j < kTQ; ++j) s[i][j] = dp[i][j] = 0.f;
-    // With key tiles twice as tall as query tiles (dim 64), the tile's second half of keys
-    // (rows i >= kTK / 2) may be invisible to every row of the query tile (on the causal
-    // diagonal, the first query tile of the two it covers): their products are skipped (the
-    // mask below makes their P and dS 0).
+    // With key tiles taller than query tiles (128 / 96 keys against 64 rows), the tile's second
+    // half of keys (rows i >= kTK / 2) may be invisible to every row of the query tile (on the
+    // causal diagonal): their products are skipped (the mask below makes their P and dS 0).
     const bool second_half_blind = kBN > kBM && n0 + kBN / 2 >= sq.key_end(m0 + kBM - 1);
     // Calls f with the number of key rows per thread that see the query tile (kTK, or kTK / 2).
     auto over_seen_rows = [&](auto f) {
