@@ -28,6 +28,7 @@
 #include "../common/mma.cuh"
 #include "../common/online_softmax.cuh"
 #include "launch.h"
+#include "pv_tf32x3.cuh"
 #include "tile_gemm.cuh"
 #include "smem_vec.cuh"
 #include "tile_load_x4.cuh"
@@ -232,17 +233,7 @@ __global__ void __launch_bounds__(KvresTraits<kDim>::kThreads, 1)
       // K's low TF32 halves, by each thread for the part it copied (0 where K is not finite, so
       // that hi = K - lo keeps inf and NaN); the first tile's barrier publishes them.
       cp_async_wait<1>();
-      using Share = TileX4Share<kBN, kDim, kNT>;
-      const Share mine(tid);
-#pragma unroll
-      for (int it = 0; it < Share::kSteps; ++it) {
-        const int at = (mine.row0 + it * Share::kRowsPerStep) * kLdK + mine.col;
-        float4 x = *reinterpret_cast<const float4*>(sK + at);
-        float* xs = &x.x;
-#pragma unroll
-        for (int e = 0; e < 4; ++e) xs[e] = fabsf(xs[e]) < 0x1.ffep+127f ? xs[e] - round_tf32(xs[e]) : 0.f;
-        *reinterpret_cast<float4*>(sKlo + at) = x;
-      }
+      split_tile_tf32<kBN, kDim, kNT, /*kKeepX=*/true>(sK, sKlo, kLdK, tid);
     }
   }
 

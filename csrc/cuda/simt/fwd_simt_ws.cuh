@@ -213,21 +213,10 @@ __global__ void __launch_bounds__(WsTraits<kDim>::kThreads, 1)
         float* vt = sV + (phase & 1) * kBN * kLd;
         cp_async_wait<1>();
         // A tile with a V element that is not finite, or that rounds to inf, takes the exact fp32
-        // product (pv_tf32x3.cuh); each thread checks the part it copied, the barrier ORs them.
-        bool bad = false;
-        {
-          using Share = TileX4Share<kBN, kDim, kNP>;
-          const Share mine(tid);
-#pragma unroll
-          for (int it = 0; it < Share::kSteps; ++it) {
-            const float4 x =
-                *reinterpret_cast<const float4*>(vt + (mine.row0 + it * Share::kRowsPerStep) * kLd + mine.col);
-            bad |= !(fabsf(x.x) < 0x1.ffep+127f) | !(fabsf(x.y) < 0x1.ffep+127f) |
-                   !(fabsf(x.z) < 0x1.ffep+127f) | !(fabsf(x.w) < 0x1.ffep+127f);
-          }
-        }
-        const bool exact = bar_sync_or(kBarPv, kNP, bad);  // this V visible to the P V warps
-        mbar_wait(p_full, phase & 1);                        // this P and alpha written
+        // product (pv_tf32x3.cuh); each thread checks the part it copied, the barrier (which also
+        // makes this V visible to the P V warps) ORs them.
+        const bool exact = bar_sync_or(kBarPv, kNP, copied_part_not_splittable<kBN, kDim, kNP>(vt, kLd, tid));
+        mbar_wait(p_full, phase & 1);  // this P and alpha written
         if (tile < blind_from || Pv::row0(warp) >= kBM / 2) Pv::template run<true>(o, sP, vt, vt, sRow, exact, warp, lane);
         mbar_arrive(p_free);
         bar_sync(kBarPv, kNP);  // every P V warp is done with this V buffer

@@ -19,10 +19,15 @@
 
 namespace flashattn::cuda::simt {
 
+// False for inf, NaN and the x that round to inf (|x| >= the bits 0x7f7ff000): the x whose TF32
+// split would not add up to x again.
+__device__ __forceinline__ bool tf32_splittable(float x) { return fabsf(x) < 0x1.ffep+127f; }
+
 // Splits the elements of a kRows x kCols tile that thread `tid` copied with load_tile_x4
-// (TileX4Share): x_hi over x in `hi`, x_lo at the same place in `lo`. Returns whether one of them
-// is not finite or rounds to inf (then x_hi = x and x_lo = 0, so that x_hi + x_lo = x always).
-template <int kRows, int kCols, int kThreads>
+// (TileX4Share): x_hi over x in `hi` (kKeepX: x stays there, and x_hi = x - x_lo), x_lo at the
+// same place in `lo`. Returns whether one of them is not tf32_splittable (then x_hi = x and
+// x_lo = 0, so that x_hi + x_lo = x always).
+template <int kRows, int kCols, int kThreads, bool kKeepX = false>
 __device__ __forceinline__ bool split_tile_tf32(float* hi, float* lo, int ld, int tid) {
   using Share = TileX4Share<kRows, kCols, kThreads>;
   const Share mine(tid);
@@ -37,16 +42,30 @@ __device__ __forceinline__ bool split_tile_tf32(float* hi, float* lo, int ld, in
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const float r = round_tf32(xs[e]);
-      // False for inf, NaN and the x that round to inf (|x| >= the bits 0x7f7ff000).
-      const bool finite = fabsf(xs[e]) < 0x1.ffep+127f;
+      const bool finite = tf32_splittable(xs[e]);
       not_finite |= !finite;
       hs[e] = finite ? r : xs[e];
       ls[e] = finite ? xs[e] - r : 0.f;
     }
-    *reinterpret_cast<float4*>(hi + at) = h;
+    if constexpr (!kKeepX) *reinterpret_cast<float4*>(hi + at) = h;
     *reinterpret_cast<float4*>(lo + at) = l;
   }
   return not_finite;
+}
+
+// Whether an element of the part of a tile that thread `tid` copied (as split_tile_tf32 walks it)
+// is not tf32_splittable.
+template <int kRows, int kCols, int kThreads>
+__device__ __forceinline__ bool copied_part_not_splittable(const float* t, int ld, int tid) {
+  using Share = TileX4Share<kRows, kCols, kThreads>;
+  const Share mine(tid);
+  bool bad = false;
+#pragma unroll
+  for (int it = 0; it < Share::kSteps; ++it) {
+    const float4 x = *reinterpret_cast<const float4*>(t + (mine.row0 + it * Share::kRowsPerStep) * ld + mine.col);
+    bad |= !tf32_splittable(x.x) | !tf32_splittable(x.y) | !tf32_splittable(x.z) | !tf32_splittable(x.w);
+  }
+  return bad;
 }
 
 // O = alpha O + P V over the tile's kBN keys for the warp's part of the block's 128 x kDim
