@@ -98,4 +98,19 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t row
 #endif
 }
 
+// The inverse of ldmatrix_x4 (sm_90+): lane l gives the address of row l % 8 of matrix l / 8, and
+// r[i] holds matrix i's two elements of row lane / 4, columns 2 (lane % 4) + {0, 1}: the layout of
+// an mma accumulator atom's rows g or g + 8 packed to 16 bits. One instruction for the 16 bytes a
+// lane stores, where 32-bit stores take four.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define FLASHATTN_STMATRIX 1
+#endif
+__device__ __forceinline__ void stmatrix_x4(uint32_t row, const uint32_t (&r)[4]) {
+#ifdef FLASHATTN_STMATRIX
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1,%2,%3,%4};\n" ::"r"(row), "r"(r[0]), "r"(r[1]),
+               "r"(r[2]), "r"(r[3])
+               : "memory");
+#endif
+}
+
 }  // namespace flashattn::cuda

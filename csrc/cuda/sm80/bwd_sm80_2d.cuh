@@ -252,16 +252,41 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
     };
     if (all_visible) probs_of_tile(std::false_type{});
     else probs_of_tile(std::true_type{});
+#ifdef FLASHATTN_STMATRIX
+    constexpr bool kStmatrix = Cfg::kStmatrixStores;
+#else
+    constexpr bool kStmatrix = false;
+#endif
+    if constexpr (kStmatrix) {
+      // Two accumulator atoms (16 rows x 16 keys) per stmatrix: 16 instructions per warp and tile
+      // at kRA = 4 where 32-bit stores take 64.
+      const int mi = lane >> 3;  // the lane's row address: row lane % 8 of matrix mi
+      const uint32_t p_at = smem_addr(sP + (s_row + (lane & 7) + 8 * (mi & 1)) * kLdP + s_key + 8 * (mi >> 1));
+      const uint32_t ds_at = p_at + uint32_t(kBM * kLdP * sizeof(Elem));  // sdS follows sP
 #pragma unroll
-    for (int i = 0; i < kRA; ++i)
+      for (int i = 0; i < kRA; ++i)
 #pragma unroll
-      for (int r = 0; r < 2; ++r)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int off = (s_row + 16 * i + g + 8 * r) * kLdP + s_key + 8 * j + 2 * t;
-          M::store_pair(sP + off, s[i][j][2 * r], s[i][j][2 * r + 1]);
-          M::store_pair(sdS + off, dp[i][j][2 * r], dp[i][j][2 * r + 1]);
+        for (int j = 0; j < 4; j += 2) {
+          const uint32_t off = uint32_t((16 * i * kLdP + 8 * j) * sizeof(Elem));
+          const uint32_t pr[4] = {M::pack(s[i][j][0], s[i][j][1]), M::pack(s[i][j][2], s[i][j][3]),
+                                  M::pack(s[i][j + 1][0], s[i][j + 1][1]), M::pack(s[i][j + 1][2], s[i][j + 1][3])};
+          const uint32_t dr[4] = {M::pack(dp[i][j][0], dp[i][j][1]), M::pack(dp[i][j][2], dp[i][j][3]),
+                                  M::pack(dp[i][j + 1][0], dp[i][j + 1][1]), M::pack(dp[i][j + 1][2], dp[i][j + 1][3])};
+          stmatrix_x4(p_at + off, pr);
+          stmatrix_x4(ds_at + off, dr);
         }
+    } else {
+#pragma unroll
+      for (int i = 0; i < kRA; ++i)
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const int off = (s_row + 16 * i + g + 8 * r) * kLdP + s_key + 8 * j + 2 * t;
+            M::store_pair(sP + off, s[i][j][2 * r], s[i][j][2 * r + 1]);
+            M::store_pair(sdS + off, dp[i][j][2 * r], dp[i][j][2 * r + 1]);
+          }
+    }
     __syncthreads();  // P, dS of the whole tile in smem
 
     // dV += P^T dO and dK += dS^T Q over the tile's rows, for the warp's 32 keys x kDim / kColW dims.
