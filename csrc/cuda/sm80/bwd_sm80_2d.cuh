@@ -235,7 +235,9 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
                 s[i][j][e] = pr;
                 dp[i][j][e] = vis ? pr * (dp[i][j][e] - dsum) : Acc(0);
               } else {
-                const Acc pr = Exp::exp(x);
+                constexpr int kEvery = Cfg::kFmaExpEvery;
+                const bool on_fma = kEvery > 0 && (2 * j + c) % (kEvery > 0 ? kEvery : 1) == kEvery - 1;
+                const Acc pr = on_fma ? Exp::exp_fma(x) : Exp::exp(x);
                 s[i][j][e] = pr;
                 dp[i][j][e] = pr * (dp[i][j][e] - dsum);
               }

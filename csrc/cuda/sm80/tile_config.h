@@ -140,6 +140,10 @@ struct Bwd2dConfig {
   // and 128 (ncu at 64: MIO-throttle stalls 2.5x FlashAttention-2's), -0.3% at 256 (H200, bf16).
   // Dim 96 (the same 128-key tiles) takes it unmeasured.
   static constexpr bool kStmatrixStores = kDim <= 128;
+  // One in kFmaExpEvery of the unmasked tiles' exponentials on the FMA pipe (ExpDomain::exp_fma)
+  // rather than the MUFU, whose instructions share the MIO queue with ldmatrix: at dim 64 one in 4
+  // measured +0..+1.2% (one in 2: +-0.5%); at 128 both -0.4..-2%, at 256 +-0.5% (H200, bf16).
+  static constexpr int kFmaExpEvery = kDim == 64 ? 4 : 0;
   static constexpr size_t kSmemBytes =
       size_t((2 * kBN + 4 * kBM) * kLd + 2 * kBM * kLdP) * sizeof(Elem) + 4 * kBM * sizeof(float);
 };
