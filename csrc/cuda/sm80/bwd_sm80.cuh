@@ -166,7 +166,8 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim, kGeneral, kCompact>::kTh
 #pragma unroll
     for (int e = 0; e < 4; ++e) dk[d][e] = dv[d][e] = Acc(0);
 
-  walk_query_tiles<kBM>(sq, n0, rows_k, hk * group, group, load, [&](int64_t h, int64_t m0, int buf) {
+  walk_query_tiles<kBM>(sq, n0, rows_k, hk * group, group, load, [&](int64_t h, int64_t m0, int buf, auto start_next) {
+    start_next();
     const Elem* q_s = sQ + buf * kBM * kLd;
     const Elem* do_s = sdO + buf * kBM * kLd;
     const Acc* lse_s = sLse + buf * kBM;

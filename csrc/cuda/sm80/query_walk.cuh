@@ -56,7 +56,7 @@ __device__ __forceinline__ void load_query_tile(Elem* sQ, Elem* sdO, Acc* sStats
 
 // Calls body(h, m0, buf) for every query tile that sees a key of [n0, n0 + rows_k) (causal and
 // window bands move right with the row), over the query heads h_first .. h_first + group - 1,
-// with load(h, m0, buf) starting the copies of the next tile before the body of this one runs.
+// with load(h, m0, buf) starting the copies of the next tile where the body calls start_next().
 // The walk goes through the rows of one head, then the next: (h, m0) advance by addition (no
 // 64-bit division per tile). Copies issued before the call land with the first tile.
 template <int kBM, class Load, class Body>
@@ -78,9 +78,13 @@ __device__ __forceinline__ void walk_query_tiles(const Seq& sq, int64_t n0, int 
     }
     cp_async_wait<0>();
     __syncthreads();  // this tile landed for all; every warp is done with the other buffers
-    if (it + 1 < num_iters) load(h_next, m_next, buf ^ 1);
-    cp_async_commit();
-    body(h, m0, buf);
+    // The body calls this once, where the next tile's copies should start (any point of the
+    // iteration: the other buffers stay free until the next barrier).
+    auto start_next = [&] {
+      if (it + 1 < num_iters) load(h_next, m_next, buf ^ 1);
+      cp_async_commit();
+    };
+    body(h, m0, buf, start_next);
     h = h_next;
     m0 = m_next;
   }
