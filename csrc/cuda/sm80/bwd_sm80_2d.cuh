@@ -7,7 +7,8 @@
 //   S = Q K^T, dP = dO V^T      warps on a grid of rows x 32 keys (2 x 4 of kBM / 2 rows for
 //                               128-key blocks, 4 x 2 of kBM / 4 rows for 64; A: Q / dO rows,
 //                               B: K / V rows)
-//   P, dS = P (dP - D)          in registers, stored to smem as [row][key] (Elem)
+//   P, dS = P (dP - D)          in registers, stored to smem as [row][key] (Elem; by stmatrix on
+//                               sm_90+ at dims <= 128)
 //   dV += P^T dO, dK += dS^T Q  warps on a grid of 32 keys x dims (4 x 2 of kDim / 2 for
 //                               128-key blocks, 2 x 4 of kDim / 4 for 64; A: P^T / dS^T read
 //                               transposed from smem, B: dO / Q)
