@@ -137,8 +137,8 @@ struct Bwd2dConfig {
   static constexpr bool kSlabStats = kDim == 64;
   static constexpr int kLdP = kBN + 8;                      // P, dS rows (one per query)
   // P and dS stored with stmatrix (sm_90+) instead of 32-bit stores: backward +0.8..+2.4% at dims 64
-  // and 128 (ncu at 64: MIO-throttle stalls 2.5x FlashAttention-2's), -0.3% at 256 (H200, bf16).
-  // Dim 96 (the same 128-key tiles) takes it unmeasured.
+  // and 128 (ncu at 64: MIO-throttle stalls 2.5x FlashAttention-2's), +0.3..+1.7% at 96, -0.3% at 256
+  // (H200, bf16).
   static constexpr bool kStmatrixStores = kDim <= 128;
   // One in kFmaExpEvery of the unmasked tiles' exponentials on the FMA pipe (ExpDomain::exp_fma)
   // rather than the MUFU, whose instructions share the MIO queue with ldmatrix: at dim 64 one in 4
