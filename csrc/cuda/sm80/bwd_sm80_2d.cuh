@@ -262,9 +262,11 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
     constexpr bool kStmatrix = false;
 #endif
     if constexpr (kStmatrix) {
-      // Two accumulator atoms (16 rows x 16 keys) per stmatrix: 16 instructions per warp and tile
-      // at kRA = 4 where 32-bit stores take 64.
-      const int mi = lane >> 3;  // the lane's row address: row lane % 8 of matrix mi
+      // Two accumulator atoms (16 rows x 16 keys) per stmatrix, the inverse of load_a: the lane's
+      // row address is M::rows_first's spot (written out: as lane & 15 the SASS changed, untimed) and
+      // the registers those of an A fragment (a_from_acc). 16 instructions per warp and tile at
+      // kRA = 4 where 32-bit stores take 64.
+      const int mi = lane >> 3;  // row lane % 8 of matrix mi
       const uint32_t p_at = smem_addr(sP + (s_row + (lane & 7) + 8 * (mi & 1)) * kLdP + s_key + 8 * (mi >> 1));
       const uint32_t ds_at = p_at + uint32_t(kBM * kLdP * sizeof(Elem));  // sdS follows sP
 #pragma unroll
@@ -272,12 +274,11 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
 #pragma unroll
         for (int j = 0; j < 4; j += 2) {
           const uint32_t off = uint32_t((16 * i * kLdP + 8 * j) * sizeof(Elem));
-          const uint32_t pr[4] = {M::pack(s[i][j][0], s[i][j][1]), M::pack(s[i][j][2], s[i][j][3]),
-                                  M::pack(s[i][j + 1][0], s[i][j + 1][1]), M::pack(s[i][j + 1][2], s[i][j + 1][3])};
-          const uint32_t dr[4] = {M::pack(dp[i][j][0], dp[i][j][1]), M::pack(dp[i][j][2], dp[i][j][3]),
-                                  M::pack(dp[i][j + 1][0], dp[i][j + 1][1]), M::pack(dp[i][j + 1][2], dp[i][j + 1][3])};
-          stmatrix_x4(p_at + off, pr);
-          stmatrix_x4(ds_at + off, dr);
+          typename M::A pa, dsa;
+          M::a_from_acc(pa, &s[i][j]);
+          M::a_from_acc(dsa, &dp[i][j]);
+          stmatrix_x4(p_at + off, pa.r);
+          stmatrix_x4(ds_at + off, dsa.r);
         }
     } else {
 #pragma unroll
