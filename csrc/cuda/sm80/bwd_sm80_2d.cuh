@@ -53,10 +53,20 @@ struct SlabStats {
   static __device__ __forceinline__ int d(int buf, int m) { return lse(buf, m) + 1; }
 };
 
-template <class Elem, int kDim, bool kFeatures>
-__global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
+// kRing (Bwd2dConfig): one barrier per query tile; the Q / dO ring and the two P / dS buffers
+// below.
+template <class Elem, int kDim, bool kFeatures, bool kRing>
+__global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim, kRing>::kThreads, 1)
     bwd_dkdv_2d_kernel(const BwdParams p, const float* dsum_g, const DqAccum accum, KeyTileRound round) {
-  using Cfg = Bwd2dConfig<Elem, kDim>;
+  static_assert(!(kRing && kFeatures), "the ring serves plain calls (its bias tiles would need a third buffer)");
+#ifndef FLASHATTN_STMATRIX
+  // Launched only where a block gets >= 226 KB of smem (sm_90, sm_100), which have stmatrix.
+  if constexpr (kRing) {
+    __trap();
+    return;
+  }
+#endif
+  using Cfg = Bwd2dConfig<Elem, kDim, kRing>;
   using M = Mma<Elem>;
   using Acc = float;
   using Exp = ExpDomain<Acc>;
@@ -70,19 +80,20 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
   constexpr int kQA = kDim / kQCW / 8;  // dQ atoms per 16-row group of a warp
   constexpr int kRQ = kBM / kQRW / 16;  // 16-row groups of a warp in dQ
   static_assert(kKA % 2 == 0 && kQA % 2 == 0, "B atoms load in pairs");
-  using Stats = std::conditional_t<Cfg::kSlabStats, SlabStats<kBM, kBM / kRowW>, RowStats<kBM>>;
-  static_assert(!Cfg::kSlabStats || ((2 * kBN + 4 * kBM) * kLd + 2 * kBM * kLdP) * sizeof(Elem) % 16 == 0,
-                "SlabStats chunks are read 16 bytes at a time");
+  constexpr int kQBufs = Cfg::kQBufs, kPBufs = Cfg::kPBufs;
+  using Stats = std::conditional_t<Cfg::kSlabStats, SlabStats<kBM, kBM / kRowW>, RowStats<kBM, kQBufs>>;
+  static_assert(!Cfg::kSlabStats || (kQBufs == 2 && ((2 * kBN + 4 * kBM) * kLd + 2 * kBM * kLdP) * sizeof(Elem) % 16 == 0),
+                "SlabStats chunks are read 16 bytes at a time, two buffers");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];  // dynamic smem starts the block window: 128-byte aligned, as swizzled tiles need
   Elem* sK = reinterpret_cast<Elem*>(smem_raw);
   Elem* sV = sK + kBN * kLd;
-  Elem* sQ = sV + kBN * kLd;         // [2][kBM][kLd]
-  Elem* sdO = sQ + 2 * kBM * kLd;    // [2][kBM][kLd]
-  Elem* sP = sdO + 2 * kBM * kLd;    // [kBM][kLdP]
-  Elem* sdS = sP + kBM * kLdP;       // [kBM][kLdP]
-  Acc* sStats = reinterpret_cast<Acc*>(sdS + kBM * kLdP);  // LSE (natural log as stored) and D of 2 tiles: Stats
-  unsigned char* sBias = reinterpret_cast<unsigned char*>(sStats + 4 * kBM);  // [2] bias tiles (kFeatures)
+  Elem* sQ = sV + kBN * kLd;              // [kQBufs][kBM][kLd]
+  Elem* sdO = sQ + kQBufs * kBM * kLd;    // [kQBufs][kBM][kLd]
+  Elem* sP = sdO + kQBufs * kBM * kLd;    // [kPBufs][P, dS][kBM][kLdP]
+  Elem* sdS = sP + kBM * kLdP;            // dS of P / dS buffer 0
+  Acc* sStats = reinterpret_cast<Acc*>(sP + kPBufs * 2 * kBM * kLdP);  // LSE (natural log as stored) and D of kQBufs tiles: Stats
+  unsigned char* sBias = reinterpret_cast<unsigned char*>(sStats + 2 * kQBufs * kBM);  // [2] bias tiles (kFeatures)
 
   const TileBlock blk = tile_block(round.groups, 1, p.heads_kv, /*heaviest_first=*/false);
   const int64_t hk = blk.head, b = blk.batch;
@@ -125,7 +136,7 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
   static_assert(!kSw || ((kKA % 8 == 0 || (kKA & (kKA - 1)) == 0) && (kQA % 8 == 0 || (kQA & (kQA - 1)) == 0)),
                 "a warp's chunk span in dK / dV and dQ is a power of two or whole lines");
   constexpr uint32_t kRowBytes = kLd * sizeof(Elem), kBufBytes = kBM * kRowBytes;
-  constexpr uint32_t kVBytes = kBN * kRowBytes, kDoBytes = 2 * kBufBytes;  // sV - sK, sdO - sQ
+  constexpr uint32_t kVBytes = kBN * kRowBytes, kDoBytes = kQBufs * kBufBytes;  // sV - sK, sdO - sQ
   uint32_t q_of_s = 0, k_of_s = 0, q_of_dk = 0, k_of_dq = 0;
   if constexpr (kSw) {
     const auto rows_first = M::rows_first(lane), chunks_first = M::chunks_first(lane);
@@ -135,6 +146,18 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
     k_of_dq = TA::base(sK, rows_first.row, q_col / 8 + rows_first.chunk);  // dQ: B
   }
 
+  // P and dS: a buffer's dS lies kDsBytes after its P, the next buffer kPBufBytes further.
+  // Swizzled (kRing), the lanes' addresses as for K / V / Q / dO: rows of kBN elements.
+  using TP = SwizzledAddress<Cfg::kSwizzleP ? kLdP * int(sizeof(Elem)) : 128>;
+  constexpr uint32_t kDsBytes = kBM * kLdP * sizeof(Elem), kPBufBytes = 2 * kDsBytes;
+  uint32_t p_of_dk = 0, ds_of_dq = 0;
+  if constexpr (Cfg::kSwizzleP) {
+    const auto rows_first = M::rows_first(lane), chunks_first = M::chunks_first(lane);
+    p_of_dk = TP::base(sP, chunks_first.row, k_key / 8 + chunks_first.chunk);  // dK, dV: A (transposed)
+    ds_of_dq = TP::base(sdS, q_row + rows_first.row, rows_first.chunk);         // dQ: A
+  }
+  int pbuf = 0;  // this tile's P / dS buffer
+
   Acc dk[2][kKA][4], dv[2][kKA][4];
 #pragma unroll
   for (int i = 0; i < 2; ++i)
@@ -143,14 +166,17 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
 #pragma unroll
       for (int e = 0; e < 4; ++e) dk[i][d][e] = dv[i][d][e] = Acc(0);
 
-  walk_query_tiles<kBM>(sq, n0, rows_k, hk * group, group, load, [&](int64_t h, int64_t m0, int buf, auto start_next) {
+  walk_query_tiles<kBM, kQBufs>(sq, n0, rows_k, hk * group, group, load, [&](int64_t h, int64_t m0, int buf, auto start_next) {
     // (each read in some variants only; the body is a generic lambda, so unused ones would warn)
     [[maybe_unused]] const uint32_t q_buf_s = q_of_s + buf * kBufBytes, q_buf_dk = q_of_dk + buf * kBufBytes;
     [[maybe_unused]] const Elem* q_s = sQ + buf * kBM * kLd;
     [[maybe_unused]] const Elem* do_s = sdO + buf * kBM * kLd;
     [[maybe_unused]] const Acc* stats_s = sStats + buf * 2 * kBM + 2 * s_row + 4 * g;  // SlabStats: row group 0's chunk
-    [[maybe_unused]] const Acc* lse_s = sStats + buf * kBM;                             // RowStats
-    [[maybe_unused]] const Acc* d_s = lse_s + 2 * kBM;
+    [[maybe_unused]] const Acc* lse_s = sStats + Stats::lse(buf, 0);                    // RowStats
+    [[maybe_unused]] const Acc* d_s = sStats + Stats::d(buf, 0);
+    [[maybe_unused]] const uint32_t p_buf_bytes = pbuf * kPBufBytes;  // this tile's P / dS buffer, from buffer 0
+    [[maybe_unused]] Elem* p_s = sP + pbuf * 2 * kBM * kLdP;
+    [[maybe_unused]] Elem* ds_s = sdS + pbuf * 2 * kBM * kLdP;
 
     // S and dP of the warp's rows x 32 keys: [row group][key atom].
     Acc s[kRA][4][4], dp[kRA][4][4];
@@ -267,18 +293,20 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
       // the registers those of an A fragment (a_from_acc). 16 instructions per warp and tile at
       // kRA = 4 where 32-bit stores take 64.
       const int mi = lane >> 3;  // row lane % 8 of matrix mi
-      const uint32_t p_at = smem_addr(sP + (s_row + (lane & 7) + 8 * (mi & 1)) * kLdP + s_key + 8 * (mi >> 1));
-      const uint32_t ds_at = p_at + uint32_t(kBM * kLdP * sizeof(Elem));  // sdS follows sP
+      const int st_row = s_row + (lane & 7) + 8 * (mi & 1);
+      const uint32_t p_at = (Cfg::kSwizzleP ? TP::base(sP, st_row, s_key / 8 + (mi >> 1))
+                                            : smem_addr(sP + st_row * kLdP + s_key + 8 * (mi >> 1))) +
+                            p_buf_bytes;
 #pragma unroll
       for (int i = 0; i < kRA; ++i)
 #pragma unroll
         for (int j = 0; j < 4; j += 2) {
-          const uint32_t off = uint32_t((16 * i * kLdP + 8 * j) * sizeof(Elem));
+          const uint32_t at = Cfg::kSwizzleP ? TP::at(p_at, 16 * i, j) : p_at + uint32_t((16 * i * kLdP + 8 * j) * sizeof(Elem));
           typename M::A pa, dsa;
           M::a_from_acc(pa, &s[i][j]);
           M::a_from_acc(dsa, &dp[i][j]);
-          stmatrix_x4(p_at + off, pa.r);
-          stmatrix_x4(ds_at + off, dsa.r);
+          stmatrix_x4(at, pa.r);
+          stmatrix_x4(at + kDsBytes, dsa.r);
         }
     } else {
 #pragma unroll
@@ -288,15 +316,16 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
             const int off = (s_row + 16 * i + g + 8 * r) * kLdP + s_key + 8 * j + 2 * t;
-            M::store_pair(sP + off, s[i][j][2 * r], s[i][j][2 * r + 1]);
-            M::store_pair(sdS + off, dp[i][j][2 * r], dp[i][j][2 * r + 1]);
+            M::store_pair(p_s + off, s[i][j][2 * r], s[i][j][2 * r + 1]);
+            M::store_pair(ds_s + off, dp[i][j][2 * r], dp[i][j][2 * r + 1]);
           }
     }
-    __syncthreads();  // P, dS of the whole tile in smem
-    // The next query tile's copies start here rather than at the top of the iteration: there they
-    // followed the previous tile's dQ atomics (ncu at dim 256: lg-throttle stalls, none in
-    // FlashAttention-2's kernel). H200, bf16: backward +0.3..+1.3% at dims 64 / 128 / 256; started
-    // after the S / dP products instead, -1..+0.8%.
+    // P, dS of the whole tile in smem for all. The next query tile's copies start here rather than
+    // at the top of the iteration: there they followed the previous tile's dQ atomics (ncu at dim
+    // 256: lg-throttle stalls, none in FlashAttention-2's kernel). H200, bf16: backward +0.3..+1.3%
+    // at dims 64 / 128 / 256; started after the S / dP products instead, -1..+0.8%. With the ring
+    // this is the tile's one barrier (walk_query_tiles), and the copies are of the tile after next.
+    if constexpr (!kRing) __syncthreads();
     start_next();
 
     // dV += P^T dO and dK += dS^T Q over the tile's rows, for the warp's 32 keys x kDim / kColW dims.
@@ -305,8 +334,14 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
       typename M::A ap[2], ads[2];
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
-        M::load_a_kn(ap[i], sP + kk * kLdP + k_key + 16 * i, kLdP, lane);
-        M::load_a_kn(ads[i], sdS + kk * kLdP + k_key + 16 * i, kLdP, lane);
+        if constexpr (Cfg::kSwizzleP) {
+          const uint32_t at = TP::at(p_of_dk + p_buf_bytes, kk, 2 * i);
+          M::load_a_kn(ap[i], at);
+          M::load_a_kn(ads[i], at + kDsBytes);
+        } else {
+          M::load_a_kn(ap[i], p_s + kk * kLdP + k_key + 16 * i, kLdP, lane);
+          M::load_a_kn(ads[i], ds_s + kk * kLdP + k_key + 16 * i, kLdP, lane);
+        }
       }
 #pragma unroll
       for (int d = 0; d < kKA; d += 2) {
@@ -344,7 +379,10 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
       for (int kk = 0; kk < kBN; kk += M::kK) {
         typename M::A a[kRQ];
 #pragma unroll
-        for (int i = 0; i < kRQ; ++i) M::load_a(a[i], sdS + (q_row + 16 * i) * kLdP + kk, kLdP, lane);
+        for (int i = 0; i < kRQ; ++i) {
+          if constexpr (Cfg::kSwizzleP) M::load_a(a[i], TP::at(ds_of_dq + p_buf_bytes, 16 * i, kk / 8));
+          else M::load_a(a[i], ds_s + (q_row + 16 * i) * kLdP + kk, kLdP, lane);
+        }
 #pragma unroll
         for (int d = 0; d < kQA; d += 2) {
           typename M::B bk[2];
@@ -361,6 +399,7 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
       const int rows_valid = sq.q_tile_rows(m0, kBM);
       add_dq_atoms(accum.block_slice<float>(round.groups), tile_row, dq, q_row, q_col, rows_valid, E, lane);
     }
+    if constexpr (kPBufs == 2) pbuf ^= 1;
   });
 
   Elem* dk_g = sq.k_rows<Elem>(p.dk, p.dk_stride, hk, 0);
@@ -390,17 +429,29 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim>::kThreads, 1)
 template <class Elem, int kDim>
 bool launch_dkdv_2d(const BwdParams& p, const void* dsum, const DqAccum& accum, bool operands_ok, cudaStream_t stream) {
   using Cfg = Bwd2dConfig<Elem, kDim>;
+  using RingCfg = Bwd2dConfig<Elem, kDim, /*kRing=*/true>;
   if constexpr (!Cfg::kServed) {
     return false;
   } else {
+    if (!operands_ok) return false;
+    auto launch = [&](auto kernel, size_t smem) {
+      set_smem(kernel, smem, "sm80::bwd_dkdv_2d_kernel");
+      for_key_tile_rounds(p, Cfg::kBN, accum, [&](unsigned blocks, KeyTileRound round) {
+        kernel<<<blocks, Cfg::kThreads, smem, stream>>>(p, static_cast<const float*>(dsum), accum, round);
+        check_launch("sm80::bwd_dkdv_2d_kernel");
+      });
+    };
+    if constexpr (RingCfg::kServed) {
+      static_assert(RingCfg::kBN == Cfg::kBN && RingCfg::kThreads == Cfg::kThreads, "same blocks as the two-barrier kernel");
+      if (!p.has_features() && tensor_cores_usable(RingCfg::kSmemBytes)) {
+        launch(bwd_dkdv_2d_kernel<Elem, kDim, false, true>, RingCfg::kSmemBytes);
+        return true;
+      }
+    }
     const size_t smem = Cfg::kSmemBytes + 2 * size_t(bias_tile_layout<Cfg::kBM, Cfg::kBN>(p).buffer_bytes());
-    if (!operands_ok || !tensor_cores_usable(smem)) return false;
-    auto kernel = p.has_features() ? bwd_dkdv_2d_kernel<Elem, kDim, true> : bwd_dkdv_2d_kernel<Elem, kDim, false>;
-    set_smem(kernel, smem, "sm80::bwd_dkdv_2d_kernel");
-    for_key_tile_rounds(p, Cfg::kBN, accum, [&](unsigned blocks, KeyTileRound round) {
-      kernel<<<blocks, Cfg::kThreads, smem, stream>>>(p, static_cast<const float*>(dsum), accum, round);
-      check_launch("sm80::bwd_dkdv_2d_kernel");
-    });
+    if (!tensor_cores_usable(smem)) return false;
+    launch(p.has_features() ? bwd_dkdv_2d_kernel<Elem, kDim, true, false> : bwd_dkdv_2d_kernel<Elem, kDim, false, false>,
+           smem);
     return true;
   }
 }

@@ -1,6 +1,7 @@
 // The walk of the dK/dV kernels (bwd_sm80.cuh, bwd_sm80_2d.cuh): a block owns a key tile and
 // visits every query head of its kv head's group and every kBM-row query tile that sees one of
-// its keys, the next tile's operands loading (cp.async, double-buffered) while this one is used.
+// its keys, the next tiles' operands loading (cp.async, into a ring of 2 or 3 buffers) while this
+// one is used.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -14,14 +15,14 @@
 
 namespace flashattn::cuda::sm80 {
 
-// Where the LSE and D of a query tile's row m lie in a kernel's stats area (two buffers of kBM
-// LSE and kBM D values), as offsets from its start: RowStats keeps [2][kBM] LSE, then [2][kBM] D,
-// in row order (the 1-D kernel reads two adjacent rows at once); the 2-D kernel has its own
-// (bwd_sm80_2d.cuh's SlabStats).
-template <int kBM>
+// Where the LSE and D of a query tile's row m lie in a kernel's stats area (kBufs buffers of kBM
+// LSE and kBM D values), as offsets from its start: RowStats keeps [kBufs][kBM] LSE, then
+// [kBufs][kBM] D, in row order (the 1-D kernel reads two adjacent rows at once); the 2-D kernel
+// has its own at dim 64 (bwd_sm80_2d.cuh's SlabStats).
+template <int kBM, int kBufs = 2>
 struct RowStats {
   static __device__ __forceinline__ int lse(int buf, int m) { return buf * kBM + m; }
-  static __device__ __forceinline__ int d(int buf, int m) { return 2 * kBM + buf * kBM + m; }
+  static __device__ __forceinline__ int d(int buf, int m) { return kBufs * kBM + buf * kBM + m; }
 };
 
 // Starts the copies of query tile (h, m0) into buffer `buf`: with a bias / mask (bias_tile.rows
@@ -54,39 +55,73 @@ __device__ __forceinline__ void load_query_tile(Elem* sQ, Elem* sdO, Acc* sStats
   }
 }
 
-// Calls body(h, m0, buf) for every query tile that sees a key of [n0, n0 + rows_k) (causal and
-// window bands move right with the row), over the query heads h_first .. h_first + group - 1,
-// with load(h, m0, buf) starting the copies of the next tile where the body calls start_next().
-// The walk goes through the rows of one head, then the next: (h, m0) advance by addition (no
-// 64-bit division per tile). Copies issued before the call land with the first tile.
-template <int kBM, class Load, class Body>
+// Calls body(h, m0, buf, start_next) for every query tile that sees a key of [n0, n0 + rows_k)
+// (causal and window bands move right with the row), over the query heads h_first .. h_first +
+// group - 1, the tile's operands in buffer `buf`. load(h, m0, buf) starts the copies of a tile;
+// the body calls start_next() once per tile, where they should start. The walk goes through the
+// rows of one head, then the next: (h, m0) advance by addition (no 64-bit division per tile).
+// Copies issued before the call land with the first tile.
+//   kStages = 2: buffers 0 and 1 in turn; the walker waits for the tile and holds a barrier at
+//     the top of each iteration, and start_next() loads the next tile into the other buffer
+//     (free anywhere in the iteration: its last readers finished before that barrier).
+//   kStages = 3: a ring of three buffers, for a body with one barrier per tile: start_next() IS
+//     that barrier. It waits for the next tile (loaded one iteration ahead), holds the barrier
+//     (after it every warp has finished the previous iteration, whose buffer the tile after next
+//     then takes) and loads the tile after next. There is no barrier at the top: before
+//     start_next() the body may read only this tile's buffer and what the previous barrier
+//     published.
+template <int kBM, int kStages = 2, class Load, class Body>
 __device__ __forceinline__ void walk_query_tiles(const Seq& sq, int64_t n0, int rows_k, int64_t h_first,
                                                  int64_t group, Load&& load, Body&& body) {
+  static_assert(kStages == 2 || kStages == 3, "a 2- or 3-buffer ring");
   const int64_t m_begin = sq.row_begin(n0) / kBM * kBM;
   const int64_t m_end = sq.row_end(n0 + rows_k - 1);
   const int64_t m_iters = m_end > m_begin ? (m_end - m_begin + kBM - 1) / kBM : 0;
   const int64_t num_iters = m_iters * group;
+  auto advance = [&](int64_t& h, int64_t& m) {
+    m += kBM;
+    if (m >= m_end) {
+      m = m_begin;
+      ++h;
+    }
+  };
   if (num_iters > 0) load(h_first, m_begin, 0);
   cp_async_commit();
-  int buf = 0;
   int64_t h = h_first, m0 = m_begin;
-  for (int64_t it = 0; it < num_iters; ++it, buf ^= 1) {
-    int64_t h_next = h, m_next = m0 + kBM;
-    if (m_next >= m_end) {
-      m_next = m_begin;
-      ++h_next;
+  if constexpr (kStages == 2) {
+    int buf = 0;
+    for (int64_t it = 0; it < num_iters; ++it, buf ^= 1) {
+      int64_t h_next = h, m_next = m0;
+      advance(h_next, m_next);
+      cp_async_wait<0>();
+      __syncthreads();  // this tile landed for all; every warp is done with the other buffers
+      auto start_next = [&] {
+        if (it + 1 < num_iters) load(h_next, m_next, buf ^ 1);
+        cp_async_commit();
+      };
+      body(h, m0, buf, start_next);
+      h = h_next;
+      m0 = m_next;
     }
-    cp_async_wait<0>();
-    __syncthreads();  // this tile landed for all; every warp is done with the other buffers
-    // The body calls this once, where the next tile's copies should start (any point of the
-    // iteration: the other buffers stay free until the next barrier).
-    auto start_next = [&] {
-      if (it + 1 < num_iters) load(h_next, m_next, buf ^ 1);
-      cp_async_commit();
-    };
-    body(h, m0, buf, start_next);
-    h = h_next;
-    m0 = m_next;
+  } else {
+    int64_t h_ahead = h, m_ahead = m0;  // the tile after next, once advanced in the loop
+    advance(h_ahead, m_ahead);
+    if (num_iters > 1) load(h_ahead, m_ahead, 1);
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();  // the first tile landed for all
+    int buf = 0;
+    for (int64_t it = 0; it < num_iters; ++it, buf = buf == 2 ? 0 : buf + 1) {
+      advance(h_ahead, m_ahead);
+      auto start_next = [&] {
+        cp_async_wait<0>();
+        __syncthreads();  // the next tile landed for all; every warp is done with the previous one
+        if (it + 2 < num_iters) load(h_ahead, m_ahead, buf == 0 ? 2 : buf - 1);
+        cp_async_commit();
+      };
+      body(h, m0, buf, start_next);
+      advance(h, m0);
+    }
   }
 }
 
