@@ -114,7 +114,8 @@ struct BwdConfig {
 // and D) in a ring of three buffers, loaded two tiles ahead, and P / dS in two buffers, swizzled
 // (rows of kBN elements) so that all of it fits the 227 KB a block gets on sm_90 / sm_100:
 // 230912 bytes at dim 128 (padded P / dS rows would take 235008). Plain calls at dim 128 only;
-// the smem check sends other GPUs to the two-barrier kernel. Measured: pending.
+// the smem check sends other GPUs to the two-barrier kernel. Measured (H200, bf16): backward
+// +0.8..+3.0% on every dim-128 row, L = 512 ... 16384, causal and not.
 template <class Elem, int kDim, bool kRing = false>
 struct Bwd2dConfig {
   // Dim 192 stays on the 1-D kernel: 64 x 64 tiles measured 3-5% slower there (H200, bf16).
