@@ -39,6 +39,14 @@ __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
                : "memory");
 #endif
 }
+// Arrives on `bar` once all of this thread's earlier cp.async copies have landed; a thread that
+// waits for the phase then sees them. .noinc: the arrival counts against mbar_init's count (one
+// per thread that has its copies tracked this way).
+__device__ __forceinline__ void cp_async_mbar_arrive(uint64_t* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+#endif
+}
 // Waits until the phase of parity `parity` (phase k has parity k % 2) has completed. The retry
 // loop is in the PTX (labels are local to the braces): written as a C++ loop around one wait, it
 // made ptxas spill 240 more bytes in fwd_simt_ws.cuh's P V warps.

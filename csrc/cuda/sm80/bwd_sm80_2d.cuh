@@ -53,20 +53,19 @@ struct SlabStats {
   static __device__ __forceinline__ int d(int buf, int m) { return lse(buf, m) + 1; }
 };
 
-// kRing (Bwd2dConfig): one barrier per query tile; the Q / dO ring and the two P / dS buffers
-// below.
-template <class Elem, int kDim, bool kFeatures, bool kRing>
-__global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim, kRing>::kThreads, 1)
+// kOneSync (Bwd2dConfig): one barrier per query tile, with the Q / dO and P / dS buffers below.
+template <class Elem, int kDim, bool kFeatures, bool kOneSync>
+__global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim, kOneSync>::kThreads, 1)
     bwd_dkdv_2d_kernel(const BwdParams p, const float* dsum_g, const DqAccum accum, KeyTileRound round) {
-  static_assert(!(kRing && kFeatures), "the ring serves plain calls (its bias tiles would need a third buffer)");
+  static_assert(!(kOneSync && kFeatures), "one barrier per tile serves plain calls (bias tiles would need more buffers)");
 #ifndef FLASHATTN_STMATRIX
-  // Launched only where a block gets >= 226 KB of smem (sm_90, sm_100), which have stmatrix.
-  if constexpr (kRing) {
+  // Launched only where a block gets >= 225 KB of smem (sm_90, sm_100), which have stmatrix.
+  if constexpr (kOneSync) {
     __trap();
     return;
   }
 #endif
-  using Cfg = Bwd2dConfig<Elem, kDim, kRing>;
+  using Cfg = Bwd2dConfig<Elem, kDim, kOneSync>;
   using M = Mma<Elem>;
   using Acc = float;
   using Exp = ExpDomain<Acc>;
@@ -82,7 +81,7 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim, kRing>::kThreads, 1)
   static_assert(kKA % 2 == 0 && kQA % 2 == 0, "B atoms load in pairs");
   constexpr int kQBufs = Cfg::kQBufs, kPBufs = Cfg::kPBufs;
   using Stats = std::conditional_t<Cfg::kSlabStats, SlabStats<kBM, kBM / kRowW>, RowStats<kBM, kQBufs>>;
-  static_assert(!Cfg::kSlabStats || (kQBufs == 2 && ((2 * kBN + 4 * kBM) * kLd + 2 * kBM * kLdP) * sizeof(Elem) % 16 == 0),
+  static_assert(!Cfg::kSlabStats || (kQBufs == 2 && Cfg::kStatsOffset % 16 == 0),
                 "SlabStats chunks are read 16 bytes at a time, two buffers");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];  // dynamic smem starts the block window: 128-byte aligned, as swizzled tiles need
@@ -92,8 +91,9 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim, kRing>::kThreads, 1)
   Elem* sdO = sQ + kQBufs * kBM * kLd;    // [kQBufs][kBM][kLd]
   Elem* sP = sdO + kQBufs * kBM * kLd;    // [kPBufs][P, dS][kBM][kLdP]
   Elem* sdS = sP + kBM * kLdP;            // dS of P / dS buffer 0
-  Acc* sStats = reinterpret_cast<Acc*>(sP + kPBufs * 2 * kBM * kLdP);  // LSE (natural log as stored) and D of kQBufs tiles: Stats
+  Acc* sStats = reinterpret_cast<Acc*>(smem_raw + Cfg::kStatsOffset);  // LSE (natural log as stored) and D of kQBufs tiles: Stats
   unsigned char* sBias = reinterpret_cast<unsigned char*>(sStats + 2 * kQBufs * kBM);  // [2] bias tiles (kFeatures)
+  uint64_t* sLanded = reinterpret_cast<uint64_t*>(sStats + 2 * kQBufs * kBM);  // [2] mbarriers (Cfg::kTracked)
 
   const TileBlock blk = tile_block(round.groups, 1, p.heads_kv, /*heaviest_first=*/false);
   const int64_t hk = blk.head, b = blk.batch;
@@ -147,7 +147,7 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim, kRing>::kThreads, 1)
   }
 
   // P and dS: a buffer's dS lies kDsBytes after its P, the next buffer kPBufBytes further.
-  // Swizzled (kRing), the lanes' addresses as for K / V / Q / dO: rows of kBN elements.
+  // Swizzled (kOneSync), the lanes' addresses as for K / V / Q / dO: rows of kBN elements.
   using TP = SwizzledAddress<Cfg::kSwizzleP ? kLdP * int(sizeof(Elem)) : 128>;
   constexpr uint32_t kDsBytes = kBM * kLdP * sizeof(Elem), kPBufBytes = 2 * kDsBytes;
   uint32_t p_of_dk = 0, ds_of_dq = 0;
@@ -166,7 +166,9 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim, kRing>::kThreads, 1)
 #pragma unroll
       for (int e = 0; e < 4; ++e) dk[i][d][e] = dv[i][d][e] = Acc(0);
 
-  walk_query_tiles<kBM, kQBufs>(sq, n0, rows_k, hk * group, group, load, [&](int64_t h, int64_t m0, int buf, auto start_next) {
+  constexpr QueryBuffers kBuffers =
+      Cfg::kRing3 ? QueryBuffers::kRingOfThree : Cfg::kTracked ? QueryBuffers::kTwoTracked : QueryBuffers::kTwo;
+  walk_query_tiles<kBM, kBuffers>(sq, n0, rows_k, hk * group, group, load, [&](int64_t h, int64_t m0, int buf, auto start_next) {
     // (each read in some variants only; the body is a generic lambda, so unused ones would warn)
     [[maybe_unused]] const uint32_t q_buf_s = q_of_s + buf * kBufBytes, q_buf_dk = q_of_dk + buf * kBufBytes;
     [[maybe_unused]] const Elem* q_s = sQ + buf * kBM * kLd;
@@ -323,9 +325,9 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim, kRing>::kThreads, 1)
     // P, dS of the whole tile in smem for all. The next query tile's copies start here rather than
     // at the top of the iteration: there they followed the previous tile's dQ atomics (ncu at dim
     // 256: lg-throttle stalls, none in FlashAttention-2's kernel). H200, bf16: backward +0.3..+1.3%
-    // at dims 64 / 128 / 256; started after the S / dP products instead, -1..+0.8%. With the ring
-    // this is the tile's one barrier (walk_query_tiles), and the copies are of the tile after next.
-    if constexpr (!kRing) __syncthreads();
+    // at dims 64 / 128 / 256; started after the S / dP products instead, -1..+0.8%. With kOneSync
+    // this is the tile's one barrier (in start_next() with the ring of three: walk_query_tiles).
+    if constexpr (!Cfg::kRing3) __syncthreads();
     start_next();
 
     // dV += P^T dO and dK += dS^T Q over the tile's rows, for the warp's 32 keys x kDim / kColW dims.
@@ -400,7 +402,7 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim, kRing>::kThreads, 1)
       add_dq_atoms(accum.block_slice<float>(round.groups), tile_row, dq, q_row, q_col, rows_valid, E, lane);
     }
     if constexpr (kPBufs == 2) pbuf ^= 1;
-  });
+  }, sLanded);
 
   Elem* dk_g = sq.k_rows<Elem>(p.dk, p.dk_stride, hk, 0);
   Elem* dv_g = sq.k_rows<Elem>(p.dv, p.dv_stride, hk, 0);
@@ -429,7 +431,7 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim, kRing>::kThreads, 1)
 template <class Elem, int kDim>
 bool launch_dkdv_2d(const BwdParams& p, const void* dsum, const DqAccum& accum, bool operands_ok, cudaStream_t stream) {
   using Cfg = Bwd2dConfig<Elem, kDim>;
-  using RingCfg = Bwd2dConfig<Elem, kDim, /*kRing=*/true>;
+  using OneSyncCfg = Bwd2dConfig<Elem, kDim, /*kOneSync=*/true>;
   if constexpr (!Cfg::kServed) {
     return false;
   } else {
@@ -441,10 +443,10 @@ bool launch_dkdv_2d(const BwdParams& p, const void* dsum, const DqAccum& accum, 
         check_launch("sm80::bwd_dkdv_2d_kernel");
       });
     };
-    if constexpr (RingCfg::kServed) {
-      static_assert(RingCfg::kBN == Cfg::kBN && RingCfg::kThreads == Cfg::kThreads, "same blocks as the two-barrier kernel");
-      if (!p.has_features() && tensor_cores_usable(RingCfg::kSmemBytes)) {
-        launch(bwd_dkdv_2d_kernel<Elem, kDim, false, true>, RingCfg::kSmemBytes);
+    if constexpr (OneSyncCfg::kServed) {
+      static_assert(OneSyncCfg::kBN == Cfg::kBN && OneSyncCfg::kThreads == Cfg::kThreads, "same blocks as the two-barrier kernel");
+      if (!p.has_features() && tensor_cores_usable(OneSyncCfg::kSmemBytes)) {
+        launch(bwd_dkdv_2d_kernel<Elem, kDim, false, true>, OneSyncCfg::kSmemBytes);
         return true;
       }
     }

@@ -9,6 +9,7 @@
 
 #include "../../common/sequence.h"
 #include "../../params.h"
+#include "../common/barrier.cuh"
 #include "../common/cp_async.cuh"
 #include "bias_tile.cuh"
 #include "tile_copy.cuh"
@@ -55,25 +56,37 @@ __device__ __forceinline__ void load_query_tile(Elem* sQ, Elem* sdO, Acc* sStats
   }
 }
 
+// How a walk buffers its query tiles (walk_query_tiles).
+enum class QueryBuffers {
+  kTwo,          // two buffers, a barrier at the top of each iteration
+  kRingOfThree,  // three buffers, loaded two tiles ahead; one barrier per tile, in start_next()
+  kTwoTracked,   // two buffers whose copies two mbarriers track; one barrier per tile, in the body
+};
+
 // Calls body(h, m0, buf, start_next) for every query tile that sees a key of [n0, n0 + rows_k)
 // (causal and window bands move right with the row), over the query heads h_first .. h_first +
 // group - 1, the tile's operands in buffer `buf`. load(h, m0, buf) starts the copies of a tile;
 // the body calls start_next() once per tile, where they should start. The walk goes through the
 // rows of one head, then the next: (h, m0) advance by addition (no 64-bit division per tile).
 // Copies issued before the call land with the first tile.
-//   kStages = 2: buffers 0 and 1 in turn; the walker waits for the tile and holds a barrier at
-//     the top of each iteration, and start_next() loads the next tile into the other buffer
-//     (free anywhere in the iteration: its last readers finished before that barrier).
-//   kStages = 3: a ring of three buffers, for a body with one barrier per tile: start_next() IS
-//     that barrier. It waits for the next tile (loaded one iteration ahead), holds the barrier
-//     (after it every warp has finished the previous iteration, whose buffer the tile after next
-//     then takes) and loads the tile after next. There is no barrier at the top: before
-//     start_next() the body may read only this tile's buffer and what the previous barrier
-//     published.
-template <int kBM, int kStages = 2, class Load, class Body>
+//   kTwo: buffers 0 and 1 in turn; the walker waits for the tile and holds a barrier at the top
+//     of each iteration, and start_next() loads the next tile into the other buffer (free
+//     anywhere in the iteration: its last readers finished before that barrier).
+//   kRingOfThree, for a body with one barrier per tile: start_next() IS that barrier. It waits
+//     for the next tile (loaded one iteration ahead), holds the barrier (after it every warp has
+//     finished the previous iteration, whose buffer the tile after next then takes) and loads
+//     the tile after next.
+//   kTwoTracked, for a body with one barrier per tile, which it holds itself before calling
+//     start_next() (after it every warp has finished the previous iteration, whose buffer the
+//     next tile then takes). start_next() loads the next tile and has `landed[buf of it]` (two
+//     mbarriers in smem, initialised here) track its copies; the walker waits for them at the top
+//     of the iteration instead of holding a barrier.
+// With one barrier per tile there is none at the top: before it the body may read only this
+// tile's buffer and what the previous barrier published.
+template <int kBM, QueryBuffers kMode = QueryBuffers::kTwo, class Load, class Body>
 __device__ __forceinline__ void walk_query_tiles(const Seq& sq, int64_t n0, int rows_k, int64_t h_first,
-                                                 int64_t group, Load&& load, Body&& body) {
-  static_assert(kStages == 2 || kStages == 3, "a 2- or 3-buffer ring");
+                                                 int64_t group, Load&& load, Body&& body,
+                                                 uint64_t* landed = nullptr) {
   const int64_t m_begin = sq.row_begin(n0) / kBM * kBM;
   const int64_t m_end = sq.row_end(n0 + rows_k - 1);
   const int64_t m_iters = m_end > m_begin ? (m_end - m_begin + kBM - 1) / kBM : 0;
@@ -88,7 +101,7 @@ __device__ __forceinline__ void walk_query_tiles(const Seq& sq, int64_t n0, int 
   if (num_iters > 0) load(h_first, m_begin, 0);
   cp_async_commit();
   int64_t h = h_first, m0 = m_begin;
-  if constexpr (kStages == 2) {
+  if constexpr (kMode == QueryBuffers::kTwo) {
     int buf = 0;
     for (int64_t it = 0; it < num_iters; ++it, buf ^= 1) {
       int64_t h_next = h, m_next = m0;
@@ -103,7 +116,7 @@ __device__ __forceinline__ void walk_query_tiles(const Seq& sq, int64_t n0, int 
       h = h_next;
       m0 = m_next;
     }
-  } else {
+  } else if constexpr (kMode == QueryBuffers::kRingOfThree) {
     int64_t h_ahead = h, m_ahead = m0;  // the tile after next, once advanced in the loop
     advance(h_ahead, m_ahead);
     if (num_iters > 1) load(h_ahead, m_ahead, 1);
@@ -121,6 +134,29 @@ __device__ __forceinline__ void walk_query_tiles(const Seq& sq, int64_t n0, int 
       };
       body(h, m0, buf, start_next);
       advance(h, m0);
+    }
+  } else {
+    if (threadIdx.x == 0) {
+      mbar_init(&landed[0], blockDim.x);
+      mbar_init(&landed[1], blockDim.x);
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // the first tile landed for all (untracked); the mbarriers are set up
+    int buf = 0;
+    for (int64_t it = 0; it < num_iters; ++it, buf ^= 1) {
+      int64_t h_next = h, m_next = m0;
+      advance(h_next, m_next);
+      // Tile it >= 1 is the ((it - 1) / 2)-th load into its buffer: that phase of its mbarrier.
+      if (it > 0) mbar_wait(&landed[buf], uint32_t((it - 1) >> 1) & 1u);
+      auto start_next = [&] {
+        if (it + 1 < num_iters) {
+          load(h_next, m_next, buf ^ 1);
+          cp_async_mbar_arrive(&landed[buf ^ 1]);  // once the copies landed
+        }
+      };
+      body(h, m0, buf, start_next);
+      h = h_next;
+      m0 = m_next;
     }
   }
 }

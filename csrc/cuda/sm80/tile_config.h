@@ -110,17 +110,22 @@ struct BwdConfig {
 // P and dS go through smem once per tile; dQ on 2 x 4 or 4 x 2 warps (kDqColWarps). Fewer ldmatrix per MMA than BwdConfig's 1-D layout (counted per warp and tile: dim
 // 128 152 / 320 against 184 / 320; dim 64 with 128-row tiles 168 / 320 against 56 / 80).
 // Measured (H200, bf16): backward +3-12% at dim 64, +7-11% at 128, +15-22% at 256.
-// kRing: one barrier per query tile instead of two (bwd_sm80_2d.cuh): Q / dO (with their LSE
-// and D) in a ring of three buffers, loaded two tiles ahead, and P / dS in two buffers, swizzled
-// (rows of kBN elements) so that all of it fits the 227 KB a block gets on sm_90 / sm_100:
-// 230912 bytes at dim 128 (padded P / dS rows would take 235008). Plain calls at dim 128 only;
-// the smem check sends other GPUs to the two-barrier kernel. Measured (H200, bf16): backward
-// +0.8..+3.0% on every dim-128 row, L = 512 ... 16384, causal and not.
-template <class Elem, int kDim, bool kRing = false>
+// kOneSync: one barrier per query tile instead of two (bwd_sm80_2d.cuh): P / dS in two buffers,
+// swizzled (rows of kBN elements), and Q / dO (with their LSE and D) either in a ring of three
+// buffers loaded two tiles ahead (kRing3: dims 96, 128) or in two buffers whose copies mbarriers
+// track (kTracked: dim 256; the walk waits for a tile's copies instead of holding a barrier for
+// them). Plain calls only; all of it fits the 227 KB a block gets on sm_90 / sm_100 (dim 128:
+// 230912 bytes; padded P / dS rows would take 235008), and the smem check sends other GPUs to the
+// two-barrier kernel. Measured (H200, bf16, backward, L = 1024 ... 16384, causal and not): the
+// ring +0.8..+3.0% at 128 and +3.6..+5.9% at 96, tracked +3.2..+6.4% at 256; tracked at 128
+// -0.7..-1.1% against the ring, and at 64 (which the ring does not fit with 128-row tiles)
+// -1.2..-2.0% against two barriers: 64 keeps them.
+template <class Elem, int kDim, bool kOneSync = false>
 struct Bwd2dConfig {
   // Dim 192 stays on the 1-D kernel: 64 x 64 tiles measured 3-5% slower there (H200, bf16).
-  static constexpr bool kServed = sizeof(Elem) == 2 && kDim >= 64 && kDim != 192 && (!kRing || kDim == 128);  // tiers 64, 96, 128, 256
-  static constexpr int kQBufs = kRing ? 3 : 2, kPBufs = kRing ? 2 : 1;  // Q / dO and P / dS buffers
+  static constexpr bool kServed = sizeof(Elem) == 2 && kDim >= 64 && kDim != 192 && (!kOneSync || kDim != 64);  // tiers 64, 96, 128, 256
+  static constexpr bool kRing3 = kOneSync && (kDim == 128 || kDim == 96), kTracked = kOneSync && !kRing3;
+  static constexpr int kQBufs = kRing3 ? 3 : 2, kPBufs = kOneSync ? 2 : 1;  // Q / dO and P / dS buffers
   static constexpr int kWarps = 8, kThreads = 32 * kWarps;
   static constexpr int kBN = kDim <= 128 ? 128 : 64, kBM = kDim <= 64 ? 128 : 64;
   // Warps across the keys in S / dP and in dK / dV: each takes 32 keys.
@@ -142,19 +147,21 @@ struct Bwd2dConfig {
   // with the 4 x 2 dQ grid +5-6% there; at 128 and 256 it measured -1% (H200, bf16), so those
   // read row by row.
   static constexpr bool kSlabStats = kDim == 64;
-  static constexpr bool kSwizzleP = kRing;                  // P, dS tiles swizzled instead of padded
+  static constexpr bool kSwizzleP = kOneSync;               // P, dS tiles swizzled instead of padded
   static constexpr int kLdP = kSwizzleP ? kBN : kBN + 8;    // P, dS rows (one per query)
   // P and dS stored with stmatrix (sm_90+) instead of 32-bit stores: backward +0.8..+2.4% at dims 64
   // and 128 (ncu at 64: MIO-throttle stalls 2.5x FlashAttention-2's), +0.3..+1.7% at 96, -0.3% at 256
   // (H200, bf16).
-  static constexpr bool kStmatrixStores = kDim <= 128;  // (kRing needs them: swizzled P / dS have no other store path)
+  // (kOneSync takes them at every dim: its swizzled P / dS have no other store path.)
+  static constexpr bool kStmatrixStores = kDim <= 128 || kOneSync;
   // One in kFmaExpEvery of the unmasked tiles' exponentials on the FMA pipe (ExpDomain::exp_fma)
   // rather than the MUFU, whose instructions share the MIO queue with ldmatrix: at dim 64 one in 4
   // measured +0..+1.2% (one in 2: +-0.5%); at 128 both -0.4..-2%, at 256 +-0.5% (H200, bf16).
   static constexpr int kFmaExpEvery = kDim == 64 ? 4 : 0;
-  static constexpr size_t kSmemBytes = size_t((2 * kBN + 2 * kQBufs * kBM) * kLd + 2 * kPBufs * kBM * kLdP) * sizeof(Elem) +
-                                       2 * kQBufs * kBM * sizeof(float);
-  static_assert(!(kRing && kServed) || kStmatrixStores, "the ring's swizzled P / dS are stored with stmatrix");
+  // Where the LSE / D area starts, and the two mbarriers (kTracked) after it.
+  static constexpr size_t kStatsOffset = size_t((2 * kBN + 2 * kQBufs * kBM) * kLd + 2 * kPBufs * kBM * kLdP) * sizeof(Elem);
+  static constexpr size_t kSmemBytes = kStatsOffset + 2 * kQBufs * kBM * sizeof(float) + (kTracked ? 2 * sizeof(uint64_t) : 0);
+  static_assert(!(kOneSync && kServed) || kStmatrixStores, "the swizzled P / dS are stored with stmatrix");
 };
 
 // Compute capability 8.0 or newer and `smem` bytes of shared memory per block available.
