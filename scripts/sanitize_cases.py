@@ -16,6 +16,11 @@ CASES = [  # (dtype, batch, heads_q, heads_kv, len_q, len_k, head_dim, head_dim_
     (torch.bfloat16, 2, 2, 1, 100, 75, 24, 32, 0),
     (torch.bfloat16, 1, 2, 1, 150, 97, 176, 192, 1),
     (torch.bfloat16, 1, 2, 1, 90, 150, 256, 256, 1),  # the 2-D dK/dV kernel at dim 256 (3 key tiles)
+    # One barrier per query tile (Bwd2dConfig::kOneSync), each key tile walking 6+ query tiles
+    # over a GQA group: the ring of three at 96 and 128, the mbarrier-tracked copies at 256.
+    (torch.bfloat16, 1, 2, 1, 200, 450, 96, 96, 2),
+    (torch.float16, 1, 4, 2, 300, 200, 128, 128, 0),
+    (torch.bfloat16, 1, 2, 1, 333, 333, 256, 256, 1),
     (torch.float64, 1, 2, 2, 50, 70, 128, 128, 0),  # warp pairs (fp64 dim 128)
     (torch.float64, 1, 1, 1, 17, 40, 256, 32, 2),
     (torch.float64, 1, 2, 1, 70, 45, 64, 48, 1),
