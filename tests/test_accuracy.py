@@ -41,6 +41,21 @@ def test_many_query_tiles(device, causal):
     check_against_reference(q, k, v, 128**-0.5, causal)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16], ids=["fp64", "bf16", "fp16"])
+@pytest.mark.parametrize("causal", CAUSAL_MODES, ids=CAUSAL_IDS)
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 192, 256])
+@pytest.mark.parametrize("len_q,len_k", [(300, 190), (200, 330)])
+def test_query_tile_pairs(device, dtype, causal, head_dim, len_q, len_k):
+    """Several query tiles per head at every tile shape of the tensor-core forward. Causal fp16 /
+    bf16 calls up to dim 128 take pairs of query tiles per block (T-1-j then j, the middle one
+    alone, the second's first copies issued during the first's last key tile); the rest one tile
+    per block, the last first. 300 rows: 3 tiles of 128 rows (fp16/bf16 up to dim 128, fp64 at 96
+    and 128) or 5 of 64 (fp16/bf16 at 192 and 256, fp64 at 32), an odd count; 200 rows: 2 or 4,
+    even; both with a ragged last tile. Bottom-right at 300 x 190: the first 110 rows see no key."""
+    q, k, v = make_qkv(1, 2, 1, len_q, len_k, head_dim, head_dim, dtype, device)
+    check_against_reference(q, k, v, head_dim**-0.5, causal)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("causal", CAUSAL_MODES, ids=CAUSAL_IDS)
 @pytest.mark.parametrize("heads_kv", [2, 1], ids=["gqa", "mqa"])

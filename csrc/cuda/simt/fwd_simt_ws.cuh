@@ -25,6 +25,7 @@
 #include "../common/check.h"
 #include "../common/grid.cuh"
 #include "../common/online_softmax.cuh"
+#include "../common/opaque.cuh"
 #include "launch.h"
 #include "pv_tf32x3.cuh"
 #include "scale_scores.cuh"
@@ -35,14 +36,6 @@ namespace flashattn::cuda::simt {
 
 // Named barriers within one role: among the score warps, among the P V warps.
 enum WsBarrier : int { kBarScore = 1, kBarPv = 2 };
-
-// `x`, hidden from the compiler's loop-invariant code motion: addresses derived from it are formed
-// per query tile instead of once for the block and held (spilled: +1 KB with the two-tile loop)
-// across every key loop.
-__device__ __forceinline__ int64_t opaque(int64_t x) {
-  asm volatile("" : "+l"(x));
-  return x;
-}
 
 template <int kDim>
 struct WsTraits {

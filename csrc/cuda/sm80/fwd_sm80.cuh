@@ -1,15 +1,21 @@
 // Tensor-core forward (sm_80+), one kernel for fp16, bf16 and fp64 (DMMA) through the per-type
 // product steps of fragments.cuh.
 //
-// One block per (batch, query head, kBM-row query tile); each warp owns 16 * kMW query rows.
+// One block per (batch, query head, kBM-row query tile), the last tiles first; or (kPaired:
+// causal calls to the double-buffered fp16 / bf16 plain kernels, launch_fwd) one per (batch,
+// query head, pair of query tiles), tiles num_m_tiles - 1 - j and j one after the other (the
+// middle one alone where the count is odd): each pair, a heavy and a light tile, sees about as
+// many keys as any other, and the second tile's first copies (Q and its first K and V tiles) load
+// during the first tile's last key tile and output stores instead of as an exposed wait at a
+// block's start. Each warp owns 16 * kMW query rows.
 // Q stays in smem; K and V tiles of kBN keys (and the mask/bias tile when the call has one) are
-// double-buffered and prefetched with cp.async while the current pair is used; or
+// double-buffered and prefetched with cp.async while the current ones are used; or
 // (FwdConfig::kStaggered, large dims) one buffer each, V loading while S and the softmax run
 // and the next K while P V runs. Per key tile a
 // warp forms S = Q K^T in registers, applies the causal / ragged-edge mask only on tiles that
 // need it, runs the online softmax on its rows (row statistics reduce over a quad) and adds P V
 // into the O accumulators, P taken straight from the S registers. O and the LSE are written
-// once at the end.
+// once at the end of each query tile.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -21,6 +27,7 @@
 #include "../common/features.cuh"
 #include "../common/grid.cuh"
 #include "../common/online_softmax.cuh"
+#include "../common/opaque.cuh"
 #include "bias_tile.cuh"
 #include "fragments.cuh"
 #include "tile_copy.cuh"
@@ -28,12 +35,21 @@
 
 namespace flashattn::cuda::sm80 {
 
+// A query tile of a forward block: rows [m0, m0 + rows) of the sequence (m_last the last one)
+// and the key tiles [n_begin, n_end) that any of its rows sees.
+struct FwdQueryTile {
+  int64_t m0, m_last, n_begin, n_end;
+  int rows;
+  __device__ __forceinline__ bool has_keys() const { return n_end > n_begin; }
+};
+
 // kFeatures: the variant for calls with optional features (masks, window, ALiBi, softcap,
 // dropout, varlen), with the per-score math of csrc/common/ (as the SIMT kernels and the CPU);
 // the plain variant keeps its registers and its per-tile mask test.
-template <class Elem, int kDim, bool kFeatures>
+template <class Elem, int kDim, bool kFeatures, bool kPaired>
 __global__ void __launch_bounds__(FwdConfig<Elem, kDim, kFeatures>::kThreads)
     fwd_kernel(const FwdParams p, int num_m_tiles) {
+  static_assert(!(kPaired && kFeatures), "the feature variant takes one query tile per block");
   using Cfg = FwdConfig<Elem, kDim, kFeatures>;
   using M = Mma<Elem>;
   using Acc = typename M::Acc;
@@ -56,66 +72,72 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim, kFeatures>::kThreads)
   Elem* sV = sK + kKvBufs * kBN * kLd;
   unsigned char* sBias = reinterpret_cast<unsigned char*>(sV + kKvBufs * kBN * kLd);  // [2] bias tiles
 
-  const TileBlock blk = tile_block(num_m_tiles, 1, p.heads_q, /*heaviest_first=*/true);
-  const int mt = blk.tile;
+  // The block's query tiles. Unpaired: one, the last tiles (under causal masking the heaviest)
+  // first. kPaired (launch_fwd says where): pair j (blk.tile) of its head, tile num_m_tiles - 1 - j
+  // and then tile j, or the middle tile alone where num_m_tiles is odd (that lighter block last).
+  const int blocks_per_head = kPaired ? (num_m_tiles + 1) / 2 : num_m_tiles;
+  const TileBlock blk = tile_block(blocks_per_head, 1, p.heads_q, /*heaviest_first=*/!kPaired);
+  const int num_tiles = kPaired && 2 * blk.tile + 1 != num_m_tiles ? 2 : 1;
+  auto tile_m0 = [&](int i) { return int64_t(!kPaired || i > 0 ? blk.tile : num_m_tiles - 1 - blk.tile) * kBM; };
   const int64_t h = blk.head, b = blk.batch, hk = kv_head(p, h);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int wrow = warp * 16 * kMW;  // first row of this warp in the tile
   // Rows and keys are counted within the sequence (a varlen batch: from its cumulative
-  // offsets; the grid covers the longest one).
+  // offsets; the grid covers the longest one). Only the feature variant's tile can lie past its
+  // sequence: the plain variant's grid covers len_q, and a pair's first tile is its later one.
   const Seq sq = kFeatures ? sequence(p, b) : plain_sequence(p, b);
-  const int64_t m0 = int64_t(mt) * kBM;
-  if (m0 >= sq.len_q) return;
-  const int rows_q = sq.q_tile_rows(m0, kBM);
+  if (tile_m0(0) >= sq.len_q) return;
+  // Query tile i of the block, with the key tiles any of its rows sees (causal and window bands;
+  // tiles outside are skipped).
+  auto query_tile = [&](int i) {
+    FwdQueryTile qt;
+    qt.m0 = tile_m0(i);
+    qt.rows = sq.q_tile_rows(qt.m0, kBM);
+    qt.m_last = qt.m0 + qt.rows - 1;
+    qt.n_begin = sq.key_begin(qt.m0) / kBN * kBN;
+    qt.n_end = sq.key_end(qt.m_last);
+    return qt;
+  };
   const Acc score_scale = Exp::score_scale(p.scale);
   const ScoreMods<Acc> mods(p, sq, h);
   const int E = int(p.head_dim), Ev = int(p.head_dim_v);
 
-  const Elem* q = sq.q_rows<const Elem>(p.q, p.q_stride, h, m0);
   const Elem* k = sq.k_rows<const Elem>(p.k, p.k_stride, hk, 0);
   const Elem* v = sq.k_rows<const Elem>(p.v, p.v_stride, hk, 0);
 
-  // Key tiles any row of the block sees (causal and window bands; tiles outside are skipped).
-  const int64_t m_last = m0 + rows_q - 1;
-  const int64_t n_begin = sq.key_begin(m0) / kBN * kBN;
-  const int64_t n_end = sq.key_end(m_last);
+  // Values of the paired kernel hidden from loop-invariant code motion (opaque.cuh): with two
+  // query tiles per block the compiler formed the K / V copies' per-step offsets, the Q copy's
+  // per-thread addresses, the second tile's copy addresses and the output pointer once, ahead of
+  // the tile or key loop, and held them across the key loops (each of the four: 12-416 bytes of
+  // spills at dims 64-192, sm_90a). With one tile per block they stay plain.
+  auto unhoisted = [](auto x) {
+    if constexpr (kPaired) return opaque(x);
+    else return x;
+  };
   const BiasTileLayout bias_tile = kFeatures ? bias_tile_layout<kBM, kBN>(p) : BiasTileLayout{};
   const bool bias_chunked = kFeatures && bias_rows_chunked(p);
   auto rows_k = [&](int64_t n0) { return sq.k_tile_rows(n0, kBN); };
-  auto load_k = [&](int64_t n0, int buf) {
+  auto load_q = [&](const FwdQueryTile& qt) {
+    copy_tile_async<kBM, kDim, kThreads, false, kSw>(sQ, kLd, sq.q_rows<const Elem>(p.q, p.q_stride, h, qt.m0),
+                                                     p.q_stride.row, qt.rows, E, unhoisted(tid));
+  };
+  // K tile n0 into buffer buf, with the bias / mask tile of query tile qt's rows against it.
+  auto load_k = [&](const FwdQueryTile& qt, int64_t n0, int buf) {
     if (kFeatures && bias_tile.rows > 0)
       stage_bias_tile<kBM, kBN, kThreads>(sBias + buf * bias_tile.buffer_bytes(), bias_tile, bias_chunked, p, sq,
-                                          h, m0, n0, rows_q, rows_k(n0), tid);
+                                          h, qt.m0, n0, qt.rows, rows_k(n0), tid);
     copy_tile_async<kBN, kDim, kThreads, Cfg::kFullTileCopies, kSw>(sK + buf * kBN * kLd, kLd, k + n0 * p.k_stride.row,
-                                                               p.k_stride.row, rows_k(n0), E, tid);
+                                                               unhoisted(p.k_stride.row), rows_k(n0), E, tid);
   };
   auto load_v = [&](int64_t n0, int buf) {
     copy_tile_async<kBN, kDim, kThreads, Cfg::kFullTileCopies, kSw>(sV + buf * kBN * kLd, kLd, v + n0 * p.v_stride.row,
-                                                               p.v_stride.row, rows_k(n0), Ev, tid);
+                                                               unhoisted(p.v_stride.row), rows_k(n0), Ev, tid);
   };
-  if (n_end > n_begin) {
-    copy_tile_async<kBM, kDim, kThreads, false, kSw>(sQ, kLd, q, p.q_stride.row, rows_q, E, tid);
-    load_k(n_begin, 0);
-    if (!Cfg::kStaggered) load_v(n_begin, 0);
-  }
-  cp_async_commit();
 
   Acc o[kMW][kDA][4];
   Acc row_max[kMW][2], row_sum[kMW][2];
-#pragma unroll
-  for (int mw = 0; mw < kMW; ++mw) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      row_max[mw][r] = neg_inf<Acc>();
-      row_sum[mw][r] = Acc(0);
-    }
-#pragma unroll
-    for (int d = 0; d < kDA; ++d)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) o[mw][d][e] = Acc(0);
-  }
 
   // The operand reads from smem: swizzled tiles through the lanes' smem addresses
   // (SwizzledAddress; a K / V buffer lies whole lines further), padded ones through pointers
@@ -143,21 +165,18 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim, kFeatures>::kThreads)
   };
 
   typename M::A qa[kQInRegs ? kKSteps : 1][kMW];
-  if (kQInRegs && n_end > n_begin) {
-    cp_async_wait<0>();
-    __syncthreads();
-#pragma unroll
-    for (int kk = 0; kk < (kQInRegs ? kKSteps : 0); ++kk)
-#pragma unroll
-      for (int mw = 0; mw < kMW; ++mw) read_q(qa[kk][mw], mw, kk * M::kK);
-  }
 
+  // The query tile being computed (set at the top of each tile below; the steps read its rows).
+  FwdQueryTile tile{};
+  // The block's second tile, formed where its first copies are issued (during the first tile's
+  // last key tile; unhoisted: not ahead of the key loop).
+  auto second_tile = [&] { return query_tile(unhoisted(1)); };
   // A key offset from n0, clamped to the tile: the row's band as 32-bit column bounds.
   auto tile_column = [](int64_t x) { return int(x < 0 ? 0 : x > kBN ? kBN : x); };
   const DropoutMask<Acc> drop(p, sq, h);
-  auto row_of = [&](int mw, int r) { return m0 + wrow + 16 * mw + g + 8 * r; };
+  auto row_of = [&](int mw, int r) { return tile.m0 + wrow + 16 * mw + g + 8 * r; };
   // Tiles every row of the block sees in full (most of them) skip the per-element mask.
-  auto all_visible = [&](int64_t n0) { return n0 >= sq.key_begin(m_last) && n0 + kBN <= sq.key_end(m0); };
+  auto all_visible = [&](int64_t n0) { return n0 >= sq.key_begin(tile.m_last) && n0 + kBN <= sq.key_end(tile.m0); };
 
   // S = Q K^T for the key tile in K buffer kb.
   auto compute_scores = [&](Acc (&s)[kMW][kNA][4], int kb) {
@@ -210,8 +229,10 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim, kFeatures>::kThreads)
   };
 
   // The online softmax of tile n0's scores (in the exponent domain, masked ones -inf) and
-  // O = alpha O + P V with V from buffer vb.
-  auto softmax_pv = [&](Acc (&s)[kMW][kNA][4], int vb, int64_t n0) {
+  // O = alpha O + P V with V from buffer vb. Staggered, the next K tile's copy starts where every
+  // warp is done with Q and K; on the tile's last key tile, where start_second, the second query
+  // tile's Q and first K instead.
+  auto softmax_pv = [&](Acc (&s)[kMW][kNA][4], int vb, int64_t n0, bool start_second) {
     // Each row's tile max over its quad, as a tree (depth log2(2 kNA), not a chain of 2 kNA
     // dependent FMNMX).
     Acc tile_max[kMW][2];
@@ -270,8 +291,15 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim, kFeatures>::kThreads)
 
     if constexpr (Cfg::kStaggered) {
       cp_async_wait<0>();
-      __syncthreads();  // V landed for all; every warp is done with K
-      if (n0 + kBN < n_end) load_k(n0 + kBN, 0);  // lands while P V runs
+      __syncthreads();  // V landed for all; every warp is done with Q and K
+      if (n0 + kBN < tile.n_end) {
+        load_k(tile, n0 + kBN, 0);  // lands while P V runs
+      } else if (start_second) {
+        // (land while this tile's P V runs and it writes its output)
+        const FwdQueryTile second = second_tile();
+        load_q(second);
+        load_k(second, second.n_begin, 0);
+      }
       cp_async_commit();
     }
 
@@ -305,105 +333,163 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim, kFeatures>::kThreads)
     }
   };
 
+  // Per query tile: its first copies (unless the first tile's last key tile issued them), Q to
+  // registers (kQInRegs), the key loop and the output. K / V buffer `buf` carries over from the
+  // first tile to the second: the first one's last key tile prefetched into it.
   int buf = 0;
-  for (int64_t n0 = n_begin; n0 < n_end; n0 += kBN, buf = Cfg::kStaggered ? 0 : buf ^ 1) {
-    cp_async_wait<0>();
-    __syncthreads();  // this K (and V) landed for all; every warp is done with the other buffer
-    if constexpr (Cfg::kStaggered) {
-      load_v(n0, 0);  // lands while S and the softmax run
-    } else if (n0 + kBN < n_end) {
-      load_k(n0 + kBN, buf ^ 1);
-      load_v(n0 + kBN, buf ^ 1);
+  bool first_copies_issued = false;  // this tile's, by the previous tile
+#pragma unroll 1
+  for (int tile_index = 0; tile_index < num_tiles; ++tile_index) {
+    tile = query_tile(tile_index);
+    // Where the block has a second tile that sees a key, the first tile's last key tile (if it
+    // has key tiles) issues the second's first copies: they land while the first finishes and
+    // writes its output. (Block-uniform: it guards barriers.)
+    const bool prefetch_second = tile_index + 1 < num_tiles && tile.has_keys() && query_tile(1).has_keys();
+    if (tile.has_keys() && !first_copies_issued) {
+      load_q(tile);
+      load_k(tile, tile.n_begin, buf);
+      if (!Cfg::kStaggered) load_v(tile.n_begin, buf);
     }
     cp_async_commit();
 
-    Acc s[kMW][kNA][4];
-    compute_scores(s, buf);
-
-    // Scores -> exponent domain (masked ones -inf). The scale is applied before the max, not
-    // folded into the exp2 argument (s * c - max * c as one FFMA): that leaves the row's
-    // largest P at 2^(rounding error) instead of exactly 1, and a one-hot row then loses O = V
-    // exactly to the bf16/fp16 rounding of P in P V.
-    // Softcap and ALiBi take the general path of ScoreMods; a bias alone is one add per score.
-    const unsigned char* bias_s = sBias + buf * bias_tile.buffer_bytes();
-    if (kFeatures && mods_beyond_bias(p)) {
-      const bool tile_all_visible = all_visible(n0);
 #pragma unroll
-      for (int mw = 0; mw < kMW; ++mw)
+    for (int mw = 0; mw < kMW; ++mw) {
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          // The lane's scores of one row a set: columns [lo, hi) of the tile are in the row's
-          // band (all on an all-visible tile, none for rows past the sequence); the mods may
-          // still mask.
-          const int tr = wrow + 16 * mw + g + 8 * r;
-          const int64_t m = m0 + tr;
-          int lo = 0, hi = tr < rows_q ? kBN : 0;
-          if (!tile_all_visible && hi > 0) {
-            lo = tile_column(sq.key_begin(m) - n0);
-            hi = tile_column(sq.key_end(m) - n0);
-          }
-          auto col = [&](int i) { return 8 * (i >> 1) + 2 * t + (i & 1); };
-          Acc x[2 * kNA];
-          bool in[2 * kNA];
-#pragma unroll
-          for (int i = 0; i < 2 * kNA; ++i) {
-            x[i] = s[mw][i >> 1][2 * r + (i & 1)];
-            in[i] = col(i) >= lo && col(i) < hi;
-          }
-          mods.scores(x, in, m, n0, [&](int i) { return int2{0, col(i)}; },
-                      [&](int i) { return bias_s + bias_tile.offset(tr, col(i)); }, static_cast<Acc*>(nullptr));
-#pragma unroll
-          for (int i = 0; i < 2 * kNA; ++i) s[mw][i >> 1][2 * r + (i & 1)] = x[i] * Exp::score_scale(1.0);
-        }
-    } else {
-#pragma unroll
-      for (int mw = 0; mw < kMW; ++mw)
-#pragma unroll
-        for (int j = 0; j < kNA; ++j)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) s[mw][j][e] *= score_scale;
-      if constexpr (kFeatures) {
-        with_bias_reader<Elem>(p.bias_kind, p.bias_dtype, [&](auto reader) {
-          using R = decltype(reader);
-          if constexpr (R::kBytes > 0) {
-#pragma unroll
-            for (int mw = 0; mw < kMW; ++mw)
-#pragma unroll
-              for (int r = 0; r < 2; ++r) {
-                const unsigned char* row = bias_s + bias_tile.row_offset(wrow + 16 * mw + g + 8 * r);
-#pragma unroll
-                for (int j = 0; j < kNA; ++j)
-#pragma unroll
-                  for (int cc = 0; cc < 2; ++cc)
-                    s[mw][j][2 * r + cc] +=
-                        Exp::score_scale(1.0) * reader.template value<Acc>(row + (8 * j + 2 * t + cc) * R::kBytes);
-              }
-          }
-        });
+      for (int r = 0; r < 2; ++r) {
+        row_max[mw][r] = neg_inf<Acc>();
+        row_sum[mw][r] = Acc(0);
       }
-      mask_band(s, n0);
+#pragma unroll
+      for (int d = 0; d < kDA; ++d)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[mw][d][e] = Acc(0);
     }
-    softmax_pv(s, buf, n0);
-  }
-  Elem* out = sq.q_rows<Elem>(p.out, p.out_stride, h, 0);
-  Acc* lse = static_cast<Acc*>(p.lse);
+
+    if (kQInRegs && tile.has_keys()) {
+      cp_async_wait<0>();
+      __syncthreads();
 #pragma unroll
-  for (int mw = 0; mw < kMW; ++mw) {
+      for (int kk = 0; kk < (kQInRegs ? kKSteps : 0); ++kk)
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const Acc l = reduce_sum_lanes<4>(row_sum[mw][r]);
-      const int64_t m = m0 + wrow + 16 * mw + g + 8 * r;
-      if (m >= sq.len_q) continue;
-      // l == 0 only when no key is visible: out = 0, lse = -inf. A NaN l propagates.
-      const bool empty = l == Acc(0);
-      const Acc inv = empty ? Acc(0) : (kFeatures && drop.on ? drop.inv_keep : Acc(1)) / l;
-      Elem* o_row = out + m * p.out_stride.row;
-#pragma unroll
-      for (int d = 0; d < kDA; ++d) {
-        const int col = 8 * d + 2 * t;
-        if (col < Ev) M::store_pair(o_row + col, o[mw][d][2 * r] * inv, o[mw][d][2 * r + 1] * inv);
+        for (int mw = 0; mw < kMW; ++mw) read_q(qa[kk][mw], mw, kk * M::kK);
+    }
+
+    for (int64_t n0 = tile.n_begin; n0 < tile.n_end; n0 += kBN, buf = Cfg::kStaggered ? 0 : buf ^ 1) {
+      const bool last_key_tile = n0 + kBN >= tile.n_end;
+      cp_async_wait<0>();
+      __syncthreads();  // this K (and V) landed for all; every warp is done with the other buffer
+      if constexpr (Cfg::kStaggered) {
+        load_v(n0, 0);  // lands while S and the softmax run
+      } else if (!last_key_tile) {
+        load_k(tile, n0 + kBN, buf ^ 1);
+        load_v(n0 + kBN, buf ^ 1);
+      } else if (prefetch_second) {
+        // The second tile's first K and V; with Q in registers (sQ already free) its Q too.
+        const FwdQueryTile second = second_tile();
+        if (kQInRegs) load_q(second);
+        load_k(second, second.n_begin, buf ^ 1);
+        load_v(second.n_begin, buf ^ 1);
       }
-      if (t == 0) lse[sq.row_index(p.heads_q, h, m)] = empty ? neg_inf<Acc>() : Exp::lse(row_max[mw][r], l);
+      cp_async_commit();
+
+      Acc s[kMW][kNA][4];
+      compute_scores(s, buf);
+      // Q from smem: the second tile's Q once every warp has read this tile's. (With kQInRegs at
+      // the top of the iteration, above: at dim 32 on sm_80 this place spilled 16 bytes.)
+      if (!Cfg::kStaggered && !kQInRegs && prefetch_second && last_key_tile) {
+        __syncthreads();  // every warp is done with sQ (the steps below do not read it)
+        load_q(second_tile());  // lands while this tile finishes and writes its output
+        cp_async_commit();
+      }
+
+      // Scores -> exponent domain (masked ones -inf). The scale is applied before the max, not
+      // folded into the exp2 argument (s * c - max * c as one FFMA): that leaves the row's
+      // largest P at 2^(rounding error) instead of exactly 1, and a one-hot row then loses O = V
+      // exactly to the bf16/fp16 rounding of P in P V.
+      // Softcap and ALiBi take the general path of ScoreMods; a bias alone is one add per score.
+      const unsigned char* bias_s = sBias + buf * bias_tile.buffer_bytes();
+      if (kFeatures && mods_beyond_bias(p)) {
+        const bool tile_all_visible = all_visible(n0);
+#pragma unroll
+        for (int mw = 0; mw < kMW; ++mw)
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            // The lane's scores of one row a set: columns [lo, hi) of the tile are in the row's
+            // band (all on an all-visible tile, none for rows past the sequence); the mods may
+            // still mask.
+            const int tr = wrow + 16 * mw + g + 8 * r;
+            const int64_t m = tile.m0 + tr;
+            int lo = 0, hi = tr < tile.rows ? kBN : 0;
+            if (!tile_all_visible && hi > 0) {
+              lo = tile_column(sq.key_begin(m) - n0);
+              hi = tile_column(sq.key_end(m) - n0);
+            }
+            auto col = [&](int i) { return 8 * (i >> 1) + 2 * t + (i & 1); };
+            Acc x[2 * kNA];
+            bool in[2 * kNA];
+#pragma unroll
+            for (int i = 0; i < 2 * kNA; ++i) {
+              x[i] = s[mw][i >> 1][2 * r + (i & 1)];
+              in[i] = col(i) >= lo && col(i) < hi;
+            }
+            mods.scores(x, in, m, n0, [&](int i) { return int2{0, col(i)}; },
+                        [&](int i) { return bias_s + bias_tile.offset(tr, col(i)); }, static_cast<Acc*>(nullptr));
+#pragma unroll
+            for (int i = 0; i < 2 * kNA; ++i) s[mw][i >> 1][2 * r + (i & 1)] = x[i] * Exp::score_scale(1.0);
+          }
+      } else {
+#pragma unroll
+        for (int mw = 0; mw < kMW; ++mw)
+#pragma unroll
+          for (int j = 0; j < kNA; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[mw][j][e] *= score_scale;
+        if constexpr (kFeatures) {
+          with_bias_reader<Elem>(p.bias_kind, p.bias_dtype, [&](auto reader) {
+            using R = decltype(reader);
+            if constexpr (R::kBytes > 0) {
+#pragma unroll
+              for (int mw = 0; mw < kMW; ++mw)
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                  const unsigned char* row = bias_s + bias_tile.row_offset(wrow + 16 * mw + g + 8 * r);
+#pragma unroll
+                  for (int j = 0; j < kNA; ++j)
+#pragma unroll
+                    for (int cc = 0; cc < 2; ++cc)
+                      s[mw][j][2 * r + cc] +=
+                          Exp::score_scale(1.0) * reader.template value<Acc>(row + (8 * j + 2 * t + cc) * R::kBytes);
+                }
+            }
+          });
+        }
+        mask_band(s, n0);
+      }
+      softmax_pv(s, buf, n0, prefetch_second && last_key_tile);
+    }
+    first_copies_issued = prefetch_second;
+
+    // The tile's output (the second tile's copies, where issued, land meanwhile).
+    Elem* out = unhoisted(sq.q_rows<Elem>(p.out, p.out_stride, h, 0));
+    Acc* lse = static_cast<Acc*>(p.lse);
+#pragma unroll
+    for (int mw = 0; mw < kMW; ++mw) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const Acc l = reduce_sum_lanes<4>(row_sum[mw][r]);
+        const int64_t m = row_of(mw, r);
+        if (m >= sq.len_q) continue;
+        // l == 0 only when no key is visible: out = 0, lse = -inf. A NaN l propagates.
+        const bool empty = l == Acc(0);
+        const Acc inv = empty ? Acc(0) : (kFeatures && drop.on ? drop.inv_keep : Acc(1)) / l;
+        Elem* o_row = out + m * p.out_stride.row;
+#pragma unroll
+        for (int d = 0; d < kDA; ++d) {
+          const int col = 8 * d + 2 * t;
+          if (col < Ev) M::store_pair(o_row + col, o[mw][d][2 * r] * inv, o[mw][d][2 * r + 1] * inv);
+        }
+        if (t == 0) lse[sq.row_index(p.heads_q, h, m)] = empty ? neg_inf<Acc>() : Exp::lse(row_max[mw][r], l);
+      }
     }
   }
 }
@@ -416,13 +502,23 @@ bool launch_fwd(const FwdParams& p, cudaStream_t stream) {
   const size_t smem = Cfg::kSmemBytes + 2 * size_t(bias_tile_layout<Cfg::kBM, Cfg::kBN>(p).buffer_bytes());
   if (!tensor_cores_usable(smem)) return false;
   const int64_t num_m_tiles = (p.len_q + Cfg::kBM - 1) / Cfg::kBM;
-  const int64_t blocks = num_m_tiles * p.heads_q * p.batch;
-  if (blocks > 0x7fffffff) throw std::runtime_error("flashattn_ext CUDA backend: forward grid too large");
-  auto kernel = fwd_kernel<Elem, kDim, kFeatures>;
-  set_smem(kernel, smem, "sm80::fwd_kernel");
-  kernel<<<unsigned(blocks), Cfg::kThreads, smem, stream>>>(p, int(num_m_tiles));
-  check_launch("sm80::fwd_kernel");
-  return true;
+  auto launch = [&](auto kernel, int64_t blocks_per_head) {
+    const int64_t blocks = blocks_per_head * p.heads_q * p.batch;
+    if (blocks > 0x7fffffff) throw std::runtime_error("flashattn_ext CUDA backend: forward grid too large");
+    set_smem(kernel, smem, "sm80::fwd_kernel");
+    kernel<<<unsigned(blocks), Cfg::kThreads, smem, stream>>>(p, int(num_m_tiles));
+    check_launch("sm80::fwd_kernel");
+    return true;
+  };
+  // Pairs of query tiles per block (fwd_kernel's kPaired) for causal calls to the double-buffered
+  // fp16 / bf16 plain kernels: measured (H200, bf16) +2.6..+7.8% at dim 128 and +0.5..+1.9% at 64
+  // there, where the pairs of a heavy and a light tile also even out the blocks' work. Not taken:
+  // without causal masking (-1..+0% at 64 and 128 for L <= 4096) and for the staggered kernels (dim
+  // 256: -2..-3% non-causal, -7..+14% causal).
+  if constexpr (!kFeatures && !Cfg::kStaggered && Cfg::kHalf) {
+    if (p.causal) return launch(fwd_kernel<Elem, kDim, false, true>, (num_m_tiles + 1) / 2);
+  }
+  return launch(fwd_kernel<Elem, kDim, kFeatures, false>, num_m_tiles);
 }
 
 template <class Elem, int kDim>
