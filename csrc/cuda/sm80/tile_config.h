@@ -11,7 +11,9 @@
 //              Dims 192 and 256: 4 warps x 16 rows, 64-key tiles with one K and one V buffer
 //              (kStaggered; than double-buffered 32-key tiles: +19-25% at 192, +8-14% at 256).
 //              8 warps x 16 rows with double-buffered 64-key tiles (one block per SM) measured
-//              +2-4% non-causal, -3-4% causal at L = 1024: not kept.
+//              +2-4% non-causal, -3-4% causal at L = 1024, and again later (with causal pairs)
+//              -6% non-causal, -0..-12% causal; staggered 32-key tiles at three blocks per SM
+//              -12..-18%: not kept (FlashAttention-2 runs our shape here on sm_90).
 //   fp64: 16 rows per warp (the fp64 accumulators take twice the registers); dim 64: 4 warps,
 //         32-key tiles (2 blocks per SM); dim 128: 8 warps, 16-key tiles (1 block per SM, 8
 //         warps to hide the DMMA latency).
@@ -121,7 +123,7 @@ struct BwdConfig {
 // two-barrier kernel. Measured (H200, bf16, backward, L = 1024 ... 16384, causal and not): the
 // ring +0.8..+3.0% at 128 and +3.6..+5.9% at 96, tracked +3.2..+6.4% at 256; tracked at 128
 // -0.7..-1.1% against the ring, and at 64 (which the ring does not fit with 128-row tiles)
-// -1.2..-2.0% against two barriers: 64 keeps them.
+// -1.2..-2.0% against two barriers: 64 keeps them (the ring with 96-row tiles: -4..-15%).
 template <class Elem, int kDim, bool kOneSync = false>
 struct Bwd2dConfig {
   // Dim 192 stays on the 1-D kernel: 64 x 64 tiles measured 3-5% slower there (H200, bf16).
