@@ -1,0 +1,105 @@
+"""Which tensor-core kernels a change alters, without a GPU:
+
+    python scripts/sass_diff.py [--ref REF] [FILE.cu ...]
+
+compiles each file (default: every csrc/cuda/sm80/*.cu) as it is at git ref REF (default HEAD)
+and as it is in the working tree, for sm_90 with sass_blocks.py's flags, and prints per kernel its
+registers and spill bytes (ptxas) in both, and `same` where the two SASS listings are identical,
+else both instruction counts and those of their largest loops. A change meant for one kernel
+should leave the others `same`: one that moves another kernel's registers or key loop (NOTES_sm80
+Version 23, items 4, 9 and 11: 1-5% each) shows here before it costs a device call.
+"""
+import argparse
+import concurrent.futures
+import glob
+import os
+import re
+import subprocess
+import tempfile
+
+import sass_blocks as sb
+
+
+def compile_file(root, rel, out_dir):
+    """{kernel: (registers, spill bytes, SASS lines without addresses and encodings)} of one file."""
+    cubin = os.path.join(out_dir, os.path.basename(rel) + ".cubin")
+    flags = [f if not f.startswith("-I") else "-I" + os.path.join(root, "csrc") for f in sb.NVCC_FLAGS]
+    ptxas = subprocess.run(["nvcc", *flags, "-Xptxas", "-v", os.path.join(root, rel), "-o", cubin],
+                           check=True, capture_output=True, text=True).stderr
+    usage, name = {}, None
+    for line in ptxas.splitlines():
+        m = re.search(r"Compiling entry function '(\S+)'", line)
+        if m:
+            name, spills = m.group(1), 0
+        m = re.search(r"(\d+) bytes spill stores", line)
+        if m and name:
+            spills = int(m.group(1))
+        m = re.search(r"Used (\d+) registers", line)
+        if m and name:
+            usage[name] = (int(m.group(1)), spills)
+            name = None
+    env = dict(os.environ)
+    extra = sb.tool_dir()
+    if extra:
+        env["PATH"] = extra + os.pathsep + env["PATH"]
+    text = subprocess.run(["cuobjdump", "-sass", cubin], check=True, capture_output=True, text=True, env=env).stdout
+    kernels = {}
+    for body in re.split(r"\n\s*Function : ", text)[1:]:
+        fn = body.split("\n")[0].strip()
+        lines = [(int(m.group(1), 16), m.group(2).strip())
+                 for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", body)]
+        regs, spills = usage.get(fn, (0, 0))
+        kernels[fn] = (regs, spills, lines)
+    return kernels
+
+
+def loop_size(lines):
+    back = [(int(t, 16), a) for a, b in lines for t in re.findall(r"BRA[^;]*?0x([0-9a-f]+)", b) if int(t, 16) < a]
+    if not back:
+        return 0
+    lo, hi = max(back, key=lambda x: x[1] - x[0])
+    return sum(lo <= a <= hi for a, _ in lines)
+
+
+def short(fn):
+    demangled = subprocess.run(["c++filt", fn], capture_output=True, text=True).stdout.strip() or fn
+    return re.sub(r"\(.*", "", demangled.replace("flashattn::cuda::", "")).replace("__nv_bfloat16", "bf16")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ref", default="HEAD")
+    ap.add_argument("files", nargs="*")
+    args = ap.parse_args()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    files = args.files or sorted(os.path.relpath(f, root) for f in glob.glob(os.path.join(root, "csrc/cuda/sm80/*.cu")))
+    files = [os.path.relpath(os.path.abspath(f), root) for f in files]
+    with tempfile.TemporaryDirectory() as tmp:
+        ref_root = os.path.join(tmp, "ref")
+        os.makedirs(ref_root)
+        archive = subprocess.run(["git", "-C", root, "archive", args.ref, "csrc"], check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", ref_root], input=archive, check=True)
+        jobs = [(r, f, os.path.join(tmp, tag)) for f in files for tag, r in (("old", ref_root), ("new", root))]
+        for _, _, d in jobs:
+            os.makedirs(d, exist_ok=True)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+            results = list(pool.map(lambda j: compile_file(*j), jobs))
+    changed = 0
+    for i, f in enumerate(files):
+        old, new = results[2 * i], results[2 * i + 1]
+        print(f"{f}:")
+        for fn in sorted(set(old) | set(new)):
+            if fn not in old or fn not in new:
+                print(f"  {'added' if fn in new else 'removed':8} {short(fn)}")
+                changed += 1
+                continue
+            (r0, s0, l0), (r1, s1, l1) = old[fn], new[fn]
+            same = [b for _, b in l0] == [b for _, b in l1]
+            changed += not same
+            state = "same" if same else f"{len(l0)} -> {len(l1)} instr, loop {loop_size(l0)} -> {loop_size(l1)}"
+            print(f"  regs {r0:3d} -> {r1:3d}  spills {s0:3d} -> {s1:3d}  {state:40}  {short(fn)}")
+    print(f"{changed} kernel(s) differ from {args.ref}")
+
+
+if __name__ == "__main__":
+    main()
