@@ -72,7 +72,7 @@ def main():
     ap.add_argument("files", nargs="*")
     args = ap.parse_args()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    files = args.files or sorted(os.path.relpath(f, root) for f in glob.glob(os.path.join(root, "csrc/cuda/sm80/*.cu")))
+    files = args.files or sorted(glob.glob(os.path.join(root, "csrc/cuda/sm80/*.cu")))
     files = [os.path.relpath(os.path.abspath(f), root) for f in files]
     with tempfile.TemporaryDirectory() as tmp:
         ref_root = os.path.join(tmp, "ref")
