@@ -77,7 +77,8 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         ref_root = os.path.join(tmp, "ref")
         os.makedirs(ref_root)
-        archive = subprocess.run(["git", "-C", root, "archive", args.ref, "csrc"], check=True, capture_output=True).stdout
+        archive = subprocess.run(["git", "-C", root, "archive", args.ref, "csrc"], check=True,
+                                 capture_output=True).stdout
         subprocess.run(["tar", "-x", "-C", ref_root], input=archive, check=True)
         jobs = [(r, f, os.path.join(tmp, tag)) for f in files for tag, r in (("old", ref_root), ("new", root))]
         for _, _, d in jobs:
