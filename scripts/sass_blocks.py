@@ -44,20 +44,36 @@ def tool_dir():
     return bin_dir
 
 
+def cuobjdump_sass(cubin):
+    """cuobjdump -sass of a cubin: {mangled function name: its SASS listing}."""
+    env = dict(os.environ)
+    extra = tool_dir()
+    if extra:
+        env["PATH"] = extra + os.pathsep + env["PATH"]
+    text = subprocess.run(["cuobjdump", "-sass", cubin], check=True, capture_output=True, text=True, env=env).stdout
+    return {body.split("\n")[0].strip(): body for body in re.split(r"\n\s*Function : ", text)[1:]}
+
+
 def function_sass(cu_file, name_part):
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "k.cubin")
         subprocess.run(["nvcc", *NVCC_FLAGS, cu_file, "-o", cubin], check=True)
-        env = dict(os.environ)
-        extra = tool_dir()
-        if extra:
-            env["PATH"] = extra + os.pathsep + env["PATH"]
-        text = subprocess.run(["cuobjdump", "-sass", cubin], check=True, capture_output=True, text=True,
-                              env=env).stdout
-    for body in re.split(r"\n\s*Function : ", text)[1:]:
-        if name_part in body.split("\n")[0]:
+        functions = cuobjdump_sass(cubin)
+    for name, body in functions.items():
+        if name_part in name:
             return body
     sys.exit(f"sass_blocks: no function matching {name_part!r} in {cu_file}")
+
+
+def instructions(body):
+    """[(address, instruction text)] of a function's listing."""
+    return [(int(m.group(1), 16), m.group(2).strip()) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", body)]
+
+
+def largest_loop(ins):
+    """(first, last) address of the longest backward branch's range, or None."""
+    back = [(int(t, 16), a) for a, b in ins for t in re.findall(r"BRA[^;]*?0x([0-9a-f]+)", b) if int(t, 16) < a]
+    return max(back, key=lambda x: x[1] - x[0]) if back else None
 
 
 def main():
@@ -65,13 +81,12 @@ def main():
         sys.exit(__doc__)
     body = function_sass(sys.argv[1], sys.argv[2])
     print(body.split("\n")[0])
-    ins = [(int(m.group(1), 16), m.group(2).strip())
-           for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", body)]
+    ins = instructions(body)
     targets = {int(t, 16) for _, b in ins for t in re.findall(r"BRA[^;]*?0x([0-9a-f]+)", b)}
-    back = [(int(t, 16), a) for a, b in ins for t in re.findall(r"BRA[^;]*?0x([0-9a-f]+)", b) if int(t, 16) < a]
-    if not back:
+    loop = largest_loop(ins)
+    if loop is None:
         sys.exit("sass_blocks: no loop")
-    lo, hi = max(back, key=lambda x: x[1] - x[0])
+    lo, hi = loop
     print(f"largest loop: {hex(lo)} .. {hex(hi)}, {sum(lo <= a <= hi for a, _ in ins)} instructions")
     blocks, cur = [], None
     for a, b in ins:

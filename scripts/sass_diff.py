@@ -21,7 +21,7 @@ import sass_blocks as sb
 
 
 def compile_file(root, rel, out_dir):
-    """{kernel: (registers, spill bytes, SASS lines without addresses and encodings)} of one file."""
+    """{kernel: (registers, spill bytes, [(address, SASS instruction)])} of one file."""
     cubin = os.path.join(out_dir, os.path.basename(rel) + ".cubin")
     flags = [f if not f.startswith("-I") else "-I" + os.path.join(root, "csrc") for f in sb.NVCC_FLAGS]
     ptxas = subprocess.run(["nvcc", *flags, "-Xptxas", "-v", os.path.join(root, rel), "-o", cubin],
@@ -38,27 +38,12 @@ def compile_file(root, rel, out_dir):
         if m and name:
             usage[name] = (int(m.group(1)), spills)
             name = None
-    env = dict(os.environ)
-    extra = sb.tool_dir()
-    if extra:
-        env["PATH"] = extra + os.pathsep + env["PATH"]
-    text = subprocess.run(["cuobjdump", "-sass", cubin], check=True, capture_output=True, text=True, env=env).stdout
-    kernels = {}
-    for body in re.split(r"\n\s*Function : ", text)[1:]:
-        fn = body.split("\n")[0].strip()
-        lines = [(int(m.group(1), 16), m.group(2).strip())
-                 for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", body)]
-        regs, spills = usage.get(fn, (0, 0))
-        kernels[fn] = (regs, spills, lines)
-    return kernels
+    return {fn: usage.get(fn, (0, 0)) + (sb.instructions(body),) for fn, body in sb.cuobjdump_sass(cubin).items()}
 
 
 def loop_size(lines):
-    back = [(int(t, 16), a) for a, b in lines for t in re.findall(r"BRA[^;]*?0x([0-9a-f]+)", b) if int(t, 16) < a]
-    if not back:
-        return 0
-    lo, hi = max(back, key=lambda x: x[1] - x[0])
-    return sum(lo <= a <= hi for a, _ in lines)
+    loop = sb.largest_loop(lines)
+    return sum(loop[0] <= a <= loop[1] for a, _ in lines) if loop else 0
 
 
 def short(fn):
