@@ -472,23 +472,74 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim, kFeatures>::kThreads)
     // The tile's output (the second tile's copies, where issued, land meanwhile).
     Elem* out = unhoisted(sq.q_rows<Elem>(p.out, p.out_stride, h, 0));
     Acc* lse = static_cast<Acc*>(p.lse);
+    // Staged (swizzled tiles, one query tile per block): a warp writes its rows into its own rows
+    // of sQ, which only it read and its last S products are done with, and copies them out a
+    // 16-byte chunk per lane, a row's chunks across lanes (4-byte stores from the accumulators
+    // write half sectors of 8 rows, with a column test per store). The paired kernel's second Q
+    // lands in sQ while its first tile writes.
+    if constexpr (kSw && !kPaired) {
+      // (opaque: formed here, not ahead of the key loop and held across it)
+      const uint32_t out_at = TA::base(sQ, opaque(wrow + g), 0);  // the lane's row g of the warp's rows
 #pragma unroll
-    for (int mw = 0; mw < kMW; ++mw) {
+      for (int mw = 0; mw < kMW; ++mw) {
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const Acc l = reduce_sum_lanes<4>(row_sum[mw][r]);
-        const int64_t m = row_of(mw, r);
-        if (m >= sq.len_q) continue;
-        // l == 0 only when no key is visible: out = 0, lse = -inf. A NaN l propagates.
-        const bool empty = l == Acc(0);
-        const Acc inv = empty ? Acc(0) : (kFeatures && drop.on ? drop.inv_keep : Acc(1)) / l;
-        Elem* o_row = out + m * p.out_stride.row;
+        for (int r = 0; r < 2; ++r) {
+          const Acc l = reduce_sum_lanes<4>(row_sum[mw][r]);
+          // l == 0 only when no key is visible: out = 0, lse = -inf. A NaN l propagates.
+          const bool empty = l == Acc(0);
+          const Acc inv = empty ? Acc(0) : (kFeatures && drop.on ? drop.inv_keep : Acc(1)) / l;
 #pragma unroll
-        for (int d = 0; d < kDA; ++d) {
-          const int col = 8 * d + 2 * t;
-          if (col < Ev) M::store_pair(o_row + col, o[mw][d][2 * r] * inv, o[mw][d][2 * r + 1] * inv);
+          for (int d = 0; d < kDA; ++d) {  // row 16 mw + 8 r + g, chunk d, bytes 4t.. of the warp's rows
+            const uint32_t at = TA::at(out_at, 16 * mw + 8 * r, d) + 4 * t;
+            *reinterpret_cast<uint32_t*>(smem_raw + (at - smem_addr(smem_raw))) =
+                M::pack(o[mw][d][2 * r] * inv, o[mw][d][2 * r + 1] * inv);
+          }
+          const int64_t m = row_of(mw, r);
+          if (t == 0 && m < sq.len_q)
+            lse[sq.row_index(p.heads_q, h, m)] = empty ? neg_inf<Acc>() : Exp::lse(row_max[mw][r], l);
         }
-        if (t == 0) lse[sq.row_index(p.heads_q, h, m)] = empty ? neg_inf<Acc>() : Exp::lse(row_max[mw][r], l);
+      }
+      __syncwarp();
+      // kLanesPerRow lanes per row (its chunks, at most 32), kRowsPerStep rows per step (fwd()
+      // checks that the output rows are 16-byte aligned). A rolled loop: unrolled, it moved the key
+      // loop's registers (52 B of spills at dims 64 and 128, 5 more registers at 256).
+      constexpr int kChunk = chunk_elems<Elem>(), kChunksPerRow = kDim / kChunk;
+      constexpr int kLanesPerRow = kChunksPerRow < 32 ? kChunksPerRow : 32, kRowsPerStep = 32 / kLanesPerRow;
+      Elem* const out_o = opaque(out + tile.m0 * p.out_stride.row);
+      const int rows_o = opaque(tile.rows);
+      const int lane_o = opaque(4 * g + t), lrow = lane_o / kLanesPerRow, lchunk = lane_o % kLanesPerRow;
+#pragma unroll 1
+      for (int rr = 0; rr < 16 * kMW; rr += kRowsPerStep) {
+        const int row = wrow + rr + lrow;
+#pragma unroll
+        for (int c = lchunk; c < kChunksPerRow; c += kLanesPerRow) {
+          const uint4 chunk = *reinterpret_cast<const uint4*>(smem_raw + row * kLd * int(sizeof(Elem)) +
+                                                              16 * ((c & ~7) | ((c ^ row) & 7)));
+          if (row < rows_o && c * kChunk < Ev) {
+            Elem* dst = out_o + row * p.out_stride.row + c * kChunk;
+            *reinterpret_cast<uint4*>(dst) = chunk;
+          }
+        }
+      }
+    } else {
+#pragma unroll
+      for (int mw = 0; mw < kMW; ++mw) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const Acc l = reduce_sum_lanes<4>(row_sum[mw][r]);
+          const int64_t m = row_of(mw, r);
+          if (m >= sq.len_q) continue;
+          // l == 0 only when no key is visible: out = 0, lse = -inf. A NaN l propagates.
+          const bool empty = l == Acc(0);
+          const Acc inv = empty ? Acc(0) : (kFeatures && drop.on ? drop.inv_keep : Acc(1)) / l;
+          Elem* o_row = out + m * p.out_stride.row;
+#pragma unroll
+          for (int d = 0; d < kDA; ++d) {
+            const int col = 8 * d + 2 * t;
+            if (col < Ev) M::store_pair(o_row + col, o[mw][d][2 * r] * inv, o[mw][d][2 * r + 1] * inv);
+          }
+          if (t == 0) lse[sq.row_index(p.heads_q, h, m)] = empty ? neg_inf<Acc>() : Exp::lse(row_max[mw][r], l);
+        }
       }
     }
   }
@@ -526,7 +577,7 @@ bool fwd(const FwdParams& p, cudaStream_t stream) {
   if (!rows_aligned_16<Elem>(p.q, p.q_stride.batch, p.q_stride.head, p.q_stride.row, p.head_dim) ||
       !rows_aligned_16<Elem>(p.k, p.k_stride.batch, p.k_stride.head, p.k_stride.row, p.head_dim) ||
       !rows_aligned_16<Elem>(p.v, p.v_stride.batch, p.v_stride.head, p.v_stride.row, p.head_dim_v) ||
-      !pairs_aligned<Elem>(p.out, p.out_stride))
+      !rows_aligned_16<Elem>(p.out, p.out_stride.batch, p.out_stride.head, p.out_stride.row, p.head_dim_v))
     return false;
   if (p.has_features()) return launch_fwd<Elem, kDim, true>(p, stream);
   // Where the plain variant's tiles do not fit in the GPU's shared memory, the feature variant
