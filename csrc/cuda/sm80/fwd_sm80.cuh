@@ -500,26 +500,34 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim, kFeatures>::kThreads)
         }
       }
       __syncwarp();
-      // kLanesPerRow lanes per row (its chunks, at most 32), kRowsPerStep rows per step (fwd()
+      // A row's chunks on kLanesPerRow lanes (one chunk each), kRowsPerStep rows per step (fwd()
       // checks that the output rows are 16-byte aligned). A rolled loop: unrolled, it moved the key
       // loop's registers (52 B of spills at dims 64 and 128, 5 more registers at 256).
-      constexpr int kChunk = chunk_elems<Elem>(), kChunksPerRow = kDim / kChunk;
-      constexpr int kLanesPerRow = kChunksPerRow < 32 ? kChunksPerRow : 32, kRowsPerStep = 32 / kLanesPerRow;
-      Elem* const out_o = opaque(out + tile.m0 * p.out_stride.row);
-      const int rows_o = opaque(tile.rows);
-      const int lane_o = opaque(4 * g + t), lrow = lane_o / kLanesPerRow, lchunk = lane_o % kLanesPerRow;
+      constexpr int kChunk = chunk_elems<Elem>(), kLanesPerRow = kDim / kChunk, kRowsPerStep = 32 / kLanesPerRow;
+      static_assert(kLanesPerRow <= 32 && 32 % kLanesPerRow == 0, "a row's chunks divide the warp");
+      constexpr int kRowBytes = kLd * int(sizeof(Elem));
+      const int lane_o = opaque(4 * g + t);  // (opaque: the forms below stay out of the key loop)
+      const int c = lane_o % kLanesPerRow, row0 = wrow + lane_o / kLanesPerRow;
+      const unsigned char* src = smem_raw + row0 * kRowBytes + 16 * (c & ~7);
+      Elem* dst = out + (tile.m0 + row0) * p.out_stride.row + c * kChunk;
+      const int64_t dst_step = kRowsPerStep * p.out_stride.row;
+      const bool col_ok = c * kChunk < Ev;
+      const int rows_left = tile.rows - row0;
+      // Steps in batches of 4: their loads first, then their stores, so that the loads overlap.
+      constexpr int kSteps = 16 * kMW / kRowsPerStep, kBatch = 4;
+      static_assert(kSteps % kBatch == 0, "whole batches");
 #pragma unroll 1
-      for (int rr = 0; rr < 16 * kMW; rr += kRowsPerStep) {
-        const int row = wrow + rr + lrow;
+      for (int i0 = 0; i0 < kSteps; i0 += kBatch) {
+        uint4 chunk[kBatch];
 #pragma unroll
-        for (int c = lchunk; c < kChunksPerRow; c += kLanesPerRow) {
-          const uint4 chunk = *reinterpret_cast<const uint4*>(smem_raw + row * kLd * int(sizeof(Elem)) +
-                                                              16 * ((c & ~7) | ((c ^ row) & 7)));
-          if (row < rows_o && c * kChunk < Ev) {
-            Elem* dst = out_o + row * p.out_stride.row + c * kChunk;
-            *reinterpret_cast<uint4*>(dst) = chunk;
-          }
+        for (int j = 0; j < kBatch; ++j) {
+          const int i = i0 + j, row = row0 + i * kRowsPerStep;
+          chunk[j] = *reinterpret_cast<const uint4*>(src + i * kRowsPerStep * kRowBytes + 16 * ((c ^ row) & 7));
         }
+#pragma unroll
+        for (int j = 0; j < kBatch; ++j)
+          if (col_ok && (i0 + j) * kRowsPerStep < rows_left)
+            *reinterpret_cast<uint4*>(dst + (i0 + j) * dst_step) = chunk[j];
       }
     } else {
 #pragma unroll
