@@ -482,6 +482,7 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim, kFeatures>::kThreads)
     if constexpr (kSw && !kPaired) {
       // (opaque: formed here, not ahead of the key loop and held across it)
       const uint32_t out_at = TA::base(sQ, opaque(wrow + g), 0);  // the lane's row g of the warp's rows
+      __syncwarp();  // every lane's reads of these rows (ldmatrix serves other lanes) are done
 #pragma unroll
       for (int mw = 0; mw < kMW; ++mw) {
 #pragma unroll
