@@ -5,7 +5,8 @@
 compiles each file (default: every csrc/cuda/sm80/*.cu) as it is at git ref REF (default HEAD)
 and as it is in the working tree, for sm_90 with sass_blocks.py's flags, and prints per kernel its
 registers and spill bytes (ptxas) in both, and `same` where the two SASS listings are identical,
-else both instruction counts and those of their largest loops. A change meant for one kernel
+else both instruction counts and, for their largest loops, `loop same` where the loop's
+instructions are identical (branch targets masked) or both loops' sizes. A change meant for one kernel
 should leave the others `same`: one that moves another kernel's registers or key loop (NOTES_sm80
 Version 23, items 4, 9 and 11: 1-5% each) shows here before it costs a device call.
 """
@@ -41,9 +42,10 @@ def compile_file(root, rel, out_dir):
     return {fn: usage.get(fn, (0, 0)) + (sb.instructions(body),) for fn, body in sb.cuobjdump_sass(cubin).items()}
 
 
-def loop_size(lines):
+def loop_text(lines):
+    """The largest loop's instructions, branch targets masked (code moved before the loop shifts them)."""
     loop = sb.largest_loop(lines)
-    return sum(loop[0] <= a <= loop[1] for a, _ in lines) if loop else 0
+    return [re.sub(r"0x[0-9a-f]+", "X", b) for a, b in lines if loop[0] <= a <= loop[1]] if loop else []
 
 
 def short(fn):
@@ -82,7 +84,9 @@ def main():
             (r0, s0, l0), (r1, s1, l1) = old[fn], new[fn]
             same = [b for _, b in l0] == [b for _, b in l1]
             changed += not same
-            state = "same" if same else f"{len(l0)} -> {len(l1)} instr, loop {loop_size(l0)} -> {loop_size(l1)}"
+            k0, k1 = loop_text(l0), loop_text(l1)
+            loop = "same" if k0 == k1 else f"{len(k0)} -> {len(k1)}"
+            state = "same" if same else f"{len(l0)} -> {len(l1)} instr, loop {loop}"
             print(f"  regs {r0:3d} -> {r1:3d}  spills {s0:3d} -> {s1:3d}  {state:40}  {short(fn)}")
     print(f"{changed} kernel(s) differ from {args.ref}")
 

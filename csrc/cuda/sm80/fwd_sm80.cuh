@@ -472,14 +472,16 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim, kFeatures>::kThreads)
     // The tile's output (the second tile's copies, where issued, land meanwhile).
     Elem* out = unhoisted(sq.q_rows<Elem>(p.out, p.out_stride, h, 0));
     Acc* lse = static_cast<Acc*>(p.lse);
-    // Staged (swizzled tiles, one query tile per block): a warp writes its rows into its own rows
+    // Staged (plain swizzled kernels, one query tile per block): a warp writes its rows into its own rows
     // of sQ, which only it read and its last S products are done with, and copies them out a
     // 16-byte chunk per lane, a row's chunks across lanes (4-byte stores from the accumulators
     // write half sectors of 8 rows, with a column test per store). Measured (H200, bf16, key loops'
     // SASS unchanged): forward +1.7..+4% at L = 512 at dims 128 / 256, +1..+2% at 1024, within
     // noise from 4096. The paired kernel's second Q lands in sQ while its first tile writes (and
-    // staging only its second tile moved its key loop: 96 B of spills at dim 128).
-    if constexpr (kSw && !kPaired) {
+    // staging only its second tile moved its key loop: 96 B of spills at dim 128); in the feature
+    // variant staging moved the key loops (dim 256: 2 more registers), not measured: both keep
+    // the stores from registers.
+    if constexpr (kSw && !kPaired && !kFeatures) {
       // (opaque: formed here, not ahead of the key loop and held across it)
       const uint32_t out_at = TA::base(sQ, opaque(wrow + g), 0);  // the lane's row g of the warp's rows
       __syncwarp();  // every lane's reads of these rows (ldmatrix serves other lanes) are done
