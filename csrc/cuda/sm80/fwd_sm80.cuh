@@ -472,8 +472,8 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim, kFeatures>::kThreads)
     // The tile's output (the second tile's copies, where issued, land meanwhile).
     Elem* out = unhoisted(sq.q_rows<Elem>(p.out, p.out_stride, h, 0));
     Acc* lse = static_cast<Acc*>(p.lse);
-    // Staged (plain swizzled kernels, one query tile per block): a warp writes its rows into its own rows
-    // of sQ, which only it read and its last S products are done with, and copies them out a
+    // Staged (plain swizzled kernels, one query tile per block): a warp writes its rows into its
+    // own rows of sQ, which only it read and its last S products are done with, and copies them out a
     // 16-byte chunk per lane, a row's chunks across lanes (4-byte stores from the accumulators
     // write half sectors of 8 rows, with a column test per store). Measured (H200, bf16, key loops'
     // SASS unchanged): forward +1.7..+4% at L = 512 at dims 128 / 256, +1..+2% at 1024, within
@@ -492,7 +492,7 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim, kFeatures>::kThreads)
           const Acc l = reduce_sum_lanes<4>(row_sum[mw][r]);
           // l == 0 only when no key is visible: out = 0, lse = -inf. A NaN l propagates.
           const bool empty = l == Acc(0);
-          const Acc inv = empty ? Acc(0) : (kFeatures && drop.on ? drop.inv_keep : Acc(1)) / l;
+          const Acc inv = empty ? Acc(0) : Acc(1) / l;
 #pragma unroll
           for (int d = 0; d < kDA; ++d) {  // row 16 mw + 8 r + g, chunk d, bytes 4t.. of the warp's rows
             const uint32_t at = TA::at(out_at, 16 * mw + 8 * r, d) + 4 * t;
