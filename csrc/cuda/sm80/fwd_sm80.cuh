@@ -119,21 +119,22 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim, kFeatures>::kThreads)
   const BiasTileLayout bias_tile = kFeatures ? bias_tile_layout<kBM, kBN>(p) : BiasTileLayout{};
   const bool bias_chunked = kFeatures && bias_rows_chunked(p);
   auto rows_k = [&](int64_t n0) { return sq.k_tile_rows(n0, kBN); };
+  constexpr bool kClampSource = true;  // copies past the valid rows name a valid source (tile_copy.cuh: measured)
   auto load_q = [&](const FwdQueryTile& qt) {
-    copy_tile_async<kBM, kDim, kThreads, false, kSw>(sQ, kLd, sq.q_rows<const Elem>(p.q, p.q_stride, h, qt.m0),
-                                                     p.q_stride.row, qt.rows, E, unhoisted(tid));
+    copy_tile_async<kBM, kDim, kThreads, false, kSw, kClampSource>(
+        sQ, kLd, sq.q_rows<const Elem>(p.q, p.q_stride, h, qt.m0), p.q_stride.row, qt.rows, E, unhoisted(tid));
   };
   // K tile n0 into buffer buf, with the bias / mask tile of query tile qt's rows against it.
   auto load_k = [&](const FwdQueryTile& qt, int64_t n0, int buf) {
     if (kFeatures && bias_tile.rows > 0)
       stage_bias_tile<kBM, kBN, kThreads>(sBias + buf * bias_tile.buffer_bytes(), bias_tile, bias_chunked, p, sq,
                                           h, qt.m0, n0, qt.rows, rows_k(n0), tid);
-    copy_tile_async<kBN, kDim, kThreads, Cfg::kFullTileCopies, kSw>(sK + buf * kBN * kLd, kLd, k + n0 * p.k_stride.row,
-                                                               unhoisted(p.k_stride.row), rows_k(n0), E, tid);
+    copy_tile_async<kBN, kDim, kThreads, Cfg::kFullTileCopies, kSw, kClampSource>(
+        sK + buf * kBN * kLd, kLd, k + n0 * p.k_stride.row, unhoisted(p.k_stride.row), rows_k(n0), E, tid);
   };
   auto load_v = [&](int64_t n0, int buf) {
-    copy_tile_async<kBN, kDim, kThreads, Cfg::kFullTileCopies, kSw>(sV + buf * kBN * kLd, kLd, v + n0 * p.v_stride.row,
-                                                               unhoisted(p.v_stride.row), rows_k(n0), Ev, tid);
+    copy_tile_async<kBN, kDim, kThreads, Cfg::kFullTileCopies, kSw, kClampSource>(
+        sV + buf * kBN * kLd, kLd, v + n0 * p.v_stride.row, unhoisted(p.v_stride.row), rows_k(n0), Ev, tid);
   };
 
   Acc o[kMW][kDA][4];
@@ -511,10 +512,8 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim, kFeatures>::kThreads)
       // 5 more registers at 256); one step per iteration serialized each load and its store.
       constexpr int kChunk = chunk_elems<Elem>(), kLanesPerRow = kDim / kChunk, kRowsPerStep = 32 / kLanesPerRow;
       static_assert(kLanesPerRow <= 32 && 32 % kLanesPerRow == 0, "a row's chunks divide the warp");
-      constexpr int kRowBytes = kLd * int(sizeof(Elem));
       const int lane_o = opaque(4 * g + t);  // (opaque: the forms below stay out of the key loop)
       const int c = lane_o % kLanesPerRow, row0 = wrow + lane_o / kLanesPerRow;
-      const unsigned char* src = smem_raw + row0 * kRowBytes + 16 * (c & ~7);
       Elem* dst = out + (tile.m0 + row0) * p.out_stride.row + c * kChunk;
       const int64_t dst_step = kRowsPerStep * p.out_stride.row;
       const bool col_ok = c * kChunk < Ev;
@@ -527,8 +526,8 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim, kFeatures>::kThreads)
         uint4 chunk[kBatch];
 #pragma unroll
         for (int j = 0; j < kBatch; ++j) {
-          const int i = i0 + j, row = row0 + i * kRowsPerStep;
-          chunk[j] = *reinterpret_cast<const uint4*>(src + i * kRowsPerStep * kRowBytes + 16 * ((c ^ row) & 7));
+          const uint32_t at = TA::base(sQ, row0 + (i0 + j) * kRowsPerStep, c);
+          chunk[j] = *reinterpret_cast<const uint4*>(smem_raw + (at - smem_addr(smem_raw)));
         }
 #pragma unroll
         for (int j = 0; j < kBatch; ++j)
