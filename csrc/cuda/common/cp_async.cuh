@@ -41,15 +41,15 @@ __device__ __forceinline__ void cp_async_16_zfill(void* smem_dst, const void* gm
 #endif
 }
 
-// One 4- or 8-byte element (a row's LSE or D), zero-filled when `valid` is false. Sizes below
-// 16 bytes go through L1 (.ca); .cg takes only 16.
+// One 4- or 8-byte element (a row's LSE or D), zero-filled with `gmem_src` ignored when `valid`
+// is false (as cp_async_16_zfill). Sizes below 16 bytes go through L1 (.ca); .cg takes only 16.
 template <class T>
 __device__ __forceinline__ void cp_async_elem_zfill(T* smem_dst, const T* gmem_src, bool valid) {
   static_assert(sizeof(T) == 4 || sizeof(T) == 8, "cp.async.ca copies 4, 8 or 16 bytes");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(gmem_src),
-               "n"(int(sizeof(T))), "r"(valid ? int(sizeof(T)) : 0));
+  asm volatile("{\n.reg .pred ignore;\nsetp.eq.u32 ignore, %3, 0;\ncp.async.ca.shared.global [%0], [%1], %2, ignore;\n}\n" ::"r"(dst),
+               "l"(gmem_src), "n"(int(sizeof(T))), "r"(unsigned(valid)));
 #endif
 }
 __device__ __forceinline__ void cp_async_commit() {

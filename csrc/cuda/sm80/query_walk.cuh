@@ -51,8 +51,8 @@ __device__ __forceinline__ void load_query_tile(Elem* sQ, Elem* sdO, Acc* sStats
   static_assert(kBM <= kThreads, "one LSE / D element per thread");
   if (tid < kBM) {
     const bool ok = tid < rows;
-    cp_async_elem_zfill(sStats + Stats::lse(buf, tid), ok ? lse_g + tid : lse_g, ok);
-    cp_async_elem_zfill(sStats + Stats::d(buf, tid), ok ? dsum_g + r0 + tid : dsum_g, ok);
+    cp_async_elem_zfill(sStats + Stats::lse(buf, tid), lse_g + tid, ok);
+    cp_async_elem_zfill(sStats + Stats::d(buf, tid), dsum_g + r0 + tid, ok);
   }
 }
 
