@@ -30,13 +30,14 @@ __device__ __forceinline__ void cp_async_16_part(void* smem_dst, const void* gme
 }
 
 // As cp_async_16, but writes 16 zero bytes when `valid` is false, ignoring `gmem_src` (PTX's
-// ignore-src operand): it may then lie anywhere, so callers step it past a tile's last valid row
-// without clamping (a 64-bit select per chunk: ~1/6 of the dim-256 forward's copy instructions).
+// ignore-src operand): it may then point anywhere, so a caller need not clamp it to a valid row
+// (tile_copy.cuh says where that pays).
 __device__ __forceinline__ void cp_async_16_zfill(void* smem_dst, const void* gmem_src, bool valid) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
   asm volatile(
-      "{\n.reg .pred ignore;\nsetp.eq.u32 ignore, %2, 0;\ncp.async.cg.shared.global [%0], [%1], 16, ignore;\n}\n" ::"r"(dst),
+      "{\n.reg .pred ignore;\nsetp.eq.u32 ignore, %2, 0;\n"
+      "cp.async.cg.shared.global [%0], [%1], 16, ignore;\n}\n" ::"r"(dst),
       "l"(gmem_src), "r"(unsigned(valid)));
 #endif
 }
@@ -48,8 +49,10 @@ __device__ __forceinline__ void cp_async_elem_zfill(T* smem_dst, const T* gmem_s
   static_assert(sizeof(T) == 4 || sizeof(T) == 8, "cp.async.ca copies 4, 8 or 16 bytes");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
-  asm volatile("{\n.reg .pred ignore;\nsetp.eq.u32 ignore, %3, 0;\ncp.async.ca.shared.global [%0], [%1], %2, ignore;\n}\n" ::"r"(dst),
-               "l"(gmem_src), "n"(int(sizeof(T))), "r"(unsigned(valid)));
+  asm volatile(
+      "{\n.reg .pred ignore;\nsetp.eq.u32 ignore, %3, 0;\n"
+      "cp.async.ca.shared.global [%0], [%1], %2, ignore;\n}\n" ::"r"(dst),
+      "l"(gmem_src), "n"(int(sizeof(T))), "r"(unsigned(valid)));
 #endif
 }
 __device__ __forceinline__ void cp_async_commit() {

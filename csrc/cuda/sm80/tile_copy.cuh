@@ -36,8 +36,8 @@ __host__ __device__ constexpr int chunk_elems() { return 16 / int(sizeof(Elem));
 // A chunk outside the valid rows / columns is zero-filled with its source ignored (cp_async_16_zfill),
 // so its address may lie past the tensor: it steps on with the others. kClampSource: such a chunk
 // names `g` instead (a 64-bit select per chunk; the clamp the copies had before the ignore-src form).
-// Without the select the backward measured +1..+3.6% on every row at dims 64 / 128 / 256, the
-// forward -0.5..-2% (H200, bf16; its key loops' code placement moved): the forward clamps. The
+// Without the select the backward measured +0.3..+4.5% on every row at dims 64 / 128 / 256, the
+// forward -0.3..-1.8% (H200, bf16; its key loops' code placement moved): the forward clamps. The
 // walk over a tile's chunks (dims 96, 192) always clamps: unclamped, those backward rows measured
 // -0.3..-2%.
 template <int kRows, int kCols, int kThreads, bool kFullTilePath = false, bool kSwizzle = false,
