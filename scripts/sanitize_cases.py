@@ -10,7 +10,8 @@ CASES = [  # (dtype, batch, heads_q, heads_kv, len_q, len_k, head_dim, head_dim_
     (torch.float32, 1, 2, 1, 77, 129, 64, 64, 0),
     (torch.float32, 1, 2, 2, 150, 200, 100, 128, 1),  # fp32 dim 128: warp-specialized forward, ragged, E < 128
     (torch.bfloat16, 2, 2, 2, 130, 65, 128, 128, 2),
-    (torch.float16, 1, 4, 2, 200, 150, 64, 64, 1),  # the 2-D dK/dV kernel at dim 64 (GQA, ragged)
+    (torch.float16, 1, 4, 2, 200, 150, 64, 64, 1),  # the 2-D dK/dV kernel at dim 64, two blocks per SM (GQA, ragged)
+    (torch.bfloat16, 1, 2, 1, 1030, 150, 64, 64, 2),  # ... and its 8-warp form (more than 1024 query rows)
     (torch.float16, 1, 4, 2, 33, 33, 80, 80, 1),
     (torch.float16, 1, 2, 1, 77, 100, 64, 48, 0),  # forward output staged through smem, E_v < the tier's dim
     (torch.bfloat16, 1, 2, 2, 140, 190, 96, 96, 1),  # the 2-D dK/dV kernel at dim 96

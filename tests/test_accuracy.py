@@ -30,6 +30,17 @@ def test_long_sequences(device, dtype, causal, len_q, len_k):
     check_against_reference(q, k, v, 1 / 8, causal)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("causal", CAUSAL_MODES, ids=CAUSAL_IDS)
+@pytest.mark.parametrize("len_q", [1024, 1030])
+def test_backward_kernels_by_length(device, dtype, causal, len_q):
+    """The fp16 / bf16 dim-64 CUDA backward takes half-size blocks (two per SM) up to 1024 query rows
+    and 8-warp blocks above (sm80 tile_config.h, Bwd2dConfig::kTwoBlocksMaxLen): both sides of the
+    switch, ragged key tiles for both (64 and 128 keys), a ragged query tile above it."""
+    q, k, v = make_qkv(1, 2, 1, len_q, 300, 64, 64, dtype, device)
+    check_against_reference(q, k, v, 1 / 8, causal)
+
+
 @pytest.mark.parametrize("causal", CAUSAL_MODES, ids=CAUSAL_IDS)
 def test_many_query_tiles(device, causal):
     """A grid of at least 4 query tiles per SM: the fp32 dim-128 CUDA forward then gives each block

@@ -44,18 +44,20 @@ namespace flashattn::cuda::sm80 {
 // its warp's slab of kSlab rows as one 16-byte chunk, and the 8 chunks of one i lie in 128
 // contiguous bytes: one conflict-free LDS.128 per row group, 4 per tile where RowStats takes 16
 // scalar LDS (Bwd2dConfig::kSlabStats says why only there).
-template <int kBM, int kSlab>
+// kBufs: buffers of kBM rows (one: `buf` ignored).
+template <int kBM, int kSlab, int kBufs>
 struct SlabStats {
   static __device__ __forceinline__ int lse(int buf, int m) {
     const int r = m % kSlab;
-    return buf * 2 * kBM + 2 * (m - r) + 32 * (r / 16) + 4 * (r % 8) + 2 * (r / 8 % 2);
+    return (kBufs > 1 ? buf : 0) * 2 * kBM + 2 * (m - r) + 32 * (r / 16) + 4 * (r % 8) + 2 * (r / 8 % 2);
   }
   static __device__ __forceinline__ int d(int buf, int m) { return lse(buf, m) + 1; }
 };
 
-// kOneSync (Bwd2dConfig): one barrier per query tile, with the Q / dO and P / dS buffers below.
-template <class Elem, int kDim, bool kFeatures, bool kOneSync>
-__global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim, kOneSync>::kThreads, 1)
+// kOneSync (Bwd2dConfig): one barrier per query tile, with the Q / dO and P / dS buffers below;
+// kTwoBlocks: half the block, two per SM (Bwd2dConfig).
+template <class Elem, int kDim, bool kFeatures, bool kOneSync, bool kTwoBlocks = false>
+__global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim, kOneSync, kTwoBlocks>::kThreads, 1)
     bwd_dkdv_2d_kernel(const BwdParams p, const float* dsum_g, const DqAccum accum, KeyTileRound round) {
   static_assert(!(kOneSync && kFeatures), "one barrier per tile serves plain calls (bias tiles would need more buffers)");
 #ifndef FLASHATTN_STMATRIX
@@ -65,7 +67,7 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim, kOneSync>::kThreads, 1
     return;
   }
 #endif
-  using Cfg = Bwd2dConfig<Elem, kDim, kOneSync>;
+  using Cfg = Bwd2dConfig<Elem, kDim, kOneSync, kTwoBlocks>;
   using M = Mma<Elem>;
   using Acc = float;
   using Exp = ExpDomain<Acc>;
@@ -79,10 +81,12 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim, kOneSync>::kThreads, 1
   constexpr int kQA = kDim / kQCW / 8;  // dQ atoms per 16-row group of a warp
   constexpr int kRQ = kBM / kQRW / 16;  // 16-row groups of a warp in dQ
   static_assert(kKA % 2 == 0 && kQA % 2 == 0, "B atoms load in pairs");
-  constexpr int kQBufs = Cfg::kQBufs, kPBufs = Cfg::kPBufs;
-  using Stats = std::conditional_t<Cfg::kSlabStats, SlabStats<kBM, kBM / kRowW>, RowStats<kBM, kQBufs>>;
+  constexpr int kQBufs = Cfg::kQBufs, kPBufs = Cfg::kPBufs, kStatsBufs = Cfg::kStatsBufs;
+  using Stats = std::conditional_t<Cfg::kSlabStats, SlabStats<kBM, kBM / kRowW, kStatsBufs>, RowStats<kBM, kQBufs>>;
   static_assert(!Cfg::kSlabStats || (kQBufs == 2 && Cfg::kStatsOffset % 16 == 0),
-                "SlabStats chunks are read 16 bytes at a time, two buffers");
+                "SlabStats chunks are read 16 bytes at a time, two Q / dO buffers");
+  static_assert(kStatsBufs == kQBufs || (Cfg::kSlabStats && !kOneSync),
+                "one LSE / D buffer: SlabStats, and a walk whose next tile loads after the P / dS barrier");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];  // dynamic smem starts the block window: 128-byte aligned, as swizzled tiles need
   Elem* sK = reinterpret_cast<Elem*>(smem_raw);
@@ -91,9 +95,9 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim, kOneSync>::kThreads, 1
   Elem* sdO = sQ + kQBufs * kBM * kLd;    // [kQBufs][kBM][kLd]
   Elem* sP = sdO + kQBufs * kBM * kLd;    // [kPBufs][P, dS][kBM][kLdP]
   Elem* sdS = sP + kBM * kLdP;            // dS of P / dS buffer 0
-  Acc* sStats = reinterpret_cast<Acc*>(smem_raw + Cfg::kStatsOffset);  // LSE (natural log as stored) and D of kQBufs tiles: Stats
-  unsigned char* sBias = reinterpret_cast<unsigned char*>(sStats + 2 * kQBufs * kBM);  // [2] bias tiles (kFeatures)
-  uint64_t* sLanded = reinterpret_cast<uint64_t*>(sStats + 2 * kQBufs * kBM);  // [2] mbarriers (Cfg::kTracked)
+  Acc* sStats = reinterpret_cast<Acc*>(smem_raw + Cfg::kStatsOffset);  // LSE (natural log as stored) and D of kStatsBufs tiles: Stats
+  unsigned char* sBias = reinterpret_cast<unsigned char*>(sStats + 2 * kStatsBufs * kBM);  // [2] bias tiles (kFeatures)
+  uint64_t* sLanded = reinterpret_cast<uint64_t*>(sStats + 2 * kStatsBufs * kBM);  // [2] mbarriers (Cfg::kTracked)
 
   const TileBlock blk = tile_block(round.groups, 1, p.heads_kv, /*heaviest_first=*/false);
   const int64_t hk = blk.head, b = blk.batch;
@@ -173,7 +177,7 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim, kOneSync>::kThreads, 1
     [[maybe_unused]] const uint32_t q_buf_s = q_of_s + buf * kBufBytes, q_buf_dk = q_of_dk + buf * kBufBytes;
     [[maybe_unused]] const Elem* q_s = sQ + buf * kBM * kLd;
     [[maybe_unused]] const Elem* do_s = sdO + buf * kBM * kLd;
-    [[maybe_unused]] const Acc* stats_s = sStats + buf * 2 * kBM + 2 * s_row + 4 * g;  // SlabStats: row group 0's chunk
+    [[maybe_unused]] const Acc* stats_s = sStats + Stats::lse(buf, s_row) + 4 * g;  // SlabStats: row group 0's chunk
     [[maybe_unused]] const Acc* lse_s = sStats + Stats::lse(buf, 0);                    // RowStats
     [[maybe_unused]] const Acc* d_s = sStats + Stats::d(buf, 0);
     [[maybe_unused]] const uint32_t p_buf_bytes = pbuf * kPBufBytes;  // this tile's P / dS buffer, from buffer 0
@@ -432,28 +436,36 @@ template <class Elem, int kDim>
 bool launch_dkdv_2d(const BwdParams& p, const void* dsum, const DqAccum& accum, bool operands_ok, cudaStream_t stream) {
   using Cfg = Bwd2dConfig<Elem, kDim>;
   using OneSyncCfg = Bwd2dConfig<Elem, kDim, /*kOneSync=*/true>;
+  using TwoBlocksCfg = Bwd2dConfig<Elem, kDim, /*kOneSync=*/false, /*kTwoBlocks=*/true>;
   if constexpr (!Cfg::kServed) {
     return false;
   } else {
     if (!operands_ok) return false;
-    auto launch = [&](auto kernel, size_t smem) {
+    // The kernel with config C's blocks (key tiles and threads).
+    auto launch = [&](auto kernel, auto config, size_t smem) {
+      using C = decltype(config);
       set_smem(kernel, smem, "sm80::bwd_dkdv_2d_kernel");
-      for_key_tile_rounds(p, Cfg::kBN, accum, [&](unsigned blocks, KeyTileRound round) {
-        kernel<<<blocks, Cfg::kThreads, smem, stream>>>(p, static_cast<const float*>(dsum), accum, round);
+      for_key_tile_rounds(p, C::kBN, accum, [&](unsigned blocks, KeyTileRound round) {
+        kernel<<<blocks, C::kThreads, smem, stream>>>(p, static_cast<const float*>(dsum), accum, round);
         check_launch("sm80::bwd_dkdv_2d_kernel");
       });
     };
+    if constexpr (TwoBlocksCfg::kServed) {
+      if (!p.has_features() && p.len_q <= TwoBlocksCfg::kTwoBlocksMaxLen && tensor_cores_usable(TwoBlocksCfg::kSmemBytes)) {
+        launch(bwd_dkdv_2d_kernel<Elem, kDim, false, false, true>, TwoBlocksCfg{}, TwoBlocksCfg::kSmemBytes);
+        return true;
+      }
+    }
     if constexpr (OneSyncCfg::kServed) {
-      static_assert(OneSyncCfg::kBN == Cfg::kBN && OneSyncCfg::kThreads == Cfg::kThreads, "same blocks as the two-barrier kernel");
       if (!p.has_features() && tensor_cores_usable(OneSyncCfg::kSmemBytes)) {
-        launch(bwd_dkdv_2d_kernel<Elem, kDim, false, true>, OneSyncCfg::kSmemBytes);
+        launch(bwd_dkdv_2d_kernel<Elem, kDim, false, true>, OneSyncCfg{}, OneSyncCfg::kSmemBytes);
         return true;
       }
     }
     const size_t smem = Cfg::kSmemBytes + 2 * size_t(bias_tile_layout<Cfg::kBM, Cfg::kBN>(p).buffer_bytes());
     if (!tensor_cores_usable(smem)) return false;
     launch(p.has_features() ? bwd_dkdv_2d_kernel<Elem, kDim, true, false> : bwd_dkdv_2d_kernel<Elem, kDim, false, false>,
-           smem);
+           Cfg{}, smem);
     return true;
   }
 }

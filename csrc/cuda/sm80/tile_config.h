@@ -124,14 +124,23 @@ struct BwdConfig {
 // ring +0.8..+3.0% at 128 and +3.6..+5.9% at 96, tracked +3.2..+6.4% at 256; tracked at 128
 // -0.7..-1.1% against the ring, and at 64 (which the ring does not fit with 128-row tiles)
 // -1.2..-2.0% against two barriers: 64 keeps them (the ring with 96-row tiles: -4..-15%).
-template <class Elem, int kDim, bool kOneSync = false>
+// kTwoBlocks (dim 64, plain calls with at most kTwoBlocksMaxLen query rows): half the block, two
+// per SM: 4 warps and 64 keys (S / dP, dK / dV and dQ on 2 x 2 warps), P / dS swizzled, one LSE /
+// D buffer (the next tile's load after the P / dS barrier, where no warp reads this one any more):
+// 115712 B, half an SM's 228 KB less the 1 KB each block reserves. Each block's barriers then
+// stall only its own 4 warps. Measured against the 8-warp kernel (H200, bf16, backward): +5% at
+// L = 512, +2.8% at 1024, +-1% at 2048 / 4096, -1.5..-4% at 8192 / 16384, where the long walks
+// pay twice the dQ atomics and Q / dO copies per key.
+template <class Elem, int kDim, bool kOneSync = false, bool kTwoBlocks = false>
 struct Bwd2dConfig {
   // Dim 192 stays on the 1-D kernel: 64 x 64 tiles measured 3-5% slower there (H200, bf16).
-  static constexpr bool kServed = sizeof(Elem) == 2 && kDim >= 64 && kDim != 192 && (!kOneSync || kDim != 64);  // tiers 64, 96, 128, 256
+  static constexpr bool kServed = sizeof(Elem) == 2 && kDim >= 64 && kDim != 192 && (!kOneSync || kDim != 64) &&
+                                  (!kTwoBlocks || (kDim == 64 && !kOneSync));  // tiers 64, 96, 128, 256
+  static constexpr int64_t kTwoBlocksMaxLen = 1024;
   static constexpr bool kRing3 = kOneSync && (kDim == 128 || kDim == 96), kTracked = kOneSync && !kRing3;
   static constexpr int kQBufs = kRing3 ? 3 : 2, kPBufs = kOneSync ? 2 : 1;  // Q / dO and P / dS buffers
-  static constexpr int kWarps = 8, kThreads = 32 * kWarps;
-  static constexpr int kBN = kDim <= 128 ? 128 : 64, kBM = kDim <= 64 ? 128 : 64;
+  static constexpr int kWarps = kTwoBlocks ? 4 : 8, kThreads = 32 * kWarps;
+  static constexpr int kBN = kDim <= 128 && !kTwoBlocks ? 128 : 64, kBM = kDim <= 64 ? 128 : 64;
   // Warps across the keys in S / dP and in dK / dV: each takes 32 keys.
   static constexpr int kKeyWarps = kBN / 32;
   // dQ warp grid: kWarps / kDqColWarps x kDqColWarps (rows x dims), 2 x 4 or 4 x 2: the one with
@@ -151,8 +160,9 @@ struct Bwd2dConfig {
   // with the 4 x 2 dQ grid +5-6% there; at 128 and 256 it measured -1% (H200, bf16), so those
   // read row by row.
   static constexpr bool kSlabStats = kDim == 64;
-  static constexpr bool kSwizzleP = kOneSync;               // P, dS tiles swizzled instead of padded
-  static constexpr int kLdP = kSwizzleP ? kBN : kBN + 8;    // P, dS rows (one per query)
+  static constexpr bool kSwizzleP = kOneSync || kTwoBlocks;  // P, dS tiles swizzled instead of padded
+  static constexpr int kLdP = kSwizzleP ? kBN : kBN + 8;     // P, dS rows (one per query)
+  static constexpr int kStatsBufs = kTwoBlocks ? 1 : kQBufs;  // LSE / D buffers
   // P and dS stored with stmatrix (sm_90+) instead of 32-bit stores: backward +0.8..+2.4% at dims 64
   // and 128 (ncu at 64: MIO-throttle stalls 2.5x FlashAttention-2's), +0.3..+1.7% at 96, -0.3% at 256
   // (H200, bf16).
@@ -164,8 +174,8 @@ struct Bwd2dConfig {
   static constexpr int kFmaExpEvery = kDim == 64 ? 4 : 0;
   // Where the LSE / D area starts, and the two mbarriers (kTracked) after it.
   static constexpr size_t kStatsOffset = size_t((2 * kBN + 2 * kQBufs * kBM) * kLd + 2 * kPBufs * kBM * kLdP) * sizeof(Elem);
-  static constexpr size_t kSmemBytes = kStatsOffset + 2 * kQBufs * kBM * sizeof(float) + (kTracked ? 2 * sizeof(uint64_t) : 0);
-  static_assert(!(kOneSync && kServed) || kStmatrixStores, "the swizzled P / dS are stored with stmatrix");
+  static constexpr size_t kSmemBytes = kStatsOffset + 2 * kStatsBufs * kBM * sizeof(float) + (kTracked ? 2 * sizeof(uint64_t) : 0);
+  static_assert(!((kOneSync || kTwoBlocks) && kServed) || kStmatrixStores, "the swizzled P / dS are stored with stmatrix");
 };
 
 // Compute capability 8.0 or newer and `smem` bytes of shared memory per block available.
