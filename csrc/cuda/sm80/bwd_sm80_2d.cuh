@@ -61,8 +61,9 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim, kOneSync, kTwoBlocks>:
     bwd_dkdv_2d_kernel(const BwdParams p, const float* dsum_g, const DqAccum accum, KeyTileRound round) {
   static_assert(!(kOneSync && kFeatures), "one barrier per tile serves plain calls (bias tiles would need more buffers)");
 #ifndef FLASHATTN_STMATRIX
-  // Launched only where a block gets >= 225 KB of smem (sm_90, sm_100), which have stmatrix.
-  if constexpr (kOneSync) {
+  // Their swizzled P / dS are stored only with stmatrix (sm_90+): kOneSync is launched only where
+  // a block gets >= 225 KB of smem (sm_90, sm_100), kTwoBlocks only on sm_90+ (launch_dkdv_2d).
+  if constexpr (kOneSync || kTwoBlocks) {
     __trap();
     return;
   }
@@ -451,7 +452,9 @@ bool launch_dkdv_2d(const BwdParams& p, const void* dsum, const DqAccum& accum, 
       });
     };
     if constexpr (TwoBlocksCfg::kServed) {
-      if (!p.has_features() && p.len_q <= TwoBlocksCfg::kTwoBlocksMaxLen && tensor_cores_usable(TwoBlocksCfg::kSmemBytes)) {
+      // (sm_90+: its swizzled P / dS stores are stmatrix; an A100's 163 KB would hold its blocks)
+      if (!p.has_features() && p.len_q <= TwoBlocksCfg::kTwoBlocksMaxLen && device_limits().major >= 9 &&
+          tensor_cores_usable(TwoBlocksCfg::kSmemBytes)) {
         launch(bwd_dkdv_2d_kernel<Elem, kDim, false, false, true>, TwoBlocksCfg{}, TwoBlocksCfg::kSmemBytes);
         return true;
       }

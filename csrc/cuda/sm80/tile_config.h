@@ -124,7 +124,8 @@ struct BwdConfig {
 // ring +0.8..+3.0% at 128 and +3.6..+5.9% at 96, tracked +3.2..+6.4% at 256; tracked at 128
 // -0.7..-1.1% against the ring, and at 64 (which the ring does not fit with 128-row tiles)
 // -1.2..-2.0% against two barriers: 64 keeps them (the ring with 96-row tiles: -4..-15%).
-// kTwoBlocks (dim 64, plain calls with at most kTwoBlocksMaxLen query rows): half the block, two
+// kTwoBlocks (dim 64, plain calls with at most kTwoBlocksMaxLen query rows, sm_90+: its swizzled
+// P / dS are stored with stmatrix): half the block, two
 // per SM: 4 warps and 64 keys (S / dP, dK / dV and dQ on 2 x 2 warps), P / dS swizzled, one LSE /
 // D buffer (the next tile's load after the P / dS barrier, where no warp reads this one any more):
 // 115712 B, half an SM's 228 KB less the 1 KB each block reserves. Each block's barriers then
