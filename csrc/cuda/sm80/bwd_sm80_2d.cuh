@@ -61,8 +61,7 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim, kOneSync, kTwoBlocks>:
     bwd_dkdv_2d_kernel(const BwdParams p, const float* dsum_g, const DqAccum accum, KeyTileRound round) {
   static_assert(!(kOneSync && kFeatures), "one barrier per tile serves plain calls (bias tiles would need more buffers)");
 #ifndef FLASHATTN_STMATRIX
-  // Their swizzled P / dS are stored only with stmatrix (sm_90+): kOneSync is launched only where
-  // a block gets >= 225 KB of smem (sm_90, sm_100), kTwoBlocks only on sm_90+ (launch_dkdv_2d).
+  // Their swizzled P / dS are stored only with stmatrix: launch_dkdv_2d launches them on sm_90+ only.
   if constexpr (kOneSync || kTwoBlocks) {
     __trap();
     return;
@@ -442,6 +441,12 @@ bool launch_dkdv_2d(const BwdParams& p, const void* dsum, const DqAccum& accum, 
     return false;
   } else {
     if (!operands_ok) return false;
+    // Whether config C's plain kernel can run here: its smem, and for swizzled P / dS (kOneSync,
+    // kTwoBlocks) stmatrix, their only store path (sm_90+; an A100's 163 KB would hold kTwoBlocks).
+    auto plain_usable = [](auto config) {
+      using C = decltype(config);
+      return tensor_cores_usable(C::kSmemBytes) && (!C::kSwizzleP || device_limits().major >= 9);
+    };
     // The kernel with config C's blocks (key tiles and threads).
     auto launch = [&](auto kernel, auto config, size_t smem) {
       using C = decltype(config);
@@ -452,15 +457,13 @@ bool launch_dkdv_2d(const BwdParams& p, const void* dsum, const DqAccum& accum, 
       });
     };
     if constexpr (TwoBlocksCfg::kServed) {
-      // (sm_90+: its swizzled P / dS stores are stmatrix; an A100's 163 KB would hold its blocks)
-      if (!p.has_features() && p.len_q <= TwoBlocksCfg::kTwoBlocksMaxLen && device_limits().major >= 9 &&
-          tensor_cores_usable(TwoBlocksCfg::kSmemBytes)) {
+      if (!p.has_features() && p.len_q <= TwoBlocksCfg::kTwoBlocksMaxLen && plain_usable(TwoBlocksCfg{})) {
         launch(bwd_dkdv_2d_kernel<Elem, kDim, false, false, true>, TwoBlocksCfg{}, TwoBlocksCfg::kSmemBytes);
         return true;
       }
     }
     if constexpr (OneSyncCfg::kServed) {
-      if (!p.has_features() && tensor_cores_usable(OneSyncCfg::kSmemBytes)) {
+      if (!p.has_features() && plain_usable(OneSyncCfg{})) {
         launch(bwd_dkdv_2d_kernel<Elem, kDim, false, true>, OneSyncCfg{}, OneSyncCfg::kSmemBytes);
         return true;
       }
