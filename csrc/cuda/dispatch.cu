@@ -7,7 +7,8 @@
 // into with atomics: row-major, or blocked where the fp16/bf16 tensor-core kernels fill it
 // (common/dq_layout.cuh; sized for either), padded to 256 bytes. The deterministic path of the
 // tensor-core kernels takes several (sm80/launch.h's DqAccum); that of the SIMT kernels none
-// (their dQ kernel writes dQ directly).
+// (their dQ kernel writes dQ directly). Then, for plain non-causal fp16/bf16 calls, the fp32 dK / dV
+// of the walks split in the dK/dV grid's last wave (sm80/tail_split.cuh), padded to 256 bytes.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -104,6 +105,16 @@ int dq_accumulators(const BwdParams& p) {
   return int(per_head < 1 ? 1 : per_head > 16 ? 16 : per_head);
 }
 
+// Bytes of the fp32 dK / dV of the split walks of a dK/dV grid's last wave (sm80/tail_split.cuh):
+// plain non-causal fp16 / bf16 calls off the deterministic path, on sm_80+; else none.
+size_t dkdv_tail_bytes(const BwdParams& p) {
+  const bool half = p.dtype == DType::kBFloat16 || p.dtype == DType::kFloat16;
+  if (!half || !tensor_cores_enabled() || p.deterministic || p.causal || p.has_features()) return 0;
+  const DeviceLimits lim = device_limits();
+  if (lim.major < 8) return 0;
+  return size_t(sm80::tail_split_rows(p, lim.sms)) * size_t(p.head_dim + p.head_dim_v) * sizeof(float);
+}
+
 // The tensor-core kernels' head-dim tier for e_max (fp16/bf16: 32, 64, 96, 128, 192, 256; fp64:
 // 64, 128), handed to `run` as a std::integral_constant. Returns what `run` returns (false when
 // that kernel declines the call), false above the last tier. One list for the forward and the
@@ -153,6 +164,11 @@ void fwd_typed(const FwdParams& p, cudaStream_t stream) {
   }
 }
 
+// Where the split walks' dK / dV lie in the workspace: after D and the dQ accumulators.
+size_t dkdv_tail_offset(const BwdParams& p) {
+  return align_up(size_t(stored_rows(p)) * acc_size(p.dtype)) + dq_accumulators(p) * align_up(dq_accum_bytes(p));
+}
+
 template <class T>
 void bwd_typed(const BwdParams& p, cudaStream_t stream) {
   constexpr int kCap = std::is_same_v<T, double> ? 64 : 128;
@@ -173,10 +189,13 @@ void bwd_typed(const BwdParams& p, cudaStream_t stream) {
   bool dq_blocked = false;         // those fill the blocked layout (fp16/bf16)
   const sm80::DqAccum accum{dq_accum, p.deterministic ? accumulators : 0,
                             int64_t(accum_bytes / acc_size(p.dtype))};
+  const size_t tail_bytes = dkdv_tail_bytes(p);
+  const sm80::DkDvTail tail{tail_bytes > 0 ? reinterpret_cast<float*>(ws + dkdv_tail_offset(p)) : nullptr,
+                            tail_bytes > 0 ? sm80::tail_split_rows(p, device_limits().sms) : 0};
   if constexpr (!std::is_same_v<T, float>) {
     if (tensor_core_kernels_allowed<T>() && dq_accum != nullptr) {
       on_sm80_tier<T>(e_max, [&](auto tier) {
-        tensor_cores_done = sm80::bwd_dkdv<T, decltype(tier)::value>(p, dsum, accum, stream);
+        tensor_cores_done = sm80::bwd_dkdv<T, decltype(tier)::value>(p, dsum, accum, tail, stream);
         dq_blocked = tensor_cores_done && std::is_same_v<TensorCoreDqLayout<acc_t<T>>, DqBlocked>;
         return tensor_cores_done;
       });
@@ -220,10 +239,7 @@ void run_fwd(const FwdParams& p, void* stream) {
   }
 }
 
-size_t bwd_workspace_bytes(const BwdParams& p) {
-  const size_t rows = size_t(stored_rows(p));
-  return align_up(rows * acc_size(p.dtype)) + dq_accumulators(p) * align_up(dq_accum_bytes(p));
-}
+size_t bwd_workspace_bytes(const BwdParams& p) { return dkdv_tail_offset(p) + align_up(dkdv_tail_bytes(p)); }
 
 void run_bwd(const BwdParams& p, void* stream) {
   check_dims(p);

@@ -15,9 +15,11 @@ struct TileBlock {
 
 // `heaviest_first`: tiles run last to first. Under causal masking the last query tiles see
 // the most keys, and starting them first keeps them off the tail of the grid.
+// `block`: the block's index in that enumeration (blockIdx.x, or another block's where one block
+// does the work of several: sm80/tail_split.cuh).
 __device__ __forceinline__ TileBlock tile_block(int num_tiles, int num_splits, int64_t heads,
-                                                bool heaviest_first) {
-  int64_t bid = blockIdx.x;
+                                                bool heaviest_first, unsigned block) {
+  int64_t bid = block;
   TileBlock blk;
   const int tile = int(bid % num_tiles);
   blk.tile = heaviest_first ? num_tiles - 1 - tile : tile;
@@ -27,6 +29,10 @@ __device__ __forceinline__ TileBlock tile_block(int num_tiles, int num_splits, i
   blk.head = bid % heads;
   blk.batch = bid / heads;
   return blk;
+}
+__device__ __forceinline__ TileBlock tile_block(int num_tiles, int num_splits, int64_t heads,
+                                                bool heaviest_first) {
+  return tile_block(num_tiles, num_splits, heads, heaviest_first, blockIdx.x);
 }
 
 // The kv head that query head h reads (GQA/MQA groups of heads_q / heads_kv query heads).

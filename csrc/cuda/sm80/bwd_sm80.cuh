@@ -389,7 +389,7 @@ inline bool needs_general_step(const BwdParams& p) {
 }
 
 template <class Elem, int kDim>
-bool bwd_dkdv(const BwdParams& p, const void* dsum, const DqAccum& accum, cudaStream_t stream) {
+bool bwd_dkdv(const BwdParams& p, const void* dsum, const DqAccum& accum, const DkDvTail& tail, cudaStream_t stream) {
   if constexpr (!BwdConfig<Elem, kDim>::kServed) {
     return false;
   } else {
@@ -402,7 +402,7 @@ bool bwd_dkdv(const BwdParams& p, const void* dsum, const DqAccum& accum, cudaSt
       return false;
     };
     if (needs_general_step(p)) return general();
-    if (launch_dkdv_2d<Elem, kDim>(p, dsum, accum, bwd_operands_aligned<Elem>(p), stream)) return true;
+    if (launch_dkdv_2d<Elem, kDim>(p, dsum, accum, tail, bwd_operands_aligned<Elem>(p), stream)) return true;
     const bool done = p.has_features() ? launch_dkdv<Elem, kDim, true, false>(p, dsum, accum, stream)
                                        : launch_dkdv<Elem, kDim, false, false>(p, dsum, accum, stream);
     return done || general();

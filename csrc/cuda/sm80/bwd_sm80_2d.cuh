@@ -34,6 +34,7 @@
 #include "fragments.cuh"
 #include "launch.h"
 #include "query_walk.cuh"
+#include "tail_split.cuh"
 #include "tile_config.h"
 #include "tile_copy.cuh"
 
@@ -55,7 +56,9 @@ struct SlabStats {
 };
 
 // kOneSync (Bwd2dConfig): one barrier per query tile, with the Q / dO and P / dS buffers below;
-// kTwoBlocks: half the block, two per SM (Bwd2dConfig).
+// kTwoBlocks: half the block, two per SM (Bwd2dConfig). A block takes one walk, or (plain calls
+// whose grid's last wave is split: tail_split.cuh) a part of one, its dK / dV added into the tail
+// area.
 template <class Elem, int kDim, bool kFeatures, bool kOneSync, bool kTwoBlocks = false>
 __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim, kOneSync, kTwoBlocks>::kThreads, 1)
     bwd_dkdv_2d_kernel(const BwdParams p, const float* dsum_g, const DqAccum accum, KeyTileRound round) {
@@ -99,7 +102,8 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim, kOneSync, kTwoBlocks>:
   unsigned char* sBias = reinterpret_cast<unsigned char*>(sStats + 2 * kStatsBufs * kBM);  // [2] bias tiles (kFeatures)
   uint64_t* sLanded = reinterpret_cast<uint64_t*>(sStats + 2 * kStatsBufs * kBM);  // [2] mbarriers (Cfg::kTracked)
 
-  const TileBlock blk = tile_block(round.groups, 1, p.heads_kv, /*heaviest_first=*/false);
+  const WalkSegment seg = kFeatures ? WalkSegment{blockIdx.x, 0, -1, -1} : walk_segment(round.tail);
+  const TileBlock blk = tile_block(round.groups, 1, p.heads_kv, /*heaviest_first=*/false, seg.block);
   const int64_t hk = blk.head, b = blk.batch;
   const int64_t group = p.heads_q / p.heads_kv;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -406,11 +410,30 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim, kOneSync, kTwoBlocks>:
       add_dq_atoms(accum.block_slice<float>(round.groups), tile_row, dq, q_row, q_col, rows_valid, E, lane);
     }
     if constexpr (kPBufs == 2) pbuf ^= 1;
-  }, sLanded);
+  }, sLanded, seg.first, seg.count);
 
+  const Acc scale = Acc(p.scale);
+  if (!kFeatures && seg.tail >= 0) {  // a part of a split walk: added into the tail area
+    float* dk_t = round.tail.dkdv + int64_t(seg.tail) * kBN * (E + Ev);
+    float* dv_t = dk_t + kBN * E;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int key = k_key + 16 * i + g + 8 * r;
+        if (key >= rows_k) continue;
+#pragma unroll
+        for (int d = 0; d < kKA; ++d) {
+          const int col = k_col + 8 * d + 2 * t;
+          if (col < E) atomic_add_pair(dk_t + key * E + col, dk[i][d][2 * r] * scale, dk[i][d][2 * r + 1] * scale);
+          if (col < Ev) atomic_add_pair(dv_t + key * Ev + col, dv[i][d][2 * r], dv[i][d][2 * r + 1]);
+        }
+      }
+    }
+    return;
+  }
   Elem* dk_g = sq.k_rows<Elem>(p.dk, p.dk_stride, hk, 0);
   Elem* dv_g = sq.k_rows<Elem>(p.dv, p.dv_stride, hk, 0);
-  const Acc scale = Acc(p.scale);
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
 #pragma unroll
@@ -433,7 +456,8 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim, kOneSync, kTwoBlocks>:
 // (softcap, ALiBi, dropout, the bias gradient). `operands_ok`: the 16-byte / pair alignment
 // checks passed.
 template <class Elem, int kDim>
-bool launch_dkdv_2d(const BwdParams& p, const void* dsum, const DqAccum& accum, bool operands_ok, cudaStream_t stream) {
+bool launch_dkdv_2d(const BwdParams& p, const void* dsum, const DqAccum& accum, const DkDvTail& tail, bool operands_ok,
+                    cudaStream_t stream) {
   using Cfg = Bwd2dConfig<Elem, kDim>;
   using OneSyncCfg = Bwd2dConfig<Elem, kDim, /*kOneSync=*/true>;
   using TwoBlocksCfg = Bwd2dConfig<Elem, kDim, /*kOneSync=*/false, /*kTwoBlocks=*/true>;
@@ -452,8 +476,8 @@ bool launch_dkdv_2d(const BwdParams& p, const void* dsum, const DqAccum& accum, 
       using C = decltype(config);
       set_smem(kernel, smem, "sm80::bwd_dkdv_2d_kernel");
       for_key_tile_rounds(p, C::kBN, accum, [&](unsigned blocks, KeyTileRound round) {
-        kernel<<<blocks, C::kThreads, smem, stream>>>(p, static_cast<const float*>(dsum), accum, round);
-        check_launch("sm80::bwd_dkdv_2d_kernel");
+        launch_with_tail_split<C, Elem>(kernel, smem, p, static_cast<const float*>(dsum), accum, tail, blocks, round,
+                                        stream, "sm80::bwd_dkdv_2d_kernel");
       });
     };
     if constexpr (TwoBlocksCfg::kServed) {

@@ -38,11 +38,38 @@ struct DqAccum {
   }
 };
 
+// The last, partial wave of a dK/dV grid spread over every SM (tail_split.cuh): blocks from
+// `whole` on take a part each of the grid's last `walks` walks (those of blocks whole ... whole +
+// walks - 1 of the plain grid, walk_iters query-tile iterations each, cut into `parts` parts),
+// adding their dK / dV into `dkdv` (fp32: per walk [kBN][head_dim] dK, then [kBN][head_dim_v] dV).
+struct TailSplit {
+  unsigned whole = 0xffffffffu;  // blocks that take a whole walk: all of them without a split
+  int walks = 0;
+  int parts = 0;
+  int walk_iters = 0;
+  float* dkdv = nullptr;
+};
+
 // One launch of a dK/dV kernel: block (g, kv head, batch) takes key tile first + g.
 struct KeyTileRound {
   int groups;  // blocks per (batch, kv head)
   int first;   // the key tile of block 0
+  TailSplit tail{};
 };
+
+// Where the fp32 dK / dV of split walks go (tail_split.cuh), zeroed by the launcher: room for
+// `rows` keys of head_dim + head_dim_v columns.
+struct DkDvTail {
+  float* base;
+  int64_t rows;
+};
+
+// Keys of dK / dV the tail split may hold: one wave of blocks of at most 128 keys per SM
+// (kBN * blocks per SM <= 128 for every 2-D config), never more than the call has.
+inline int64_t tail_split_rows(const BwdParams& p, int sms) {
+  const int64_t keys = p.batch * p.heads_kv * ((p.len_k + 127) / 128 * 128);
+  return keys < int64_t(sms) * 128 ? keys : int64_t(sms) * 128;
+}
 
 // Calls launch(blocks, round) for the launches of a dK/dV kernel with kBN-key tiles: one with a
 // block per key tile (accum.slices == 0), or (deterministic) rounds of accum.slices blocks per
@@ -61,6 +88,6 @@ void for_key_tile_rounds(const BwdParams& p, int kBN, const DqAccum& accum, Laun
 // dK and dV for head_dim and head_dim_v both <= kDim (the forward's tiers), and dQ into
 // `accum`. `dsum` holds D = rowsum(dO * O) - dlse (accumulator type).
 template <class Elem, int kDim>
-bool bwd_dkdv(const BwdParams& p, const void* dsum, const DqAccum& accum, cudaStream_t stream);
+bool bwd_dkdv(const BwdParams& p, const void* dsum, const DqAccum& accum, const DkDvTail& tail, cudaStream_t stream);
 
 }  // namespace flashattn::cuda::sm80

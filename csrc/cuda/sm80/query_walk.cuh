@@ -83,14 +83,24 @@ enum class QueryBuffers {
 //     of the iteration instead of holding a barrier.
 // With one barrier per tile there is none at the top: before it the body may read only this
 // tile's buffer and what the previous barrier published.
+// first / count: only the walk's iterations [first, first + count) (count < 0: to its end; a
+// part of a split walk, tail_split.cuh, whose walks have fewer than 2^31 iterations: 32-bit
+// divisions).
 template <int kBM, QueryBuffers kMode = QueryBuffers::kTwo, class Load, class Body>
 __device__ __forceinline__ void walk_query_tiles(const Seq& sq, int64_t n0, int rows_k, int64_t h_first,
                                                  int64_t group, Load&& load, Body&& body,
-                                                 uint64_t* landed = nullptr) {
+                                                 uint64_t* landed = nullptr, int first = 0, int count = -1) {
   const int64_t m_begin = sq.row_begin(n0) / kBM * kBM;
   const int64_t m_end = sq.row_end(n0 + rows_k - 1);
   const int64_t m_iters = m_end > m_begin ? (m_end - m_begin + kBM - 1) / kBM : 0;
-  const int64_t num_iters = m_iters * group;
+  int64_t num_iters = m_iters * group;
+  int64_t h_start = h_first, m_start = m_begin;  // the walk's tile `first`
+  if (count >= 0 && first < num_iters) {
+    const int heads = first / int(m_iters), tiles = first - heads * int(m_iters);
+    h_start += heads;
+    m_start += int64_t(tiles) * kBM;
+    num_iters = first + count < num_iters ? count : num_iters - first;
+  }
   auto advance = [&](int64_t& h, int64_t& m) {
     m += kBM;
     if (m >= m_end) {
@@ -98,9 +108,9 @@ __device__ __forceinline__ void walk_query_tiles(const Seq& sq, int64_t n0, int 
       ++h;
     }
   };
-  if (num_iters > 0) load(h_first, m_begin, 0);
+  if (num_iters > 0) load(h_start, m_start, 0);
   cp_async_commit();
-  int64_t h = h_first, m0 = m_begin;
+  int64_t h = h_start, m0 = m_start;
   if constexpr (kMode == QueryBuffers::kTwo) {
     int buf = 0;
     for (int64_t it = 0; it < num_iters; ++it, buf ^= 1) {

@@ -1,0 +1,127 @@
+// The last wave of a dK/dV grid spread over every SM. A grid of B blocks whose walks all take the
+// same time (plain non-causal calls: every key tile sees every query tile) runs in waves of
+// S = SMs x blocks per SM; with B % S = R > 0 the last wave keeps R of the S slots busy for a
+// whole walk and the rest idle (H200, 132 SMs, L = 16384, bf16: 2048 blocks, 15.5 waves, ran 3.3%
+// below a grid of exactly 32 waves at the same work per block; 4096 blocks at dim 64, 31.03
+// waves: 2.8%). Split, the first B - R blocks take their walks whole, and each of the last R
+// walks is cut into `parts` runs of query tiles, a block each, so that the last wave's blocks are
+// shorter and more of the slots take one. A part's dK / dV go by fp32 atomics into the tail area
+// (DkDvTail), which store_tail_dkdv_kernel then writes out. dQ is unchanged (its atomics land in
+// any order already); the deterministic path keeps its rounds, without a split.
+// (A block taking a run across two walks, so that every slot gets the same share, made ptxas
+// spill 28-32 B in the dim-64 kernels: the loop over a block's segments around the walk.)
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "../../common/sequence.h"
+#include "../../params.h"
+#include "../common/check.h"
+#include "../common/grid.cuh"
+#include "fragments.cuh"
+#include "launch.h"
+
+namespace flashattn::cuda::sm80 {
+
+// A part takes at least this many query tiles, and is reckoned to cost this many more (its K / V
+// copies, the walk's start, the dK / dV atomics) in the choice of `parts`.
+constexpr int64_t kMinPartIters = 2, kPartOverheadIters = 1;
+
+// The split of a launch of `blocks` blocks (kBN keys, kBM-row query tiles, `per_sm` resident per
+// SM) where it serves: none for the deterministic rounds, causal calls and the feature variants
+// (walks of unequal length). The number of parts minimises the last wave's estimated time:
+// ceil(R x parts / S) rounds of a part's iterations plus its overhead.
+inline TailSplit plan_tail_split(const BwdParams& p, const DqAccum& accum, const DkDvTail& area, int kBM, int kBN,
+                                 int64_t blocks, int per_sm) {
+  TailSplit t;
+  if (area.base == nullptr || accum.slices > 0 || p.causal || p.has_features() || per_sm < 1) return t;
+  const int64_t slots = int64_t(device_limits().sms) * per_sm;
+  const int64_t walks = blocks % slots;
+  if (walks == 0 || walks * kBN > area.rows) return t;
+  const int64_t iters = (p.len_q + kBM - 1) / kBM * p.group();
+  if (iters * 64 > 0x7fffffff) return t;  // (the parts' bounds are formed in 32 bits)
+  int64_t best_parts = 1, best_time = iters + kPartOverheadIters;
+  for (int64_t parts = 2; parts <= 64 && iters / parts >= kMinPartIters; ++parts) {
+    const int64_t rounds = (walks * parts + slots - 1) / slots;
+    const int64_t time = rounds * ((iters + parts - 1) / parts + kPartOverheadIters);
+    if (time < best_time) best_parts = parts, best_time = time;
+  }
+  if (best_parts == 1) return t;
+  t.whole = unsigned(blocks - walks);
+  t.walks = int(walks);
+  t.parts = int(best_parts);
+  t.walk_iters = int(iters);
+  t.dkdv = area.base;
+  return t;
+}
+
+// What a block of a dK/dV grid takes: the walk of block `block` of the plain grid (its key tile,
+// kv head and batch), that walk's iterations [first, first + count) (count < 0: all), and
+// `tail`, the walk's index among the split ones (-1: a whole walk, dK / dV stored directly).
+struct WalkSegment {
+  unsigned block;
+  int first, count;
+  int tail;
+};
+
+__device__ __forceinline__ WalkSegment walk_segment(const TailSplit& t) {
+  const unsigned b = blockIdx.x;
+  if (b < t.whole) return WalkSegment{b, 0, -1, -1};
+  const int i = int(b - t.whole), w = i / t.parts, part = i - w * t.parts;
+  const int first = part * t.walk_iters / t.parts, last = (part + 1) * t.walk_iters / t.parts;
+  return WalkSegment{t.whole + w, first, last - first, w};
+}
+
+// Writes the split walks' dK / dV (summed in the tail area, dK already scaled) to dk / dv: one
+// block per split walk.
+template <class Elem>
+__global__ void store_tail_dkdv_kernel(const BwdParams p, const KeyTileRound round, int kBN) {
+  const TailSplit& t = round.tail;
+  const TileBlock blk = tile_block(round.groups, 1, p.heads_kv, /*heaviest_first=*/false, t.whole + blockIdx.x);
+  const Seq sq = plain_sequence(p, blk.batch);
+  const int64_t n0 = int64_t(round.first + blk.tile) * kBN;
+  const int rows_k = sq.k_tile_rows(n0, kBN);
+  const int E = int(p.head_dim), Ev = int(p.head_dim_v);
+  const float* dk_t = t.dkdv + int64_t(blockIdx.x) * kBN * (E + Ev);
+  const float* dv_t = dk_t + kBN * E;
+  Elem* dk = sq.k_rows<Elem>(p.dk, p.dk_stride, blk.head, n0);
+  Elem* dv = sq.k_rows<Elem>(p.dv, p.dv_stride, blk.head, n0);
+  // Pairs of columns (head dims are even: the tile copies need 16-byte rows).
+  for (int i = threadIdx.x; i < rows_k * E / 2; i += blockDim.x) {
+    const int key = i / (E / 2), col = 2 * (i % (E / 2));
+    Mma<Elem>::store_pair(dk + key * p.dk_stride.row + col, dk_t[key * E + col], dk_t[key * E + col + 1]);
+  }
+  for (int i = threadIdx.x; i < rows_k * Ev / 2; i += blockDim.x) {
+    const int key = i / (Ev / 2), col = 2 * (i % (Ev / 2));
+    Mma<Elem>::store_pair(dv + key * p.dv_stride.row + col, dv_t[key * Ev + col], dv_t[key * Ev + col + 1]);
+  }
+}
+
+// Launches `kernel` (a dK/dV kernel of config C: kBM, kBN, kThreads) over `round`'s blocks, with
+// the tail split where plan_tail_split takes one: the tail area zeroed before, the split walks'
+// dK / dV written after.
+template <class C, class Elem, class Kernel>
+void launch_with_tail_split(Kernel kernel, size_t smem, const BwdParams& p, const float* dsum, const DqAccum& accum,
+                            const DkDvTail& area, unsigned blocks, KeyTileRound round, cudaStream_t stream,
+                            const char* name) {
+  int per_sm = 0;
+  if (area.base != nullptr && accum.slices == 0)
+    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, C::kThreads, smem),
+               "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+  round.tail = plan_tail_split(p, accum, area, C::kBM, C::kBN, blocks, per_sm);
+  const TailSplit& t = round.tail;
+  if (t.parts > 0) {
+    blocks = unsigned(t.whole + int64_t(t.walks) * t.parts);
+    check_cuda(cudaMemsetAsync(t.dkdv, 0, size_t(t.walks) * C::kBN * (p.head_dim + p.head_dim_v) * sizeof(float), stream),
+               "cudaMemsetAsync(tail dK / dV)");
+  }
+  kernel<<<blocks, C::kThreads, smem, stream>>>(p, dsum, accum, round);
+  check_launch(name);
+  if (t.parts > 0) {
+    store_tail_dkdv_kernel<Elem><<<t.walks, 128, 0, stream>>>(p, round, C::kBN);
+    check_launch("sm80::store_tail_dkdv_kernel");
+  }
+}
+
+}  // namespace flashattn::cuda::sm80
