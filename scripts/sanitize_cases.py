@@ -23,6 +23,12 @@ CASES = [  # (dtype, batch, heads_q, heads_kv, len_q, len_k, head_dim, head_dim_
     (torch.bfloat16, 1, 2, 1, 200, 450, 96, 96, 2),
     (torch.float16, 1, 4, 2, 300, 200, 128, 128, 0),
     (torch.bfloat16, 1, 2, 1, 333, 333, 256, 256, 1),
+    # The last wave split (sm80 tail_split.cuh): grids of 2 blocks, each walk cut into parts over a
+    # GQA group, dK / dV through the fp32 tail area; 8-warp dim 64, the ring of three at 128, the
+    # tracked copies at 256.
+    (torch.bfloat16, 1, 2, 1, 2100, 150, 64, 64, 0),
+    (torch.bfloat16, 1, 2, 1, 1100, 130, 128, 128, 0),
+    (torch.float16, 1, 2, 1, 1100, 100, 256, 256, 0),
     (torch.float64, 1, 2, 2, 50, 70, 128, 128, 0),  # warp pairs (fp64 dim 128)
     (torch.float64, 1, 1, 1, 17, 40, 256, 32, 2),
     (torch.float64, 1, 2, 1, 70, 45, 64, 48, 1),

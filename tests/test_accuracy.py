@@ -48,11 +48,12 @@ def test_backward_split_last_wave(device, dtype, head_dim, heads_q):
     """A dK/dV grid of more blocks than one wave of the GPU, by a remainder: the fp16 / bf16 CUDA
     backward of plain non-causal calls takes the first blocks' walks whole and cuts each walk of
     the last wave into parts whose dK / dV add up in fp32 (sm80 tail_split.cuh). 67 kv heads x 300
-    keys: 201 blocks of 128 keys or 335 of 64 (132 SMs: a remainder either way); 520 query rows,
-    a ragged last query tile and 5-9 tiles per walk (GQA: the walk crosses two heads, and a part
-    may start in the second). The CPU backend has no waves: 3 kv heads there, to keep it quick."""
-    heads_kv = 67 if device == "cuda" else 3
-    q, k, v = make_qkv(1, heads_q * heads_kv // 67, heads_kv, 520, 300, head_dim, head_dim, dtype, device)
+    keys: 201 blocks of 128 keys or 335 of 64 (132 SMs: 69 or 71 walks split, into 3-11 parts);
+    2100 query rows: 17 or 33 tiles per head with a ragged last one (GQA: the walk crosses two
+    heads, and parts start in the second). The CPU backend has no waves: 1 kv head there, to
+    keep it quick."""
+    heads_kv = 67 if device == "cuda" else 1
+    q, k, v = make_qkv(1, heads_q * heads_kv // 67, heads_kv, 2100, 300, head_dim, head_dim, dtype, device)
     check_against_reference(q, k, v, head_dim**-0.5, False)
 
 

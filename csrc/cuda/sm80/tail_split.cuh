@@ -25,13 +25,16 @@
 namespace flashattn::cuda::sm80 {
 
 // A part takes at least this many query tiles, and is reckoned to cost this many more (its K / V
-// copies, the walk's start, the dK / dV atomics) in the choice of `parts`.
-constexpr int64_t kMinPartIters = 2, kPartOverheadIters = 1;
+// copies, the walk's start, the dK / dV atomics) in the choice of `parts`. Walks shorter than
+// kMinSplitWalkIters are not split: their grids are short, and the split's fixed costs (the tail
+// area's memset and write-out: ~1% at L = 2048 - 4096) took what it saved (L = 512: -3..-4%
+// where the model below promised +1..2%; H200, bf16).
+constexpr int64_t kMinPartIters = 2, kPartOverheadIters = 1, kMinSplitWalkIters = 16;
 
 // The split of a launch of `blocks` blocks (kBN keys, kBM-row query tiles, `per_sm` resident per
 // SM) where it serves: none for the deterministic rounds, causal calls and the feature variants
 // (walks of unequal length). The number of parts minimises the last wave's estimated time:
-// ceil(R x parts / S) rounds of a part's iterations plus its overhead.
+// ceil(R x parts / S) rounds of a part's iterations plus its overhead (in iterations).
 inline TailSplit plan_tail_split(const BwdParams& p, const DqAccum& accum, const DkDvTail& area, int kBM, int kBN,
                                  int64_t blocks, int per_sm) {
   TailSplit t;
@@ -40,14 +43,17 @@ inline TailSplit plan_tail_split(const BwdParams& p, const DqAccum& accum, const
   const int64_t walks = blocks % slots;
   if (walks == 0 || walks * kBN > area.rows) return t;
   const int64_t iters = (p.len_q + kBM - 1) / kBM * p.group();
-  if (iters * 64 > 0x7fffffff) return t;  // (the parts' bounds are formed in 32 bits)
+  if (iters < kMinSplitWalkIters || iters * 64 > 0x7fffffff) return t;  // (parts' bounds: 32 bits)
   int64_t best_parts = 1, best_time = iters + kPartOverheadIters;
   for (int64_t parts = 2; parts <= 64 && iters / parts >= kMinPartIters; ++parts) {
     const int64_t rounds = (walks * parts + slots - 1) / slots;
     const int64_t time = rounds * ((iters + parts - 1) / parts + kPartOverheadIters);
     if (time < best_time) best_parts = parts, best_time = time;
   }
-  if (best_parts == 1) return t;
+  // Worth it only where it saves 2% of the grid's time (by this model, which measured ~1% above
+  // the gain at L = 2048 - 4096: dim 128 at L = 2048 saved 1.8% by it and gained nothing).
+  const int64_t grid_time = blocks / slots * iters + iters + kPartOverheadIters;
+  if (best_parts == 1 || 50 * (iters + kPartOverheadIters - best_time) < grid_time) return t;
   t.whole = unsigned(blocks - walks);
   t.walks = int(walks);
   t.parts = int(best_parts);
