@@ -102,7 +102,8 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim, kOneSync, kTwoBlocks>:
   unsigned char* sBias = reinterpret_cast<unsigned char*>(sStats + 2 * kStatsBufs * kBM);  // [2] bias tiles (kFeatures)
   uint64_t* sLanded = reinterpret_cast<uint64_t*>(sStats + 2 * kStatsBufs * kBM);  // [2] mbarriers (Cfg::kTracked)
 
-  const WalkSegment seg = kFeatures ? WalkSegment{blockIdx.x, 0, -1, -1} : walk_segment(round.tail);
+  constexpr bool kSplit = !kFeatures && Cfg::kTailSplit;  // (launch_with_tail_split plans none otherwise)
+  const WalkSegment seg = kSplit ? walk_segment(round.tail) : WalkSegment{blockIdx.x, 0, -1, -1};
   const TileBlock blk = tile_block(round.groups, 1, p.heads_kv, /*heaviest_first=*/false, seg.block);
   const int64_t hk = blk.head, b = blk.batch;
   const int64_t group = p.heads_q / p.heads_kv;
@@ -413,7 +414,7 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim, kOneSync, kTwoBlocks>:
   }, sLanded, seg.first, seg.count);
 
   const Acc scale = Acc(p.scale);
-  if (!kFeatures && seg.tail >= 0) {  // a part of a split walk: added into the tail area
+  if (kSplit && seg.tail >= 0) {  // a part of a split walk: added into the tail area
     float* dk_t = round.tail.dkdv + int64_t(seg.tail) * kBN * (E + Ev);
     float* dv_t = dk_t + kBN * E;
 #pragma unroll

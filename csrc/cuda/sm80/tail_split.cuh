@@ -104,15 +104,15 @@ __global__ void store_tail_dkdv_kernel(const BwdParams p, const KeyTileRound rou
   }
 }
 
-// Launches `kernel` (a dK/dV kernel of config C: kBM, kBN, kThreads) over `round`'s blocks, with
-// the tail split where plan_tail_split takes one: the tail area zeroed before, the split walks'
-// dK / dV written after.
+// Launches `kernel` (a dK/dV kernel of config C: kBM, kBN, kThreads, kTailSplit) over `round`'s
+// blocks, with the tail split where C has it and plan_tail_split takes one: the tail area zeroed
+// before, the split walks' dK / dV written after. (Feature calls never split: plan_tail_split.)
 template <class C, class Elem, class Kernel>
 void launch_with_tail_split(Kernel kernel, size_t smem, const BwdParams& p, const float* dsum, const DqAccum& accum,
                             const DkDvTail& area, unsigned blocks, KeyTileRound round, cudaStream_t stream,
                             const char* name) {
   int per_sm = 0;
-  if (area.base != nullptr && accum.slices == 0)
+  if (C::kTailSplit && area.base != nullptr && accum.slices == 0)
     check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, C::kThreads, smem),
                "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
   round.tail = plan_tail_split(p, accum, area, C::kBM, C::kBN, blocks, per_sm);

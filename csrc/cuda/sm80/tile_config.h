@@ -164,6 +164,11 @@ struct Bwd2dConfig {
   static constexpr bool kSwizzleP = kOneSync || kTwoBlocks;  // P, dS tiles swizzled instead of padded
   static constexpr int kLdP = kSwizzleP ? kBN : kBN + 8;     // P, dS rows (one per query)
   static constexpr int kStatsBufs = kTwoBlocks ? 1 : kQBufs;  // LSE / D buffers
+  // The grid's last wave split into parts of walks (tail_split.cuh; plain non-causal calls). Not in
+  // kTwoBlocks: it runs calls of len_q <= 1024, walks of 8 query tiles per head where the split
+  // takes 16+ (only GQA groups would reach it), and its loop with the split's bounds measured
+  // -0.9..-1.5% where no split was taken (H200, bf16, L = 512 causal / 1024).
+  static constexpr bool kTailSplit = !kTwoBlocks;
   // P and dS stored with stmatrix (sm_90+) instead of 32-bit stores: backward +0.8..+2.4% at dims 64
   // and 128 (ncu at 64: MIO-throttle stalls 2.5x FlashAttention-2's), +0.3..+1.7% at 96, -0.3% at 256
   // (H200, bf16).
