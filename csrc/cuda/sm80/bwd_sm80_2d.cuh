@@ -413,10 +413,10 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim, kOneSync, kTwoBlocks>:
     if constexpr (kPBufs == 2) pbuf ^= 1;
   }, sLanded, seg.first, seg.count);
 
+  // The lane's dK (scaled) and dV pairs of keys below rows_k: put_k(key, col, x, y) for columns
+  // below E, put_v for those below Ev.
   const Acc scale = Acc(p.scale);
-  if (kSplit && seg.tail >= 0) {  // a part of a split walk: added into the tail area
-    float* dk_t = round.tail.dkdv + int64_t(seg.tail) * kBN * (E + Ev);
-    float* dv_t = dk_t + kBN * E;
+  auto each_pair = [&](auto put_k, auto put_v) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
 #pragma unroll
@@ -426,30 +426,23 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim, kOneSync, kTwoBlocks>:
 #pragma unroll
         for (int d = 0; d < kKA; ++d) {
           const int col = k_col + 8 * d + 2 * t;
-          if (col < E) atomic_add_pair(dk_t + key * E + col, dk[i][d][2 * r] * scale, dk[i][d][2 * r + 1] * scale);
-          if (col < Ev) atomic_add_pair(dv_t + key * Ev + col, dv[i][d][2 * r], dv[i][d][2 * r + 1]);
+          if (col < E) put_k(key, col, dk[i][d][2 * r] * scale, dk[i][d][2 * r + 1] * scale);
+          if (col < Ev) put_v(key, col, dv[i][d][2 * r], dv[i][d][2 * r + 1]);
         }
       }
     }
+  };
+  if (kSplit && seg.tail >= 0) {  // a part of a split walk: added into the tail area
+    float* dk_t = round.tail.dkdv + int64_t(seg.tail) * kBN * (E + Ev);
+    float* dv_t = dk_t + kBN * E;
+    each_pair([&](int key, int col, Acc x, Acc y) { atomic_add_pair(dk_t + key * E + col, x, y); },
+              [&](int key, int col, Acc x, Acc y) { atomic_add_pair(dv_t + key * Ev + col, x, y); });
     return;
   }
   Elem* dk_g = sq.k_rows<Elem>(p.dk, p.dk_stride, hk, 0);
   Elem* dv_g = sq.k_rows<Elem>(p.dv, p.dv_stride, hk, 0);
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int key = k_key + 16 * i + g + 8 * r;
-      if (key >= rows_k) continue;
-#pragma unroll
-      for (int d = 0; d < kKA; ++d) {
-        const int col = k_col + 8 * d + 2 * t;
-        if (col < E)
-          M::store_pair(dk_g + (n0 + key) * p.dk_stride.row + col, dk[i][d][2 * r] * scale, dk[i][d][2 * r + 1] * scale);
-        if (col < Ev) M::store_pair(dv_g + (n0 + key) * p.dv_stride.row + col, dv[i][d][2 * r], dv[i][d][2 * r + 1]);
-      }
-    }
-  }
+  each_pair([&](int key, int col, Acc x, Acc y) { M::store_pair(dk_g + (n0 + key) * p.dk_stride.row + col, x, y); },
+            [&](int key, int col, Acc x, Acc y) { M::store_pair(dv_g + (n0 + key) * p.dv_stride.row + col, x, y); });
 }
 
 // Launches the 2-D kernel where it serves the call; false where it does not (then the 1-D
