@@ -84,8 +84,8 @@ enum class QueryBuffers {
 // With one barrier per tile there is none at the top: before it the body may read only this
 // tile's buffer and what the previous barrier published.
 // first / count: only the walk's iterations [first, first + count) (count < 0: to its end; a
-// part of a split walk, tail_split.cuh, whose walks have fewer than 2^31 iterations: 32-bit
-// divisions).
+// part of a split walk, tail_split.cuh: first lies within the walk, whose iterations number fewer
+// than 2^31, so the divisions are 32-bit).
 template <int kBM, QueryBuffers kMode = QueryBuffers::kTwo, class Load, class Body>
 __device__ __forceinline__ void walk_query_tiles(const Seq& sq, int64_t n0, int rows_k, int64_t h_first,
                                                  int64_t group, Load&& load, Body&& body,

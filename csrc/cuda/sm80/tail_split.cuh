@@ -10,6 +10,8 @@
 // any order already); the deterministic path keeps its rounds, without a split.
 // (A block taking a run across two walks, so that every slot gets the same share, made ptxas
 // spill 28-32 B in the dim-64 kernels: the loop over a block's segments around the walk.)
+// Causal grids, whose walks shorten with the key tile, keep the plain order: the heaviest walks
+// first by groups of (batch, kv head) pairs measured -5..+3% (benchmarks/NOTES_sm80.md, Version 26).
 #pragma once
 #include <cuda_runtime.h>
 
