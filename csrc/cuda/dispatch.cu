@@ -105,14 +105,16 @@ int dq_accumulators(const BwdParams& p) {
   return int(per_head < 1 ? 1 : per_head > 16 ? 16 : per_head);
 }
 
-// Bytes of the fp32 dK / dV of the split walks of a dK/dV grid's last wave (sm80/tail_split.cuh):
-// plain non-causal fp16 / bf16 calls off the deterministic path, on sm_80+; else none.
-size_t dkdv_tail_bytes(const BwdParams& p) {
+// Keys of the fp32 dK / dV of the split walks of a dK/dV grid's last wave (sm80/tail_split.cuh)
+// that the workspace holds: fp16 / bf16 calls the split serves, on sm_80+; else none.
+int64_t dkdv_tail_rows(const BwdParams& p) {
   const bool half = p.dtype == DType::kBFloat16 || p.dtype == DType::kFloat16;
-  if (!half || !tensor_cores_enabled() || p.deterministic || p.causal || p.has_features()) return 0;
+  if (!half || !tensor_cores_enabled() || !sm80::tail_split_serves(p)) return 0;
   const DeviceLimits lim = device_limits();
-  if (lim.major < 8) return 0;
-  return size_t(sm80::tail_split_rows(p, lim.sms)) * size_t(p.head_dim + p.head_dim_v) * sizeof(float);
+  return lim.major < 8 ? 0 : sm80::tail_split_rows(p, lim.sms);
+}
+size_t dkdv_tail_bytes(const BwdParams& p) {
+  return size_t(dkdv_tail_rows(p)) * size_t(p.head_dim + p.head_dim_v) * sizeof(float);
 }
 
 // The tensor-core kernels' head-dim tier for e_max (fp16/bf16: 32, 64, 96, 128, 192, 256; fp64:
@@ -189,9 +191,8 @@ void bwd_typed(const BwdParams& p, cudaStream_t stream) {
   bool dq_blocked = false;         // those fill the blocked layout (fp16/bf16)
   const sm80::DqAccum accum{dq_accum, p.deterministic ? accumulators : 0,
                             int64_t(accum_bytes / acc_size(p.dtype))};
-  const size_t tail_bytes = dkdv_tail_bytes(p);
-  const sm80::DkDvTail tail{tail_bytes > 0 ? reinterpret_cast<float*>(ws + dkdv_tail_offset(p)) : nullptr,
-                            tail_bytes > 0 ? sm80::tail_split_rows(p, device_limits().sms) : 0};
+  const int64_t tail_rows = dkdv_tail_rows(p);
+  const sm80::DkDvTail tail{tail_rows > 0 ? reinterpret_cast<float*>(ws + dkdv_tail_offset(p)) : nullptr, tail_rows};
   if constexpr (!std::is_same_v<T, float>) {
     if (tensor_core_kernels_allowed<T>() && dq_accum != nullptr) {
       on_sm80_tier<T>(e_max, [&](auto tier) {

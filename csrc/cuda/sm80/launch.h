@@ -58,11 +58,15 @@ struct KeyTileRound {
 };
 
 // Where the fp32 dK / dV of split walks go (tail_split.cuh), zeroed by the launcher: room for
-// `rows` keys of head_dim + head_dim_v columns.
+// `rows` keys of head_dim + head_dim_v columns; base == nullptr where the call takes no split.
 struct DkDvTail {
   float* base;
   int64_t rows;
 };
+
+// Calls whose walks all take the same time, the only ones the tail split serves: plain
+// non-causal calls off the deterministic path (whose rounds keep their own order).
+inline bool tail_split_serves(const BwdParams& p) { return !p.deterministic && !p.causal && !p.has_features(); }
 
 // Keys of dK / dV the tail split may hold: one wave of blocks of at most 128 keys per SM
 // (kBN * blocks per SM <= 128 for every 2-D config), never more than the call has.

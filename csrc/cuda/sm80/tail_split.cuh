@@ -34,13 +34,14 @@ namespace flashattn::cuda::sm80 {
 constexpr int64_t kMinPartIters = 2, kPartOverheadIters = 1, kMinSplitWalkIters = 16;
 
 // The split of a launch of `blocks` blocks (kBN keys, kBM-row query tiles, `per_sm` resident per
-// SM) where it serves: none for the deterministic rounds, causal calls and the feature variants
-// (walks of unequal length). The number of parts minimises the last wave's estimated time:
-// ceil(R x parts / S) rounds of a part's iterations plus its overhead (in iterations).
-inline TailSplit plan_tail_split(const BwdParams& p, const DqAccum& accum, const DkDvTail& area, int kBM, int kBN,
-                                 int64_t blocks, int per_sm) {
+// SM) where it serves: only calls given a tail area (tail_split_serves: not the deterministic
+// rounds, causal calls or the feature variants, whose walks differ in length). The number of
+// parts minimises the last wave's estimated time: ceil(R x parts / S) rounds of a part's
+// iterations plus its overhead (in iterations).
+inline TailSplit plan_tail_split(const BwdParams& p, const DkDvTail& area, int kBM, int kBN, int64_t blocks,
+                                 int per_sm) {
   TailSplit t;
-  if (area.base == nullptr || accum.slices > 0 || p.causal || p.has_features() || per_sm < 1) return t;
+  if (area.base == nullptr || per_sm < 1) return t;
   const int64_t slots = int64_t(device_limits().sms) * per_sm;
   const int64_t walks = blocks % slots;
   if (walks == 0 || walks * kBN > area.rows) return t;
@@ -108,16 +109,16 @@ __global__ void store_tail_dkdv_kernel(const BwdParams p, const KeyTileRound rou
 
 // Launches `kernel` (a dK/dV kernel of config C: kBM, kBN, kThreads, kTailSplit) over `round`'s
 // blocks, with the tail split where C has it and plan_tail_split takes one: the tail area zeroed
-// before, the split walks' dK / dV written after. (Feature calls never split: plan_tail_split.)
+// before, the split walks' dK / dV written after.
 template <class C, class Elem, class Kernel>
 void launch_with_tail_split(Kernel kernel, size_t smem, const BwdParams& p, const float* dsum, const DqAccum& accum,
                             const DkDvTail& area, unsigned blocks, KeyTileRound round, cudaStream_t stream,
                             const char* name) {
   int per_sm = 0;
-  if (C::kTailSplit && area.base != nullptr && accum.slices == 0)
+  if (C::kTailSplit && area.base != nullptr)
     check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, C::kThreads, smem),
                "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
-  round.tail = plan_tail_split(p, accum, area, C::kBM, C::kBN, blocks, per_sm);
+  round.tail = plan_tail_split(p, area, C::kBM, C::kBN, blocks, per_sm);
   const TailSplit& t = round.tail;
   if (t.parts > 0) {
     blocks = unsigned(t.whole + int64_t(t.walks) * t.parts);
