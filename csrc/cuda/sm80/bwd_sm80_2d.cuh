@@ -103,7 +103,7 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim, kOneSync, kTwoBlocks>:
   uint64_t* sLanded = reinterpret_cast<uint64_t*>(sStats + 2 * kStatsBufs * kBM);  // [2] mbarriers (Cfg::kTracked)
 
   constexpr bool kSplit = !kFeatures && Cfg::kTailSplit;  // (launch_with_tail_split plans none otherwise)
-  const WalkSegment seg = kSplit ? walk_segment(round.tail) : WalkSegment{blockIdx.x, 0, -1, -1};
+  const WalkSegment seg = kSplit ? walk_segment(round) : WalkSegment{blockIdx.x, 0, -1, -1};
   const TileBlock blk = tile_block(round.groups, 1, p.heads_kv, /*heaviest_first=*/false, seg.block);
   const int64_t hk = blk.head, b = blk.batch;
   const int64_t group = p.heads_q / p.heads_kv;

@@ -50,11 +50,15 @@ struct TailSplit {
   float* dkdv = nullptr;
 };
 
-// One launch of a dK/dV kernel: block (g, kv head, batch) takes key tile first + g.
+// One launch of a dK/dV kernel: block (g, kv head, batch) takes key tile first + g, bar the
+// causal grid's last pairs (tail_split.cuh): blocks from `heavy_start` on, those of the last
+// `heavy_pairs` (batch, kv head) pairs, run key tile slowest, the heaviest walks first.
 struct KeyTileRound {
   int groups;  // blocks per (batch, kv head)
   int first;   // the key tile of block 0
   TailSplit tail{};
+  unsigned heavy_start = 0xffffffffu;
+  unsigned heavy_pairs = 1;
 };
 
 // Where the fp32 dK / dV of split walks go (tail_split.cuh), zeroed by the launcher: room for
@@ -67,6 +71,9 @@ struct DkDvTail {
 // Calls whose walks all take the same time, the only ones the tail split serves: plain
 // non-causal calls off the deterministic path (whose rounds keep their own order).
 inline bool tail_split_serves(const BwdParams& p) { return !p.deterministic && !p.causal && !p.has_features(); }
+// Plain causal calls off the deterministic path, whose walks shorten with the key tile: their
+// last pairs run heaviest first (tail_split.cuh).
+inline bool heavy_last_serves(const BwdParams& p) { return !p.deterministic && p.causal && !p.has_features(); }
 
 // Keys of dK / dV the tail split may hold: one wave of blocks of at most 128 keys per SM
 // (kBN * blocks per SM <= 128 for every 2-D config), never more than the call has.
