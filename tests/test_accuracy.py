@@ -58,16 +58,17 @@ def test_backward_split_last_wave(device, dtype, head_dim, heads_q):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 192, 256])
 @pytest.mark.parametrize("causal", [TOP_LEFT, BOTTOM_RIGHT], ids=["top_left", "bottom_right"])
 @pytest.mark.parametrize("len_k,group", [(600, 1), (1300, 2)], ids=["600_keys_mha", "1300_keys_gqa"])
 def test_backward_causal_last_pairs_heaviest_first(device, dtype, head_dim, causal, len_k, group):
     """A causal dK/dV grid of more than two waves: the fp16 / bf16 CUDA backward runs its last
     (batch, kv head) pairs' blocks key tile slowest, so that their heaviest walks start first
-    (sm80 tail_split.cuh, plan_heavy_last), the pairs before in the plain order. 67 kv heads: with
-    132 SMs the last 53 / 27 pairs (600 keys, 5 / 10 key tiles) or 24 / 13 (1300 keys) are
-    reordered; 1100 query rows keep dim 64 off the two-block kernel; 1300 keys under top-left
-    masking leave the last key tiles without a walk. The CPU backend has no waves: 1 kv head."""
+    (sm80 causal_order.cuh), the pairs before in the plain order: the 2-D kernel (dims 64 - 256)
+    and the 1-D one (32, 192). 67 kv heads: with 132 SMs the 2-D kernel's last 53 / 27 pairs (600
+    keys, 5 / 10 key tiles) or 24 / 13 (1300 keys) are reordered; 1100 query rows keep dim 64 off
+    the two-block kernel; 1300 keys under top-left masking leave the last key tiles without a
+    walk. The CPU backend has no waves: 1 kv head."""
     heads_kv = 67 if device == "cuda" else 1
     q, k, v = make_qkv(1, heads_kv * group, heads_kv, 1100, len_k, head_dim, head_dim, dtype, device)
     check_against_reference(q, k, v, head_dim**-0.5, causal)

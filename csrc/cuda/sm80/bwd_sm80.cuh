@@ -33,6 +33,7 @@
 #include "fragments.cuh"
 #include "bias_tile.cuh"
 #include "bwd_sm80_2d.cuh"
+#include "causal_order.cuh"
 #include "dq_atomics.cuh"
 #include "query_walk.cuh"
 #include "tile_config.h"
@@ -130,8 +131,9 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim, kGeneral, kCompact>::kTh
   Acc* sX = sD + 2 * kBM;  // warp pairs: [kWarps][2 kQA][32 lanes][4] partial S^T, dP^T
   unsigned char* sBias = reinterpret_cast<unsigned char*>(sX) + Cfg::kExchangeBytes;  // [2] bias tiles
 
-  // Early key tiles (seen by the most query rows under causal masking) first.
-  const TileBlock blk = tile_block(round.groups, 1, p.heads_kv, /*heaviest_first=*/false);
+  // Early key tiles (seen by the most query rows under causal masking) first; a causal grid's
+  // last pairs key tile slowest (causal_order.cuh).
+  const TileBlock blk = tile_block(round.groups, 1, p.heads_kv, /*heaviest_first=*/false, ordered_block<!kFeatures>(round));
   const int nt = round.first + blk.tile;
   const int64_t hk = blk.head, b = blk.batch;
   const int64_t group = p.heads_q / p.heads_kv;
@@ -376,7 +378,12 @@ bool launch_dkdv(const BwdParams& p, const void* dsum, const DqAccum& accum, cud
   using Acc = typename Mma<Elem>::Acc;
   auto kernel = bwd_dkdv_kernel<Elem, kDim, kFeatures, kGeneral, kCompact>;
   set_smem(kernel, smem, "sm80::bwd_dkdv_kernel");
+  int per_sm = 0;
+  if (!kFeatures && heavy_last_serves(p))
+    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Cfg::kThreads, smem),
+               "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
   for_key_tile_rounds(p, Cfg::kBN, accum, [&](unsigned blocks, KeyTileRound round) {
+    plan_heavy_last(p, round, blocks, per_sm);
     kernel<<<blocks, Cfg::kThreads, smem, stream>>>(p, static_cast<const Acc*>(dsum), accum, round);
     check_launch("sm80::bwd_dkdv_kernel");
   });

@@ -51,7 +51,7 @@ struct TailSplit {
 };
 
 // One launch of a dK/dV kernel: block (g, kv head, batch) takes key tile first + g, bar the
-// causal grid's last pairs (tail_split.cuh): blocks from `heavy_start` on, those of the last
+// causal grid's last pairs (causal_order.cuh): blocks from `heavy_start` on, those of the last
 // `heavy_pairs` (batch, kv head) pairs, run key tile slowest, the heaviest walks first.
 struct KeyTileRound {
   int groups;  // blocks per (batch, kv head)
@@ -72,7 +72,7 @@ struct DkDvTail {
 // non-causal calls off the deterministic path (whose rounds keep their own order).
 inline bool tail_split_serves(const BwdParams& p) { return !p.deterministic && !p.causal && !p.has_features(); }
 // Plain causal calls off the deterministic path, whose walks shorten with the key tile: their
-// last pairs run heaviest first (tail_split.cuh).
+// last pairs run heaviest first (causal_order.cuh).
 inline bool heavy_last_serves(const BwdParams& p) { return !p.deterministic && p.causal && !p.has_features(); }
 
 // Keys of dK / dV the tail split may hold: one wave of blocks of at most 128 keys per SM

@@ -10,23 +10,17 @@
 // any order already); the deterministic path keeps its rounds, without a split.
 // (A block taking a run across two walks, so that every slot gets the same share, made ptxas
 // spill 28-32 B in the dim-64 kernels: the loop over a block's segments around the walk.)
-// Causal grids, whose walks shorten with the key tile (key tile 0 walks every query tile), have
-// the opposite tail: in the plain order (key tile fastest, then head) the last pair's heaviest
-// walks start near the end and run on alone (3-7% above the ideal at L <= 8192 by a
-// list-scheduling model). Their last ~two waves' pairs run key tile slowest instead, the heaviest
-// walks of those pairs first and the lightest last (the model: 0.5-2%). The whole grid in that
-// order by groups of pairs measured -5..+3% (benchmarks/NOTES_sm80.md, Version 26): the blocks in
-// flight then span several heads, whose Q / dO and dQ accumulators compete for L2.
+// Causal grids have the opposite tail, met by their order instead (causal_order.cuh).
 #pragma once
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstdint>
 
 #include "../../common/sequence.h"
 #include "../../params.h"
 #include "../common/check.h"
 #include "../common/grid.cuh"
+#include "causal_order.cuh"
 #include "fragments.cuh"
 #include "launch.h"
 
@@ -71,22 +65,6 @@ inline TailSplit plan_tail_split(const BwdParams& p, const DkDvTail& area, int k
   return t;
 }
 
-// The causal grid's reordered last pairs (KeyTileRound::heavy_start): enough pairs for two waves
-// of blocks (S = SMs x `per_sm`), from a launch of `blocks` blocks of `groups` key tiles per pair.
-// Only where a pair has at most S / 2 key tiles: a longer pair's own blocks span a wave, and the
-// plain order's tail is short (the model: <= 0.6%); there the reorder measured 0 / -1.2% (H200,
-// bf16, dims 128 / 256 at 128 and 256 key tiles; one wave of pairs instead of two the same),
-// where with up to S / 2 key tiles it gained 1.5-2% at dim 64, 4.5-5.5% at 128, 2-4% at 256.
-inline void plan_heavy_last(KeyTileRound& round, int64_t blocks, int per_sm) {
-  if (per_sm < 1) return;
-  const int64_t slots = int64_t(device_limits().sms) * per_sm, pairs = blocks / round.groups;
-  if (2 * int64_t(round.groups) > slots) return;
-  const int64_t heavy = std::min<int64_t>(pairs, (2 * slots + round.groups - 1) / round.groups);
-  if (heavy < 2) return;
-  round.heavy_start = unsigned((pairs - heavy) * round.groups);
-  round.heavy_pairs = unsigned(heavy);
-}
-
 // What a block of a dK/dV grid takes: the walk of block `block` of the plain grid (its key tile,
 // kv head and batch), that walk's iterations [first, first + count) (count < 0: all), and
 // `tail`, the walk's index among the split ones (-1: a whole walk, dK / dV stored directly).
@@ -98,10 +76,7 @@ struct WalkSegment {
 
 __device__ __forceinline__ WalkSegment walk_segment(const KeyTileRound& round) {
   const unsigned b = blockIdx.x;
-  if (b >= round.heavy_start) {  // pair i % heavy_pairs of the last ones, key tile i / heavy_pairs
-    const unsigned i = b - round.heavy_start;
-    return WalkSegment{round.heavy_start + i % round.heavy_pairs * unsigned(round.groups) + i / round.heavy_pairs, 0, -1, -1};
-  }
+  if (b >= round.heavy_start) return WalkSegment{heavy_last_block(round, b), 0, -1, -1};
   const TailSplit& t = round.tail;
   if (b < t.whole) return WalkSegment{b, 0, -1, -1};
   const int i = int(b - t.whole), w = i / t.parts, part = i - w * t.parts;
@@ -147,7 +122,7 @@ void launch_with_tail_split(Kernel kernel, size_t smem, const BwdParams& p, cons
     check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, C::kThreads, smem),
                "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
   round.tail = plan_tail_split(p, area, C::kBM, C::kBN, blocks, per_sm);
-  if (C::kTailSplit && heavy_last_serves(p)) plan_heavy_last(round, blocks, per_sm);
+  if (C::kTailSplit) plan_heavy_last(p, round, blocks, per_sm);
   const TailSplit& t = round.tail;
   if (t.parts > 0) {
     blocks = unsigned(t.whole + int64_t(t.walks) * t.parts);

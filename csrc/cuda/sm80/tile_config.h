@@ -165,7 +165,8 @@ struct Bwd2dConfig {
   static constexpr int kLdP = kSwizzleP ? kBN : kBN + 8;     // P, dS rows (one per query)
   static constexpr int kStatsBufs = kTwoBlocks ? 1 : kQBufs;  // LSE / D buffers
   // The grid's last wave split into parts of walks (tail_split.cuh; plain non-causal calls), and
-  // for plain causal calls the last pairs' walks heaviest first. Not in
+  // for plain causal calls the last pairs' walks heaviest first (causal_order.cuh; the 1-D
+  // kernel orders them too). Not in
   // kTwoBlocks: it runs calls of len_q <= 1024, walks of 8 query tiles per head where the split
   // takes 16+ (only GQA groups would reach it), and its loop with the split's bounds measured
   // -0.9..-1.5% where no split was taken (H200, bf16, L = 512 causal / 1024).

@@ -1,0 +1,53 @@
+// The order of a causal dK/dV grid's blocks. Its walks shorten with the key tile (key tile 0
+// walks every query tile, the last one a few), and in the plain order (key tile fastest, then
+// head: neighbouring blocks share a head's Q / dO in L2) the last pair's heaviest walks start near
+// the end of the grid and run on alone: 3-7% above the ideal at L <= 8192 by a list-scheduling
+// model of the grid (132 SMs, the benchmark grid). The last ~two waves' pairs run key tile slowest
+// instead, the heaviest walks of those pairs first and the lightest last (the model: 0.5-2%). The
+// whole grid in that order by groups of pairs measured -5..+3% (benchmarks/NOTES_sm80.md,
+// Version 26): the blocks in flight then span several heads, whose Q / dO and dQ accumulators
+// compete for L2.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "../../params.h"
+#include "../common/check.h"
+#include "launch.h"
+
+namespace flashattn::cuda::sm80 {
+
+// The causal grid's reordered last pairs (KeyTileRound::heavy_start): enough pairs for two waves
+// of blocks (S = SMs x `per_sm`), from a launch of `blocks` blocks of `groups` key tiles per pair.
+// Only where a pair has at most S / 2 key tiles: a longer pair's own blocks span a wave, and the
+// plain order's tail is short (the model: <= 0.6%); there the reorder measured 0 / -1.2% (H200,
+// bf16, dims 128 / 256 at 128 and 256 key tiles; one wave of pairs instead of two the same),
+// where with up to S / 2 key tiles it gained 1.5-2% at dim 64, 4.5-5.5% at 128, 2-4% at 256.
+inline void plan_heavy_last(const BwdParams& p, KeyTileRound& round, int64_t blocks, int per_sm) {
+  if (!heavy_last_serves(p) || per_sm < 1) return;
+  const int64_t slots = int64_t(device_limits().sms) * per_sm, pairs = blocks / round.groups;
+  if (2 * int64_t(round.groups) > slots) return;
+  const int64_t heavy = std::min<int64_t>(pairs, (2 * slots + round.groups - 1) / round.groups);
+  if (heavy < 2) return;
+  round.heavy_start = unsigned((pairs - heavy) * round.groups);
+  round.heavy_pairs = unsigned(heavy);
+}
+
+// The block of the plain grid that block `b` (>= round.heavy_start) runs: the last pairs' pair
+// i % heavy_pairs, key tile i / heavy_pairs.
+__device__ __forceinline__ unsigned heavy_last_block(const KeyTileRound& round, unsigned b) {
+  const unsigned i = b - round.heavy_start;
+  return round.heavy_start + i % round.heavy_pairs * unsigned(round.groups) + i / round.heavy_pairs;
+}
+
+// The block of the plain grid that this block runs, where `kOrdered` (the kernel serves calls that
+// plan_heavy_last orders).
+template <bool kOrdered>
+__device__ __forceinline__ unsigned ordered_block(const KeyTileRound& round) {
+  const unsigned b = blockIdx.x;
+  return kOrdered && b >= round.heavy_start ? heavy_last_block(round, b) : b;
+}
+
+}  // namespace flashattn::cuda::sm80
