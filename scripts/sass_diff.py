@@ -4,7 +4,7 @@
 
 compiles each file (default: every csrc/cuda/sm80/*.cu) as it is at git ref REF (default HEAD)
 and as it is in the working tree, for sm_90 with sass_blocks.py's flags, and prints per kernel its
-registers and spill bytes (ptxas) in both, and `same` where the two SASS listings are identical,
+registers and spill bytes (ptxas) in both (kernels matched by name and template arguments), and `same` where the two SASS listings are identical,
 else both instruction counts and, for their largest loops, `loop same` where the loop's
 instructions are identical (branch targets masked) or both loops' sizes. A change meant for one kernel
 should leave the others `same`: one that moves another kernel's registers or key loop (NOTES_sm80
@@ -74,11 +74,13 @@ def main():
             results = list(pool.map(lambda j: compile_file(*j), jobs))
     changed = 0
     for i, f in enumerate(files):
-        old, new = results[2 * i], results[2 * i + 1]
+        # Kernels matched by name and template arguments, so that a changed parameter list still
+        # compares the two.
+        old, new = ({short(fn): v for fn, v in r.items()} for r in (results[2 * i], results[2 * i + 1]))
         print(f"{f}:")
         for fn in sorted(set(old) | set(new)):
             if fn not in old or fn not in new:
-                print(f"  {'added' if fn in new else 'removed':8} {short(fn)}")
+                print(f"  {'added' if fn in new else 'removed':8} {fn}")
                 changed += 1
                 continue
             (r0, s0, l0), (r1, s1, l1) = old[fn], new[fn]
@@ -87,7 +89,7 @@ def main():
             k0, k1 = loop_text(l0), loop_text(l1)
             loop = "same" if k0 == k1 else f"{len(k0)} -> {len(k1)}"
             state = "same" if same else f"{len(l0)} -> {len(l1)} instr, loop {loop}"
-            print(f"  regs {r0:3d} -> {r1:3d}  spills {s0:3d} -> {s1:3d}  {state:40}  {short(fn)}")
+            print(f"  regs {r0:3d} -> {r1:3d}  spills {s0:3d} -> {s1:3d}  {state:40}  {fn}")
     print(f"{changed} kernel(s) differ from {args.ref}")
 
 

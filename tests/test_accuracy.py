@@ -57,18 +57,24 @@ def test_backward_split_last_wave(device, dtype, head_dim, heads_q):
     check_against_reference(q, k, v, head_dim**-0.5, False)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 192, 256])
+HEAVY_LAST_CASES = ([(dt, d) for dt in (torch.bfloat16, torch.float16) for d in (32, 64, 96, 128, 192, 256)]
+                    + [(torch.float64, 64), (torch.float64, 128)])
+
+
+@pytest.mark.parametrize("dtype,head_dim", HEAVY_LAST_CASES,
+                         ids=[f"{DTYPE_IDS[DTYPES.index(dt)]}-{d}" for dt, d in HEAVY_LAST_CASES])
 @pytest.mark.parametrize("causal", [TOP_LEFT, BOTTOM_RIGHT], ids=["top_left", "bottom_right"])
 @pytest.mark.parametrize("len_k,group", [(600, 1), (1300, 2)], ids=["600_keys_mha", "1300_keys_gqa"])
-def test_backward_causal_last_pairs_heaviest_first(device, dtype, head_dim, causal, len_k, group):
-    """A causal dK/dV grid of more than two waves: the fp16 / bf16 CUDA backward runs its last
-    (batch, kv head) pairs' blocks key tile slowest, so that their heaviest walks start first
-    (sm80 causal_order.cuh), the pairs before in the plain order: the 2-D kernel (dims 64 - 256)
-    and the 1-D one (32, 192). 67 kv heads: with 132 SMs the 2-D kernel's last 53 / 27 pairs (600
-    keys, 5 / 10 key tiles) or 24 / 13 (1300 keys) are reordered; 1100 query rows keep dim 64 off
-    the two-block kernel; 1300 keys under top-left masking leave the last key tiles without a
-    walk. The CPU backend has no waves: 1 kv head."""
+def test_causal_last_pairs_heaviest_first(device, dtype, head_dim, causal, len_k, group):
+    """Causal grids of more than two waves, whose last (batch, head) pairs run tile slowest so that
+    their heaviest tiles start first (sm80 causal_order.cuh), the pairs before in the plain order:
+    the fp16 / bf16 CUDA backward (the 2-D dK/dV kernel at dims 64 - 256, the 1-D one at 32 / 192)
+    and the forward with one query tile per block (fp16 / bf16 at 192 / 256, fp64 at 64 / 128;
+    the fp64 backward is deterministic, in its rounds). 67 kv heads: with 132 SMs the 2-D kernel's
+    last 53 / 27 pairs (600 keys, 5 / 10 key tiles) or 24 / 13 (1300 keys) are reordered, the
+    dim-256 forward's last 30 heads of 18 query tiles; 1100 query rows keep dim 64 off the two-block
+    kernel; 1300 keys under top-left masking leave the last key tiles without a walk. The CPU
+    backend has no waves: 1 kv head."""
     heads_kv = 67 if device == "cuda" else 1
     q, k, v = make_qkv(1, heads_kv * group, heads_kv, 1100, len_k, head_dim, head_dim, dtype, device)
     check_against_reference(q, k, v, head_dim**-0.5, causal)

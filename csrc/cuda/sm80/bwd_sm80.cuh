@@ -133,7 +133,7 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim, kGeneral, kCompact>::kTh
 
   // Early key tiles (seen by the most query rows under causal masking) first; a causal grid's
   // last pairs key tile slowest (causal_order.cuh).
-  const TileBlock blk = tile_block(round.groups, 1, p.heads_kv, /*heaviest_first=*/false, ordered_block<!kFeatures>(round));
+  const TileBlock blk = tile_block(round.groups, 1, p.heads_kv, /*heaviest_first=*/false, ordered_block<!kFeatures>(round.heavy, round.groups));
   const int nt = round.first + blk.tile;
   const int64_t hk = blk.head, b = blk.batch;
   const int64_t group = p.heads_q / p.heads_kv;
@@ -383,7 +383,7 @@ bool launch_dkdv(const BwdParams& p, const void* dsum, const DqAccum& accum, cud
     check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Cfg::kThreads, smem),
                "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
   for_key_tile_rounds(p, Cfg::kBN, accum, [&](unsigned blocks, KeyTileRound round) {
-    plan_heavy_last(p, round, blocks, per_sm);
+    if (per_sm > 0) round.heavy = plan_heavy_last(blocks, round.groups, per_sm);
     kernel<<<blocks, Cfg::kThreads, smem, stream>>>(p, static_cast<const Acc*>(dsum), accum, round);
     check_launch("sm80::bwd_dkdv_kernel");
   });

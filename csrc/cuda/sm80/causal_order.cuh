@@ -13,41 +13,41 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "../../params.h"
 #include "../common/check.h"
 #include "launch.h"
 
 namespace flashattn::cuda::sm80 {
 
-// The causal grid's reordered last pairs (KeyTileRound::heavy_start): enough pairs for two waves
-// of blocks (S = SMs x `per_sm`), from a launch of `blocks` blocks of `groups` key tiles per pair.
-// Only where a pair has at most S / 2 key tiles: a longer pair's own blocks span a wave, and the
-// plain order's tail is short (the model: <= 0.6%); there the reorder measured 0 / -1.2% (H200,
-// bf16, dims 128 / 256 at 128 and 256 key tiles; one wave of pairs instead of two the same),
-// where with up to S / 2 key tiles it gained 1.5-2% at dim 64, 4.5-5.5% at 128, 2-4% at 256.
-inline void plan_heavy_last(const BwdParams& p, KeyTileRound& round, int64_t blocks, int per_sm) {
-  if (!heavy_last_serves(p) || per_sm < 1) return;
-  const int64_t slots = int64_t(device_limits().sms) * per_sm, pairs = blocks / round.groups;
-  if (2 * int64_t(round.groups) > slots) return;
-  const int64_t heavy = std::min<int64_t>(pairs, (2 * slots + round.groups - 1) / round.groups);
-  if (heavy < 2) return;
-  round.heavy_start = unsigned((pairs - heavy) * round.groups);
-  round.heavy_pairs = unsigned(heavy);
+// The order of a causal grid of `blocks` blocks, `tiles` per (batch, head) pair, on S = SMs x
+// `per_sm` slots: its last pairs, enough for two waves, heaviest tile first across them. Only
+// where a pair has at most S / 2 tiles: a longer pair's own blocks span a wave, and the plain
+// order's tail is short (the model: <= 0.6%); there the backward's order measured 0 / -1.2%
+// (H200, bf16, dims 128 / 256 at 128 and 256 key tiles; one wave of pairs instead of two the
+// same), where with up to S / 2 key tiles it gained 1.5-2% at dim 64, 4.5-5.5% at 128, 2-4% at 256.
+inline HeavyLast plan_heavy_last(int64_t blocks, int64_t tiles, int per_sm) {
+  HeavyLast order;
+  const int64_t slots = int64_t(device_limits().sms) * per_sm, pairs = blocks / tiles;
+  if (per_sm < 1 || 2 * tiles > slots) return order;
+  const int64_t heavy = std::min<int64_t>(pairs, (2 * slots + tiles - 1) / tiles);
+  if (heavy < 2) return order;
+  order.start = unsigned((pairs - heavy) * tiles);
+  order.pairs = unsigned(heavy);
+  return order;
 }
 
-// The block of the plain grid that block `b` (>= round.heavy_start) runs: the last pairs' pair
-// i % heavy_pairs, key tile i / heavy_pairs.
-__device__ __forceinline__ unsigned heavy_last_block(const KeyTileRound& round, unsigned b) {
-  const unsigned i = b - round.heavy_start;
-  return round.heavy_start + i % round.heavy_pairs * unsigned(round.groups) + i / round.heavy_pairs;
+// The block of the plain grid (`tiles` blocks per pair) that block `b` (>= order.start) runs: the
+// last pairs' pair i % pairs, its tile i / pairs in the plain order (the heaviest first).
+__device__ __forceinline__ unsigned heavy_last_block(const HeavyLast& order, int tiles, unsigned b) {
+  const unsigned i = b - order.start;
+  return order.start + i % order.pairs * unsigned(tiles) + i / order.pairs;
 }
 
 // The block of the plain grid that this block runs, where `kOrdered` (the kernel serves calls that
 // plan_heavy_last orders).
 template <bool kOrdered>
-__device__ __forceinline__ unsigned ordered_block(const KeyTileRound& round) {
+__device__ __forceinline__ unsigned ordered_block(const HeavyLast& order, int tiles) {
   const unsigned b = blockIdx.x;
-  return kOrdered && b >= round.heavy_start ? heavy_last_block(round, b) : b;
+  return kOrdered && b >= order.start ? heavy_last_block(order, tiles, b) : b;
 }
 
 }  // namespace flashattn::cuda::sm80

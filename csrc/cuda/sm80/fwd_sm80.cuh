@@ -29,6 +29,7 @@
 #include "../common/online_softmax.cuh"
 #include "../common/opaque.cuh"
 #include "bias_tile.cuh"
+#include "causal_order.cuh"
 #include "fragments.cuh"
 #include "tile_copy.cuh"
 #include "tile_config.h"
@@ -48,7 +49,7 @@ struct FwdQueryTile {
 // the plain variant keeps its registers and its per-tile mask test.
 template <class Elem, int kDim, bool kFeatures, bool kPaired>
 __global__ void __launch_bounds__(FwdConfig<Elem, kDim, kFeatures>::kThreads)
-    fwd_kernel(const FwdParams p, int num_m_tiles) {
+    fwd_kernel(const FwdParams p, int num_m_tiles, HeavyLast order) {
   static_assert(!(kPaired && kFeatures), "the feature variant takes one query tile per block");
   using Cfg = FwdConfig<Elem, kDim, kFeatures>;
   using M = Mma<Elem>;
@@ -73,10 +74,12 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim, kFeatures>::kThreads)
   unsigned char* sBias = reinterpret_cast<unsigned char*>(sV + kKvBufs * kBN * kLd);  // [2] bias tiles
 
   // The block's query tiles. Unpaired: one, the last tiles (under causal masking the heaviest)
-  // first. kPaired (launch_fwd says where): pair j (blk.tile) of its head, tile num_m_tiles - 1 - j
-  // and then tile j, or the middle tile alone where num_m_tiles is odd (that lighter block last).
+  // first, and a causal grid's last heads tile slowest (`order`, causal_order.cuh). kPaired
+  // (launch_fwd says where): pair j (blk.tile) of its head, tile num_m_tiles - 1 - j and then tile
+  // j, or the middle tile alone where num_m_tiles is odd (that lighter block last).
   const int blocks_per_head = kPaired ? (num_m_tiles + 1) / 2 : num_m_tiles;
-  const TileBlock blk = tile_block(blocks_per_head, 1, p.heads_q, /*heaviest_first=*/!kPaired);
+  const TileBlock blk = tile_block(blocks_per_head, 1, p.heads_q, /*heaviest_first=*/!kPaired,
+                                   ordered_block<!kFeatures && !kPaired>(order, blocks_per_head));
   const int num_tiles = kPaired && 2 * blk.tile + 1 != num_m_tiles ? 2 : 1;
   auto tile_m0 = [&](int i) { return int64_t(!kPaired || i > 0 ? blk.tile : num_m_tiles - 1 - blk.tile) * kBM; };
   const int64_t h = blk.head, b = blk.batch, hk = kv_head(p, h);
@@ -566,11 +569,20 @@ bool launch_fwd(const FwdParams& p, cudaStream_t stream) {
   const size_t smem = Cfg::kSmemBytes + 2 * size_t(bias_tile_layout<Cfg::kBM, Cfg::kBN>(p).buffer_bytes());
   if (!tensor_cores_usable(smem)) return false;
   const int64_t num_m_tiles = (p.len_q + Cfg::kBM - 1) / Cfg::kBM;
-  auto launch = [&](auto kernel, int64_t blocks_per_head) {
+  // `ordered`: an unpaired causal kernel, its last heads' tiles heaviest first across them
+  // (causal_order.cuh).
+  auto launch = [&](auto kernel, int64_t blocks_per_head, bool ordered) {
     const int64_t blocks = blocks_per_head * p.heads_q * p.batch;
     if (blocks > 0x7fffffff) throw std::runtime_error("flashattn_ext CUDA backend: forward grid too large");
     set_smem(kernel, smem, "sm80::fwd_kernel");
-    kernel<<<unsigned(blocks), Cfg::kThreads, smem, stream>>>(p, int(num_m_tiles));
+    HeavyLast order;
+    if (ordered) {
+      int per_sm = 0;
+      check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Cfg::kThreads, smem),
+                 "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+      order = plan_heavy_last(blocks, num_m_tiles, per_sm);
+    }
+    kernel<<<unsigned(blocks), Cfg::kThreads, smem, stream>>>(p, int(num_m_tiles), order);
     check_launch("sm80::fwd_kernel");
     return true;
   };
@@ -580,9 +592,9 @@ bool launch_fwd(const FwdParams& p, cudaStream_t stream) {
   // without causal masking (-1..+0% at 64 and 128 for L <= 4096) and for the staggered kernels (dim
   // 256: -2..-3% non-causal, -7..+14% causal).
   if constexpr (!kFeatures && !Cfg::kStaggered && Cfg::kHalf) {
-    if (p.causal) return launch(fwd_kernel<Elem, kDim, false, true>, (num_m_tiles + 1) / 2);
+    if (p.causal) return launch(fwd_kernel<Elem, kDim, false, true>, (num_m_tiles + 1) / 2, false);
   }
-  return launch(fwd_kernel<Elem, kDim, kFeatures, false>, num_m_tiles);
+  return launch(fwd_kernel<Elem, kDim, kFeatures, false>, num_m_tiles, !kFeatures && p.causal);
 }
 
 template <class Elem, int kDim>

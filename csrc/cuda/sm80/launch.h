@@ -50,15 +50,21 @@ struct TailSplit {
   float* dkdv = nullptr;
 };
 
+// The order of a causal grid's last (batch, head) pairs (causal_order.cuh): blocks from `start`
+// on, those of the last `pairs` pairs, run tile slowest across those pairs, each pair's heaviest
+// tile first.
+struct HeavyLast {
+  unsigned start = 0xffffffffu;
+  unsigned pairs = 1;
+};
+
 // One launch of a dK/dV kernel: block (g, kv head, batch) takes key tile first + g, bar the
-// causal grid's last pairs (causal_order.cuh): blocks from `heavy_start` on, those of the last
-// `heavy_pairs` (batch, kv head) pairs, run key tile slowest, the heaviest walks first.
+// causal grid's last pairs (`heavy`).
 struct KeyTileRound {
   int groups;  // blocks per (batch, kv head)
   int first;   // the key tile of block 0
   TailSplit tail{};
-  unsigned heavy_start = 0xffffffffu;
-  unsigned heavy_pairs = 1;
+  HeavyLast heavy{};
 };
 
 // Where the fp32 dK / dV of split walks go (tail_split.cuh), zeroed by the launcher: room for

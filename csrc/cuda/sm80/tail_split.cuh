@@ -76,7 +76,7 @@ struct WalkSegment {
 
 __device__ __forceinline__ WalkSegment walk_segment(const KeyTileRound& round) {
   const unsigned b = blockIdx.x;
-  if (b >= round.heavy_start) return WalkSegment{heavy_last_block(round, b), 0, -1, -1};
+  if (b >= round.heavy.start) return WalkSegment{heavy_last_block(round.heavy, round.groups, b), 0, -1, -1};
   const TailSplit& t = round.tail;
   if (b < t.whole) return WalkSegment{b, 0, -1, -1};
   const int i = int(b - t.whole), w = i / t.parts, part = i - w * t.parts;
@@ -122,7 +122,7 @@ void launch_with_tail_split(Kernel kernel, size_t smem, const BwdParams& p, cons
     check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, C::kThreads, smem),
                "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
   round.tail = plan_tail_split(p, area, C::kBM, C::kBN, blocks, per_sm);
-  if (C::kTailSplit) plan_heavy_last(p, round, blocks, per_sm);
+  if (C::kTailSplit && heavy_last_serves(p)) round.heavy = plan_heavy_last(blocks, round.groups, per_sm);
   const TailSplit& t = round.tail;
   if (t.parts > 0) {
     blocks = unsigned(t.whole + int64_t(t.walks) * t.parts);
