@@ -1,12 +1,16 @@
-// The order of a causal dK/dV grid's blocks. Its walks shorten with the key tile (key tile 0
-// walks every query tile, the last one a few), and in the plain order (key tile fastest, then
-// head: neighbouring blocks share a head's Q / dO in L2) the last pair's heaviest walks start near
-// the end of the grid and run on alone: 3-7% above the ideal at L <= 8192 by a list-scheduling
-// model of the grid (132 SMs, the benchmark grid). The last ~two waves' pairs run key tile slowest
-// instead, the heaviest walks of those pairs first and the lightest last (the model: 0.5-2%). The
-// whole grid in that order by groups of pairs measured -5..+3% (benchmarks/NOTES_sm80.md,
-// Version 26): the blocks in flight then span several heads, whose Q / dO and dQ accumulators
-// compete for L2.
+// The order of a causal grid's blocks. A (batch, head) pair's tiles differ in work under causal
+// masking: in the backward key tile 0 walks every query tile and the last one a few, in the
+// forward (one query tile per block) the last query tile sees every key and the first a few. In
+// the plain order (tile fastest, heaviest first, then head: neighbouring blocks share a head's
+// operands in L2) the last pair's heaviest tiles start near the end of the grid and run on alone:
+// 3-7% above the ideal for the backward at L <= 8192, 11-15% for the forward at dim 256, by a
+// list-scheduling model of the benchmark grid (132 SMs). The last ~two waves' pairs run tile
+// slowest instead, the heaviest tiles of those pairs first and the lightest last (the model:
+// 0.5-4%). Measured (H200, bf16): backward +1.5-2% at dim 64, +4.5-5.5% at 128, +2-4% at 256,
+// +9-10% at 192 (L = 1024-8192); forward +8-10% at 192 / 256 (its kernels at dims <= 128 pair a
+// heavy and a light tile per block instead). The whole grid in that order by groups of pairs
+// measured -5..+3% (benchmarks/NOTES_sm80.md, Version 26): the blocks in flight then span several
+// heads, whose operands (and the backward's dQ accumulators) compete for L2.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -23,7 +27,7 @@ namespace flashattn::cuda::sm80 {
 // where a pair has at most S / 2 tiles: a longer pair's own blocks span a wave, and the plain
 // order's tail is short (the model: <= 0.6%); there the backward's order measured 0 / -1.2%
 // (H200, bf16, dims 128 / 256 at 128 and 256 key tiles; one wave of pairs instead of two the
-// same), where with up to S / 2 key tiles it gained 1.5-2% at dim 64, 4.5-5.5% at 128, 2-4% at 256.
+// same).
 inline HeavyLast plan_heavy_last(int64_t blocks, int64_t tiles, int per_sm) {
   HeavyLast order;
   const int64_t slots = int64_t(device_limits().sms) * per_sm, pairs = blocks / tiles;
