@@ -95,11 +95,9 @@ def test_many_query_tiles(device, causal):
 @pytest.mark.parametrize("causal", CAUSAL_MODES, ids=CAUSAL_IDS)
 @pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 192, 256])
 @pytest.mark.parametrize("len_q,len_k", [(300, 190), (200, 330)])
-def test_query_tile_pairs(device, dtype, causal, head_dim, len_q, len_k):
-    """Several query tiles per head at every tile shape of the tensor-core forward. Causal fp16 /
-    bf16 calls up to dim 128 take pairs of query tiles per block (T-1-j then j, the middle one
-    alone, the second's first copies issued during the first's last key tile); the rest one tile
-    per block, the last first. 300 rows: 3 tiles of 128 rows (fp16/bf16 up to dim 128, fp64 at 96
+def test_several_query_tiles(device, dtype, causal, head_dim, len_q, len_k):
+    """Several query tiles per head at every tile shape of the tensor-core forward (one tile per
+    block, the last first). 300 rows: 3 tiles of 128 rows (fp16/bf16 up to dim 128, fp64 at 96
     and 128) or 5 of 64 (fp16/bf16 at 192 and 256, fp64 at 32), an odd count; 200 rows: 2 or 4,
     even; both with a ragged last tile. Bottom-right at 300 x 190: the first 110 rows see no key."""
     q, k, v = make_qkv(1, 2, 1, len_q, len_k, head_dim, head_dim, dtype, device)

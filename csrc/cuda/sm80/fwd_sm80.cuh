@@ -1,13 +1,9 @@
 // Tensor-core forward (sm_80+), one kernel for fp16, bf16 and fp64 (DMMA) through the per-type
 // product steps of fragments.cuh.
 //
-// One block per (batch, query head, kBM-row query tile), the last tiles first; or (kPaired:
-// causal calls to the double-buffered fp16 / bf16 plain kernels, launch_fwd) one per (batch,
-// query head, pair of query tiles), tiles num_m_tiles - 1 - j and j one after the other (the
-// middle one alone where the count is odd): each pair, a heavy and a light tile, sees about as
-// many keys as any other, and the second tile's first copies (Q and its first K and V tiles) load
-// during the first tile's last key tile and output stores instead of as an exposed wait at a
-// block's start. Each warp owns 16 * kMW query rows.
+// One block per (batch, query head, kBM-row query tile), the last tiles (under causal masking the
+// heaviest) first, and a causal grid's last heads tile slowest (causal_order.cuh). Each warp owns
+// 16 * kMW query rows.
 // Q stays in smem; K and V tiles of kBN keys (and the mask/bias tile when the call has one) are
 // double-buffered and prefetched with cp.async while the current ones are used; or
 // (FwdConfig::kStaggered, large dims) one buffer each, V loading while S and the softmax run
@@ -47,10 +43,9 @@ struct FwdQueryTile {
 // kFeatures: the variant for calls with optional features (masks, window, ALiBi, softcap,
 // dropout, varlen), with the per-score math of csrc/common/ (as the SIMT kernels and the CPU);
 // the plain variant keeps its registers and its per-tile mask test.
-template <class Elem, int kDim, bool kFeatures, bool kPaired>
+template <class Elem, int kDim, bool kFeatures>
 __global__ void __launch_bounds__(FwdConfig<Elem, kDim, kFeatures>::kThreads)
     fwd_kernel(const FwdParams p, int num_m_tiles, HeavyLast order) {
-  static_assert(!(kPaired && kFeatures), "the feature variant takes one query tile per block");
   using Cfg = FwdConfig<Elem, kDim, kFeatures>;
   using M = Mma<Elem>;
   using Acc = typename M::Acc;
@@ -73,15 +68,11 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim, kFeatures>::kThreads)
   Elem* sV = sK + kKvBufs * kBN * kLd;
   unsigned char* sBias = reinterpret_cast<unsigned char*>(sV + kKvBufs * kBN * kLd);  // [2] bias tiles
 
-  // The block's query tiles. Unpaired: one, the last tiles (under causal masking the heaviest)
-  // first, and a causal grid's last heads tile slowest (`order`, causal_order.cuh). kPaired
-  // (launch_fwd says where): pair j (blk.tile) of its head, tile num_m_tiles - 1 - j and then tile
-  // j, or the middle tile alone where num_m_tiles is odd (that lighter block last).
-  const int blocks_per_head = kPaired ? (num_m_tiles + 1) / 2 : num_m_tiles;
-  const TileBlock blk = tile_block(blocks_per_head, 1, p.heads_q, /*heaviest_first=*/!kPaired,
-                                   ordered_block<!kFeatures && !kPaired>(order, blocks_per_head));
-  const int num_tiles = kPaired && 2 * blk.tile + 1 != num_m_tiles ? 2 : 1;
-  auto tile_m0 = [&](int i) { return int64_t(!kPaired || i > 0 ? blk.tile : num_m_tiles - 1 - blk.tile) * kBM; };
+  // The block's query tile: the last tiles first, a causal grid's last heads tile slowest
+  // (`order`, planned for the plain variant's causal calls: launch_fwd).
+  const TileBlock blk = tile_block(num_m_tiles, 1, p.heads_q, /*heaviest_first=*/true,
+                                   ordered_block<!kFeatures>(order, num_m_tiles));
+  const int64_t tile_m0 = int64_t(blk.tile) * kBM;
   const int64_t h = blk.head, b = blk.batch, hk = kv_head(p, h);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -89,20 +80,17 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim, kFeatures>::kThreads)
   const int wrow = warp * 16 * kMW;  // first row of this warp in the tile
   // Rows and keys are counted within the sequence (a varlen batch: from its cumulative
   // offsets; the grid covers the longest one). Only the feature variant's tile can lie past its
-  // sequence: the plain variant's grid covers len_q, and a pair's first tile is its later one.
+  // sequence: the plain variant's grid covers len_q.
   const Seq sq = kFeatures ? sequence(p, b) : plain_sequence(p, b);
-  if (tile_m0(0) >= sq.len_q) return;
-  // Query tile i of the block, with the key tiles any of its rows sees (causal and window bands;
-  // tiles outside are skipped).
-  auto query_tile = [&](int i) {
-    FwdQueryTile qt;
-    qt.m0 = tile_m0(i);
-    qt.rows = sq.q_tile_rows(qt.m0, kBM);
-    qt.m_last = qt.m0 + qt.rows - 1;
-    qt.n_begin = sq.key_begin(qt.m0) / kBN * kBN;
-    qt.n_end = sq.key_end(qt.m_last);
-    return qt;
-  };
+  if (tile_m0 >= sq.len_q) return;
+  // The query tile, with the key tiles any of its rows sees (causal and window bands; tiles
+  // outside are skipped).
+  FwdQueryTile tile;
+  tile.m0 = tile_m0;
+  tile.rows = sq.q_tile_rows(tile.m0, kBM);
+  tile.m_last = tile.m0 + tile.rows - 1;
+  tile.n_begin = sq.key_begin(tile.m0) / kBN * kBN;
+  tile.n_end = sq.key_end(tile.m_last);
   const Acc score_scale = Exp::score_scale(p.scale);
   const ScoreMods<Acc> mods(p, sq, h);
   const int E = int(p.head_dim), Ev = int(p.head_dim_v);
@@ -110,22 +98,13 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim, kFeatures>::kThreads)
   const Elem* k = sq.k_rows<const Elem>(p.k, p.k_stride, hk, 0);
   const Elem* v = sq.k_rows<const Elem>(p.v, p.v_stride, hk, 0);
 
-  // Values of the paired kernel hidden from loop-invariant code motion (opaque.cuh): with two
-  // query tiles per block the compiler formed the K / V copies' per-step offsets, the Q copy's
-  // per-thread addresses, the second tile's copy addresses and the output pointer once, ahead of
-  // the tile or key loop, and held them across the key loops (each of the four: 12-416 bytes of
-  // spills at dims 64-192, sm_90a). With one tile per block they stay plain.
-  auto unhoisted = [](auto x) {
-    if constexpr (kPaired) return opaque(x);
-    else return x;
-  };
   const BiasTileLayout bias_tile = kFeatures ? bias_tile_layout<kBM, kBN>(p) : BiasTileLayout{};
   const bool bias_chunked = kFeatures && bias_rows_chunked(p);
   auto rows_k = [&](int64_t n0) { return sq.k_tile_rows(n0, kBN); };
   constexpr bool kClampSource = true;  // copies past the valid rows name a valid source (tile_copy.cuh: measured)
   auto load_q = [&](const FwdQueryTile& qt) {
     copy_tile_async<kBM, kDim, kThreads, false, kSw, kClampSource>(
-        sQ, kLd, sq.q_rows<const Elem>(p.q, p.q_stride, h, qt.m0), p.q_stride.row, qt.rows, E, unhoisted(tid));
+        sQ, kLd, sq.q_rows<const Elem>(p.q, p.q_stride, h, qt.m0), p.q_stride.row, qt.rows, E, tid);
   };
   // K tile n0 into buffer buf, with the bias / mask tile of query tile qt's rows against it.
   auto load_k = [&](const FwdQueryTile& qt, int64_t n0, int buf) {
@@ -133,11 +112,11 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim, kFeatures>::kThreads)
       stage_bias_tile<kBM, kBN, kThreads>(sBias + buf * bias_tile.buffer_bytes(), bias_tile, bias_chunked, p, sq,
                                           h, qt.m0, n0, qt.rows, rows_k(n0), tid);
     copy_tile_async<kBN, kDim, kThreads, Cfg::kFullTileCopies, kSw, kClampSource>(
-        sK + buf * kBN * kLd, kLd, k + n0 * p.k_stride.row, unhoisted(p.k_stride.row), rows_k(n0), E, tid);
+        sK + buf * kBN * kLd, kLd, k + n0 * p.k_stride.row, p.k_stride.row, rows_k(n0), E, tid);
   };
   auto load_v = [&](int64_t n0, int buf) {
     copy_tile_async<kBN, kDim, kThreads, Cfg::kFullTileCopies, kSw, kClampSource>(
-        sV + buf * kBN * kLd, kLd, v + n0 * p.v_stride.row, unhoisted(p.v_stride.row), rows_k(n0), Ev, tid);
+        sV + buf * kBN * kLd, kLd, v + n0 * p.v_stride.row, p.v_stride.row, rows_k(n0), Ev, tid);
   };
 
   Acc o[kMW][kDA][4];
@@ -170,11 +149,6 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim, kFeatures>::kThreads)
 
   typename M::A qa[kQInRegs ? kKSteps : 1][kMW];
 
-  // The query tile being computed (set at the top of each tile below; the steps read its rows).
-  FwdQueryTile tile{};
-  // The block's second tile, formed where its first copies are issued (during the first tile's
-  // last key tile; unhoisted: not ahead of the key loop).
-  auto second_tile = [&] { return query_tile(unhoisted(1)); };
   // A key offset from n0, clamped to the tile: the row's band as 32-bit column bounds.
   auto tile_column = [](int64_t x) { return int(x < 0 ? 0 : x > kBN ? kBN : x); };
   const DropoutMask<Acc> drop(p, sq, h);
@@ -234,9 +208,8 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim, kFeatures>::kThreads)
 
   // The online softmax of tile n0's scores (in the exponent domain, masked ones -inf) and
   // O = alpha O + P V with V from buffer vb. Staggered, the next K tile's copy starts where every
-  // warp is done with Q and K; on the tile's last key tile, where start_second, the second query
-  // tile's Q and first K instead.
-  auto softmax_pv = [&](Acc (&s)[kMW][kNA][4], int vb, int64_t n0, bool start_second) {
+  // warp is done with Q and K.
+  auto softmax_pv = [&](Acc (&s)[kMW][kNA][4], int vb, int64_t n0) {
     // Each row's tile max over its quad, as a tree (depth log2(2 kNA), not a chain of 2 kNA
     // dependent FMNMX).
     Acc tile_max[kMW][2];
@@ -296,14 +269,7 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim, kFeatures>::kThreads)
     if constexpr (Cfg::kStaggered) {
       cp_async_wait<0>();
       __syncthreads();  // V landed for all; every warp is done with Q and K
-      if (n0 + kBN < tile.n_end) {
-        load_k(tile, n0 + kBN, 0);  // lands while P V runs
-      } else if (start_second) {
-        // (land while this tile's P V runs and it writes its output)
-        const FwdQueryTile second = second_tile();
-        load_q(second);
-        load_k(second, second.n_begin, 0);
-      }
+      if (n0 + kBN < tile.n_end) load_k(tile, n0 + kBN, 0);  // lands while P V runs
       cp_async_commit();
     }
 
@@ -337,225 +303,196 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim, kFeatures>::kThreads)
     }
   };
 
-  // Per query tile: its first copies (unless the first tile's last key tile issued them), Q to
-  // registers (kQInRegs), the key loop and the output. K / V buffer `buf` carries over from the
-  // first tile to the second: the first one's last key tile prefetched into it.
+  // The first copies, Q to registers (kQInRegs), the key loop and the output.
   int buf = 0;
-  bool first_copies_issued = false;  // this tile's, by the previous tile
-#pragma unroll 1
-  for (int tile_index = 0; tile_index < num_tiles; ++tile_index) {
-    tile = query_tile(tile_index);
-    // Where the block has a second tile that sees a key, the first tile's last key tile (if it
-    // has key tiles) issues the second's first copies: they land while the first finishes and
-    // writes its output. (Block-uniform: it guards barriers.)
-    const bool prefetch_second = tile_index + 1 < num_tiles && tile.has_keys() && query_tile(1).has_keys();
-    if (tile.has_keys() && !first_copies_issued) {
-      load_q(tile);
-      load_k(tile, tile.n_begin, buf);
-      if (!Cfg::kStaggered) load_v(tile.n_begin, buf);
+  if (tile.has_keys()) {
+    load_q(tile);
+    load_k(tile, tile.n_begin, buf);
+    if (!Cfg::kStaggered) load_v(tile.n_begin, buf);
+  }
+  cp_async_commit();
+
+#pragma unroll
+  for (int mw = 0; mw < kMW; ++mw) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      row_max[mw][r] = neg_inf<Acc>();
+      row_sum[mw][r] = Acc(0);
+    }
+#pragma unroll
+    for (int d = 0; d < kDA; ++d)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[mw][d][e] = Acc(0);
+  }
+
+  if (kQInRegs && tile.has_keys()) {
+    cp_async_wait<0>();
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < (kQInRegs ? kKSteps : 0); ++kk)
+#pragma unroll
+      for (int mw = 0; mw < kMW; ++mw) read_q(qa[kk][mw], mw, kk * M::kK);
+  }
+
+  for (int64_t n0 = tile.n_begin; n0 < tile.n_end; n0 += kBN, buf = Cfg::kStaggered ? 0 : buf ^ 1) {
+    cp_async_wait<0>();
+    __syncthreads();  // this K (and V) landed for all; every warp is done with the other buffer
+    if constexpr (Cfg::kStaggered) {
+      load_v(n0, 0);  // lands while S and the softmax run
+    } else if (n0 + kBN < tile.n_end) {
+      load_k(tile, n0 + kBN, buf ^ 1);
+      load_v(n0 + kBN, buf ^ 1);
     }
     cp_async_commit();
 
+    Acc s[kMW][kNA][4];
+    compute_scores(s, buf);
+    // Scores -> exponent domain (masked ones -inf). The scale is applied before the max, not
+    // folded into the exp2 argument (s * c - max * c as one FFMA): that leaves the row's
+    // largest P at 2^(rounding error) instead of exactly 1, and a one-hot row then loses O = V
+    // exactly to the bf16/fp16 rounding of P in P V.
+    // Softcap and ALiBi take the general path of ScoreMods; a bias alone is one add per score.
+    const unsigned char* bias_s = sBias + buf * bias_tile.buffer_bytes();
+    if (kFeatures && mods_beyond_bias(p)) {
+      const bool tile_all_visible = all_visible(n0);
+#pragma unroll
+      for (int mw = 0; mw < kMW; ++mw)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          // The lane's scores of one row a set: columns [lo, hi) of the tile are in the row's
+          // band (all on an all-visible tile, none for rows past the sequence); the mods may
+          // still mask.
+          const int tr = wrow + 16 * mw + g + 8 * r;
+          const int64_t m = tile.m0 + tr;
+          int lo = 0, hi = tr < tile.rows ? kBN : 0;
+          if (!tile_all_visible && hi > 0) {
+            lo = tile_column(sq.key_begin(m) - n0);
+            hi = tile_column(sq.key_end(m) - n0);
+          }
+          auto col = [&](int i) { return 8 * (i >> 1) + 2 * t + (i & 1); };
+          Acc x[2 * kNA];
+          bool in[2 * kNA];
+#pragma unroll
+          for (int i = 0; i < 2 * kNA; ++i) {
+            x[i] = s[mw][i >> 1][2 * r + (i & 1)];
+            in[i] = col(i) >= lo && col(i) < hi;
+          }
+          mods.scores(x, in, m, n0, [&](int i) { return int2{0, col(i)}; },
+                      [&](int i) { return bias_s + bias_tile.offset(tr, col(i)); }, static_cast<Acc*>(nullptr));
+#pragma unroll
+          for (int i = 0; i < 2 * kNA; ++i) s[mw][i >> 1][2 * r + (i & 1)] = x[i] * Exp::score_scale(1.0);
+        }
+    } else {
+#pragma unroll
+      for (int mw = 0; mw < kMW; ++mw)
+#pragma unroll
+        for (int j = 0; j < kNA; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[mw][j][e] *= score_scale;
+      if constexpr (kFeatures) {
+        with_bias_reader<Elem>(p.bias_kind, p.bias_dtype, [&](auto reader) {
+          using R = decltype(reader);
+          if constexpr (R::kBytes > 0) {
+#pragma unroll
+            for (int mw = 0; mw < kMW; ++mw)
+#pragma unroll
+              for (int r = 0; r < 2; ++r) {
+                const unsigned char* row = bias_s + bias_tile.row_offset(wrow + 16 * mw + g + 8 * r);
+#pragma unroll
+                for (int j = 0; j < kNA; ++j)
+#pragma unroll
+                  for (int cc = 0; cc < 2; ++cc)
+                    s[mw][j][2 * r + cc] +=
+                        Exp::score_scale(1.0) * reader.template value<Acc>(row + (8 * j + 2 * t + cc) * R::kBytes);
+              }
+          }
+        });
+      }
+      mask_band(s, n0);
+    }
+    softmax_pv(s, buf, n0);
+  }
+
+  // The tile's output.
+  Elem* out = sq.q_rows<Elem>(p.out, p.out_stride, h, 0);
+  Acc* lse = static_cast<Acc*>(p.lse);
+  // Staged (plain swizzled kernels): a warp writes its rows into its
+  // own rows of sQ, which only it read and its last S products are done with, and copies them out a
+  // 16-byte chunk per lane, a row's chunks across lanes (4-byte stores from the accumulators
+  // write half sectors of 8 rows, with a column test per store). Measured (H200, bf16, key loops'
+  // SASS unchanged): forward +1.7..+4% at L = 512 at dims 128 / 256, +1..+2% at 1024, within
+  // noise from 4096. In the feature variant staging moved the key loops (dim 256: 2 more
+  // registers), not measured: it keeps the stores from registers.
+  if constexpr (kSw && !kFeatures) {
+    // (opaque: formed here, not ahead of the key loop and held across it)
+    const uint32_t out_at = TA::base(sQ, opaque(wrow + g), 0);  // the lane's row g of the warp's rows
+    __syncwarp();  // every lane's reads of these rows (ldmatrix serves other lanes) are done
 #pragma unroll
     for (int mw = 0; mw < kMW; ++mw) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        row_max[mw][r] = neg_inf<Acc>();
-        row_sum[mw][r] = Acc(0);
-      }
+        const Acc l = reduce_sum_lanes<4>(row_sum[mw][r]);
+        // l == 0 only when no key is visible: out = 0, lse = -inf. A NaN l propagates.
+        const bool empty = l == Acc(0);
+        const Acc inv = empty ? Acc(0) : Acc(1) / l;
 #pragma unroll
-      for (int d = 0; d < kDA; ++d)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) o[mw][d][e] = Acc(0);
-    }
-
-    if (kQInRegs && tile.has_keys()) {
-      cp_async_wait<0>();
-      __syncthreads();
-#pragma unroll
-      for (int kk = 0; kk < (kQInRegs ? kKSteps : 0); ++kk)
-#pragma unroll
-        for (int mw = 0; mw < kMW; ++mw) read_q(qa[kk][mw], mw, kk * M::kK);
-    }
-
-    for (int64_t n0 = tile.n_begin; n0 < tile.n_end; n0 += kBN, buf = Cfg::kStaggered ? 0 : buf ^ 1) {
-      const bool last_key_tile = n0 + kBN >= tile.n_end;
-      cp_async_wait<0>();
-      __syncthreads();  // this K (and V) landed for all; every warp is done with the other buffer
-      if constexpr (Cfg::kStaggered) {
-        load_v(n0, 0);  // lands while S and the softmax run
-      } else if (!last_key_tile) {
-        load_k(tile, n0 + kBN, buf ^ 1);
-        load_v(n0 + kBN, buf ^ 1);
-      } else if (prefetch_second) {
-        // The second tile's first K and V; with Q in registers (sQ already free) its Q too.
-        const FwdQueryTile second = second_tile();
-        if (kQInRegs) load_q(second);
-        load_k(second, second.n_begin, buf ^ 1);
-        load_v(second.n_begin, buf ^ 1);
-      }
-      cp_async_commit();
-
-      Acc s[kMW][kNA][4];
-      compute_scores(s, buf);
-      // Q from smem: the second tile's Q once every warp has read this tile's. (With kQInRegs at
-      // the top of the iteration, above: at dim 32 on sm_80 this place spilled 16 bytes.)
-      if (!Cfg::kStaggered && !kQInRegs && prefetch_second && last_key_tile) {
-        __syncthreads();  // every warp is done with sQ (the steps below do not read it)
-        load_q(second_tile());  // lands while this tile finishes and writes its output
-        cp_async_commit();
-      }
-
-      // Scores -> exponent domain (masked ones -inf). The scale is applied before the max, not
-      // folded into the exp2 argument (s * c - max * c as one FFMA): that leaves the row's
-      // largest P at 2^(rounding error) instead of exactly 1, and a one-hot row then loses O = V
-      // exactly to the bf16/fp16 rounding of P in P V.
-      // Softcap and ALiBi take the general path of ScoreMods; a bias alone is one add per score.
-      const unsigned char* bias_s = sBias + buf * bias_tile.buffer_bytes();
-      if (kFeatures && mods_beyond_bias(p)) {
-        const bool tile_all_visible = all_visible(n0);
-#pragma unroll
-        for (int mw = 0; mw < kMW; ++mw)
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            // The lane's scores of one row a set: columns [lo, hi) of the tile are in the row's
-            // band (all on an all-visible tile, none for rows past the sequence); the mods may
-            // still mask.
-            const int tr = wrow + 16 * mw + g + 8 * r;
-            const int64_t m = tile.m0 + tr;
-            int lo = 0, hi = tr < tile.rows ? kBN : 0;
-            if (!tile_all_visible && hi > 0) {
-              lo = tile_column(sq.key_begin(m) - n0);
-              hi = tile_column(sq.key_end(m) - n0);
-            }
-            auto col = [&](int i) { return 8 * (i >> 1) + 2 * t + (i & 1); };
-            Acc x[2 * kNA];
-            bool in[2 * kNA];
-#pragma unroll
-            for (int i = 0; i < 2 * kNA; ++i) {
-              x[i] = s[mw][i >> 1][2 * r + (i & 1)];
-              in[i] = col(i) >= lo && col(i) < hi;
-            }
-            mods.scores(x, in, m, n0, [&](int i) { return int2{0, col(i)}; },
-                        [&](int i) { return bias_s + bias_tile.offset(tr, col(i)); }, static_cast<Acc*>(nullptr));
-#pragma unroll
-            for (int i = 0; i < 2 * kNA; ++i) s[mw][i >> 1][2 * r + (i & 1)] = x[i] * Exp::score_scale(1.0);
-          }
-      } else {
-#pragma unroll
-        for (int mw = 0; mw < kMW; ++mw)
-#pragma unroll
-          for (int j = 0; j < kNA; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[mw][j][e] *= score_scale;
-        if constexpr (kFeatures) {
-          with_bias_reader<Elem>(p.bias_kind, p.bias_dtype, [&](auto reader) {
-            using R = decltype(reader);
-            if constexpr (R::kBytes > 0) {
-#pragma unroll
-              for (int mw = 0; mw < kMW; ++mw)
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                  const unsigned char* row = bias_s + bias_tile.row_offset(wrow + 16 * mw + g + 8 * r);
-#pragma unroll
-                  for (int j = 0; j < kNA; ++j)
-#pragma unroll
-                    for (int cc = 0; cc < 2; ++cc)
-                      s[mw][j][2 * r + cc] +=
-                          Exp::score_scale(1.0) * reader.template value<Acc>(row + (8 * j + 2 * t + cc) * R::kBytes);
-                }
-            }
-          });
+        for (int d = 0; d < kDA; ++d) {  // row 16 mw + 8 r + g, chunk d, bytes 4t.. of the warp's rows
+          const uint32_t at = TA::at(out_at, 16 * mw + 8 * r, d) + 4 * t;
+          *reinterpret_cast<uint32_t*>(smem_raw + (at - smem_addr(smem_raw))) =
+              M::pack(o[mw][d][2 * r] * inv, o[mw][d][2 * r + 1] * inv);
         }
-        mask_band(s, n0);
+        const int64_t m = row_of(mw, r);
+        if (t == 0 && m < sq.len_q)
+          lse[sq.row_index(p.heads_q, h, m)] = empty ? neg_inf<Acc>() : Exp::lse(row_max[mw][r], l);
       }
-      softmax_pv(s, buf, n0, prefetch_second && last_key_tile);
     }
-    first_copies_issued = prefetch_second;
-
-    // The tile's output (the second tile's copies, where issued, land meanwhile).
-    Elem* out = unhoisted(sq.q_rows<Elem>(p.out, p.out_stride, h, 0));
-    Acc* lse = static_cast<Acc*>(p.lse);
-    // Staged (plain swizzled kernels, one query tile per block): a warp writes its rows into its
-    // own rows of sQ, which only it read and its last S products are done with, and copies them out a
-    // 16-byte chunk per lane, a row's chunks across lanes (4-byte stores from the accumulators
-    // write half sectors of 8 rows, with a column test per store). Measured (H200, bf16, key loops'
-    // SASS unchanged): forward +1.7..+4% at L = 512 at dims 128 / 256, +1..+2% at 1024, within
-    // noise from 4096. The paired kernel's second Q lands in sQ while its first tile writes (and
-    // staging only its second tile moved its key loop: 96 B of spills at dim 128); in the feature
-    // variant staging moved the key loops (dim 256: 2 more registers), not measured: both keep
-    // the stores from registers.
-    if constexpr (kSw && !kPaired && !kFeatures) {
-      // (opaque: formed here, not ahead of the key loop and held across it)
-      const uint32_t out_at = TA::base(sQ, opaque(wrow + g), 0);  // the lane's row g of the warp's rows
-      __syncwarp();  // every lane's reads of these rows (ldmatrix serves other lanes) are done
-#pragma unroll
-      for (int mw = 0; mw < kMW; ++mw) {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const Acc l = reduce_sum_lanes<4>(row_sum[mw][r]);
-          // l == 0 only when no key is visible: out = 0, lse = -inf. A NaN l propagates.
-          const bool empty = l == Acc(0);
-          const Acc inv = empty ? Acc(0) : Acc(1) / l;
-#pragma unroll
-          for (int d = 0; d < kDA; ++d) {  // row 16 mw + 8 r + g, chunk d, bytes 4t.. of the warp's rows
-            const uint32_t at = TA::at(out_at, 16 * mw + 8 * r, d) + 4 * t;
-            *reinterpret_cast<uint32_t*>(smem_raw + (at - smem_addr(smem_raw))) =
-                M::pack(o[mw][d][2 * r] * inv, o[mw][d][2 * r + 1] * inv);
-          }
-          const int64_t m = row_of(mw, r);
-          if (t == 0 && m < sq.len_q)
-            lse[sq.row_index(p.heads_q, h, m)] = empty ? neg_inf<Acc>() : Exp::lse(row_max[mw][r], l);
-        }
-      }
-      __syncwarp();
-      // A row's chunks on kLanesPerRow lanes (one chunk each, read at SwizzledAddress's place),
-      // kRowsPerStep rows per step (fwd() checks that the output rows are 16-byte aligned). A rolled
-      // loop: fully unrolled, it moved the key loop's registers (52 B of spills at dims 64 and 128,
-      // 5 more registers at 256); one step per iteration serialized each load and its store.
-      constexpr int kChunk = chunk_elems<Elem>(), kLanesPerRow = kDim / kChunk, kRowsPerStep = 32 / kLanesPerRow;
-      static_assert(kLanesPerRow <= 32 && 32 % kLanesPerRow == 0, "a row's chunks divide the warp");
-      const int lane_o = opaque(4 * g + t);  // (opaque: the forms below stay out of the key loop)
-      const int c = lane_o % kLanesPerRow, row0 = wrow + lane_o / kLanesPerRow;
-      Elem* dst = out + (tile.m0 + row0) * p.out_stride.row + c * kChunk;
-      const int64_t dst_step = kRowsPerStep * p.out_stride.row;
-      const bool col_ok = c * kChunk < Ev;
-      const int rows_left = tile.rows - row0;
-      // Steps in batches of 4: their loads first, then their stores, so that the loads overlap.
-      constexpr int kSteps = 16 * kMW / kRowsPerStep, kBatch = 4;
-      static_assert(kSteps % kBatch == 0, "whole batches");
+    __syncwarp();
+    // A row's chunks on kLanesPerRow lanes (one chunk each, read at SwizzledAddress's place),
+    // kRowsPerStep rows per step (fwd() checks that the output rows are 16-byte aligned). A rolled
+    // loop: fully unrolled, it moved the key loop's registers (52 B of spills at dims 64 and 128,
+    // 5 more registers at 256); one step per iteration serialized each load and its store.
+    constexpr int kChunk = chunk_elems<Elem>(), kLanesPerRow = kDim / kChunk, kRowsPerStep = 32 / kLanesPerRow;
+    static_assert(kLanesPerRow <= 32 && 32 % kLanesPerRow == 0, "a row's chunks divide the warp");
+    const int lane_o = opaque(4 * g + t);  // (opaque: the forms below stay out of the key loop)
+    const int c = lane_o % kLanesPerRow, row0 = wrow + lane_o / kLanesPerRow;
+    Elem* dst = out + (tile.m0 + row0) * p.out_stride.row + c * kChunk;
+    const int64_t dst_step = kRowsPerStep * p.out_stride.row;
+    const bool col_ok = c * kChunk < Ev;
+    const int rows_left = tile.rows - row0;
+    // Steps in batches of 4: their loads first, then their stores, so that the loads overlap.
+    constexpr int kSteps = 16 * kMW / kRowsPerStep, kBatch = 4;
+    static_assert(kSteps % kBatch == 0, "whole batches");
 #pragma unroll 1
-      for (int i0 = 0; i0 < kSteps; i0 += kBatch) {
-        uint4 chunk[kBatch];
+    for (int i0 = 0; i0 < kSteps; i0 += kBatch) {
+      uint4 chunk[kBatch];
 #pragma unroll
-        for (int j = 0; j < kBatch; ++j) {
-          const uint32_t at = TA::base(sQ, row0 + (i0 + j) * kRowsPerStep, c);
-          chunk[j] = *reinterpret_cast<const uint4*>(smem_raw + (at - smem_addr(smem_raw)));
-        }
-#pragma unroll
-        for (int j = 0; j < kBatch; ++j)
-          if (col_ok && (i0 + j) * kRowsPerStep < rows_left)
-            *reinterpret_cast<uint4*>(dst + (i0 + j) * dst_step) = chunk[j];
+      for (int j = 0; j < kBatch; ++j) {
+        const uint32_t at = TA::base(sQ, row0 + (i0 + j) * kRowsPerStep, c);
+        chunk[j] = *reinterpret_cast<const uint4*>(smem_raw + (at - smem_addr(smem_raw)));
       }
-    } else {
 #pragma unroll
-      for (int mw = 0; mw < kMW; ++mw) {
+      for (int j = 0; j < kBatch; ++j)
+        if (col_ok && (i0 + j) * kRowsPerStep < rows_left)
+          *reinterpret_cast<uint4*>(dst + (i0 + j) * dst_step) = chunk[j];
+    }
+  } else {
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const Acc l = reduce_sum_lanes<4>(row_sum[mw][r]);
-          const int64_t m = row_of(mw, r);
-          if (m >= sq.len_q) continue;
-          // l == 0 only when no key is visible: out = 0, lse = -inf. A NaN l propagates.
-          const bool empty = l == Acc(0);
-          const Acc inv = empty ? Acc(0) : (kFeatures && drop.on ? drop.inv_keep : Acc(1)) / l;
-          Elem* o_row = out + m * p.out_stride.row;
+    for (int mw = 0; mw < kMW; ++mw) {
 #pragma unroll
-          for (int d = 0; d < kDA; ++d) {
-            const int col = 8 * d + 2 * t;
-            if (col < Ev) M::store_pair(o_row + col, o[mw][d][2 * r] * inv, o[mw][d][2 * r + 1] * inv);
-          }
-          if (t == 0) lse[sq.row_index(p.heads_q, h, m)] = empty ? neg_inf<Acc>() : Exp::lse(row_max[mw][r], l);
+      for (int r = 0; r < 2; ++r) {
+        const Acc l = reduce_sum_lanes<4>(row_sum[mw][r]);
+        const int64_t m = row_of(mw, r);
+        if (m >= sq.len_q) continue;
+        // l == 0 only when no key is visible: out = 0, lse = -inf. A NaN l propagates.
+        const bool empty = l == Acc(0);
+        const Acc inv = empty ? Acc(0) : (kFeatures && drop.on ? drop.inv_keep : Acc(1)) / l;
+        Elem* o_row = out + m * p.out_stride.row;
+#pragma unroll
+        for (int d = 0; d < kDA; ++d) {
+          const int col = 8 * d + 2 * t;
+          if (col < Ev) M::store_pair(o_row + col, o[mw][d][2 * r] * inv, o[mw][d][2 * r + 1] * inv);
         }
+        if (t == 0) lse[sq.row_index(p.heads_q, h, m)] = empty ? neg_inf<Acc>() : Exp::lse(row_max[mw][r], l);
       }
     }
   }
@@ -569,32 +506,24 @@ bool launch_fwd(const FwdParams& p, cudaStream_t stream) {
   const size_t smem = Cfg::kSmemBytes + 2 * size_t(bias_tile_layout<Cfg::kBM, Cfg::kBN>(p).buffer_bytes());
   if (!tensor_cores_usable(smem)) return false;
   const int64_t num_m_tiles = (p.len_q + Cfg::kBM - 1) / Cfg::kBM;
-  // `ordered`: an unpaired causal kernel, its last heads' tiles heaviest first across them
-  // (causal_order.cuh).
-  auto launch = [&](auto kernel, int64_t blocks_per_head, bool ordered) {
-    const int64_t blocks = blocks_per_head * p.heads_q * p.batch;
-    if (blocks > 0x7fffffff) throw std::runtime_error("flashattn_ext CUDA backend: forward grid too large");
-    set_smem(kernel, smem, "sm80::fwd_kernel");
-    HeavyLast order;
-    if (ordered) {
-      int per_sm = 0;
-      check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Cfg::kThreads, smem),
-                 "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
-      order = plan_heavy_last(blocks, num_m_tiles, per_sm);
-    }
-    kernel<<<unsigned(blocks), Cfg::kThreads, smem, stream>>>(p, int(num_m_tiles), order);
-    check_launch("sm80::fwd_kernel");
-    return true;
-  };
-  // Pairs of query tiles per block (fwd_kernel's kPaired) for causal calls to the double-buffered
-  // fp16 / bf16 plain kernels: measured (H200, bf16) +2.6..+7.8% at dim 128 and +0.5..+1.9% at 64
-  // there, where the pairs of a heavy and a light tile also even out the blocks' work. Not taken:
-  // without causal masking (-1..+0% at 64 and 128 for L <= 4096) and for the staggered kernels (dim
-  // 256: -2..-3% non-causal, -7..+14% causal).
-  if constexpr (!kFeatures && !Cfg::kStaggered && Cfg::kHalf) {
-    if (p.causal) return launch(fwd_kernel<Elem, kDim, false, true>, (num_m_tiles + 1) / 2, false);
+  const int64_t blocks = num_m_tiles * p.heads_q * p.batch;
+  if (blocks > 0x7fffffff) throw std::runtime_error("flashattn_ext CUDA backend: forward grid too large");
+  auto kernel = fwd_kernel<Elem, kDim, kFeatures>;
+  set_smem(kernel, smem, "sm80::fwd_kernel");
+  // Causal calls of the plain variant: the last heads' tiles heaviest first across them
+  // (causal_order.cuh; H200, bf16: +8-10% at dims 192 / 256, +2.3-6.6% at 64 / 96 / 128 and
+  // +0.3-2.6% at 32 over pairs of a heavy and a light query tile per block, which this kernel
+  // took at dims <= 128 before: benchmarks/NOTES_sm80.md, Version 27).
+  HeavyLast order;
+  if (!kFeatures && p.causal) {
+    int per_sm = 0;
+    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Cfg::kThreads, smem),
+               "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+    order = plan_heavy_last(blocks, num_m_tiles, per_sm);
   }
-  return launch(fwd_kernel<Elem, kDim, kFeatures, false>, num_m_tiles, !kFeatures && p.causal);
+  kernel<<<unsigned(blocks), Cfg::kThreads, smem, stream>>>(p, int(num_m_tiles), order);
+  check_launch("sm80::fwd_kernel");
+  return true;
 }
 
 template <class Elem, int kDim>

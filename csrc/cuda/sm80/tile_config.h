@@ -31,8 +31,7 @@ namespace flashattn::cuda::sm80 {
 
 // kFeatures: the variant with the optional features keeps 32-key tiles above dim 64 (its
 // per-row feature work spills with 64: 96 B at dim 96, 180 B at 128).
-// Query tiles per block: one, or two (a heavy and a light one) for causal calls to the
-// double-buffered fp16 / bf16 plain kernels (fwd_sm80.cuh's kPaired; measured there).
+// One query tile per block (a causal grid's last heads in the order of causal_order.cuh).
 template <class Elem, int kDim, bool kFeatures = false>
 struct FwdConfig {
   static constexpr bool kHalf = sizeof(Elem) == 2;
