@@ -133,7 +133,8 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim, kGeneral, kCompact>::kTh
 
   // Early key tiles (seen by the most query rows under causal masking) first; a causal grid's
   // last pairs key tile slowest (causal_order.cuh).
-  const TileBlock blk = tile_block(round.groups, 1, p.heads_kv, /*heaviest_first=*/false, ordered_block<!kFeatures>(round.heavy, round.groups));
+  const TileBlock blk = tile_block(round.groups, 1, p.heads_kv, /*heaviest_first=*/false,
+                                   ordered_block<!kFeatures>(round.heavy, round.groups));
   const int nt = round.first + blk.tile;
   const int64_t hk = blk.head, b = blk.batch;
   const int64_t group = p.heads_q / p.heads_kv;
