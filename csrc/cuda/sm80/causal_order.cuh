@@ -4,7 +4,7 @@
 // the plain order (tile fastest, heaviest first, then head: neighbouring blocks share a head's
 // operands in L2) the last pair's heaviest tiles start near the end of the grid and run on alone:
 // 3-7% above the ideal for the backward at L <= 8192, 11-15% for the forward at dim 256, by a
-// list-scheduling model of the benchmark grid (132 SMs). The last ~two waves' pairs run tile
+// list-scheduling model of the benchmark grid (132 SMs; scripts/grid_model.py). The last ~two waves' pairs run tile
 // slowest instead, the heaviest tiles of those pairs first and the lightest last (the model:
 // 0.5-4%). Measured (H200, bf16): backward +1.5-2% at dim 64, +4.5-5.5% at 128, +2-4% at 256,
 // +9-10% at 192 (L = 1024-8192); forward +8-10% at 192 / 256, and +2-7% at dims 64 / 96 / 128 over
