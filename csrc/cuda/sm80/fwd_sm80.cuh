@@ -11,7 +11,7 @@
 // warp forms S = Q K^T in registers, applies the causal / ragged-edge mask only on tiles that
 // need it, runs the online softmax on its rows (row statistics reduce over a quad) and adds P V
 // into the O accumulators, P taken straight from the S registers. O and the LSE are written
-// once at the end of each query tile (O staged through smem for 16-byte stores where it can).
+// once at the end (O staged through smem for 16-byte stores where it can).
 #pragma once
 #include <cuda_runtime.h>
 
