@@ -54,6 +54,15 @@ inline DeviceLimits device_limits() {
   return d;
 }
 
+// Blocks of `kernel` (`threads` threads, `smem` bytes of dynamic shared memory) resident per SM.
+template <class Kernel>
+int blocks_per_sm(Kernel kernel, int threads, size_t smem) {
+  int blocks = 0;
+  check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, smem),
+             "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+  return blocks;
+}
+
 // Opt a kernel into more than 48 KB of dynamic shared memory, with a clear error when the
 // device cannot provide it.
 template <class Kernel>

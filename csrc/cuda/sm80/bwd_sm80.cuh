@@ -379,12 +379,9 @@ bool launch_dkdv(const BwdParams& p, const void* dsum, const DqAccum& accum, cud
   using Acc = typename Mma<Elem>::Acc;
   auto kernel = bwd_dkdv_kernel<Elem, kDim, kFeatures, kGeneral, kCompact>;
   set_smem(kernel, smem, "sm80::bwd_dkdv_kernel");
-  int per_sm = 0;
-  if (!kFeatures && heavy_last_serves(p))
-    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Cfg::kThreads, smem),
-               "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+  const int per_sm = !kFeatures && heavy_last_serves(p) ? blocks_per_sm(kernel, Cfg::kThreads, smem) : 0;
   for_key_tile_rounds(p, Cfg::kBN, accum, [&](unsigned blocks, KeyTileRound round) {
-    if (per_sm > 0) round.heavy = plan_heavy_last(blocks, round.groups, per_sm);
+    round.heavy = plan_heavy_last(blocks, round.groups, per_sm);
     kernel<<<blocks, Cfg::kThreads, smem, stream>>>(p, static_cast<const Acc*>(dsum), accum, round);
     check_launch("sm80::bwd_dkdv_kernel");
   });

@@ -102,15 +102,15 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim, kFeatures>::kThreads)
   const bool bias_chunked = kFeatures && bias_rows_chunked(p);
   auto rows_k = [&](int64_t n0) { return sq.k_tile_rows(n0, kBN); };
   constexpr bool kClampSource = true;  // copies past the valid rows name a valid source (tile_copy.cuh: measured)
-  auto load_q = [&](const FwdQueryTile& qt) {
+  auto load_q = [&] {
     copy_tile_async<kBM, kDim, kThreads, false, kSw, kClampSource>(
-        sQ, kLd, sq.q_rows<const Elem>(p.q, p.q_stride, h, qt.m0), p.q_stride.row, qt.rows, E, tid);
+        sQ, kLd, sq.q_rows<const Elem>(p.q, p.q_stride, h, tile.m0), p.q_stride.row, tile.rows, E, tid);
   };
-  // K tile n0 into buffer buf, with the bias / mask tile of query tile qt's rows against it.
-  auto load_k = [&](const FwdQueryTile& qt, int64_t n0, int buf) {
+  // K tile n0 into buffer buf, with the bias / mask tile of the query tile's rows against it.
+  auto load_k = [&](int64_t n0, int buf) {
     if (kFeatures && bias_tile.rows > 0)
       stage_bias_tile<kBM, kBN, kThreads>(sBias + buf * bias_tile.buffer_bytes(), bias_tile, bias_chunked, p, sq,
-                                          h, qt.m0, n0, qt.rows, rows_k(n0), tid);
+                                          h, tile.m0, n0, tile.rows, rows_k(n0), tid);
     copy_tile_async<kBN, kDim, kThreads, Cfg::kFullTileCopies, kSw, kClampSource>(
         sK + buf * kBN * kLd, kLd, k + n0 * p.k_stride.row, p.k_stride.row, rows_k(n0), E, tid);
   };
@@ -269,7 +269,7 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim, kFeatures>::kThreads)
     if constexpr (Cfg::kStaggered) {
       cp_async_wait<0>();
       __syncthreads();  // V landed for all; every warp is done with Q and K
-      if (n0 + kBN < tile.n_end) load_k(tile, n0 + kBN, 0);  // lands while P V runs
+      if (n0 + kBN < tile.n_end) load_k(n0 + kBN, 0);  // lands while P V runs
       cp_async_commit();
     }
 
@@ -306,8 +306,8 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim, kFeatures>::kThreads)
   // The first copies, Q to registers (kQInRegs), the key loop and the output.
   int buf = 0;
   if (tile.has_keys()) {
-    load_q(tile);
-    load_k(tile, tile.n_begin, buf);
+    load_q();
+    load_k(tile.n_begin, buf);
     if (!Cfg::kStaggered) load_v(tile.n_begin, buf);
   }
   cp_async_commit();
@@ -340,7 +340,7 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim, kFeatures>::kThreads)
     if constexpr (Cfg::kStaggered) {
       load_v(n0, 0);  // lands while S and the softmax run
     } else if (n0 + kBN < tile.n_end) {
-      load_k(tile, n0 + kBN, buf ^ 1);
+      load_k(n0 + kBN, buf ^ 1);
       load_v(n0 + kBN, buf ^ 1);
     }
     cp_async_commit();
@@ -515,12 +515,8 @@ bool launch_fwd(const FwdParams& p, cudaStream_t stream) {
   // +0.3-2.6% at 32 over pairs of a heavy and a light query tile per block, which this kernel
   // took at dims <= 128 before: benchmarks/NOTES_sm80.md, Version 27).
   HeavyLast order;
-  if (!kFeatures && p.causal) {
-    int per_sm = 0;
-    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Cfg::kThreads, smem),
-               "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
-    order = plan_heavy_last(blocks, num_m_tiles, per_sm);
-  }
+  if (!kFeatures && p.causal)
+    order = plan_heavy_last(blocks, num_m_tiles, blocks_per_sm(kernel, Cfg::kThreads, smem));
   kernel<<<unsigned(blocks), Cfg::kThreads, smem, stream>>>(p, int(num_m_tiles), order);
   check_launch("sm80::fwd_kernel");
   return true;

@@ -117,10 +117,8 @@ template <class C, class Elem, class Kernel>
 void launch_with_tail_split(Kernel kernel, size_t smem, const BwdParams& p, const float* dsum, const DqAccum& accum,
                             const DkDvTail& area, unsigned blocks, KeyTileRound round, cudaStream_t stream,
                             const char* name) {
-  int per_sm = 0;
-  if (C::kTailSplit && (area.base != nullptr || heavy_last_serves(p)))
-    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, C::kThreads, smem),
-               "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+  const int per_sm =
+      C::kTailSplit && (area.base != nullptr || heavy_last_serves(p)) ? blocks_per_sm(kernel, C::kThreads, smem) : 0;
   round.tail = plan_tail_split(p, area, C::kBM, C::kBN, blocks, per_sm);
   if (C::kTailSplit && heavy_last_serves(p)) round.heavy = plan_heavy_last(blocks, round.groups, per_sm);
   const TailSplit& t = round.tail;
