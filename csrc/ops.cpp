@@ -333,6 +333,12 @@ std::tuple<Tensor, Tensor> fwd(Tensor q, Tensor k, Tensor v, double scale, int64
   } else {
 #ifdef FLASHATTN_WITH_CUDA
     torch::stable::accelerator::DeviceGuard guard(q.get_device_index());
+    p.workspace_bytes = cuda::fwd_workspace_bytes(p);
+    Tensor ws;  // (held until the kernels are queued: the allocator's stream order covers them)
+    if (p.workspace_bytes > 0) {
+      ws = torch::stable::empty({static_cast<int64_t>(p.workspace_bytes)}, ScalarType::Byte, std::nullopt, q.device());
+      p.workspace = ws.mutable_data_ptr();
+    }
     cuda::run_fwd(p, current_cuda_stream(q));
 #else
     STD_TORCH_CHECK(false, "flashattn: this build of flashattn_ext has no CUDA kernels; reinstall it with "

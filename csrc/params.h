@@ -85,6 +85,11 @@ struct FwdParams {
   int64_t total_q = 0;
   bool causal_bottom_right = false;
 
+  // Scratch of `workspace_bytes` bytes, as the backend's fwd_workspace_bytes / bwd_workspace_bytes
+  // asked for (none: null); its contents on entry are undefined.
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+
   int64_t group() const { return heads_q / heads_kv; }  // query heads per kv head (GQA)
   bool has_window() const { return window_left >= 0 || window_right >= 0; }
   bool is_varlen() const { return cu_seqlens_q != nullptr; }
@@ -110,10 +115,6 @@ struct BwdParams : FwdParams {
   void* dk = nullptr;
   void* dv = nullptr;
   Strides dq_stride, dk_stride, dv_stride;
-  // Scratch of `workspace_bytes` bytes, as the backend's bwd_workspace_bytes asked
-  // for; its contents on entry are undefined.
-  void* workspace = nullptr;
-  size_t workspace_bytes = 0;
   // Bitwise-identical gradients run to run (no order-dependent atomics).
   bool deterministic = false;
   // Gradient of a float bias, or null: dL/d(score) per (batch, heads_q, len_q, len_k),

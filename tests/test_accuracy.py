@@ -83,6 +83,45 @@ def test_causal_last_pairs_heaviest_first(device, dtype, head_dim, causal, len_k
     check_against_reference(q, k, v, head_dim**-0.5, causal)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [NONE, BOTTOM_RIGHT], ids=["none", "bottom_right"])
+@pytest.mark.parametrize("len_q,heads_kv,group", [(1, 3, 1), (45, 2, 4), (200, 1, 2)],
+                         ids=["decode", "gqa_45_rows", "two_tiles"])
+def test_forward_split_key_walks(device, dtype, head_dim, causal, len_q, heads_kv, group):
+    """Grids of fewer blocks than the GPU holds, whose walks over 4200 keys (ragged: 66 tiles of
+    64 keys) the fp16 / bf16 CUDA forward at dim 128 cuts into up to 4 parts, a block each, merged
+    by each walk's last part (sm80 key_split.cuh): one query row (a decode step), 45 rows of a GQA
+    group, two query tiles per head (non-causal; causal, whose walks differ, keeps whole walks).
+    Dims 64 and 256 take whole walks in the same grids. The backward then runs from the LSE."""
+    q, k, v = make_qkv(1, heads_kv * group, heads_kv, len_q, 4200, head_dim, head_dim, dtype, device)
+    check_against_reference(q, k, v, head_dim**-0.5, causal)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_forward_split_last_wave(device, dtype):
+    """A grid of two waves and 3 blocks (the fp16 / bf16 forward at dim 128 holds 2 blocks per SM):
+    the last 3 walks (47 key tiles) cut into parts, the blocks before them whole. CPU: 3 heads."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device == "cuda" else 0
+    q, k, v = make_qkv(1, 4 * sms + 3, 1, 60, 3000, 128, 128, dtype, device)
+    check_against_reference(q, k, v, 128**-0.5, NONE)
+
+
+def test_forward_split_is_deterministic_and_keeps_nan(device):
+    """The merge adds a walk's parts in part order whichever part finishes last: the same call
+    gives the same bits. A NaN key in one part's tiles makes every row of its head NaN, as in
+    torch, and leaves the other head finite."""
+    q, k, v = make_qkv(1, 2, 2, 3, 6000, 128, 128, torch.bfloat16, device)
+    first, _ = ours(q, k, v, 0.125, NONE)
+    for _ in range(3):
+        again, _ = ours(q, k, v, 0.125, NONE)
+        assert torch.equal(first, again)
+    k[0, 1, 3717, 5] = float("nan")
+    out, lse = ours(q, k, v, 0.125, NONE)
+    assert out[0, 1].isnan().all() and lse[0, 1].isnan().all()
+    assert out[0, 0].isfinite().all() and lse[0, 0].isfinite().all()
+
+
 @pytest.mark.parametrize("causal", CAUSAL_MODES, ids=CAUSAL_IDS)
 def test_many_query_tiles(device, causal):
     """A grid of at least 4 query tiles per SM: the fp32 dim-128 CUDA forward then gives each block

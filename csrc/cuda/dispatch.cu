@@ -229,6 +229,23 @@ void bwd_typed(const BwdParams& p, cudaStream_t stream) {
 
 }  // namespace
 
+size_t fwd_workspace_bytes(const FwdParams& p) {
+  check_dims(p);
+  const int64_t e_max = p.head_dim > p.head_dim_v ? p.head_dim : p.head_dim_v;
+  size_t bytes = 0;
+  auto sm80_bytes = [&](auto elem) {
+    using T = decltype(elem);
+    if (!tensor_core_kernels_allowed<T>()) return;
+    on_sm80_tier<T>(e_max, [&](auto tier) {
+      bytes = sm80::fwd_workspace_bytes<T, decltype(tier)::value>(p);
+      return true;
+    });
+  };
+  if (p.dtype == DType::kBFloat16) sm80_bytes(__nv_bfloat16{});
+  if (p.dtype == DType::kFloat16) sm80_bytes(__half{});
+  return bytes;
+}
+
 void run_fwd(const FwdParams& p, void* stream) {
   check_dims(p);
   auto s = static_cast<cudaStream_t>(stream);

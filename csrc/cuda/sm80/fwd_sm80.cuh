@@ -26,6 +26,7 @@
 #include "../common/opaque.cuh"
 #include "bias_tile.cuh"
 #include "causal_order.cuh"
+#include "key_split.cuh"
 #include "fragments.cuh"
 #include "tile_copy.cuh"
 #include "tile_config.h"
@@ -43,9 +44,11 @@ struct FwdQueryTile {
 // kFeatures: the variant for calls with optional features (masks, window, ALiBi, softcap,
 // dropout, varlen), with the per-score math of csrc/common/ (as the SIMT kernels and the CPU);
 // the plain variant keeps its registers and its per-tile mask test.
+// One piece of a block's work (`piece`: a whole walk, or part of one where the grid's last wave is
+// split, key_split.cuh).
 template <class Elem, int kDim, bool kFeatures>
-__global__ void __launch_bounds__(FwdConfig<Elem, kDim, kFeatures>::kThreads)
-    fwd_kernel(const FwdParams p, int num_m_tiles, HeavyLast order) {
+__device__ __forceinline__ void fwd_piece(const FwdParams& p, int num_m_tiles, const KeySplit& split,
+                                          const KeyPiece& piece) {
   using Cfg = FwdConfig<Elem, kDim, kFeatures>;
   using M = Mma<Elem>;
   using Acc = typename M::Acc;
@@ -68,10 +71,9 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim, kFeatures>::kThreads)
   Elem* sV = sK + kKvBufs * kBN * kLd;
   unsigned char* sBias = reinterpret_cast<unsigned char*>(sV + kKvBufs * kBN * kLd);  // [2] bias tiles
 
-  // The block's query tile: the last tiles first, a causal grid's last heads tile slowest
-  // (`order`, planned for the plain variant's causal calls: launch_fwd).
-  const TileBlock blk = tile_block(num_m_tiles, 1, p.heads_q, /*heaviest_first=*/true,
-                                   ordered_block<!kFeatures>(order, num_m_tiles));
+  // The piece's query tile: the last tiles first, a causal grid's last heads tile slowest
+  // (fwd_kernel).
+  const TileBlock blk = tile_block(num_m_tiles, 1, p.heads_q, /*heaviest_first=*/true, piece.block);
   const int64_t tile_m0 = int64_t(blk.tile) * kBM;
   const int64_t h = blk.head, b = blk.batch, hk = kv_head(p, h);
 
@@ -91,6 +93,11 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim, kFeatures>::kThreads)
   tile.m_last = tile.m0 + tile.rows - 1;
   tile.n_begin = sq.key_begin(tile.m0) / kBN * kBN;
   tile.n_end = sq.key_end(tile.m_last);
+  if constexpr (Cfg::kKeySplit) {  // a part of the walk (a whole one: first 0, count past its end)
+    const int64_t end = tile.n_begin + int64_t(piece.first + piece.count) * kBN;
+    tile.n_begin += int64_t(piece.first) * kBN;
+    tile.n_end = end < tile.n_end ? end : tile.n_end;
+  }
   const Acc score_scale = Exp::score_scale(p.scale);
   const ScoreMods<Acc> mods(p, sq, h);
   const int E = int(p.head_dim), Ev = int(p.head_dim_v);
@@ -413,6 +420,15 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim, kFeatures>::kThreads)
     softmax_pv(s, buf, n0);
   }
 
+  // A part of a split walk: its rows go to the workspace, and the walk's last part to finish
+  // writes the merged rows.
+  if constexpr (Cfg::kKeySplit) {
+    // (blockIdx, not piece.slot: a register held across the key loop moved its allocation, 16 -> 84 B
+    // of spills at dim 96)
+    if (blockIdx.x >= split.whole && !settle_piece(split, tile.rows - wrow, tid, kThreads, o, row_max, row_sum))
+      return;
+  }
+
   // The tile's output.
   Elem* out = sq.q_rows<Elem>(p.out, p.out_stride, h, 0);
   Acc* lse = static_cast<Acc*>(p.lse);
@@ -498,28 +514,102 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim, kFeatures>::kThreads)
   }
 }
 
+// The block's piece: a whole walk (block `order` places), or a part of one (a split grid's last
+// blocks: key_split.cuh).
+template <class Elem, int kDim, bool kFeatures>
+__global__ void __launch_bounds__(FwdConfig<Elem, kDim, kFeatures>::kThreads)
+    fwd_kernel(const FwdParams p, int num_m_tiles, HeavyLast order, KeySplit split) {
+  constexpr bool kSplit = FwdConfig<Elem, kDim, kFeatures>::kKeySplit;
+  fwd_piece<Elem, kDim, kFeatures>(p, num_m_tiles, split,
+                                   key_piece<kSplit>(split, ordered_block<!kFeatures>(order, num_m_tiles)));
+}
+
+// The key tiles that each block of the plain variant's grid walks, where all walks are alike
+// (non-causal calls, or causal ones with one query tile per head); else 0.
+template <class Cfg>
+int64_t uniform_walk_tiles(const FwdParams& p, int64_t num_m_tiles) {
+  if (p.causal && num_m_tiles > 1) return 0;
+  const Seq sq = plain_sequence(p, 0);
+  const int64_t m_last = (p.len_q < Cfg::kBM ? p.len_q : Cfg::kBM) - 1;
+  const int64_t n_begin = sq.key_begin(0) / Cfg::kBN * Cfg::kBN, n_end = sq.key_end(m_last);
+  return n_end > n_begin ? (n_end - n_begin + Cfg::kBN - 1) / Cfg::kBN : 0;
+}
+
+// The plain variant's grid: its kernel (smem set), shared memory and blocks, and the split of
+// its last wave (key_split.cuh; without workspace pointers) where it takes one.
+template <class Elem, int kDim, bool kFeatures>
+struct FwdLaunch {
+  using Cfg = FwdConfig<Elem, kDim, kFeatures>;
+  static constexpr size_t kSlotFloats = PartialRows<Cfg::kMW, kDim / 8>::floats(Cfg::kThreads);
+  decltype(&fwd_kernel<Elem, kDim, kFeatures>) kernel = fwd_kernel<Elem, kDim, kFeatures>;
+  size_t smem = 0;
+  int64_t num_m_tiles = 0, blocks = 0;
+  int per_sm = 0;  // blocks per SM where a plan needs it
+  KeySplit split;
+  bool usable = false;
+
+  explicit FwdLaunch(const FwdParams& p) {
+    // The bias tiles (when the call has a bias) take smem beside the operands; where they do
+    // not fit (fp64 at dim 128), the portable kernel serves the call.
+    smem = Cfg::kSmemBytes + 2 * size_t(bias_tile_layout<Cfg::kBM, Cfg::kBN>(p).buffer_bytes());
+    if (!tensor_cores_usable(smem)) return;
+    usable = true;
+    num_m_tiles = (p.len_q + Cfg::kBM - 1) / Cfg::kBM;
+    blocks = num_m_tiles * p.heads_q * p.batch;
+    if (blocks > 0x7fffffff) throw std::runtime_error("flashattn_ext CUDA backend: forward grid too large");
+    set_smem(kernel, smem, "sm80::fwd_kernel");
+    if (!kFeatures && (p.causal || Cfg::kKeySplit)) per_sm = plain_blocks_per_sm();
+    if (Cfg::kKeySplit) split = plan_key_split(blocks, uniform_walk_tiles<Cfg>(p, num_m_tiles), per_sm);
+  }
+  size_t workspace_bytes() const { return key_split_bytes(split, kSlotFloats); }
+
+  // The plain variant's blocks per SM (its smem is the same for every call), asked once per device
+  // and thread: the occupancy query costs host time on every call otherwise (twice per call here).
+  int plain_blocks_per_sm() const {
+    constexpr int kMaxDevices = 64;
+    thread_local int cache[kMaxDevices] = {};
+    const int dev = device_limits().device;
+    int& n = cache[dev < kMaxDevices ? dev : 0];
+    if (n == 0 || dev >= kMaxDevices) n = blocks_per_sm(kernel, Cfg::kThreads, smem);
+    return n;
+  }
+};
+
 template <class Elem, int kDim, bool kFeatures>
 bool launch_fwd(const FwdParams& p, cudaStream_t stream) {
   using Cfg = FwdConfig<Elem, kDim, kFeatures>;
-  // The bias tiles (when the call has a bias) take smem beside the operands; where they do not
-  // fit (fp64 at dim 128), the portable kernel serves the call.
-  const size_t smem = Cfg::kSmemBytes + 2 * size_t(bias_tile_layout<Cfg::kBM, Cfg::kBN>(p).buffer_bytes());
-  if (!tensor_cores_usable(smem)) return false;
-  const int64_t num_m_tiles = (p.len_q + Cfg::kBM - 1) / Cfg::kBM;
-  const int64_t blocks = num_m_tiles * p.heads_q * p.batch;
-  if (blocks > 0x7fffffff) throw std::runtime_error("flashattn_ext CUDA backend: forward grid too large");
-  auto kernel = fwd_kernel<Elem, kDim, kFeatures>;
-  set_smem(kernel, smem, "sm80::fwd_kernel");
+  FwdLaunch<Elem, kDim, kFeatures> l(p);
+  if (!l.usable) return false;
+  KeySplit& split = l.split;
+  unsigned blocks = unsigned(l.blocks);
+  if (split.walks > 0 && p.workspace != nullptr && p.workspace_bytes >= l.workspace_bytes()) {
+    char* ws = static_cast<char*>(p.workspace);
+    split.counters = reinterpret_cast<unsigned*>(ws);
+    split.partial = reinterpret_cast<float*>(ws + key_split_counter_bytes(split));
+    check_cuda(cudaMemsetAsync(split.counters, 0, size_t(split.walks) * sizeof(unsigned), stream),
+               "cudaMemsetAsync(forward split counters)");
+    blocks = split.whole + unsigned(split.walks * split.parts);
+  } else {
+    split = KeySplit{};
+  }
   // Causal calls of the plain variant: the last heads' tiles heaviest first across them
   // (causal_order.cuh; H200, bf16: +8-10% at dims 192 / 256, +2.3-6.6% at 64 / 96 / 128 and
   // +0.3-2.6% at 32 over pairs of a heavy and a light query tile per block, which this kernel
-  // took at dims <= 128 before: benchmarks/NOTES_sm80.md, Version 27).
+  // took at dims <= 128 before: benchmarks/NOTES_sm80.md, Version 27). Not with a split (one
+  // query tile per head: every block's walk the same).
   HeavyLast order;
-  if (!kFeatures && p.causal)
-    order = plan_heavy_last(blocks, num_m_tiles, blocks_per_sm(kernel, Cfg::kThreads, smem));
-  kernel<<<unsigned(blocks), Cfg::kThreads, smem, stream>>>(p, int(num_m_tiles), order);
+  if (!kFeatures && p.causal && split.walks == 0) order = plan_heavy_last(l.blocks, l.num_m_tiles, l.per_sm);
+  l.kernel<<<blocks, Cfg::kThreads, l.smem, stream>>>(p, int(l.num_m_tiles), order, split);
   check_launch("sm80::fwd_kernel");
   return true;
+}
+
+// Workspace of the plain variant's call (its last wave's split), 0 where it takes none.
+template <class Elem, int kDim>
+size_t fwd_workspace_bytes(const FwdParams& p) {
+  if (p.has_features()) return 0;
+  const FwdLaunch<Elem, kDim, false> l(p);
+  return l.usable ? l.workspace_bytes() : 0;
 }
 
 template <class Elem, int kDim>

@@ -3,5 +3,7 @@
 
 namespace flashattn::cuda::sm80 {
 template bool fwd<__nv_bfloat16, 256>(const FwdParams&, cudaStream_t);
+template size_t fwd_workspace_bytes<__nv_bfloat16, 256>(const FwdParams&);
 template bool fwd<__half, 256>(const FwdParams&, cudaStream_t);
+template size_t fwd_workspace_bytes<__half, 256>(const FwdParams&);
 }  // namespace flashattn::cuda::sm80

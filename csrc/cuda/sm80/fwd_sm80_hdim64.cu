@@ -4,5 +4,7 @@
 namespace flashattn::cuda::sm80 {
 template bool fwd<double, 64>(const FwdParams&, cudaStream_t);
 template bool fwd<__nv_bfloat16, 64>(const FwdParams&, cudaStream_t);
+template size_t fwd_workspace_bytes<__nv_bfloat16, 64>(const FwdParams&);
 template bool fwd<__half, 64>(const FwdParams&, cudaStream_t);
+template size_t fwd_workspace_bytes<__half, 64>(const FwdParams&);
 }  // namespace flashattn::cuda::sm80

@@ -17,6 +17,10 @@ namespace flashattn::cuda::sm80 {
 // 64, 128).
 template <class Elem, int kDim>
 bool fwd(const FwdParams& p, cudaStream_t stream);
+// The workspace that fwd<Elem, kDim> takes for the call (fp16 / bf16: the split of its grid's
+// last wave, key_split.cuh), 0 where none.
+template <class Elem, int kDim>
+size_t fwd_workspace_bytes(const FwdParams& p);
 
 // Where the dK/dV kernels add dQ / scale, with atomics (accumulator type; fp32 in
 // common/dq_layout.cuh's blocked layout, fp64 row-major), zeroed by the caller. slices == 0:

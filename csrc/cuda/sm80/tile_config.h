@@ -49,6 +49,10 @@ struct FwdConfig {
   static constexpr bool kFullTileCopies = kHalf && (kDim == 64 || (kDim == 128 && !kFeatures));
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kBM = 16 * kMW * kWarps;
+  // The plain fp16 / bf16 kernel at dim 128 splits the walks of a grid's last wave (key_split.cuh).
+  // At the other dims the split's code moved the key loop's registers (spills at 96): -1..-7% on
+  // whole walks (H200, bf16); dim 128's loop measured the same, +2.4 / +5.3% at L = 8192 / 16384.
+  static constexpr bool kKeySplit = kHalf && !kFeatures && kDim == 128;
   // Q, K and V swizzled instead of padded (tile_copy.cuh) at dims 64, 128 and 256: the copies then
   // read no excess L2 sectors; forward +4-6% at 64 and 128, +10-15% at 256 (H200, bf16). At 192
   // (rows of 24 chunks, copied by a walk over the tile's chunks) it measured -3..+4%: padded.

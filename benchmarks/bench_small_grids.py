@@ -1,0 +1,66 @@
+"""GPU benchmark of forwards whose grids leave SMs idle, beside torch SDPA's backends in one run:
+decode steps (one query row against a long cache), chunked prefill and short prompts of a small
+batch, where the fp16 / bf16 forward splits its last wave's key walks (csrc/cuda/sm80/key_split.cuh).
+Inference shapes: the forward alone, no gradients, non-causal (every key visible, as a decode step
+against its cache). Times: median ms over --repeats (CUDA events); TFLOP/s from 4·B·H·Lq·Lk·E.
+
+    python benchmarks/bench_small_grids.py [--dtype bf16] [--repeats 30] [--out-dir DIR]
+"""
+import argparse
+import json
+import os
+
+import torch
+
+from flashattn_ext import _measure as M
+
+IMPLS = ("ours", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient")
+# (B, H, Lq, Lk, E): decode steps, chunked prefill, short prompts.
+ROWS = [(1, 32, 1, 4096, 128), (1, 32, 1, 16384, 128), (8, 32, 1, 8192, 128), (1, 16, 1, 32768, 64),
+        (1, 32, 128, 8192, 128), (2, 16, 256, 4096, 64), (1, 16, 1024, 1024, 128), (1, 8, 2048, 2048, 256),
+        (1, 16, 4096, 4096, 128)]
+
+
+def measure(impl, row, dtype, repeats):
+    b, h, lq, lk, e = row
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    q, k, v = (torch.randn(shape, generator=gen).to("cuda", dtype) for shape in
+               ((b, h, lq, e), (b, h, lk, e), (b, h, lk, e)))
+    attn = M.get_attention(impl)
+    try:
+        with torch.no_grad():
+            attn(q, k, v, False)
+            ms = M.median_ms(lambda: attn(q, k, v, False), "cuda", warmup=5, repeats=repeats)
+    except (RuntimeError, NotImplementedError, ValueError) as err:
+        return {"skipped": str(err).strip().splitlines()[0]}
+    return {"ms": ms, "tflops": M.tflops(M.attention_flops(b, h, lq, lk, e, False), ms)}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
+    p.add_argument("--impls", default=",".join(IMPLS))
+    p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--out-dir", default=os.environ.get("OUT", "."))
+    args = p.parse_args()
+    dtype, impls = M.DTYPES[args.dtype], args.impls.split(",")
+    print(torch.cuda.get_device_name(), f"torch {torch.__version__}, {args.dtype}, forward, median of {args.repeats}")
+    print(f"{'B':>3s} {'H':>3s} {'Lq':>5s} {'Lk':>6s} {'E':>3s} | ms " + " ".join(f"{i:>14s}" for i in impls)
+          + " | ours/best SDPA")
+    results = []
+    for row in ROWS:
+        got = {impl: measure(impl, row, dtype, args.repeats) for impl in impls}
+        sdpa = [got[i]["ms"] for i in impls if i.startswith("sdpa") and "ms" in got[i]]
+        ratio = min(sdpa) / got["ours"]["ms"] if sdpa and "ms" in got.get("ours", {}) else None
+        cells = " ".join(f"{got[i]['ms']:8.4f} {got[i]['tflops']:5.0f}" if "ms" in got[i] else f"{'-':>14s}"
+                         for i in impls)
+        print(" ".join(f"{x:>{w}d}" for x, w in zip(row, (3, 3, 5, 6, 3))) + f" | {cells} | "
+              + (f"{ratio:.2f}" if ratio else "-"), flush=True)
+        results.append({"row": dict(zip(("B", "H", "Lq", "Lk", "E"), row)), **got})
+    os.makedirs(args.out_dir, exist_ok=True)
+    with open(os.path.join(args.out_dir, "small_grids.json"), "w") as f:
+        json.dump({"gpu": torch.cuda.get_device_name(), "dtype": args.dtype, "rows": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
