@@ -90,7 +90,7 @@ def test_causal_last_pairs_heaviest_first(device, dtype, head_dim, causal, len_k
                          ids=["decode", "gqa_45_rows", "two_tiles"])
 def test_forward_split_key_walks(device, dtype, head_dim, causal, len_q, heads_kv, group):
     """Grids of fewer blocks than the GPU holds, whose walks over 4200 keys (ragged: 66 tiles of
-    64 keys) the fp16 / bf16 CUDA forward at dim 128 cuts into up to 4 parts, a block each, merged
+    64 keys) the fp16 / bf16 CUDA forward at dim 128 cuts into parts (8 here), a block each, merged
     by each walk's last part (sm80 key_split.cuh): one query row (a decode step), 45 rows of a GQA
     group, two query tiles per head (non-causal; causal, whose walks differ, keeps whole walks).
     Dims 64 and 256 take whole walks in the same grids. The backward then runs from the LSE."""
@@ -101,7 +101,7 @@ def test_forward_split_key_walks(device, dtype, head_dim, causal, len_q, heads_k
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_forward_split_last_wave(device, dtype):
     """A grid of two waves and 3 blocks (the fp16 / bf16 forward at dim 128 holds 2 blocks per SM):
-    the last 3 walks (47 key tiles) cut into parts, the blocks before them whole. CPU: 3 heads."""
+    the last 3 walks (47 key tiles) cut into 5 parts, the blocks before them whole. CPU: 3 heads."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device == "cuda" else 0
     q, k, v = make_qkv(1, 4 * sms + 3, 1, 60, 3000, 128, 128, dtype, device)
     check_against_reference(q, k, v, 128**-0.5, NONE)
