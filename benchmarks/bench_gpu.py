@@ -2,7 +2,8 @@
 
 Grid (DESIGN.md §5, the FlashAttention papers' grid): B·L = 16384 tokens, H·E = 2048,
 E in {64, 128, 256}, L in {512 ... 16384}, causal and not, self-attention. Forward and backward
-are timed separately, with CUDA events, warm-up and the median of --repeats: the forward alone,
+are timed separately, with CUDA events, warm-up (--warmup calls and at least 0.2 s) and the median
+of --repeats: the forward alone,
 and the backward alone replayed on a retained graph of one forward (torch.autograd.grad with
 retain_graph=True; gradients are returned, not accumulated). TFLOP/s: forward 4·B·H·L²·E
 (halved when causal), backward 2.5× forward. Peak extra memory: one forward+backward,
@@ -120,8 +121,10 @@ def measure(impl, shape, dtype, causal, args):
         if reason:
             return {"skipped": reason}
         q, k, v, dout = inputs
-        fwd = M.median_ms(lambda: attn(q, k, v, causal), device, args.warmup, args.repeats)
-        bwd = M.median_ms(M.bwd_only_fn(attn, *inputs, causal), device, args.warmup, args.repeats)
+        warmup_s = 0.2 if device == "cuda" else 0.0
+        fwd = M.median_ms(lambda: attn(q, k, v, causal), device, args.warmup, args.repeats, warmup_s=warmup_s)
+        bwd = M.median_ms(M.bwd_only_fn(attn, *inputs, causal), device, args.warmup, args.repeats,
+                          warmup_s=warmup_s)
         if device == "cuda":
             peak = M.cuda_peak_extra_bytes(M.fwd_bwd_fn(attn, *inputs, causal))
         else:  # debug path: fresh-process RSS peak

@@ -30,7 +30,7 @@ def measure(impl, row, dtype, repeats):
     try:
         with torch.no_grad():
             attn(q, k, v, False)
-            ms = M.median_ms(lambda: attn(q, k, v, False), "cuda", warmup=5, repeats=repeats)
+            ms = M.median_ms(lambda: attn(q, k, v, False), "cuda", warmup=5, repeats=repeats, warmup_s=0.2)
     except (RuntimeError, NotImplementedError, ValueError) as err:
         return {"skipped": str(err).strip().splitlines()[0]}
     return {"ms": ms, "tflops": M.tflops(M.attention_flops(b, h, lq, lk, e, False), ms)}
