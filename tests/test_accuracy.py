@@ -90,10 +90,11 @@ def test_causal_last_pairs_heaviest_first(device, dtype, head_dim, causal, len_k
                          ids=["decode", "gqa_45_rows", "two_tiles"])
 def test_forward_split_key_walks(device, dtype, head_dim, causal, len_q, heads_kv, group):
     """Grids of fewer blocks than the GPU holds, whose walks over 4200 keys (ragged: 66 tiles of
-    64 keys) the fp16 / bf16 CUDA forward at dim 128 cuts into parts (8 here), a block each, merged
-    by each walk's last part (sm80 key_split.cuh): one query row (a decode step), 45 rows of a GQA
-    group, two query tiles per head (non-causal; causal, whose walks differ, keeps whole walks).
-    Dims 64 and 256 take whole walks in the same grids. The backward then runs from the LSE."""
+    64 keys at dims 128 / 256, 33 of 128 at dim 64) the fp16 / bf16 CUDA forward cuts into parts,
+    a block each, merged by each walk's last part (sm80 key_split.cuh; at dims 64 / 256 in the
+    split kernel that such grids take): one query row (a decode step), 45 rows of a GQA group, two
+    query tiles per head (non-causal; causal, whose walks differ, keeps whole walks). The backward
+    then runs from the merged LSE."""
     q, k, v = make_qkv(1, heads_kv * group, heads_kv, len_q, 4200, head_dim, head_dim, dtype, device)
     check_against_reference(q, k, v, head_dim**-0.5, causal)
 
@@ -107,11 +108,12 @@ def test_forward_split_last_wave(device, dtype):
     check_against_reference(q, k, v, 128**-0.5, NONE)
 
 
-def test_forward_split_is_deterministic_and_keeps_nan(device):
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_forward_split_is_deterministic_and_keeps_nan(device, head_dim):
     """The merge adds a walk's parts in part order whichever part finishes last: the same call
     gives the same bits. A NaN key in one part's tiles makes every row of its head NaN, as in
     torch, and leaves the other head finite."""
-    q, k, v = make_qkv(1, 2, 2, 3, 6000, 128, 128, torch.bfloat16, device)
+    q, k, v = make_qkv(1, 2, 2, 3, 6000, head_dim, head_dim, torch.bfloat16, device)
     first, _ = ours(q, k, v, 0.125, NONE)
     for _ in range(3):
         again, _ = ours(q, k, v, 0.125, NONE)

@@ -44,9 +44,9 @@ struct FwdQueryTile {
 // kFeatures: the variant for calls with optional features (masks, window, ALiBi, softcap,
 // dropout, varlen), with the per-score math of csrc/common/ (as the SIMT kernels and the CPU);
 // the plain variant keeps its registers and its per-tile mask test.
-// One piece of a block's work (`piece`: a whole walk, or part of one where the grid's last wave is
-// split, key_split.cuh).
-template <class Elem, int kDim, bool kFeatures>
+// One piece of a block's work (`piece`: a whole walk, or with kSplit part of one where the grid's
+// last wave is split, key_split.cuh).
+template <class Elem, int kDim, bool kFeatures, bool kSplit>
 __device__ __forceinline__ void fwd_piece(const FwdParams& p, int num_m_tiles, const KeySplit& split,
                                           const KeyPiece& piece) {
   using Cfg = FwdConfig<Elem, kDim, kFeatures>;
@@ -93,7 +93,7 @@ __device__ __forceinline__ void fwd_piece(const FwdParams& p, int num_m_tiles, c
   tile.m_last = tile.m0 + tile.rows - 1;
   tile.n_begin = sq.key_begin(tile.m0) / kBN * kBN;
   tile.n_end = sq.key_end(tile.m_last);
-  if constexpr (Cfg::kKeySplit) {  // a part of the walk (a whole one: first 0, count past its end)
+  if constexpr (kSplit) {  // a part of the walk (a whole one: first 0, count past its end)
     const int64_t end = tile.n_begin + int64_t(piece.first + piece.count) * kBN;
     tile.n_begin += int64_t(piece.first) * kBN;
     tile.n_end = end < tile.n_end ? end : tile.n_end;
@@ -422,7 +422,7 @@ __device__ __forceinline__ void fwd_piece(const FwdParams& p, int num_m_tiles, c
 
   // A part of a split walk: its rows go to the workspace, and the walk's last part to finish
   // writes the merged rows.
-  if constexpr (Cfg::kKeySplit) {
+  if constexpr (kSplit) {
     // (blockIdx, not piece.slot: a register held across the key loop moved its allocation, 16 -> 84 B
     // of spills at dim 96)
     if (blockIdx.x >= split.whole && !settle_piece(split, tile.rows - wrow, tid, kThreads, o, row_max, row_sum))
@@ -516,12 +516,12 @@ __device__ __forceinline__ void fwd_piece(const FwdParams& p, int num_m_tiles, c
 
 // The block's piece: a whole walk (block `order` places), or a part of one (a split grid's last
 // blocks: key_split.cuh).
-template <class Elem, int kDim, bool kFeatures>
+// kSplit: the kernel with the split's code (FwdConfig::kKeySplit, or kSplitKernel's second one).
+template <class Elem, int kDim, bool kFeatures, bool kSplit = FwdConfig<Elem, kDim, kFeatures>::kKeySplit>
 __global__ void __launch_bounds__(FwdConfig<Elem, kDim, kFeatures>::kThreads)
     fwd_kernel(const FwdParams p, int num_m_tiles, HeavyLast order, KeySplit split) {
-  constexpr bool kSplit = FwdConfig<Elem, kDim, kFeatures>::kKeySplit;
-  fwd_piece<Elem, kDim, kFeatures>(p, num_m_tiles, split,
-                                   key_piece<kSplit>(split, ordered_block<!kFeatures>(order, num_m_tiles)));
+  fwd_piece<Elem, kDim, kFeatures, kSplit>(p, num_m_tiles, split,
+                                           key_piece<kSplit>(split, ordered_block<!kFeatures>(order, num_m_tiles)));
 }
 
 // The key tiles that each block of the plain variant's grid walks, where all walks are alike
@@ -535,13 +535,14 @@ int64_t uniform_walk_tiles(const FwdParams& p, int64_t num_m_tiles) {
   return n_end > n_begin ? (n_end - n_begin + Cfg::kBN - 1) / Cfg::kBN : 0;
 }
 
-// The plain variant's grid: its kernel (smem set), shared memory and blocks, and the split of
-// its last wave (key_split.cuh; without workspace pointers) where it takes one.
+// The plain variant's grid: the kernel to launch (smem set; kSplitKernel's second one for a split
+// grid), shared memory and blocks, and the split of its last wave (key_split.cuh; without workspace
+// pointers) where it takes one.
 template <class Elem, int kDim, bool kFeatures>
 struct FwdLaunch {
   using Cfg = FwdConfig<Elem, kDim, kFeatures>;
   static constexpr size_t kSlotFloats = PartialRows<Cfg::kMW, kDim / 8>::floats(Cfg::kThreads);
-  decltype(&fwd_kernel<Elem, kDim, kFeatures>) kernel = fwd_kernel<Elem, kDim, kFeatures>;
+  decltype(&fwd_kernel<Elem, kDim, kFeatures>) kernel = fwd_kernel<Elem, kDim, kFeatures>;  // (the one launched)
   size_t smem = 0;
   int64_t num_m_tiles = 0, blocks = 0;
   int per_sm = 0;  // blocks per SM where a plan needs it
@@ -558,8 +559,16 @@ struct FwdLaunch {
     blocks = num_m_tiles * p.heads_q * p.batch;
     if (blocks > 0x7fffffff) throw std::runtime_error("flashattn_ext CUDA backend: forward grid too large");
     set_smem(kernel, smem, "sm80::fwd_kernel");
-    if (!kFeatures && (p.causal || Cfg::kKeySplit)) per_sm = plain_blocks_per_sm();
-    if (Cfg::kKeySplit) split = plan_key_split(blocks, uniform_walk_tiles<Cfg>(p, num_m_tiles), per_sm);
+    constexpr bool kSplits = Cfg::kKeySplit || Cfg::kSplitKernel;
+    if (!kFeatures && (p.causal || kSplits)) per_sm = plain_blocks_per_sm();
+    if (kSplits) split = plan_key_split(blocks, uniform_walk_tiles<Cfg>(p, num_m_tiles), per_sm);
+    if (Cfg::kSplitKernel && split.whole != 0) split = KeySplit{};  // whole walks: the plain kernel
+    if constexpr (Cfg::kSplitKernel) {
+      if (split.walks > 0) {
+        kernel = fwd_kernel<Elem, kDim, kFeatures, true>;
+        set_smem(kernel, smem, "sm80::fwd_kernel (split)");
+      }
+    }
   }
   size_t workspace_bytes() const { return key_split_bytes(split, kSlotFloats); }
 
@@ -570,7 +579,7 @@ struct FwdLaunch {
     thread_local int cache[kMaxDevices] = {};
     const int dev = device_limits().device;
     int& n = cache[dev < kMaxDevices ? dev : 0];
-    if (n == 0 || dev >= kMaxDevices) n = blocks_per_sm(kernel, Cfg::kThreads, smem);
+    if (n == 0 || dev >= kMaxDevices) n = blocks_per_sm(fwd_kernel<Elem, kDim, kFeatures>, Cfg::kThreads, smem);
     return n;
   }
 };
