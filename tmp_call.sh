@@ -1,14 +1,12 @@
 #!/bin/bash
 set -u
-export BENCH_ARGS="--dtypes bf16 --head-dims 64,256 --lens 1024,16384 --causal both --impls ours,sdpa-flash --repeats 10"
-timeout 300 bash scripts/gpu_compare.sh > $OUT/call.txt 2>&1; tail -30 $OUT/call.txt
+start=$(date +%s)
+for t in a f; do ( cd snapshots/$t && FLASHATTN_BUILD=cuda MAX_JOBS=8 python3 setup.py build_ext --inplace > $OUT/build_$t.log 2>&1 || tail -20 $OUT/build_$t.log ) & done; wait
+echo "built in $(( $(date +%s) - start )) s"
 cd snapshots/f
-PYTHONPATH=$PWD timeout 200 python3 -m pytest -q -x -k "cuda and (split or several_query or head_dims or lengths)" tests/test_accuracy.py 2>&1 | tail -2
 for t in a f; do
   echo "=== small grids, tree $t"
-  PYTHONPATH=$PWD/../$t timeout 60 python3 benchmarks/bench_small_grids.py --repeats 30 --out-dir $OUT/sg_$t $( [ $t = f ] && echo "--impls ours" ) 2>&1 | tee -a $OUT/small_grids.txt
+  PYTHONPATH=$PWD/../$t timeout 90 python3 benchmarks/bench_small_grids.py --repeats 30 --out-dir $OUT/sg_$t $( [ $t = f ] && echo "--impls ours" ) 2>&1 | tee -a $OUT/small_grids.txt
 done
-for tool in memcheck racecheck; do
-  echo "--- $tool (f, split cases)"
-  PYTHONPATH=$PWD timeout 150 compute-sanitizer --tool $tool --error-exitcode 9 python3 scripts/sanitize_cases.py 17 21 2>&1 | tail -2
-done
+echo "=== tree a again"
+PYTHONPATH=$PWD/../a timeout 60 python3 benchmarks/bench_small_grids.py --repeats 30 --impls ours --out-dir $OUT/sg_a2 2>&1 | tee -a $OUT/small_grids.txt

@@ -7,7 +7,12 @@
 // writes its rows' partial state (O unnormalised, row max and sum; fp32) to the workspace, and the
 // walk's last part to finish (a counter per walk) merges the walk's parts in part order, so that
 // the output does not depend on which part that is, and writes O and the LSE as a whole block
-// would.
+// would. Which kernels carry this (FwdConfig::kKeySplit, kSplitKernel): the plain fp16 / bf16 one
+// at dim 128 for any grid; at dims 64 and 256 a second instantiation for grids smaller than the
+// GPU only (there the split's code moved the plain kernel's key loop: -1..-2% on whole walks).
+// Measured (H200, bf16, forward from CUDA graphs): one query row against 32768 keys at dim 64 488 ->
+// 67 us, against 8192 keys at 256 (B = 4, H = 8) 285 -> 76 us; 512 rows against 8192 keys at 64
+// 126 -> 65 us; the benchmark grid at dim 128, L = 4096 ... 16384, +1.4..+4.4%.
 // (Parts of one walk per block, not an even share of the R x T tiles per block: a block taking
 // its share's pieces one after the other put a loop around the key loop, and ptxas then spilled
 // 36-104 B in the dim-128 kernel, whose key loop holds 255 registers.)
@@ -41,7 +46,8 @@ struct KeyPiece {
 
 // A part takes at least kMinPartTiles key tiles, at most kMaxParts parts a walk (the merge reads
 // every part's rows in turn); walks of fewer than kMinSplitWalkTiles stay whole (128 walks of 16
-// tiles in 2 parts ran 83 against 76 us whole: fixed costs the model below does not see). The
+// tiles in 2 parts ran 83 against 76 us whole, timed with the host's time per call in it: to be
+// measured again from a CUDA graph, benchmarks/bench_small_grids.py). The
 // model's costs, in key tiles: a part's Q and first K / V copies and its rows' store, and the
 // merge's reads per part; a whole walk's copies and output. (H200, bf16, dim 128.)
 constexpr int64_t kMinPartTiles = 8, kMinSplitWalkTiles = 32, kMaxParts = 16;

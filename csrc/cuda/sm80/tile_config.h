@@ -54,7 +54,8 @@ struct FwdConfig {
   // whole walks (H200, bf16); dim 128's loop measured the same, +2.4 / +5.3% at L = 8192 / 16384.
   static constexpr bool kKeySplit = kHalf && !kFeatures && kDim == 128;
   // At dims 64 and 256 a second instantiation with the split's code serves grids smaller than the
-  // GPU (every walk in parts: decode steps, small batches), the plain kernel every other grid.
+  // GPU (every walk in parts: decode steps, small batches), the plain kernel every other grid. (Dims
+  // 32, 96 and 192 split no walk: their decode steps run one block per head.)
   static constexpr bool kSplitKernel = kHalf && !kFeatures && (kDim == 64 || kDim == 256);
   // Q, K and V swizzled instead of padded (tile_copy.cuh) at dims 64, 128 and 256: the copies then
   // read no excess L2 sectors; forward +4-6% at 64 and 128, +10-15% at 256 (H200, bf16). At 192
