@@ -37,11 +37,12 @@ struct KeySplit {
   unsigned* counters = nullptr;
 };
 
-// A block's work: the walk of block `block` of the plain grid, its key tiles [first, first +
-// count) (a whole walk: 0, and a count past its end), and `slot`, its part's slot (-1: a whole walk).
+// A block's work: the walk of block `block` of the plain grid and its key tiles [first, first +
+// count) (a whole walk: 0, and a count past its end). A part's slot is its block's index past
+// KeySplit::whole (settle_piece: taken from blockIdx, not held across the key loop).
 struct KeyPiece {
   unsigned block;
-  int first, count, slot;
+  int first, count;
 };
 
 // A part takes at least kMinPartTiles key tiles, at most kMaxParts parts a walk (the merge reads
@@ -92,11 +93,11 @@ inline size_t key_split_bytes(const KeySplit& s, size_t slot_floats) {
 // This block's work: a whole walk (block `plain`, its place in the plain grid's order) or a part.
 template <bool kSplit>
 __device__ __forceinline__ KeyPiece key_piece(const KeySplit& s, unsigned plain) {
-  if (!kSplit || blockIdx.x < s.whole) return KeyPiece{plain, 0, 0x3fffffff, -1};
+  if (!kSplit || blockIdx.x < s.whole) return KeyPiece{plain, 0, 0x3fffffff};
   const int i = int(blockIdx.x - s.whole), w = i / s.parts, part = i - w * s.parts;
   const int first = int(int64_t(part) * s.walk_tiles / s.parts);
   const int last = int(int64_t(part + 1) * s.walk_tiles / s.parts);
-  return KeyPiece{s.whole + unsigned(w), first, last - first, i};
+  return KeyPiece{s.whole + unsigned(w), first, last - first};
 }
 
 // A part's rows in its slot, laid out by thread so that each thread writes and reads whole
