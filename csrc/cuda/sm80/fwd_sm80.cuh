@@ -2,7 +2,8 @@
 // product steps of fragments.cuh.
 //
 // One block per (batch, query head, kBM-row query tile), the last tiles (under causal masking the
-// heaviest) first, and a causal grid's last heads tile slowest (causal_order.cuh). Each warp owns
+// heaviest) first, and a causal grid's last heads tile slowest (causal_order.cuh); a grid's last,
+// partial wave of alike walks in parts over the keys, a block each (key_split.cuh). Each warp owns
 // 16 * kMW query rows.
 // Q stays in smem; K and V tiles of kBN keys (and the mask/bias tile when the call has one) are
 // double-buffered and prefetched with cp.async while the current ones are used; or
@@ -423,8 +424,8 @@ __device__ __forceinline__ void fwd_piece(const FwdParams& p, int num_m_tiles, c
   // A part of a split walk: its rows go to the workspace, and the walk's last part to finish
   // writes the merged rows.
   if constexpr (kSplit) {
-    // (blockIdx, not piece.slot: a register held across the key loop moved its allocation, 16 -> 84 B
-    // of spills at dim 96)
+    // (the part's slot from blockIdx: a register held across the key loop for it moved the loop's
+    // allocation, 16 -> 84 B of spills at dim 96)
     if (blockIdx.x >= split.whole && !settle_piece(split, tile.rows - wrow, tid, kThreads, o, row_max, row_sum))
       return;
   }
