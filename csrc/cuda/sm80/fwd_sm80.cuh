@@ -39,8 +39,22 @@ namespace flashattn::cuda::sm80 {
 struct FwdQueryTile {
   int64_t m0, m_last, n_begin, n_end;
   int rows;
-  __device__ __forceinline__ bool has_keys() const { return n_end > n_begin; }
+  FLASHATTN_HD bool has_keys() const { return n_end > n_begin; }
+  // Its key tiles of kBN keys.
+  FLASHATTN_HD int64_t key_tiles(int kBN) const { return has_keys() ? (n_end - n_begin + kBN - 1) / kBN : 0; }
 };
+
+// The kBM-row query tile of sequence `sq` at row m0 (the kernels', and the host's for the split's
+// plan, launch_fwd).
+FLASHATTN_HD FwdQueryTile query_tile(const Seq& sq, int64_t m0, int kBM, int kBN) {
+  FwdQueryTile tile;
+  tile.m0 = m0;
+  tile.rows = sq.q_tile_rows(m0, kBM);
+  tile.m_last = m0 + tile.rows - 1;
+  tile.n_begin = sq.key_begin(m0) / kBN * kBN;
+  tile.n_end = sq.key_end(tile.m_last);
+  return tile;
+}
 
 // kFeatures: the variant for calls with optional features (masks, window, ALiBi, softcap,
 // dropout, varlen), with the per-score math of csrc/common/ (as the SIMT kernels and the CPU);
@@ -88,12 +102,7 @@ __device__ __forceinline__ void fwd_piece(const FwdParams& p, int num_m_tiles, c
   if (tile_m0 >= sq.len_q) return;
   // The query tile, with the key tiles any of its rows sees (causal and window bands; tiles
   // outside are skipped).
-  FwdQueryTile tile;
-  tile.m0 = tile_m0;
-  tile.rows = sq.q_tile_rows(tile.m0, kBM);
-  tile.m_last = tile.m0 + tile.rows - 1;
-  tile.n_begin = sq.key_begin(tile.m0) / kBN * kBN;
-  tile.n_end = sq.key_end(tile.m_last);
+  FwdQueryTile tile = query_tile(sq, tile_m0, kBM, kBN);
   if constexpr (kSplit) {  // a part of the walk (a whole one: first 0, count past its end)
     const int64_t end = tile.n_begin + int64_t(piece.first + piece.count) * kBN;
     tile.n_begin += int64_t(piece.first) * kBN;
@@ -530,10 +539,7 @@ __global__ void __launch_bounds__(FwdConfig<Elem, kDim, kFeatures>::kThreads)
 template <class Cfg>
 int64_t uniform_walk_tiles(const FwdParams& p, int64_t num_m_tiles) {
   if (p.causal && num_m_tiles > 1) return 0;
-  const Seq sq = plain_sequence(p, 0);
-  const int64_t m_last = (p.len_q < Cfg::kBM ? p.len_q : Cfg::kBM) - 1;
-  const int64_t n_begin = sq.key_begin(0) / Cfg::kBN * Cfg::kBN, n_end = sq.key_end(m_last);
-  return n_end > n_begin ? (n_end - n_begin + Cfg::kBN - 1) / Cfg::kBN : 0;
+  return query_tile(plain_sequence(p, 0), 0, Cfg::kBM, Cfg::kBN).key_tiles(Cfg::kBN);
 }
 
 // The plain variant's grid: the kernel to launch (smem set; kSplitKernel's second one for a split
