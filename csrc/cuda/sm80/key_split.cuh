@@ -48,16 +48,17 @@ struct KeyPiece {
 // A part takes at least kMinPartTiles key tiles, at most kMaxParts parts a walk (the merge reads
 // every part's rows in turn); walks of fewer than kMinSplitWalkTiles stay whole (128 walks of 16
 // tiles in 2 parts ran 83 against 76 us whole, timed with the host's time per call in it: to be
-// measured again from a CUDA graph, benchmarks/bench_small_grids.py). The
-// model's costs, in key tiles: a part's Q and first K / V copies and its rows' store, and the
-// merge's reads per part; a whole walk's copies and output. (H200, bf16, dim 128.)
+// measured again from a CUDA graph, benchmarks/bench_small_grids.py). The model's costs, in key
+// tiles: a part's Q and first K / V copies and its rows' store, and the merge's reads per part; a
+// whole walk's copies and output. (H200, bf16, dim 128.)
 constexpr int64_t kMinPartTiles = 8, kMinSplitWalkTiles = 32, kMaxParts = 16;
 constexpr double kPartOverheadTiles = 1.0, kMergeTilesPerPart = 0.35, kWalkOverheadTiles = 1.0;
 
 // The split of a grid of `blocks` walks of `walk_tiles` key tiles each on `per_sm` blocks per SM.
 // The number of parts minimises the last wave's estimated time: ceil(R x parts / S) rounds of a
 // part and its overhead, then the merge. Taken where that saves at least 1% of the grid's
-// estimated time (the benchmark grid at L = 4096: 1.4% by the model, +1.4..+1.9% measured). Without pointers: key_split_bytes sizes its workspace.
+// estimated time (the benchmark grid at L = 4096: 1.4% by the model, +1.4..+1.9% measured).
+// Without pointers: key_split_bytes sizes its workspace.
 inline KeySplit plan_key_split(int64_t blocks, int64_t walk_tiles, int per_sm) {
   KeySplit s;
   if (per_sm < 1 || walk_tiles < kMinSplitWalkTiles) return s;
