@@ -3,7 +3,9 @@ decode steps (one query row against a long cache), chunked prefill and short pro
 batch, where the fp16 / bf16 forward splits its last wave's key walks (csrc/cuda/sm80/key_split.cuh).
 Inference shapes: the forward alone, no gradients, non-causal (every key visible, as a decode step
 against its cache), each call captured in a CUDA graph and replayed (the GPU's time, not the host's).
-Times: median ms over --repeats (CUDA events); TFLOP/s from 4·B·H·Lq·Lk·E.
+Times: median ms over --repeats (CUDA events); printed beside each, the K / V bytes read once over
+the time (GB/s: a decode step's floor is the GPU's memory bandwidth); the JSON has TFLOP/s from
+4·B·H·Lq·Lk·E too.
 
     python benchmarks/bench_small_grids.py [--dtype bf16] [--repeats 30] [--out-dir DIR]
 """
@@ -16,30 +18,50 @@ import torch
 from flashattn_ext import _measure as M
 
 IMPLS = ("ours", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient")
-# (B, H, Lq, Lk, E): decode steps, chunked prefill, short prompts.
-ROWS = [(1, 32, 1, 4096, 128), (1, 32, 1, 16384, 128), (8, 32, 1, 8192, 128), (1, 16, 1, 32768, 64),
-        (4, 8, 1, 8192, 256), (1, 32, 128, 8192, 128), (2, 16, 256, 4096, 64), (1, 16, 512, 8192, 64),
-        (1, 8, 64, 8192, 256), (1, 16, 1024, 1024, 128), (1, 8, 2048, 2048, 256), (1, 16, 4096, 4096, 128)]
+# (B, H, H_kv, Lq, Lk, E): decode steps (MHA, GQA groups of 4 and 8, MQA), speculative steps of a
+# few rows, chunked prefill, short prompts.
+ROWS = [(1, 32, 32, 1, 4096, 128), (1, 32, 32, 1, 16384, 128), (8, 32, 32, 1, 8192, 128), (1, 32, 8, 1, 16384, 128),
+        (8, 32, 8, 1, 8192, 128), (16, 64, 8, 1, 4096, 128), (4, 32, 1, 1, 8192, 128), (1, 16, 16, 1, 32768, 64),
+        (8, 32, 4, 1, 8192, 64), (4, 8, 8, 1, 8192, 256), (4, 16, 4, 1, 8192, 256), (4, 32, 8, 4, 8192, 128),
+        (1, 32, 32, 16, 16384, 128), (1, 32, 32, 128, 8192, 128), (2, 16, 16, 256, 4096, 64),
+        (1, 16, 16, 512, 8192, 64), (1, 8, 8, 64, 8192, 256), (1, 16, 16, 1024, 1024, 128), (1, 8, 8, 2048, 2048, 256),
+        (1, 16, 16, 4096, 4096, 128)]
+
+
+def attention(impl):
+    """f(q, k, v) for an entry of IMPLS, K / V heads dividing the query heads (SDPA's enable_gqa)."""
+    if impl == "ours":
+        import flashattn_ext
+        return lambda q, k, v: flashattn_ext.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    backend = getattr(SDPBackend, M.SDPA_BACKENDS[impl])
+
+    def forced(q, k, v):
+        with sdpa_kernel(backend):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    return forced
 
 
 def measure(impl, row, dtype, repeats):
-    b, h, lq, lk, e = row
+    b, h, h_kv, lq, lk, e = row
     gen = torch.Generator(device="cpu").manual_seed(0)
     q, k, v = (torch.randn(shape, generator=gen).to("cuda", dtype) for shape in
-               ((b, h, lq, e), (b, h, lk, e), (b, h, lk, e)))
-    attn = M.get_attention(impl)
+               ((b, h, lq, e), (b, h_kv, lk, e), (b, h_kv, lk, e)))
+    attn = attention(impl)
     try:
         with torch.no_grad():
-            attn(q, k, v, False)
+            attn(q, k, v)
             # Replayed from a CUDA graph: these calls take tens of µs, about what the host spends per
             # call (Python, dispatch), which would otherwise be what is timed.
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, capture_error_mode="relaxed"):
-                attn(q, k, v, False)
+                attn(q, k, v)
             ms = M.median_ms(graph.replay, "cuda", warmup=5, repeats=repeats, warmup_s=0.2)
     except (RuntimeError, NotImplementedError, ValueError) as err:
         return {"skipped": str(err).strip().splitlines()[0]}
-    return {"ms": ms, "tflops": M.tflops(M.attention_flops(b, h, lq, lk, e, False), ms)}
+    # GB/s: the K / V bytes a call must read at least once (the floor of a decode step).
+    kv_bytes = 2 * b * h_kv * lk * e * q.element_size()
+    return {"ms": ms, "tflops": M.tflops(M.attention_flops(b, h, lq, lk, e, False), ms), "kv_gbps": kv_bytes / ms / 1e6}
 
 
 def main():
@@ -51,18 +73,18 @@ def main():
     args = p.parse_args()
     dtype, impls = M.DTYPES[args.dtype], args.impls.split(",")
     print(torch.cuda.get_device_name(), f"torch {torch.__version__}, {args.dtype}, forward, median of {args.repeats}")
-    print(f"{'B':>3s} {'H':>3s} {'Lq':>5s} {'Lk':>6s} {'E':>3s} | ms " + " ".join(f"{i:>14s}" for i in impls)
-          + " | ours/best SDPA")
+    print(f"{'B':>3s} {'H':>3s} {'Hkv':>3s} {'Lq':>5s} {'Lk':>6s} {'E':>3s} | ms, K/V GB/s "
+          + " ".join(f"{i:>14s}" for i in impls) + " | ours/best SDPA")
     results = []
     for row in ROWS:
         got = {impl: measure(impl, row, dtype, args.repeats) for impl in impls}
         sdpa = [got[i]["ms"] for i in impls if i.startswith("sdpa") and "ms" in got[i]]
         ratio = min(sdpa) / got["ours"]["ms"] if sdpa and "ms" in got.get("ours", {}) else None
-        cells = " ".join(f"{got[i]['ms']:8.4f} {got[i]['tflops']:5.0f}" if "ms" in got[i] else f"{'-':>14s}"
+        cells = " ".join(f"{got[i]['ms']:8.4f} {got[i]['kv_gbps']:5.0f}" if "ms" in got[i] else f"{'-':>14s}"
                          for i in impls)
-        print(" ".join(f"{x:>{w}d}" for x, w in zip(row, (3, 3, 5, 6, 3))) + f" | {cells} | "
+        print(" ".join(f"{x:>{w}d}" for x, w in zip(row, (3, 3, 3, 5, 6, 3))) + f" | {cells} | "
               + (f"{ratio:.2f}" if ratio else "-"), flush=True)
-        results.append({"row": dict(zip(("B", "H", "Lq", "Lk", "E"), row)), **got})
+        results.append({"row": dict(zip(("B", "H", "H_kv", "Lq", "Lk", "E"), row)), **got})
     os.makedirs(args.out_dir, exist_ok=True)
     with open(os.path.join(args.out_dir, "small_grids.json"), "w") as f:
         json.dump({"gpu": torch.cuda.get_device_name(), "dtype": args.dtype, "rows": results}, f, indent=1)

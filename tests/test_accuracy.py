@@ -86,17 +86,70 @@ def test_causal_last_pairs_heaviest_first(device, dtype, head_dim, causal, len_k
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [NONE, BOTTOM_RIGHT], ids=["none", "bottom_right"])
-@pytest.mark.parametrize("len_q,heads_kv,group", [(1, 3, 1), (45, 2, 4), (200, 1, 2)],
-                         ids=["decode", "gqa_45_rows", "two_tiles"])
+@pytest.mark.parametrize("len_q,heads_kv,group", [(17, 3, 1), (45, 2, 4), (200, 1, 2)],
+                         ids=["17_rows", "gqa_45_rows", "two_tiles"])
 def test_forward_split_key_walks(device, dtype, head_dim, causal, len_q, heads_kv, group):
     """Grids of fewer blocks than the GPU holds, whose walks over 4200 keys (ragged: 66 tiles of
     64 keys at dims 128 / 256, 33 of 128 at dim 64) the fp16 / bf16 CUDA forward cuts into parts,
     a block each, merged by each walk's last part (sm80 key_split.cuh; at dims 64 / 256 in the
-    split kernel that such grids take): one query row (a decode step), 45 rows of a GQA group, two
-    query tiles per head (non-causal; causal, whose walks differ, keeps whole walks). The backward
-    then runs from the merged LSE."""
+    split kernel that such grids take): 17 query rows (one more than the decode kernel takes), 45
+    rows of a GQA group, two query tiles per head (non-causal; causal, whose walks differ, keeps
+    whole walks). The backward then runs from the merged LSE."""
     q, k, v = make_qkv(1, heads_kv * group, heads_kv, len_q, 4200, head_dim, head_dim, dtype, device)
     check_against_reference(q, k, v, head_dim**-0.5, causal)
+
+
+DECODE_CASES = {  # len_q, heads_kv, group, len_k
+    "mha_5000_keys": (1, 2, 1, 5000),  # few walks: each cut into parts over the keys
+    "gqa_8": (1, 2, 8, 3000),  # a group's 8 heads packed into one chunk
+    "4_rows_gqa_4": (4, 1, 4, 2100),  # 16 packed rows, bands differing by row under causal masks
+    "16_rows": (16, 2, 1, 700),
+    "3_rows_gqa_20": (3, 1, 20, 1500),  # 60 packed rows: 4 chunks, each spanning heads
+    "mqa_64": (1, 4, 64, 260),  # 4 chunks a kv head, a ragged last key tile
+    "63_keys": (1, 3, 5, 63),  # less than one key tile
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", CAUSAL_MODES, ids=CAUSAL_IDS)
+@pytest.mark.parametrize("case", DECODE_CASES.values(), ids=DECODE_CASES.keys())
+def test_forward_decode_steps(device, dtype, head_dim, causal, case):
+    """Calls of at most 16 query rows whose group packs into at most 4 chunks of 16 rows: the
+    fp16 / bf16 CUDA forward's decode kernel (sm80 fwd_decode.cuh; its 4 warps take 16 keys each
+    of a tile and merge their rows at the end; grids smaller than the GPU in parts over the keys,
+    merged by each walk's last part). Top-left causal masks leave the first rows a key or a few,
+    in one tile. The backward runs from its LSE."""
+    len_q, heads_kv, group, len_k = case
+    q, k, v = make_qkv(1, heads_kv * group, heads_kv, len_q, len_k, head_dim, head_dim, dtype, device)
+    check_against_reference(q, k, v, head_dim**-0.5, causal)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim,head_dim_v", [(64, 64), (128, 128), (256, 256), (128, 64), (72, 120)])
+def test_forward_decode_whole_walks(device, dtype, head_dim, head_dim_v):
+    """A decode grid of more walks than the GPU holds (3 x 400 kv heads, GQA groups of 2): every
+    walk whole, no parts; value head dims other than the query's (zero-padded columns of the
+    tier). CPU: 2 kv heads."""
+    heads_kv = 400 if device == "cuda" else 2
+    q, k, v = make_qkv(3, 2 * heads_kv, heads_kv, 1, 300, head_dim, head_dim_v, dtype, device)
+    check_against_reference(q, k, v, head_dim**-0.5, BOTTOM_RIGHT)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_forward_decode_is_deterministic_and_keeps_nan(device, head_dim):
+    """The decode kernel's parts add in part order and its warps in warp order: the same call gives
+    the same bits. A NaN key makes every row of its kv head's group NaN and leaves the other
+    group finite."""
+    q, k, v = make_qkv(1, 8, 2, 1, 6000, head_dim, head_dim, torch.bfloat16, device)
+    first, _ = ours(q, k, v, 0.125, NONE)
+    for _ in range(3):
+        again, _ = ours(q, k, v, 0.125, NONE)
+        assert torch.equal(first, again)
+    k[0, 1, 4321, 7] = float("nan")
+    out, lse = ours(q, k, v, 0.125, NONE)
+    assert out[0, 4:].isnan().all() and lse[0, 4:].isnan().all()
+    assert out[0, :4].isfinite().all() and lse[0, :4].isfinite().all()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])

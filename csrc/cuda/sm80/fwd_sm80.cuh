@@ -27,6 +27,7 @@
 #include "../common/opaque.cuh"
 #include "bias_tile.cuh"
 #include "causal_order.cuh"
+#include "fwd_decode.cuh"
 #include "key_split.cuh"
 #include "fragments.cuh"
 #include "tile_copy.cuh"
@@ -624,6 +625,10 @@ bool launch_fwd(const FwdParams& p, cudaStream_t stream) {
 template <class Elem, int kDim>
 size_t fwd_workspace_bytes(const FwdParams& p) {
   if (p.has_features()) return 0;
+  if constexpr (DecodeConfig<Elem, kDim>::kServed) {
+    const DecodeLaunch<Elem, kDim> d(p);
+    if (d.usable) return d.workspace_bytes();
+  }
   const FwdLaunch<Elem, kDim, false> l(p);
   return l.usable ? l.workspace_bytes() : 0;
 }
@@ -640,7 +645,9 @@ bool fwd(const FwdParams& p, cudaStream_t stream) {
   // (32-key tiles above dim 64) serves the call: it computes any call, with or without
   // features. (Every fp16/bf16 plain forward fits the 99 KB of sm_86/89/120 since its tiles are
   // swizzled, at most 96 KB; the dim-128 one took 102 KB before.)
-  return launch_fwd<Elem, kDim, false>(p, stream) || launch_fwd<Elem, kDim, true>(p, stream);
+  // Few query rows per kv head (decode steps): the decode kernel (fwd_decode.cuh) where it serves.
+  return launch_decode<Elem, kDim>(p, stream) || launch_fwd<Elem, kDim, false>(p, stream) ||
+         launch_fwd<Elem, kDim, true>(p, stream);
 }
 
 }  // namespace flashattn::cuda::sm80

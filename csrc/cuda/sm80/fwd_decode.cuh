@@ -1,0 +1,402 @@
+// Tensor-core forward for calls of few query rows per kv head: decode steps (one row against a
+// long cache), short speculative / chunked steps, with GQA / MQA groups packed together.
+//
+// The plain forward gives each query head its own block of 128 query rows (dims <= 128): one
+// decode row leaves 127 of them computed for nothing and re-reads K / V once per query head of a
+// group. Here a block takes a 16-row chunk of a kv head's "packed" rows (its group's query heads
+// x the call's query rows, row r: head hk * group + r / len_q, row r % len_q), so that K and V
+// are read once per chunk, and its 4 warps take 16 keys each of every 64-key tile: each warp
+// runs the online softmax over its own keys, and at the end the warps' rows merge through smem.
+// K / V tiles stream through kStages buffers (cp.async). A grid smaller than the GPU cuts each
+// walk over the keys into parts, a block each; a part stores its merged rows (fp32) in the
+// workspace, and the walk's last part to finish (a counter per walk) adds every part in part
+// order, so the output does not depend on which part that is.
+// Plain fp16 / bf16 calls (no optional features) at dims 64, 128 and 256 (the swizzled tiles);
+// decode_call says which calls.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <stdexcept>
+
+#include "../../common/sequence.h"
+#include "../../params.h"
+#include "../common/check.h"
+#include "../common/online_softmax.cuh"
+#include "fragments.cuh"
+#include "tile_config.h"
+#include "tile_copy.cuh"
+
+namespace flashattn::cuda::sm80 {
+
+template <class Elem, int kDim>
+struct DecodeConfig {
+  static constexpr bool kServed = sizeof(Elem) == 2 && (kDim == 64 || kDim == 128 || kDim == 256);
+  static constexpr int kWarps = 4, kThreads = 32 * kWarps;
+  static constexpr int kRows = 16;                // packed query rows of a block (one row group)
+  static constexpr int kWarpKeys = 16;            // a warp's keys of a tile: one P V k-step
+  static constexpr int kBN = kWarps * kWarpKeys;  // keys per tile
+  // K / V tiles in flight: three stages where two blocks per SM still fit (dims <= 128), two above.
+  static constexpr int kStages = kDim <= 128 ? 3 : 2;
+  static constexpr int kLd = kDim;  // swizzled rows (tile_copy.cuh)
+  static constexpr int kOLd = kDim + 8;  // fp32 pitch of the warps' rows in the merge
+  static constexpr size_t kQBytes = size_t(kRows) * kLd * sizeof(Elem);
+  static constexpr size_t kKvBytes = size_t(2 * kStages) * kBN * kLd * sizeof(Elem);
+  // The merge's rows (O, then max and sum per row) reuse the K / V buffers.
+  static constexpr size_t kMergeBytes = size_t(kWarps) * kRows * (kOLd + 2) * sizeof(float);
+  static_assert(kMergeBytes <= kKvBytes, "the merge fits in the K / V buffers");
+  static constexpr size_t kSmemBytes = kQBytes + kKvBytes;
+  // A part's merged rows in the workspace: O [kRows][kDim], then the rows' max and sum.
+  static constexpr size_t kSlotFloats = size_t(kRows) * (kDim + 2);
+};
+
+// Calls the decode kernel takes: plain fp16 / bf16 calls whose query rows are few (a decode or
+// speculative step; the plain kernel's 128-row tiles compute 128 rows for each) and whose group
+// packs into at most kDecodeMaxChunks chunks of 16 rows.
+constexpr int64_t kDecodeMaxLenQ = 16, kDecodeMaxChunks = 4;
+inline bool decode_call(const FwdParams& p) {
+  return !p.has_features() && p.len_q <= kDecodeMaxLenQ && p.len_q * p.group() <= 16 * kDecodeMaxChunks;
+}
+
+// The grid: blocks (walk, part), walk = (batch, kv head, chunk) with the chunk fastest, then the
+// parts of each walk; `partial` (a slot per block) and `counters` (one per walk) where parts > 1.
+struct DecodeGrid {
+  int chunks = 1, parts = 1;
+  float* partial = nullptr;
+  unsigned* counters = nullptr;
+};
+
+template <class Elem, int kDim>
+__global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads)
+    fwd_decode_kernel(const FwdParams p, DecodeGrid grid) {
+  using Cfg = DecodeConfig<Elem, kDim>;
+  using M = Mma<Elem>;
+  using Exp = ExpDomain<float>;
+  using TA = SwizzledAddress<Cfg::kLd * int(sizeof(Elem))>;
+  constexpr int kRows = Cfg::kRows, kBN = Cfg::kBN, kLd = Cfg::kLd, kStages = Cfg::kStages;
+  constexpr int kThreads = Cfg::kThreads, kDA = kDim / 8, kKSteps = kDim / 16;
+  constexpr uint32_t kTileBytes = kBN * kLd * sizeof(Elem);
+
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  Elem* sQ = reinterpret_cast<Elem*>(smem_raw);
+  Elem* sK = sQ + kRows * kLd;          // [kStages] tiles
+  Elem* sV = sK + kStages * kBN * kLd;  // [kStages] tiles
+
+  const int part = int(blockIdx.x % unsigned(grid.parts));
+  const int64_t walk = blockIdx.x / unsigned(grid.parts);
+  const int chunk = int(walk % grid.chunks);
+  const int64_t hk = (walk / grid.chunks) % p.heads_kv, b = walk / grid.chunks / p.heads_kv;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+  const int E = int(p.head_dim), Ev = int(p.head_dim_v);
+
+  const Seq sq = plain_sequence(p, b);
+  const int64_t group = p.heads_q / p.heads_kv;
+  const int64_t r0 = int64_t(chunk) * kRows;  // the chunk's first packed row
+  const int rows = int(group * sq.len_q - r0 < kRows ? group * sq.len_q - r0 : kRows);
+  auto head_of = [&](int64_t r) { return hk * group + r / sq.len_q; };
+  auto row_of = [&](int64_t r) { return r % sq.len_q; };
+
+  // The chunk's keys: from the band of its first row to that of its last (the whole band where
+  // the chunk spans heads), in kBN tiles; the part's share of them.
+  const int64_t r_last = r0 + rows - 1;
+  const bool one_head = r0 / sq.len_q == r_last / sq.len_q;
+  const int64_t m_lo = one_head ? row_of(r0) : 0, m_hi = one_head ? row_of(r_last) : sq.len_q - 1;
+  const int64_t n_lo = sq.key_begin(m_lo) / kBN * kBN, n_hi = sq.key_end(m_hi);
+  const int64_t walk_tiles = n_hi > n_lo ? (n_hi - n_lo + kBN - 1) / kBN : 0;
+  const int64_t first = part * walk_tiles / grid.parts, last = (part + 1) * walk_tiles / grid.parts;
+  const int64_t n_begin = n_lo + first * kBN;
+  const int tiles = int(last - first);
+  // Tiles every row of the chunk sees whole skip the per-score mask.
+  auto all_visible = [&](int64_t n0) { return n0 >= sq.key_begin(m_hi) && n0 + kBN <= sq.key_end(m_lo); };
+
+  // The chunk's Q rows (one query head and row each), swizzled; past the chunk's rows zeros.
+  {
+    constexpr int kPerRow = kDim / chunk_elems<Elem>();
+#pragma unroll
+    for (int i = tid; i < kRows * kPerRow; i += kThreads) {
+      const int r = i / kPerRow, c = i % kPerRow;
+      const bool valid = r < rows && c * chunk_elems<Elem>() < E;
+      const Elem* src = valid ? sq.q_rows<const Elem>(p.q, p.q_stride, head_of(r0 + r), row_of(r0 + r)) +
+                                    c * chunk_elems<Elem>()
+                              : static_cast<const Elem*>(p.q);
+      cp_async_16_zfill(sQ + r * kLd + ((c & ~7) | ((c ^ r) & 7)) * chunk_elems<Elem>(), src, valid);
+    }
+  }
+  const Elem* k = sq.k_rows<const Elem>(p.k, p.k_stride, hk, 0);
+  const Elem* v = sq.k_rows<const Elem>(p.v, p.v_stride, hk, 0);
+  auto load_kv = [&](int j, int stage) {  // tile j of the part into buffer `stage`
+    const int64_t n0 = n_begin + int64_t(j) * kBN;
+    const int rows_k = sq.k_tile_rows(n0, kBN);
+    copy_tile_async<kBN, kDim, kThreads, false, true, true>(sK + stage * kBN * kLd, kLd, k + n0 * p.k_stride.row,
+                                                             p.k_stride.row, rows_k, E, tid);
+    copy_tile_async<kBN, kDim, kThreads, false, true, true>(sV + stage * kBN * kLd, kLd, v + n0 * p.v_stride.row,
+                                                             p.v_stride.row, rows_k, Ev, tid);
+  };
+  // Q with the first tile, then the next kStages - 2 tiles, a commit group each.
+  if (tiles > 0) load_kv(0, 0);
+  cp_async_commit();
+#pragma unroll
+  for (int s = 1; s < kStages - 1; ++s) {
+    if (s < tiles) load_kv(s, s);
+    cp_async_commit();
+  }
+
+  // The lane's smem addresses: Q rows 0-15, the warp's 16 keys of a K / V tile.
+  const auto rows_first = M::rows_first(lane), chunks_first = M::chunks_first(lane);
+  const uint32_t q_at = TA::base(sQ, rows_first.row, rows_first.chunk);
+  const uint32_t k_at = TA::base(sK, 16 * warp + chunks_first.row, chunks_first.chunk);
+  const uint32_t v_at = TA::base(sV, 16 * warp + rows_first.row, rows_first.chunk);
+
+  // The lane's rows g and g + 8: their bands (none past the chunk's rows).
+  int64_t lo[2], hi[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = g + 8 * r;
+    lo[r] = row < rows ? sq.key_begin(row_of(r0 + row)) : 0;
+    hi[r] = row < rows ? sq.key_end(row_of(r0 + row)) : 0;
+  }
+  const float score_scale = Exp::score_scale(p.scale);
+  float o[kDA][4], row_max[2] = {neg_inf<float>(), neg_inf<float>()}, row_sum[2] = {0.f, 0.f};
+#pragma unroll
+  for (int d = 0; d < kDA; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
+
+  int stage = 0;
+#pragma unroll 1
+  for (int j = 0; j < tiles; ++j) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();  // tile j landed for all; every warp is done with tile j - 1's buffer
+    {
+      const int ahead = j + kStages - 1, ahead_stage = stage == 0 ? kStages - 1 : stage - 1;
+      if (ahead < tiles) load_kv(ahead, ahead_stage);  // into tile j - 1's buffer
+      cp_async_commit();
+    }
+    const int64_t n0 = n_begin + int64_t(j) * kBN;
+
+    // S = Q K^T for the warp's 16 keys.
+    float s[2][4] = {};
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks) {
+      typename M::A a;
+      typename M::B bk[2];
+      M::load_a(a, TA::at(q_at, 0, 2 * ks));
+      M::load_b2_nk(bk, TA::at(k_at + stage * kTileBytes, 0, 2 * ks));
+      M::mma(s[0], a, bk[0]);
+      M::mma(s[1], a, bk[1]);
+    }
+    const bool visible = all_visible(n0);
+#pragma unroll
+    for (int jn = 0; jn < 2; ++jn)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int64_t col = n0 + 16 * warp + 8 * jn + 2 * t + (e & 1);
+        const int r = e >> 1;
+        s[jn][e] = visible || (col >= lo[r] && col < hi[r]) ? s[jn][e] * score_scale : neg_inf<float>();
+      }
+
+    // Online softmax over the warp's keys; O rescaled, then O += P V.
+    float alpha[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = acc_max(acc_max(s[0][2 * r], s[0][2 * r + 1]), acc_max(s[1][2 * r], s[1][2 * r + 1]));
+      mx = reduce_max_lanes<4>(mx);
+      const float new_max = acc_max(row_max[r], mx), base = exp_base(new_max);
+      alpha[r] = Exp::exp(row_max[r] - base);
+      row_max[r] = new_max;
+      float sum = 0.f;
+#pragma unroll
+      for (int jn = 0; jn < 2; ++jn)
+#pragma unroll
+        for (int cc = 0; cc < 2; ++cc) {
+          float& x = s[jn][2 * r + cc];
+          x = Exp::exp(x - base);
+          sum += x;
+        }
+      row_sum[r] = row_sum[r] * alpha[r] + sum;
+    }
+    typename M::A pa;
+    M::a_from_acc(pa, s);
+#pragma unroll
+    for (int d = 0; d < kDA; d += 2) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        o[d][e] *= alpha[e >> 1];
+        o[d + 1][e] *= alpha[e >> 1];
+      }
+      typename M::B bv[2];
+      M::load_b2_kn(bv, TA::at(v_at + stage * kTileBytes, 0, d));
+      M::mma(o[d], pa, bv[0]);
+      M::mma(o[d + 1], pa, bv[1]);
+    }
+    stage = stage == kStages - 1 ? 0 : stage + 1;
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // every warp done with the K / V buffers, which the merge takes
+
+  // The warps' rows into smem: O [warp][row][kOLd], then max and sum [warp][2][row].
+  float* sO = reinterpret_cast<float*>(sK);
+  float* sStats = sO + Cfg::kWarps * kRows * Cfg::kOLd;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = g + 8 * r;
+    const float l = reduce_sum_lanes<4>(row_sum[r]);
+    float* dst = sO + (warp * kRows + row) * Cfg::kOLd + 2 * t;
+#pragma unroll
+    for (int d = 0; d < kDA; ++d) *reinterpret_cast<float2*>(dst + 8 * d) = make_float2(o[d][2 * r], o[d][2 * r + 1]);
+    if (t == 0) {
+      sStats[(2 * warp) * kRows + row] = row_max[r];
+      sStats[(2 * warp + 1) * kRows + row] = l;
+    }
+  }
+  __syncthreads();
+
+  // A thread's share of the block's rows: row tid / 8, columns 4 (tid % 8) + 32 c.
+  constexpr int kCols = kDim / 32;
+  const int row = tid / 8, col0 = 4 * (tid % 8);
+  float mx = neg_inf<float>(), l = 0.f;
+  float4 acc[kCols];
+  // Adds rows of max m_i, sum l_i and O o_i (read by `read`) in turn, rescaled to the running max.
+  auto add_rows = [&](float m_i, float l_i, auto read) {
+    const float new_max = acc_max(mx, m_i), base = exp_base(new_max);
+    const float a = Exp::exp(mx - base), f = Exp::exp(m_i - base);
+    mx = new_max;
+    l = l * a + l_i * f;
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) {
+      const float4 x = read(c);
+      acc[c] = make_float4(acc[c].x * a + x.x * f, acc[c].y * a + x.y * f, acc[c].z * a + x.z * f,
+                           acc[c].w * a + x.w * f);
+    }
+  };
+#pragma unroll
+  for (int c = 0; c < kCols; ++c) acc[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+  for (int w = 0; w < Cfg::kWarps; ++w) {
+    const float* src = sO + (w * kRows + row) * Cfg::kOLd + col0;
+    add_rows(sStats[(2 * w) * kRows + row], sStats[(2 * w + 1) * kRows + row],
+             [&](int c) { return *reinterpret_cast<const float4*>(src + 32 * c); });
+  }
+
+  if (grid.parts > 1) {
+    // A part: its rows to its slot; the walk's last part to finish adds every part's rows in
+    // part order (its own read back too), whichever part that is.
+    auto slot = [&](int64_t i) { return grid.partial + i * int64_t(Cfg::kSlotFloats); };
+    // (Only the chunk's rows: a decode step of a GQA group of 4 fills 4 of the 16.)
+    float* mine = slot(blockIdx.x);
+    if (row < rows) {
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) __stcg(reinterpret_cast<float4*>(mine + row * kDim + col0 + 32 * c), acc[c]);
+      if (tid % 8 == 0) {
+        __stcg(mine + kRows * kDim + row, mx);
+        __stcg(mine + kRows * kDim + kRows + row, l);
+      }
+    }
+    __threadfence();  // this thread's rows reach L2 before the count that publishes them
+    __syncthreads();
+    bool merge = false;
+    if (tid == 0) merge = atomicAdd(grid.counters + walk, 1u) == unsigned(grid.parts - 1);
+    if (!__syncthreads_or(merge) || row >= rows) return;
+    __threadfence();  // the other parts' rows, published before their counts, are seen
+    mx = neg_inf<float>();
+    l = 0.f;
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) acc[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+    for (int i = 0; i < grid.parts; ++i) {
+      const float* src = slot(walk * grid.parts + i);
+      add_rows(__ldcg(src + kRows * kDim + row), __ldcg(src + kRows * kDim + kRows + row),
+               [&](int c) { return __ldcg(reinterpret_cast<const float4*>(src + row * kDim + col0 + 32 * c)); });
+    }
+  }
+
+  // The output: O / l (0 and LSE -inf for a row that sees no key; a NaN sum propagates).
+  if (row >= rows) return;
+  const int64_t h = head_of(r0 + row), m = row_of(r0 + row);
+  const bool empty = l == 0.f;
+  const float inv = empty ? 0.f : 1.f / l;
+  Elem* out = sq.q_rows<Elem>(p.out, p.out_stride, h, m);
+#pragma unroll
+  for (int c = 0; c < kCols; ++c) {
+    const int col = col0 + 32 * c;  // Ev is a multiple of 8: a chunk of 4 is in or out whole
+    if (col < Ev)
+      *reinterpret_cast<uint2*>(out + col) =
+          make_uint2(M::pack(acc[c].x * inv, acc[c].y * inv), M::pack(acc[c].z * inv, acc[c].w * inv));
+  }
+  if (tid % 8 == 0) static_cast<float*>(p.lse)[sq.row_index(p.heads_q, h, m)] = empty ? neg_inf<float>() : Exp::lse(mx, l);
+}
+
+// The plan of a decode call: blocks per SM (smem set, asked once per device), chunks, and parts
+// where the walks are fewer than the GPU's slots.
+// Parts: enough to fill one wave of the GPU, each of at least kDecodeMinPartTiles key tiles, at
+// most kDecodeMaxParts (the merge reads every part's rows).
+constexpr int64_t kDecodeMinPartTiles = 4, kDecodeMaxParts = 64;
+
+template <class Elem, int kDim>
+struct DecodeLaunch {
+  using Cfg = DecodeConfig<Elem, kDim>;
+  DecodeGrid grid;
+  int64_t walks = 0;
+  bool usable = false;
+
+  explicit DecodeLaunch(const FwdParams& p) {
+    if (!Cfg::kServed || !decode_call(p) || !tensor_cores_usable(Cfg::kSmemBytes)) return;
+    const int per_sm = blocks_per_sm_once();
+    if (per_sm < 1) return;
+    usable = true;
+    grid.chunks = int((p.len_q * p.group() + Cfg::kRows - 1) / Cfg::kRows);
+    walks = p.batch * p.heads_kv * grid.chunks;
+    const int64_t slots = int64_t(device_limits().sms) * per_sm, tiles = (p.len_k + Cfg::kBN - 1) / Cfg::kBN;
+    int64_t parts = walks < slots ? slots / walks : 1;
+    parts = parts < tiles / kDecodeMinPartTiles ? parts : tiles / kDecodeMinPartTiles;
+    parts = parts < kDecodeMaxParts ? parts : kDecodeMaxParts;
+    grid.parts = parts > 1 ? int(parts) : 1;
+    if (walks * grid.parts > 0x7fffffff) throw std::runtime_error("flashattn_ext CUDA backend: decode grid too large");
+  }
+  size_t counter_bytes() const { return (size_t(walks) * sizeof(unsigned) + 255) / 256 * 256; }
+  size_t workspace_bytes() const {
+    return grid.parts > 1 ? counter_bytes() + size_t(walks) * grid.parts * Cfg::kSlotFloats * sizeof(float) : 0;
+  }
+
+  // Blocks per SM, the kernel's smem limit set first: once per device and thread.
+  static int blocks_per_sm_once() {
+    constexpr int kMaxDevices = 64;
+    thread_local int cache[kMaxDevices] = {};
+    const int dev = device_limits().device;
+    int& n = cache[dev < kMaxDevices ? dev : 0];
+    if (n == 0 || dev >= kMaxDevices) {
+      set_smem(fwd_decode_kernel<Elem, kDim>, Cfg::kSmemBytes, "sm80::fwd_decode_kernel");
+      n = blocks_per_sm(fwd_decode_kernel<Elem, kDim>, Cfg::kThreads, Cfg::kSmemBytes);
+    }
+    return n;
+  }
+};
+
+// Launches the decode kernel where it serves the call; false (nothing launched) otherwise.
+template <class Elem, int kDim>
+bool launch_decode(const FwdParams& p, cudaStream_t stream) {
+  using Cfg = DecodeConfig<Elem, kDim>;
+  if constexpr (!Cfg::kServed) {
+    return false;
+  } else {
+    DecodeLaunch<Elem, kDim> l(p);
+    if (!l.usable) return false;
+    DecodeGrid grid = l.grid;
+    if (grid.parts > 1) {
+      // The workspace ops.cpp allocated from fwd_workspace_bytes (the same plan); whole walks
+      // without it.
+      if (p.workspace != nullptr && p.workspace_bytes >= l.workspace_bytes()) {
+        char* ws = static_cast<char*>(p.workspace);
+        grid.counters = reinterpret_cast<unsigned*>(ws);
+        grid.partial = reinterpret_cast<float*>(ws + l.counter_bytes());
+        check_cuda(cudaMemsetAsync(grid.counters, 0, size_t(l.walks) * sizeof(unsigned), stream),
+                   "cudaMemsetAsync(decode counters)");
+      } else {
+        grid.parts = 1;
+      }
+    }
+    fwd_decode_kernel<Elem, kDim><<<unsigned(l.walks * grid.parts), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, grid);
+    check_launch("sm80::fwd_decode_kernel");
+    return true;
+  }
+}
+
+}  // namespace flashattn::cuda::sm80
