@@ -136,22 +136,6 @@ def test_forward_decode_whole_walks(device, dtype, head_dim, head_dim_v):
     check_against_reference(q, k, v, head_dim**-0.5, BOTTOM_RIGHT)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_forward_decode_is_deterministic_and_keeps_nan(device, head_dim):
-    """The decode kernel's parts add in part order and its warps in warp order: the same call gives
-    the same bits. A NaN key makes every row of its kv head's group NaN and leaves the other
-    group finite."""
-    q, k, v = make_qkv(1, 8, 2, 1, 6000, head_dim, head_dim, torch.bfloat16, device)
-    first, _ = ours(q, k, v, 0.125, NONE)
-    for _ in range(3):
-        again, _ = ours(q, k, v, 0.125, NONE)
-        assert torch.equal(first, again)
-    k[0, 1, 4321, 7] = float("nan")
-    out, lse = ours(q, k, v, 0.125, NONE)
-    assert out[0, 4:].isnan().all() and lse[0, 4:].isnan().all()
-    assert out[0, :4].isfinite().all() and lse[0, :4].isfinite().all()
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_forward_split_last_wave(device, dtype):
     """A grid of two waves and 3 blocks (the fp16 / bf16 forward at dim 128 holds 2 blocks per SM):
@@ -162,19 +146,23 @@ def test_forward_split_last_wave(device, dtype):
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_forward_split_is_deterministic_and_keeps_nan(device, head_dim):
-    """The merge adds a walk's parts in part order whichever part finishes last: the same call
-    gives the same bits. A NaN key in one part's tiles makes every row of its head NaN, as in
-    torch, and leaves the other head finite."""
-    q, k, v = make_qkv(1, 2, 2, 3, 6000, head_dim, head_dim, torch.bfloat16, device)
+@pytest.mark.parametrize("heads_q,len_q", [(2, 20), (8, 1)], ids=["split_walks", "decode"])
+def test_forward_split_is_deterministic_and_keeps_nan(device, head_dim, heads_q, len_q):
+    """The merges add a walk's parts in part order whichever part finishes last (and the decode
+    kernel's warps in warp order): the same call gives the same bits. A NaN key in one part's
+    tiles makes every row of the query heads reading its kv head NaN, as in torch, and leaves the
+    other kv head's finite. 20 rows: the plain kernels' split (key_split.cuh); one row of a GQA
+    group of 4: the decode kernel (fwd_decode.cuh)."""
+    q, k, v = make_qkv(1, heads_q, 2, len_q, 6000, head_dim, head_dim, torch.bfloat16, device)
     first, _ = ours(q, k, v, 0.125, NONE)
     for _ in range(3):
         again, _ = ours(q, k, v, 0.125, NONE)
         assert torch.equal(first, again)
     k[0, 1, 3717, 5] = float("nan")
     out, lse = ours(q, k, v, 0.125, NONE)
-    assert out[0, 1].isnan().all() and lse[0, 1].isnan().all()
-    assert out[0, 0].isfinite().all() and lse[0, 0].isfinite().all()
+    nan_heads = heads_q // 2  # the second kv head's group
+    assert out[0, nan_heads:].isnan().all() and lse[0, nan_heads:].isnan().all()
+    assert out[0, :nan_heads].isfinite().all() and lse[0, :nan_heads].isfinite().all()
 
 
 @pytest.mark.parametrize("causal", CAUSAL_MODES, ids=CAUSAL_IDS)
