@@ -39,10 +39,13 @@ CASES = [  # (dtype, batch, heads_q, heads_kv, len_q, len_k, head_dim, head_dim_
     (torch.float16, 1, 2, 2, 17, 5000, 64, 48, 2),
     (torch.float64, 1, 2, 2, 50, 70, 128, 128, 0),  # warp pairs (fp64 dim 128)
     # The decode kernel (sm80 fwd_decode.cuh): a GQA decode step in parts over 5000 keys; 3 rows of
-    # 20 heads in 4 chunks that span heads, E_v below the tier's dim; top-left rows at dim 256.
+    # 20 heads in 4 chunks that span heads, E_v below the tier's dim; top-left rows at dim 256; the
+    # padded tiles at dims 96 and 192.
     (torch.bfloat16, 1, 8, 2, 1, 5000, 128, 128, 0),
     (torch.float16, 1, 20, 1, 3, 1500, 64, 48, 2),
     (torch.bfloat16, 1, 4, 4, 5, 3000, 256, 256, 1),
+    (torch.float16, 1, 6, 2, 2, 2500, 96, 96, 2),
+    (torch.bfloat16, 1, 4, 1, 1, 3000, 192, 128, 0),
     (torch.float64, 1, 1, 1, 17, 40, 256, 32, 2),
     (torch.float64, 1, 2, 1, 70, 45, 64, 48, 1),
     (torch.float64, 1, 2, 1, 150, 260, 64, 64, 2),  # fp64 dim 64: 8 warps, several key tiles

@@ -100,10 +100,10 @@ def test_forward_split_key_walks(device, dtype, head_dim, causal, len_q, heads_k
 
 
 DECODE_CASES = {  # len_q, heads_kv, group, len_k
-    "mha_5000_keys": (1, 2, 1, 5000),  # few walks: each cut into parts over the keys
+    "mha_4200_keys": (1, 2, 1, 4200),  # few walks: each cut into parts over the keys
     "gqa_8": (1, 2, 8, 3000),  # a group's 8 heads packed into one chunk
     "4_rows_gqa_4": (4, 1, 4, 2100),  # 16 packed rows, bands differing by row under causal masks
-    "16_rows": (16, 2, 1, 700),
+    "16_rows": (16, 2, 1, 700),  # the most rows the decode kernel takes
     "3_rows_gqa_20": (3, 1, 20, 1500),  # 60 packed rows: 4 chunks, each spanning heads
     "mqa_64": (1, 4, 64, 260),  # 4 chunks a kv head, a ragged last key tile
     "63_keys": (1, 3, 5, 63),  # less than one key tile
@@ -111,22 +111,27 @@ DECODE_CASES = {  # len_q, heads_kv, group, len_k
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 192, 256])
 @pytest.mark.parametrize("causal", CAUSAL_MODES, ids=CAUSAL_IDS)
 @pytest.mark.parametrize("case", DECODE_CASES.values(), ids=DECODE_CASES.keys())
 def test_forward_decode_steps(device, dtype, head_dim, causal, case):
     """Calls of at most 16 query rows whose group packs into at most 4 chunks of 16 rows: the
-    fp16 / bf16 CUDA forward's decode kernel (sm80 fwd_decode.cuh; its 4 warps take 16 keys each
+    fp16 / bf16 CUDA forward's decode kernel at every head-dim tier (sm80 fwd_decode.cuh; swizzled
+    tiles at 64 / 128 / 256, padded ones at 32 / 96 / 192; its 4 warps take 16 keys each
     of a tile and merge their rows at the end; grids smaller than the GPU in parts over the keys,
     merged by each walk's last part). Top-left causal masks leave the first rows a key or a few,
-    in one tile. The backward runs from its LSE."""
+    in one tile. The backward runs from its LSE. CPU (no such kernel): a quarter of the keys, to
+    keep it quick."""
     len_q, heads_kv, group, len_k = case
+    if device != "cuda":
+        len_k = (len_k + 3) // 4
     q, k, v = make_qkv(1, heads_kv * group, heads_kv, len_q, len_k, head_dim, head_dim, dtype, device)
     check_against_reference(q, k, v, head_dim**-0.5, causal)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("head_dim,head_dim_v", [(64, 64), (128, 128), (256, 256), (128, 64), (72, 120)])
+@pytest.mark.parametrize("head_dim,head_dim_v", [(32, 32), (64, 64), (96, 96), (128, 128), (192, 128), (256, 256),
+                                                 (128, 64), (72, 120)])
 def test_forward_decode_whole_walks(device, dtype, head_dim, head_dim_v):
     """A decode grid of more walks than the GPU holds (3 x 400 kv heads, GQA groups of 2): every
     walk whole, no parts; value head dims other than the query's (zero-padded columns of the

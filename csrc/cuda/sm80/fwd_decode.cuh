@@ -11,8 +11,7 @@
 // walk over the keys into parts, a block each; a part stores its merged rows (fp32) in the
 // workspace, and the walk's last part to finish (a counter per walk) adds every part in part
 // order, so the output does not depend on which part that is.
-// Plain fp16 / bf16 calls (no optional features) at dims 64, 128 and 256 (the swizzled tiles);
-// decode_call says which calls.
+// Plain fp16 / bf16 calls (no optional features) at every head-dim tier; decode_call says which.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -31,14 +30,16 @@ namespace flashattn::cuda::sm80 {
 
 template <class Elem, int kDim>
 struct DecodeConfig {
-  static constexpr bool kServed = sizeof(Elem) == 2 && (kDim == 64 || kDim == 128 || kDim == 256);
+  static constexpr bool kServed = sizeof(Elem) == 2;
   static constexpr int kWarps = 4, kThreads = 32 * kWarps;
   static constexpr int kRows = 16;                // packed query rows of a block (one row group)
   static constexpr int kWarpKeys = 16;            // a warp's keys of a tile: one P V k-step
   static constexpr int kBN = kWarps * kWarpKeys;  // keys per tile
   // K / V tiles in flight: three stages where two blocks per SM still fit (dims <= 128), two above.
   static constexpr int kStages = kDim <= 128 ? 3 : 2;
-  static constexpr int kLd = kDim;  // swizzled rows (tile_copy.cuh)
+  // Swizzled rows at the dims whose rows are whole 128-byte lines (as FwdConfig), else padded.
+  static constexpr bool kSwizzle = kDim == 64 || kDim == 128 || kDim == 256;
+  static constexpr int kLd = kSwizzle ? kDim : kDim + 8;
   static constexpr int kOLd = kDim + 8;  // fp32 pitch of the warps' rows in the merge
   static constexpr size_t kQBytes = size_t(kRows) * kLd * sizeof(Elem);
   static constexpr size_t kKvBytes = size_t(2 * kStages) * kBN * kLd * sizeof(Elem);
@@ -76,6 +77,7 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads)
   constexpr int kRows = Cfg::kRows, kBN = Cfg::kBN, kLd = Cfg::kLd, kStages = Cfg::kStages;
   constexpr int kThreads = Cfg::kThreads, kDA = kDim / 8, kKSteps = kDim / 16;
   constexpr uint32_t kTileBytes = kBN * kLd * sizeof(Elem);
+  constexpr bool kSw = Cfg::kSwizzle;
 
   extern __shared__ __align__(128) unsigned char smem_raw[];
   Elem* sQ = reinterpret_cast<Elem*>(smem_raw);
@@ -109,7 +111,7 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads)
   // Tiles every row of the chunk sees whole skip the per-score mask.
   auto all_visible = [&](int64_t n0) { return n0 >= sq.key_begin(m_hi) && n0 + kBN <= sq.key_end(m_lo); };
 
-  // The chunk's Q rows (one query head and row each), swizzled; past the chunk's rows zeros.
+  // The chunk's Q rows (one query head and row each); past the chunk's rows zeros.
   {
     constexpr int kPerRow = kDim / chunk_elems<Elem>();
 #pragma unroll
@@ -119,7 +121,7 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads)
       const Elem* src = valid ? sq.q_rows<const Elem>(p.q, p.q_stride, head_of(r0 + r), row_of(r0 + r)) +
                                     c * chunk_elems<Elem>()
                               : static_cast<const Elem*>(p.q);
-      cp_async_16_zfill(sQ + r * kLd + ((c & ~7) | ((c ^ r) & 7)) * chunk_elems<Elem>(), src, valid);
+      cp_async_16_zfill(sQ + r * kLd + (kSw ? (c & ~7) | ((c ^ r) & 7) : c) * chunk_elems<Elem>(), src, valid);
     }
   }
   const Elem* k = sq.k_rows<const Elem>(p.k, p.k_stride, hk, 0);
@@ -127,10 +129,10 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads)
   auto load_kv = [&](int j, int stage) {  // tile j of the part into buffer `stage`
     const int64_t n0 = n_begin + int64_t(j) * kBN;
     const int rows_k = sq.k_tile_rows(n0, kBN);
-    copy_tile_async<kBN, kDim, kThreads, false, true, true>(sK + stage * kBN * kLd, kLd, k + n0 * p.k_stride.row,
-                                                             p.k_stride.row, rows_k, E, tid);
-    copy_tile_async<kBN, kDim, kThreads, false, true, true>(sV + stage * kBN * kLd, kLd, v + n0 * p.v_stride.row,
-                                                             p.v_stride.row, rows_k, Ev, tid);
+    copy_tile_async<kBN, kDim, kThreads, false, kSw, true>(sK + stage * kBN * kLd, kLd, k + n0 * p.k_stride.row,
+                                                            p.k_stride.row, rows_k, E, tid);
+    copy_tile_async<kBN, kDim, kThreads, false, kSw, true>(sV + stage * kBN * kLd, kLd, v + n0 * p.v_stride.row,
+                                                            p.v_stride.row, rows_k, Ev, tid);
   };
   // Q with the first tile, then the next kStages - 2 tiles, a commit group each.
   if (tiles > 0) load_kv(0, 0);
@@ -141,11 +143,27 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads)
     cp_async_commit();
   }
 
-  // The lane's smem addresses: Q rows 0-15, the warp's 16 keys of a K / V tile.
-  const auto rows_first = M::rows_first(lane), chunks_first = M::chunks_first(lane);
-  const uint32_t q_at = TA::base(sQ, rows_first.row, rows_first.chunk);
-  const uint32_t k_at = TA::base(sK, 16 * warp + chunks_first.row, chunks_first.chunk);
-  const uint32_t v_at = TA::base(sV, 16 * warp + rows_first.row, rows_first.chunk);
+  // The operand reads: Q rows 0-15 and the warp's 16 keys of a K / V tile, swizzled tiles through
+  // the lane's smem addresses, padded ones through pointers (fragments.cuh).
+  uint32_t q_at = 0, k_at = 0, v_at = 0;
+  if constexpr (kSw) {
+    const auto rows_first = M::rows_first(lane), chunks_first = M::chunks_first(lane);
+    q_at = TA::base(sQ, rows_first.row, rows_first.chunk);
+    k_at = TA::base(sK, 16 * warp + chunks_first.row, chunks_first.chunk);
+    v_at = TA::base(sV, 16 * warp + rows_first.row, rows_first.chunk);
+  }
+  auto read_q = [&](typename M::A& a, int kk) {  // rows 0-15, k kk..
+    if constexpr (kSw) M::load_a(a, TA::at(q_at, 0, kk / 8));
+    else M::load_a(a, sQ + kk, kLd, lane);
+  };
+  auto read_k = [&](typename M::B (&b)[2], int stage, int kk) {  // the warp's keys, k kk..
+    if constexpr (kSw) M::load_b2_nk(b, TA::at(k_at + stage * kTileBytes, 0, kk / 8));
+    else M::load_b2_nk(b, sK + (stage * kBN + 16 * warp) * kLd + kk, kLd, lane);
+  };
+  auto read_v = [&](typename M::B (&b)[2], int stage, int col) {  // the warp's keys, columns col..
+    if constexpr (kSw) M::load_b2_kn(b, TA::at(v_at + stage * kTileBytes, 0, col / 8));
+    else M::load_b2_kn(b, sV + (stage * kBN + 16 * warp) * kLd + col, kLd, lane);
+  };
 
   // The lane's rows g and g + 8: their bands (none past the chunk's rows).
   int64_t lo[2], hi[2];
@@ -178,8 +196,8 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads)
     for (int ks = 0; ks < kKSteps; ++ks) {
       typename M::A a;
       typename M::B bk[2];
-      M::load_a(a, TA::at(q_at, 0, 2 * ks));
-      M::load_b2_nk(bk, TA::at(k_at + stage * kTileBytes, 0, 2 * ks));
+      read_q(a, 16 * ks);
+      read_k(bk, stage, 16 * ks);
       M::mma(s[0], a, bk[0]);
       M::mma(s[1], a, bk[1]);
     }
@@ -223,7 +241,7 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads)
         o[d + 1][e] *= alpha[e >> 1];
       }
       typename M::B bv[2];
-      M::load_b2_kn(bv, TA::at(v_at + stage * kTileBytes, 0, d));
+      read_v(bv, stage, 8 * d);
       M::mma(o[d], pa, bv[0]);
       M::mma(o[d + 1], pa, bv[1]);
     }
