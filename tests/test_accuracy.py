@@ -107,6 +107,7 @@ DECODE_CASES = {  # len_q, heads_kv, group, len_k
     "3_rows_gqa_20": (3, 1, 20, 1500),  # 60 packed rows: 4 chunks, each spanning heads
     "mqa_64": (1, 4, 64, 260),  # 4 chunks a kv head, a ragged last key tile
     "63_keys": (1, 3, 5, 63),  # less than one key tile
+    "12_rows_5_keys": (12, 1, 2, 5),  # bottom-right: the first 7 rows of each head see no key
 }
 
 
