@@ -22,6 +22,7 @@ CAUSAL_NONE, CAUSAL_TOP_LEFT, CAUSAL_BOTTOM_RIGHT = 0, 1, 2
 FEATURES = (("attn_bias", None), ("window_left", -1), ("window_right", -1), ("alibi_slopes", None),
             ("softcap", 0.0), ("dropout_p", 0.0), ("rng_state", None), ("cu_seqlens_q", None),
             ("cu_seqlens_k", None), ("max_seqlen_q", 0), ("max_seqlen_k", 0))
+_FEATURES_OFF = tuple(default for _, default in FEATURES)
 _N_FIXED_FWD_ARGS = 6  # q, k, v, scale, causal, deterministic
 _BIAS_INDEX = _N_FIXED_FWD_ARGS  # attn_bias is the first feature argument
 
@@ -166,7 +167,7 @@ def fwd(q, k, v, scale, causal, deterministic=False, **features):
     """flashattn::fwd, differentiable; `features` as the op names them. Where autograd records
     the call (outside torch.compile, which traces the op's registered formula), through
     _FwdWithGrad."""
-    values = tuple(features.pop(name, default) for name, default in FEATURES)
+    values = tuple(features.pop(name, default) for name, default in FEATURES) if features else _FEATURES_OFF
     if features:
         raise TypeError(f"flashattn_ext: unknown feature arguments {sorted(features)}")
     bias = values[0]
