@@ -328,6 +328,25 @@ def test_transposed_blhe_inputs(device, dtype, causal):
     _assert_no_copies(lambda: torch.ops.flashattn.bwd(dout, q, k, v, out, lse, None, 0.2, causal, False))
 
 
+@pytest.mark.parametrize("head_dim", [96, 128])
+def test_decode_from_a_cache_slice(device, head_dim):
+    """A decode step as a server runs it: one query row per head of (batch, len, heads, dim) tensors,
+    K / V the first 3000 positions of a preallocated 4096-position cache in the same layout, a GQA
+    group of 4 (the fp16 / bf16 CUDA forward's decode kernel, swizzled at 128 and padded at 96).
+    The views are read in place and give the forward bits of contiguous copies (the backward's dQ
+    adds over key tiles with atomics: checked against the reference only)."""
+    b, h, hk, e = 2, 8, 2, head_dim
+    q = torch.randn(b, 1, h, e, dtype=torch.bfloat16, device=device).transpose(1, 2)
+    cache_k, cache_v = (torch.randn(b, 4096, hk, e, dtype=torch.bfloat16, device=device) for _ in range(2))
+    k, v = cache_k[:, :3000].transpose(1, 2), cache_v[:, :3000].transpose(1, 2)
+    out, lse = ours(q, k, v, e**-0.5, BOTTOM_RIGHT)
+    out_c, lse_c = ours(q.contiguous(), k.contiguous(), v.contiguous(), e**-0.5, BOTTOM_RIGHT)
+    assert torch.equal(out, out_c) and torch.equal(lse, lse_c)
+    assert _is_blhe(out) and lse.is_contiguous()
+    check_against_reference(q, k, v, e**-0.5, BOTTOM_RIGHT)
+    _assert_no_copies(lambda: ours(q, k, v, e**-0.5, BOTTOM_RIGHT))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("causal", [NONE, BOTTOM_RIGHT], ids=["none", "bottom_right"])
 def test_packed_qkv_slices(device, dtype, causal):
