@@ -29,34 +29,20 @@ ROWS = [(1, 32, 32, 1, 4096, 128), (1, 32, 32, 1, 16384, 128), (8, 32, 32, 1, 81
         (1, 16, 16, 4096, 4096, 128)]
 
 
-def attention(impl):
-    """f(q, k, v) for an entry of IMPLS, K / V heads dividing the query heads (SDPA's enable_gqa)."""
-    if impl == "ours":
-        import flashattn_ext
-        return lambda q, k, v: flashattn_ext.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    backend = getattr(SDPBackend, M.SDPA_BACKENDS[impl])
-
-    def forced(q, k, v):
-        with sdpa_kernel(backend):
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-    return forced
-
-
 def measure(impl, row, dtype, repeats):
     b, h, h_kv, lq, lk, e = row
     gen = torch.Generator(device="cpu").manual_seed(0)
     q, k, v = (torch.randn(shape, generator=gen).to("cuda", dtype) for shape in
                ((b, h, lq, e), (b, h_kv, lk, e), (b, h_kv, lk, e)))
-    attn = attention(impl)
+    attn = M.get_attention(impl, enable_gqa=True)
     try:
         with torch.no_grad():
-            attn(q, k, v)
+            attn(q, k, v, False)
             # Replayed from a CUDA graph: these calls take tens of µs, about what the host spends per
             # call (Python, dispatch), which would otherwise be what is timed.
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, capture_error_mode="relaxed"):
-                attn(q, k, v)
+                attn(q, k, v, False)
             ms = M.median_ms(graph.replay, "cuda", warmup=5, repeats=repeats, warmup_s=0.2)
     except (RuntimeError, NotImplementedError, ValueError) as err:
         return {"skipped": str(err).strip().splitlines()[0]}

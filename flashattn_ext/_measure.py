@@ -71,23 +71,26 @@ def tflops(flops, ms):
 
 
 # ----------------------------------------------------------------------------------- impls, inputs
-def get_attention(name):
-    """Attention callable f(q, k, v, is_causal) on (B, H, L, E) for an entry of IMPLS."""
+def get_attention(name, enable_gqa=False):
+    """Attention callable f(q, k, v, is_causal) on (B, H, L, E) for an entry of IMPLS; with enable_gqa
+    the K / V heads may divide the query heads (SDPA's enable_gqa)."""
     if name == "ours":
         import flashattn_ext
-        return lambda q, k, v, is_causal: flashattn_ext.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+        return lambda q, k, v, is_causal: flashattn_ext.scaled_dot_product_attention(q, k, v, is_causal=is_causal,
+                                                                                      enable_gqa=enable_gqa)
     if name == "ours-det":  # ours with deterministic=True (bitwise-reproducible backward)
         import flashattn_ext
         return lambda q, k, v, is_causal: flashattn_ext.flash_attn_func(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=is_causal, deterministic=True).transpose(1, 2)
     if name == "sdpa":
-        return lambda q, k, v, is_causal: F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+        return lambda q, k, v, is_causal: F.scaled_dot_product_attention(q, k, v, is_causal=is_causal,
+                                                                         enable_gqa=enable_gqa)
     from torch.nn.attention import SDPBackend, sdpa_kernel
     backend = getattr(SDPBackend, SDPA_BACKENDS[name])
 
     def forced(q, k, v, is_causal):
         with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=enable_gqa)
     return forced
 
 

@@ -27,8 +27,8 @@ def _attention(q, k, v, scale, causal, deterministic, attn_bias=None, window_siz
     if (attn_bias is None and alibi_slopes is None and cu_seqlens_q is None and cu_seqlens_k is None and not softcap
             and not dropout_p and window_size == (-1, -1)):
         # No optional feature: the op with its defaults, and only the checks that can fail then (the
-        # feature checks pass on defaults). Each feature keyword passed on costs host time on every
-        # call: ~15 us of a ~55 us call here (2-core CPU; bench_overhead.py).
+        # feature checks pass on defaults). Passing on the eleven feature keywords and checking them
+        # cost 8-10 us per call (2-core CPU, bench_overhead.py: forward under no_grad 69 -> 60 us).
         check_fwd_args(q, k, v, causal)
         return fwd(q, k, v, float(scale), causal, deterministic)
     dropout_p = float(dropout_p)
