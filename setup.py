@@ -61,7 +61,10 @@ def cuda_gencode_flags():
         if not arch:
             continue
         num = arch.replace(".", "").replace("+PTX", "")
-        flags.append(f"-gencode=arch=compute_{num},code=sm_{num}")
+        # sm_90 code is built for sm_90a, whose wgmma the Hopper kernels use (an sm_90a cubin runs
+        # on every sm_90 GPU: H100, H200, GH200); forward-compatible PTX stays plain compute_90.
+        cubin = "90a" if num == "90" else num
+        flags.append(f"-gencode=arch=compute_{cubin},code=sm_{cubin}")
         if arch.endswith("+PTX"):
             flags.append(f"-gencode=arch=compute_{num},code=compute_{num}")
     return flags

@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export NVCC=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
 if [ ! -x "$NVCC" ]; then echo "compile_cuda: nvcc not found" >&2; exit 1; fi
-ARCHS=${ARCHS:-"75 80 86 89 90 100 120"}
+ARCHS=${ARCHS:-"75 80 86 89 90a 100 120"}  # sm_90a: the wgmma kernels (setup.py)
 GENCODE=""
 for a in $ARCHS; do GENCODE+=" -gencode=arch=compute_$a,code=sm_$a"; done
 export GENCODE

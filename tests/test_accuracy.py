@@ -151,6 +151,18 @@ def test_forward_split_last_wave(device, dtype):
     check_against_reference(q, k, v, 128**-0.5, NONE)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("causal", CAUSAL_MODES, ids=CAUSAL_IDS)
+@pytest.mark.parametrize("len_q,heads_kv,group", [(1000, 20, 1), (1100, 4, 4)], ids=["mha", "gqa"])
+def test_forward_long_key_walks(device, dtype, causal, len_q, heads_kv, group):
+    """Walks of at least 2048 keys at dim 128 on a grid of at least a block per SM: the calls the
+    wgmma forward takes on sm_90 (sm90/fwd_sm90.cuh; the sm80/ kernels elsewhere). 2100 keys: a
+    ragged last 128-key tile. CPU: 2 kv heads of 260 rows."""
+    heads_kv, len_q = (heads_kv, len_q) if device == "cuda" else (2, 260)
+    q, k, v = make_qkv(1, heads_kv * group, heads_kv, len_q, 2100, 128, 128, dtype, device)
+    check_against_reference(q, k, v, 128**-0.5, causal)
+
+
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("heads_q,len_q", [(2, 20), (8, 1)], ids=["split_walks", "decode"])
 def test_forward_split_is_deterministic_and_keeps_nan(device, head_dim, heads_q, len_q):

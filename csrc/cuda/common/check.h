@@ -80,4 +80,19 @@ void set_smem(Kernel kernel, size_t bytes, const char* name) {
              (std::string("cudaFuncSetAttribute(") + name + ")").c_str());
 }
 
+// blocks_per_sm of kernel `kKernel`, its smem limit set first (set_smem), asked once per device and
+// thread: the occupancy query costs host time on every call otherwise.
+template <auto kKernel>
+int blocks_per_sm_cached(int threads, size_t smem, const char* name) {
+  constexpr int kMaxDevices = 64;
+  thread_local int cache[kMaxDevices] = {};
+  const int dev = device_limits().device;
+  int& n = cache[dev < kMaxDevices ? dev : 0];
+  if (n == 0 || dev >= kMaxDevices) {
+    set_smem(kKernel, smem, name);
+    n = blocks_per_sm(kKernel, threads, smem);
+  }
+  return n;
+}
+
 }  // namespace flashattn::cuda

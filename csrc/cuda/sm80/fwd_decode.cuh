@@ -28,11 +28,13 @@
 
 namespace flashattn::cuda::sm80 {
 
+constexpr int kDecodeChunkRows = 16;  // packed query rows of a block (one row group)
+
 template <class Elem, int kDim>
 struct DecodeConfig {
   static constexpr bool kServed = sizeof(Elem) == 2;
   static constexpr int kWarps = 4, kThreads = 32 * kWarps;
-  static constexpr int kRows = 16;                // packed query rows of a block (one row group)
+  static constexpr int kRows = kDecodeChunkRows;
   static constexpr int kWarpKeys = 16;            // a warp's keys of a tile: one P V k-step
   static constexpr int kBN = kWarps * kWarpKeys;  // keys per tile
   // K / V tiles in flight: three stages where two blocks per SM still fit (dims <= 128), two above.
@@ -56,7 +58,7 @@ struct DecodeConfig {
 // packs into at most kDecodeMaxChunks chunks of 16 rows.
 constexpr int64_t kDecodeMaxLenQ = 16, kDecodeMaxChunks = 4;
 inline bool decode_call(const FwdParams& p) {
-  return !p.has_features() && p.len_q <= kDecodeMaxLenQ && p.len_q * p.group() <= 16 * kDecodeMaxChunks;
+  return !p.has_features() && p.len_q <= kDecodeMaxLenQ && p.len_q * p.group() <= kDecodeChunkRows * kDecodeMaxChunks;
 }
 
 // The grid: blocks (walk, part), walk = (batch, kv head, chunk) with the chunk fastest, then the
@@ -376,15 +378,7 @@ struct DecodeLaunch {
 
   // Blocks per SM, the kernel's smem limit set first: once per device and thread.
   static int blocks_per_sm_once() {
-    constexpr int kMaxDevices = 64;
-    thread_local int cache[kMaxDevices] = {};
-    const int dev = device_limits().device;
-    int& n = cache[dev < kMaxDevices ? dev : 0];
-    if (n == 0 || dev >= kMaxDevices) {
-      set_smem(fwd_decode_kernel<Elem, kDim>, Cfg::kSmemBytes, "sm80::fwd_decode_kernel");
-      n = blocks_per_sm(fwd_decode_kernel<Elem, kDim>, Cfg::kThreads, Cfg::kSmemBytes);
-    }
-    return n;
+    return blocks_per_sm_cached<fwd_decode_kernel<Elem, kDim>>(Cfg::kThreads, Cfg::kSmemBytes, "sm80::fwd_decode_kernel");
   }
 };
 

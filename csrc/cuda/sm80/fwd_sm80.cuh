@@ -25,6 +25,7 @@
 #include "../common/grid.cuh"
 #include "../common/online_softmax.cuh"
 #include "../common/opaque.cuh"
+#include "../sm90/launch.h"
 #include "bias_tile.cuh"
 #include "causal_order.cuh"
 #include "fwd_decode.cuh"
@@ -581,14 +582,9 @@ struct FwdLaunch {
   size_t workspace_bytes() const { return key_split_bytes(split, kSlotFloats); }
 
   // The plain variant's blocks per SM (its smem is the same for every call), asked once per device
-  // and thread: the occupancy query costs host time on every call otherwise (twice per call here).
+  // and thread.
   int plain_blocks_per_sm() const {
-    constexpr int kMaxDevices = 64;
-    thread_local int cache[kMaxDevices] = {};
-    const int dev = device_limits().device;
-    int& n = cache[dev < kMaxDevices ? dev : 0];
-    if (n == 0 || dev >= kMaxDevices) n = blocks_per_sm(fwd_kernel<Elem, kDim, kFeatures>, Cfg::kThreads, smem);
-    return n;
+    return blocks_per_sm_cached<fwd_kernel<Elem, kDim, kFeatures>>(Cfg::kThreads, smem, "sm80::fwd_kernel");
   }
 };
 
@@ -621,6 +617,10 @@ bool launch_fwd(const FwdParams& p, cudaStream_t stream) {
   return true;
 }
 
+// The tiers that sm90/ has a wgmma forward for.
+template <class Elem, int kDim>
+constexpr bool kWgmmaTier = sizeof(Elem) == 2 && kDim == 128;
+
 // Workspace of the plain variant's call (its last wave's split), 0 where it takes none.
 template <class Elem, int kDim>
 size_t fwd_workspace_bytes(const FwdParams& p) {
@@ -628,6 +628,9 @@ size_t fwd_workspace_bytes(const FwdParams& p) {
   if constexpr (DecodeConfig<Elem, kDim>::kServed) {
     const DecodeLaunch<Elem, kDim> d(p);
     if (d.usable) return d.workspace_bytes();
+  }
+  if constexpr (kWgmmaTier<Elem, kDim>) {
+    if (sm90::fwd_wgmma_serves<Elem, kDim>(p)) return 0;
   }
   const FwdLaunch<Elem, kDim, false> l(p);
   return l.usable ? l.workspace_bytes() : 0;
@@ -645,9 +648,13 @@ bool fwd(const FwdParams& p, cudaStream_t stream) {
   // (32-key tiles above dim 64) serves the call: it computes any call, with or without
   // features. (Every fp16/bf16 plain forward fits the 99 KB of sm_86/89/120 since its tiles are
   // swizzled, at most 96 KB; the dim-128 one took 102 KB before.)
-  // Few query rows per kv head (decode steps): the decode kernel (fwd_decode.cuh) where it serves.
-  return launch_decode<Elem, kDim>(p, stream) || launch_fwd<Elem, kDim, false>(p, stream) ||
-         launch_fwd<Elem, kDim, true>(p, stream);
+  // Few query rows per kv head (decode steps): the decode kernel (fwd_decode.cuh) where it serves;
+  // then on sm_90 the wgmma kernels (sm90/fwd_sm90.cuh) where they serve.
+  if (launch_decode<Elem, kDim>(p, stream)) return true;
+  if constexpr (kWgmmaTier<Elem, kDim>) {
+    if (sm90::fwd_wgmma<Elem, kDim>(p, stream)) return true;
+  }
+  return launch_fwd<Elem, kDim, false>(p, stream) || launch_fwd<Elem, kDim, true>(p, stream);
 }
 
 }  // namespace flashattn::cuda::sm80

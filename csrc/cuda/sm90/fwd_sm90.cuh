@@ -1,0 +1,350 @@
+// Forward on Hopper's warpgroup products (wgmma, sm_90a): plain fp16 / bf16 calls at head dim 128
+// (head_dim == head_dim_v == 128, no optional feature, walks of at least kWgmmaMinKeys keys; every
+// other call goes to the sm80/ kernels, which run on sm_90 too).
+//
+// One block per (batch, query head, 128-row query tile), the last tiles first (a causal grid's
+// last heads tile slowest, as sm80/causal_order.cuh). Two warpgroups of 4 warps, each owning 64
+// query rows; both read the same K and V tiles of 128 keys. S = Q K^T and O += P V are wgmma
+// products (Q, K, V from 128-byte-swizzled smem, P from registers), asynchronous: a warpgroup
+// issues S of key tile i + 1 and P V of tile i together, and runs the softmax of tile i + 1 while
+// P V runs (FlashAttention-3's intra-warpgroup overlap). K and V stream through two stages each
+// (cp.async by all threads), K two tiles ahead of the softmax and V one. O leaves through smem in
+// 16-byte stores.
+// The online softmax is the sm80 forward's (scores scaled before the max; exp2 on the MUFU; the
+// row max and sum reduced over a quad), so the two paths give the same answers to rounding.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <stdexcept>
+
+#include "../../common/sequence.h"
+#include "../../params.h"
+#include "../common/check.h"
+#include "../common/cp_async.cuh"
+#include "../common/grid.cuh"
+#include "../common/numeric.cuh"
+#include "../common/online_softmax.cuh"
+#include "../common/wgmma.cuh"
+#include "../sm80/causal_order.cuh"
+#include "../sm80/fragments.cuh"
+
+namespace flashattn::cuda::sm90 {
+
+// Measured against it (H100, bf16, forward): one warpgroup per block (64-row query tiles, two
+// blocks per SM) 13-20% slower at every length; at dim 64 both this shape and one with 64-key tiles
+// and two blocks per SM (128 registers) ran 1.5-10% behind the sm80/ kernel, which keeps dim 64.
+template <class Elem, int kDim>
+struct FwdWgmmaConfig {
+  static constexpr bool kServed = sizeof(Elem) == 2 && kDim == 128;
+  static constexpr int kWarpGroups = 2;  // 64 query rows each
+  static constexpr int kThreads = 128 * kWarpGroups;
+  static constexpr int kBM = 64 * kWarpGroups;
+  static constexpr int kBN = 128;
+  static constexpr uint32_t kQBytes = kBM * kDim * 2, kKvBytes = kBN * kDim * 2;
+  // Q, two K and two V stages, and room to align the tiles to 1024 bytes (the swizzle's period):
+  // 161 KB, one block per SM.
+  static constexpr size_t kSmemBytes = kQBytes + 4 * size_t(kKvBytes) + 1024;
+};
+
+// Copies rows [0, rows) of a kRows x kDim tile (rows g_ld elements apart) into smem at `dst` in the
+// panel layout, rows from `rows` on zero-filled (their source ignored). A thread takes one chunk
+// column and every (kThreads / chunks-per-row)-th row: its rows agree modulo 8, so the swizzled
+// offset is one constant.
+template <int kRows, int kDim, int kThreads, class Elem>
+__device__ __forceinline__ void copy_panels(unsigned char* dst, const Elem* g, int64_t g_ld, int rows, int tid) {
+  constexpr int kPerRow = kDim / 8, kRowStep = kThreads / kPerRow;
+  static_assert(kRowStep % 8 == 0 && kRows % kRowStep == 0, "a thread's rows agree modulo 8");
+  const int r0 = tid / kPerRow, c = tid % kPerRow;
+  unsigned char* d = dst + (c / 8) * (kRows * 128) + r0 * 128 + ((c % 8) ^ (r0 % 8)) * 16;
+  const Elem* src = g + r0 * g_ld + c * 8;
+#pragma unroll
+  for (int it = 0; it < kRows / kRowStep; ++it) {
+    const bool valid = r0 + it * kRowStep < rows;
+    cp_async_16_zfill(d + it * kRowStep * 128, valid ? src + it * kRowStep * g_ld : g, valid);
+  }
+}
+
+template <class Elem, int kDim>
+__global__ void __launch_bounds__(FwdWgmmaConfig<Elem, kDim>::kThreads)
+    fwd_wgmma_kernel(const FwdParams p, int num_m_tiles, sm80::HeavyLast order) {
+#ifdef FLASHATTN_WGMMA
+  using Cfg = FwdWgmmaConfig<Elem, kDim>;
+  using M = sm80::Mma<Elem>;
+  using Exp = ExpDomain<float>;
+  constexpr int kBM = Cfg::kBM, kBN = Cfg::kBN, kThreads = Cfg::kThreads;
+  constexpr int kNA = kBN / 8, kDA = kDim / 8;  // accumulator atoms of S and O per thread
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const uint32_t raw_at = smem_addr(smem_raw);
+  unsigned char* const tiles = smem_raw + (((raw_at + 1023) & ~1023u) - raw_at);
+  unsigned char* const sQ = tiles;
+  auto sK = [&](int stage) { return tiles + Cfg::kQBytes + stage * Cfg::kKvBytes; };
+  auto sV = [&](int stage) { return tiles + Cfg::kQBytes + (2 + stage) * Cfg::kKvBytes; };
+
+  // The last tiles first; a causal grid's last heads tile slowest (sm80/causal_order.cuh).
+  const TileBlock blk =
+      tile_block(num_m_tiles, 1, p.heads_q, /*heaviest_first=*/true, sm80::ordered_block<true>(order, num_m_tiles));
+  const int64_t h = blk.head, b = blk.batch, hk = kv_head(p, h);
+  const Seq sq = plain_sequence(p, b);
+  const int64_t m0 = int64_t(blk.tile) * kBM;
+  const int rows = sq.q_tile_rows(m0, kBM);
+  const int64_t m_last = m0 + rows - 1;
+  const int64_t n_begin = sq.key_begin(m0) / kBN * kBN, n_end = sq.key_end(m_last);
+  const int n_tiles = n_end > n_begin ? int((n_end - n_begin + kBN - 1) / kBN) : 0;
+
+  const int tid = threadIdx.x, wg = tid / 128, lane = tid & 31, warp = (tid / 32) % 4;
+  const int g = lane / 4, t = lane % 4;
+  const int wrow = wg * 64 + warp * 16;  // the warp's first row in the tile
+
+  const Elem* k = sq.k_rows<const Elem>(p.k, p.k_stride, hk, 0);
+  const Elem* v = sq.k_rows<const Elem>(p.v, p.v_stride, hk, 0);
+  auto key_rows = [&](int i) { return sq.k_tile_rows(n_begin + int64_t(i) * kBN, kBN); };
+  auto load_k = [&](int i) {
+    copy_panels<kBN, kDim, kThreads>(sK(i % 2), k + (n_begin + int64_t(i) * kBN) * p.k_stride.row, p.k_stride.row,
+                                     key_rows(i), tid);
+  };
+  auto load_v = [&](int i) {
+    copy_panels<kBN, kDim, kThreads>(sV(i % 2), v + (n_begin + int64_t(i) * kBN) * p.v_stride.row, p.v_stride.row,
+                                     key_rows(i), tid);
+  };
+
+  // Descriptors: Q rows of this warpgroup and K rows as K-major operands (k16 step kk: panel
+  // kk / 4, 32 bytes along the line per step); V as the MN-major B of P V (k16 step: 16 keys = 16
+  // lines further; its columns cross panels kBN lines apart).
+  const uint32_t q_at = smem_addr(sQ) + wg * 64 * 128;
+  auto kmajor = [](uint32_t at, int kk, int rows_per_panel) {
+    return smem_desc(at + (kk / 4) * rows_per_panel * 128 + (kk % 4) * 32, 16, 1024);
+  };
+  auto v_desc = [&](int stage, int kk) { return smem_desc(smem_addr(sV(stage)) + kk * 16 * 128, kBN * 128, 1024); };
+
+  float o[kDA][4];
+#pragma unroll
+  for (int d = 0; d < kDA; ++d)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[d][e] = 0.f;
+  float row_max[2] = {neg_inf<float>(), neg_inf<float>()}, row_sum[2] = {0.f, 0.f};
+  const float score_scale = Exp::score_scale(p.scale);
+
+  // S = Q K^T of key tile i (K stage i % 2), issued and committed; the caller waits.
+  auto issue_scores = [&](float (&s)[kNA][4], int i) {
+    const uint32_t k_at = smem_addr(sK(i % 2));
+    Wgmma<Elem, kBN>::template ss<0>(s, kmajor(q_at, 0, kBM), kmajor(k_at, 0, kBN));
+#pragma unroll
+    for (int kk = 1; kk < kDim / 16; ++kk) Wgmma<Elem, kBN>::template ss<1>(s, kmajor(q_at, kk, kBM), kmajor(k_at, kk, kBN));
+    wgmma_commit();
+  };
+  // O += P V of key tile i (V stage i % 2), issued and committed.
+  auto issue_pv = [&](const uint32_t (&pa)[kBN / 16][4], int i) {
+#pragma unroll
+    for (int kk = 0; kk < kBN / 16; ++kk) Wgmma<Elem, kDim>::rs(o, pa[kk], v_desc(i % 2, kk));
+    wgmma_commit();
+  };
+
+  // The online softmax of key tile i's scores, in place (scaled, masked outside each row's band,
+  // exponentiated); returns through alpha the factor that rescales O.
+  auto softmax = [&](float (&s)[kNA][4], int i, float (&alpha)[2]) {
+    const int64_t n0 = n_begin + int64_t(i) * kBN;
+#pragma unroll
+    for (int j = 0; j < kNA; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[j][e] *= score_scale;
+    // Tiles every row of the block sees in full skip the per-element mask.
+    if (!(n0 >= sq.key_begin(m_last) && n0 + kBN <= sq.key_end(m0))) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int64_t m = m0 + wrow + g + 8 * r;
+        auto column = [](int64_t x) { return int(x < 0 ? 0 : x > kBN ? kBN : x); };
+        const int lo = column(sq.key_begin(m) - n0), hi = column(sq.key_end(m) - n0);
+#pragma unroll
+        for (int j = 0; j < kNA; ++j)
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const int col = 8 * j + 2 * t + c;
+            if (col < lo || col >= hi) s[j][2 * r + c] = neg_inf<float>();
+          }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx[kNA];
+#pragma unroll
+      for (int j = 0; j < kNA; ++j) mx[j] = acc_max(s[j][2 * r], s[j][2 * r + 1]);
+      const float tile_max = reduce_max_lanes<4>(tree_reduce(mx, [](float a, float c) { return acc_max(a, c); }));
+      const float new_max = acc_max(row_max[r], tile_max);
+      alpha[r] = Exp::exp(row_max[r] - exp_base(new_max));
+      row_max[r] = new_max;
+      const float base = exp_base(new_max);
+      float sums[kNA];
+#pragma unroll
+      for (int j = 0; j < kNA; ++j) {
+        s[j][2 * r] = Exp::exp(s[j][2 * r] - base);
+        s[j][2 * r + 1] = Exp::exp(s[j][2 * r + 1] - base);
+        sums[j] = s[j][2 * r] + s[j][2 * r + 1];
+      }
+      row_sum[r] = row_sum[r] * alpha[r] + tree_reduce(sums, [](float a, float c) { return a + c; });
+    }
+  };
+  // P of the softmax's probabilities as the A fragments of P V.
+  auto pack_p = [&](float (&s)[kNA][4], uint32_t (&pa)[kBN / 16][4]) {
+#pragma unroll
+    for (int kk = 0; kk < kBN / 16; ++kk) {
+      typename M::A a;
+      M::a_from_acc(a, &s[2 * kk]);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) pa[kk][e] = a.r[e];
+    }
+  };
+  auto rescale_o = [&](const float (&alpha)[2]) {
+#pragma unroll
+    for (int d = 0; d < kDA; ++d)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[d][e] *= alpha[e / 2];
+  };
+
+  // Copies: Q and K 0, then K 1 and V 0; then (after S 0) K 2 and V 1; the walk then loads K i + 3
+  // and V i + 2 at the end of iteration i, into the stages that S i + 1 and P V i have left.
+  if (n_tiles > 0) {
+    copy_panels<kBM, kDim, kThreads>(sQ, sq.q_rows<const Elem>(p.q, p.q_stride, h, m0), p.q_stride.row, rows, tid);
+    load_k(0);
+  }
+  cp_async_commit();
+  if (n_tiles > 1) load_k(1);
+  if (n_tiles > 0) load_v(0);
+  cp_async_commit();
+
+  uint32_t pa[kBN / 16][4];
+  float alpha[2] = {1.f, 1.f};  // rescales O before the next P V
+  if (n_tiles > 0) {
+    cp_async_wait<1>();
+    fence_proxy_async();
+    __syncthreads();  // Q and K 0 landed for all
+    float s[kNA][4];
+    wgmma_fence();
+    issue_scores(s, 0);
+    wgmma_wait<0>();
+    pin(s);
+    softmax(s, 0, alpha);
+    pack_p(s, pa);
+  }
+  __syncthreads();  // every warpgroup is done with K 0
+  if (n_tiles > 2) load_k(2);
+  if (n_tiles > 1) load_v(1);
+  cp_async_commit();
+
+  // Iteration i: S of tile i + 1 issued, O rescaled, P V of tile i issued; the softmax of tile i + 1
+  // runs while they do, and P is packed once P V is done with its registers (FlashAttention-3's
+  // order: no register of an in-flight product is written). The last tile has P V only.
+  for (int i = 0; i + 1 < n_tiles; ++i) {
+    cp_async_wait<1>();
+    fence_proxy_async();
+    __syncthreads();  // K i + 1 and V i landed for all
+    float s[kNA][4];
+    wgmma_fence();
+    issue_scores(s, i + 1);
+    rescale_o(alpha);
+    pin(o);
+    wgmma_fence();
+    issue_pv(pa, i);
+    wgmma_wait<1>();  // S i + 1 (P V i may still run)
+    pin(s);
+    softmax(s, i + 1, alpha);
+    wgmma_wait<0>();
+    pin(o);
+    pin(pa);
+    pack_p(s, pa);
+    __syncthreads();  // every warpgroup is done with K i + 1 and V i
+    if (i + 3 < n_tiles) load_k(i + 3);
+    if (i + 2 < n_tiles) load_v(i + 2);
+    cp_async_commit();
+  }
+  if (n_tiles > 0) {
+    cp_async_wait<1>();
+    fence_proxy_async();
+    __syncthreads();  // V of the last tile landed for all
+    rescale_o(alpha);
+    pin(o);
+    wgmma_fence();
+    issue_pv(pa, n_tiles - 1);
+    wgmma_wait<0>();
+    pin(o);
+  }
+
+  // The output, staged through the warp's own rows of sQ (this warpgroup's products are done with
+  // them) so that a lane stores 16-byte chunks, a row's 256 bytes by 16 lanes; and the row LSE.
+  float* lse = static_cast<float*>(p.lse);
+  auto staged = [&](int row, int chunk) {  // the 16-byte chunk `chunk` of tile row `row` in sQ
+    return sQ + (chunk / 8) * (kBM * 128) + row * 128 + ((chunk % 8) ^ (row % 8)) * 16;
+  };
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float l = reduce_sum_lanes<4>(row_sum[r]);
+    // l == 0 only when no key is visible: out = 0, lse = -inf. A NaN l propagates.
+    const bool empty = l == 0.f;
+    const float inv = empty ? 0.f : 1.f / l;
+    const int row = wrow + g + 8 * r;
+#pragma unroll
+    for (int d = 0; d < kDA; ++d)
+      *reinterpret_cast<uint32_t*>(staged(row, d) + 4 * t) = M::pack(o[d][2 * r] * inv, o[d][2 * r + 1] * inv);
+    const int64_t m = m0 + row;
+    if (t == 0 && m < sq.len_q) lse[sq.row_index(p.heads_q, h, m)] = empty ? neg_inf<float>() : Exp::lse(row_max[r], l);
+  }
+  __syncwarp();
+  constexpr int kLanesPerRow = kDim / 8, kRowsPerStep = 32 / kLanesPerRow;
+  const int c = lane % kLanesPerRow;
+  Elem* out = sq.q_rows<Elem>(p.out, p.out_stride, h, m0);
+#pragma unroll
+  for (int i = 0; i < 16 / kRowsPerStep; ++i) {
+    const int row = wrow + i * kRowsPerStep + lane / kLanesPerRow;
+    const uint4 chunk = *reinterpret_cast<const uint4*>(staged(row, c));
+    if (row < rows) *reinterpret_cast<uint4*>(out + row * p.out_stride.row + c * 8) = chunk;
+  }
+#endif
+}
+
+// FLASHATTN_CUDA_KERNELS=sm80 keeps sm_90 on the mma.sync kernels (to test and time them there);
+// =wgmma sends every call the wgmma kernels serve to them, whatever its length and grid (to test
+// them on small problems).
+enum class WgmmaMode { kOff, kAuto, kForced };
+WgmmaMode wgmma_mode();
+// Whether the loaded image of the wgmma kernels has their bodies (an sm_90a cubin), asked once per
+// device by a one-thread kernel; a call made while `stream` is being captured into a graph before
+// that does not ask (and takes the sm80/ kernels).
+bool wgmma_compiled(cudaStream_t stream);
+
+// Keys from which the wgmma kernel takes a call: with fewer its walks are too short to hide the
+// block's first S and last P V (H100, bf16, forward, TFLOP/s wgmma / sm80 kernel, non-causal /
+// causal: L = 512 268 / 285, 177 / 185; 1024 328 / 329, 257 / 252; 2048 397 / 356, 334 / 306).
+constexpr int64_t kWgmmaMinKeys = 1024;
+
+// The call is plain (no optional feature) with head_dim == head_dim_v == kDim and at least
+// kWgmmaMinKeys keys, on an sm_90 GPU whose block gets the kernel's smem, with at least a block per
+// SM (smaller grids go to the sm80/ kernels, which split walks over keys where the GPU has room).
+template <class Elem, int kDim>
+bool fwd_wgmma_serves(const FwdParams& p) {
+  using Cfg = FwdWgmmaConfig<Elem, kDim>;
+  const WgmmaMode mode = wgmma_mode();
+  if (!Cfg::kServed || p.has_features() || p.head_dim != kDim || p.head_dim_v != kDim || mode == WgmmaMode::kOff)
+    return false;
+  const DeviceLimits lim = device_limits();
+  if (lim.major != 9 || Cfg::kSmemBytes > lim.smem_optin) return false;
+  const int64_t blocks = (p.len_q + Cfg::kBM - 1) / Cfg::kBM * p.heads_q * p.batch;
+  return mode == WgmmaMode::kForced || (p.len_k >= kWgmmaMinKeys && blocks >= lim.sms);
+}
+
+template <class Elem, int kDim>
+bool fwd_wgmma(const FwdParams& p, cudaStream_t stream) {
+  using Cfg = FwdWgmmaConfig<Elem, kDim>;
+  if (!fwd_wgmma_serves<Elem, kDim>(p) || !wgmma_compiled(stream)) return false;
+  const int64_t num_m_tiles = (p.len_q + Cfg::kBM - 1) / Cfg::kBM;
+  const int64_t blocks = num_m_tiles * p.heads_q * p.batch;
+  if (blocks > 0x7fffffff) throw std::runtime_error("flashattn_ext CUDA backend: forward grid too large");
+  constexpr auto kernel = fwd_wgmma_kernel<Elem, kDim>;
+  const int per_sm = blocks_per_sm_cached<kernel>(Cfg::kThreads, Cfg::kSmemBytes, "sm90::fwd_wgmma_kernel");
+  const sm80::HeavyLast order = p.causal ? sm80::plan_heavy_last(blocks, num_m_tiles, per_sm) : sm80::HeavyLast{};
+  kernel<<<unsigned(blocks), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, int(num_m_tiles), order);
+  check_launch("sm90::fwd_wgmma_kernel");
+  return true;
+}
+
+}  // namespace flashattn::cuda::sm90

@@ -1,0 +1,18 @@
+// Host launchers of the Hopper kernels (sm90/, wgmma on sm_90a), instantiated in fwd_sm90.cu.
+// Each returns false, launching nothing, where it does not serve the call; the sm80/ kernels then
+// do.
+#pragma once
+#include <cuda_runtime.h>
+
+#include "../../params.h"
+
+namespace flashattn::cuda::sm90 {
+
+// Forward of plain fp16 / bf16 calls with head_dim == head_dim_v == kDim (64, 128) on sm_90.
+template <class Elem, int kDim>
+bool fwd_wgmma(const FwdParams& p, cudaStream_t stream);
+// Whether fwd_wgmma takes the call where the image has the kernels (it needs no workspace).
+template <class Elem, int kDim>
+bool fwd_wgmma_serves(const FwdParams& p);
+
+}  // namespace flashattn::cuda::sm90
