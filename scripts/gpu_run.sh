@@ -61,6 +61,13 @@ if [[ " $STEPS " == *" sanitize "* ]]; then
       status=$(( status | ${PIPESTATUS[0]} ))
     done
   done
+  # The wgmma forward (sm_90) on its cases, small grids sent to it.
+  for tool in memcheck racecheck; do
+    echo "--- $tool, kernels: wgmma" | tee -a "$OUT/sanitize.log"
+    FLASHATTN_CUDA_KERNELS=wgmma compute-sanitizer --tool $tool --error-exitcode 9 \
+      python3 scripts/sanitize_cases.py 30 32 2>&1 | tee -a "$OUT/sanitize.log" | tail -4
+    status=$(( status | ${PIPESTATUS[0]} ))
+  done
 fi
 if [[ " $STEPS " == *" bench "* ]]; then
   run_step bench

@@ -1,6 +1,6 @@
 """A small representative set of CUDA forward and backward calls for compute-sanitizer
 (memcheck, racecheck): ragged lengths, both causal alignments, GQA, every dtype, and both the
-tensor-core (sm80/) and the SIMT kernels (run it again with FLASHATTN_CUDA_KERNELS=simt), plain
+tensor-core (sm80/, sm90/) and the SIMT kernels (run it again with FLASHATTN_CUDA_KERNELS=simt), plain
 and with the optional features. Arguments FIRST [LAST]: only CASES[FIRST:LAST]."""
 import sys
 
@@ -49,6 +49,10 @@ CASES = [  # (dtype, batch, heads_q, heads_kv, len_q, len_k, head_dim, head_dim_
     (torch.float64, 1, 1, 1, 17, 40, 256, 32, 2),
     (torch.float64, 1, 2, 1, 70, 45, 64, 48, 1),
     (torch.float64, 1, 2, 1, 150, 260, 64, 64, 2),  # fp64 dim 64: 8 warps, several key tiles
+    # The wgmma forward on sm_90 (sm90/fwd_sm90.cuh; run with FLASHATTN_CUDA_KERNELS=wgmma, which
+    # sends these small grids to it): ragged query and key tiles, GQA, both causal alignments.
+    (torch.bfloat16, 1, 4, 2, 200, 300, 128, 128, 1),
+    (torch.float16, 1, 2, 1, 150, 333, 256, 256, 2),
 ]
 
 bounds = [int(x) for x in sys.argv[1:3]]

@@ -152,15 +152,17 @@ def test_forward_split_last_wave(device, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [128, 256])
 @pytest.mark.parametrize("causal", CAUSAL_MODES, ids=CAUSAL_IDS)
-@pytest.mark.parametrize("len_q,heads_kv,group", [(1000, 20, 1), (1100, 4, 4)], ids=["mha", "gqa"])
-def test_forward_long_key_walks(device, dtype, causal, len_q, heads_kv, group):
-    """Walks of at least 2048 keys at dim 128 on a grid of at least a block per SM: the calls the
-    wgmma forward takes on sm_90 (sm90/fwd_sm90.cuh; the sm80/ kernels elsewhere). 2100 keys: a
-    ragged last 128-key tile. CPU: 2 kv heads of 260 rows."""
-    heads_kv, len_q = (heads_kv, len_q) if device == "cuda" else (2, 260)
-    q, k, v = make_qkv(1, heads_kv * group, heads_kv, len_q, 2100, 128, 128, dtype, device)
-    check_against_reference(q, k, v, 128**-0.5, causal)
+@pytest.mark.parametrize("len_q,heads_kv,group", [(2100, 20, 1), (2200, 4, 4)], ids=["mha", "gqa"])
+def test_forward_long_key_walks(device, dtype, head_dim, causal, len_q, heads_kv, group):
+    """Rows that see on average 8 or more key tiles (>= 1024 keys at dim 128, 512 at 256, causal
+    ones too) on a grid of at least a block per SM: the calls the wgmma forward takes on sm_90
+    (sm90/fwd_sm90.cuh; the sm80/ kernels elsewhere). 2100 keys: a ragged last key tile. CPU: one
+    kv head, 130 rows."""
+    heads_kv, len_q = (heads_kv, len_q) if device == "cuda" else (1, 130)
+    q, k, v = make_qkv(1, heads_kv * group, heads_kv, len_q, 2100, head_dim, head_dim, dtype, device)
+    check_against_reference(q, k, v, head_dim**-0.5, causal)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])

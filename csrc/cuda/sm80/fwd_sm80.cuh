@@ -619,7 +619,7 @@ bool launch_fwd(const FwdParams& p, cudaStream_t stream) {
 
 // The tiers that sm90/ has a wgmma forward for.
 template <class Elem, int kDim>
-constexpr bool kWgmmaTier = sizeof(Elem) == 2 && kDim == 128;
+constexpr bool kWgmmaTier = sizeof(Elem) == 2 && (kDim == 128 || kDim == 256);
 
 // Workspace of the plain variant's call (its last wave's split), 0 where it takes none.
 template <class Elem, int kDim>

@@ -1,4 +1,4 @@
-// Hopper forward kernels (wgmma): fp16 and bf16 at head dim 128.
+// Hopper forward kernels (wgmma): fp16 and bf16 at head dims 128 and 256.
 #include <cstdlib>
 #include <cstring>
 
@@ -53,7 +53,11 @@ bool wgmma_compiled(cudaStream_t stream) {
 
 template bool fwd_wgmma<__nv_bfloat16, 128>(const FwdParams&, cudaStream_t);
 template bool fwd_wgmma<__half, 128>(const FwdParams&, cudaStream_t);
+template bool fwd_wgmma<__nv_bfloat16, 256>(const FwdParams&, cudaStream_t);
+template bool fwd_wgmma<__half, 256>(const FwdParams&, cudaStream_t);
 template bool fwd_wgmma_serves<__nv_bfloat16, 128>(const FwdParams&);
 template bool fwd_wgmma_serves<__half, 128>(const FwdParams&);
+template bool fwd_wgmma_serves<__nv_bfloat16, 256>(const FwdParams&);
+template bool fwd_wgmma_serves<__half, 256>(const FwdParams&);
 
 }  // namespace flashattn::cuda::sm90

@@ -1,10 +1,10 @@
-// Forward on Hopper's warpgroup products (wgmma, sm_90a): plain fp16 / bf16 calls at head dim 128
-// (head_dim == head_dim_v == 128, no optional feature, walks of at least kWgmmaMinKeys keys; every
-// other call goes to the sm80/ kernels, which run on sm_90 too).
+// Forward on Hopper's warpgroup products (wgmma, sm_90a): plain fp16 / bf16 calls at head dims 128
+// and 256 (head_dim == head_dim_v == kDim, no optional feature, walks of at least
+// kWgmmaMinWalkTiles key tiles; every other call goes to the sm80/ kernels, which run on sm_90 too).
 //
 // One block per (batch, query head, 128-row query tile), the last tiles first (a causal grid's
 // last heads tile slowest, as sm80/causal_order.cuh). Two warpgroups of 4 warps, each owning 64
-// query rows; both read the same K and V tiles of 128 keys. S = Q K^T and O += P V are wgmma
+// query rows; both read the same K and V tiles of kBN keys. S = Q K^T and O += P V are wgmma
 // products (Q, K, V from 128-byte-swizzled smem, P from registers), asynchronous: a warpgroup
 // issues S of key tile i + 1 and P V of tile i together, and runs the softmax of tile i + 1 while
 // P V runs (FlashAttention-3's intra-warpgroup overlap). K and V stream through two stages each
@@ -36,14 +36,15 @@ namespace flashattn::cuda::sm90 {
 // and two blocks per SM (128 registers) ran 1.5-10% behind the sm80/ kernel, which keeps dim 64.
 template <class Elem, int kDim>
 struct FwdWgmmaConfig {
-  static constexpr bool kServed = sizeof(Elem) == 2 && kDim == 128;
+  static constexpr bool kServed = sizeof(Elem) == 2 && (kDim == 128 || kDim == 256);
   static constexpr int kWarpGroups = 2;  // 64 query rows each
   static constexpr int kThreads = 128 * kWarpGroups;
   static constexpr int kBM = 64 * kWarpGroups;
-  static constexpr int kBN = 128;
+  // Dim 256: 64-key tiles (O takes 128 registers of a thread; S 32).
+  static constexpr int kBN = kDim == 256 ? 64 : 128;
   static constexpr uint32_t kQBytes = kBM * kDim * 2, kKvBytes = kBN * kDim * 2;
   // Q, two K and two V stages, and room to align the tiles to 1024 bytes (the swizzle's period):
-  // 161 KB, one block per SM.
+  // 161 KB at dim 128, 193 KB at 256: one block per SM.
   static constexpr size_t kSmemBytes = kQBytes + 4 * size_t(kKvBytes) + 1024;
 };
 
@@ -312,13 +313,22 @@ WgmmaMode wgmma_mode();
 // that does not ask (and takes the sm80/ kernels).
 bool wgmma_compiled(cudaStream_t stream);
 
-// Keys from which the wgmma kernel takes a call: with fewer its walks are too short to hide the
-// block's first S and last P V (H100, bf16, forward, TFLOP/s wgmma / sm80 kernel, non-causal /
-// causal: L = 512 268 / 285, 177 / 185; 1024 328 / 329, 257 / 252; 2048 397 / 356, 334 / 306).
-constexpr int64_t kWgmmaMinKeys = 1024;
+// The wgmma kernel takes calls whose rows see on average at least kWgmmaMinWalkTiles key tiles: with
+// fewer, its walks are too short to hide a block's first S and last P V (H100, bf16, forward,
+// TFLOP/s wgmma / sm80 kernel; a row sees L keys non-causal, about L / 2 causal): dim 128 non-causal
+// L = 512 268 / 285, 1024 328 / 329, 2048 397 / 356; causal L = 1024 257 / 252, 2048 334 / 306;
+// dim 256 (64-key tiles) non-causal L = 512 248 / 226; causal L = 512 146 / 161, 1024 259 / 208.
+constexpr int64_t kWgmmaMinWalkTiles = 8;
 
-// The call is plain (no optional feature) with head_dim == head_dim_v == kDim and at least
-// kWgmmaMinKeys keys, on an sm_90 GPU whose block gets the kernel's smem, with at least a block per
+// The keys a query row sees on average (causal: the mean of its band over the rows).
+inline int64_t mean_visible_keys(const FwdParams& p) {
+  if (!p.causal) return p.len_k;
+  const int64_t mean = p.causal_offset + (p.len_q + 1) / 2;
+  return mean < 0 ? 0 : mean > p.len_k ? p.len_k : mean;
+}
+
+// The call is plain (no optional feature) with head_dim == head_dim_v == kDim and walks of at least
+// kWgmmaMinWalkTiles, on an sm_90 GPU whose block gets the kernel's smem, with at least a block per
 // SM (smaller grids go to the sm80/ kernels, which split walks over keys where the GPU has room).
 template <class Elem, int kDim>
 bool fwd_wgmma_serves(const FwdParams& p) {
@@ -329,7 +339,8 @@ bool fwd_wgmma_serves(const FwdParams& p) {
   const DeviceLimits lim = device_limits();
   if (lim.major != 9 || Cfg::kSmemBytes > lim.smem_optin) return false;
   const int64_t blocks = (p.len_q + Cfg::kBM - 1) / Cfg::kBM * p.heads_q * p.batch;
-  return mode == WgmmaMode::kForced || (p.len_k >= kWgmmaMinKeys && blocks >= lim.sms);
+  return mode == WgmmaMode::kForced ||
+         (mean_visible_keys(p) >= kWgmmaMinWalkTiles * Cfg::kBN && blocks >= lim.sms);
 }
 
 template <class Elem, int kDim>
