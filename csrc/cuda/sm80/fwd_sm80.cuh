@@ -20,6 +20,7 @@
 #include <stdexcept>
 
 #include "../../params.h"
+#include "../common/band_mask.cuh"
 #include "../common/check.h"
 #include "../common/features.cuh"
 #include "../common/grid.cuh"
@@ -212,17 +213,7 @@ __device__ __forceinline__ void fwd_piece(const FwdParams& p, int num_m_tiles, c
 #pragma unroll
     for (int mw = 0; mw < kMW; ++mw)
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int64_t m = row_of(mw, r);
-        const int lo = tile_column(sq.key_begin(m) - n0), hi = tile_column(sq.key_end(m) - n0);
-#pragma unroll
-        for (int j = 0; j < kNA; ++j)
-#pragma unroll
-          for (int cc = 0; cc < 2; ++cc) {
-            const int col = 8 * j + 2 * t + cc;
-            if (col < lo || col >= hi) s[mw][j][2 * r + cc] = neg_inf<Acc>();
-          }
-      }
+      for (int r = 0; r < 2; ++r) mask_row_band<kBN>(s[mw], r, sq, row_of(mw, r), n0, t);
   };
 
   // The online softmax of tile n0's scores (in the exponent domain, masked ones -inf) and

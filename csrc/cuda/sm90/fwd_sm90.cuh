@@ -20,6 +20,7 @@
 
 #include "../../common/sequence.h"
 #include "../../params.h"
+#include "../common/band_mask.cuh"
 #include "../common/check.h"
 #include "../common/cp_async.cuh"
 #include "../common/grid.cuh"
@@ -153,18 +154,7 @@ __global__ void __launch_bounds__(FwdWgmmaConfig<Elem, kDim>::kThreads)
     // Tiles every row of the block sees in full skip the per-element mask.
     if (!(n0 >= sq.key_begin(m_last) && n0 + kBN <= sq.key_end(m0))) {
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int64_t m = m0 + wrow + g + 8 * r;
-        auto column = [](int64_t x) { return int(x < 0 ? 0 : x > kBN ? kBN : x); };
-        const int lo = column(sq.key_begin(m) - n0), hi = column(sq.key_end(m) - n0);
-#pragma unroll
-        for (int j = 0; j < kNA; ++j)
-#pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            const int col = 8 * j + 2 * t + c;
-            if (col < lo || col >= hi) s[j][2 * r + c] = neg_inf<float>();
-          }
-      }
+      for (int r = 0; r < 2; ++r) mask_row_band<kBN>(s, r, sq, m0 + wrow + g + 8 * r, n0, t);
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
