@@ -78,8 +78,9 @@ __device__ __forceinline__ void fence_proxy_async() {
 #endif
 }
 
-// m64nNk16 with fp32 accumulators (N = 64, 128, 256): ss<kAccumulate>(d, a, b): D = A B (+ D where
-// kAccumulate), A and B K-major from descriptors; rs(d, a, b): D += A B, A from registers, B MN-major.
+// m64nNk16 with fp32 accumulators (N = 64, 128, 256): ss<kAccumulate, kTransA, kTransB>(d, a, b): D = A B
+// (+ D where kAccumulate), A and B from descriptors, K-major (or MN-major where kTrans*); rs(d, a, b):
+// D += A B, A from registers, B MN-major.
 template <class Elem, int N>
 struct Wgmma;
 
@@ -109,12 +110,12 @@ struct Wgmma;
 #define FLASHATTN_WGMMA_N64(ELEM, TYPE)                                                                       \
 template <>                                                                                                   \
 struct Wgmma<ELEM, 64> {                                                                                      \
-  template <int kAccumulate>                                                                                  \
+  template <int kAccumulate, int kTransA = 0, int kTransB = 0>                                                \
   static __device__ __forceinline__ void ss(float (&d)[8][4], uint64_t a, uint64_t b) {                       \
     FLASHATTN_WGMMA_ASM("wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE "\n" FLASHATTN_WGMMA_D64  \
-                        "%32, %33, %34, 1, 1, 0, 0;\n"                                                        \
+                        "%32, %33, %34, 1, 1, %35, %36;\n"                                                        \
                         : FLASHATTN_WGMMA_C64                                                                 \
-                        : "l"(a), "l"(b), "n"(kAccumulate));                                                  \
+                        : "l"(a), "l"(b), "n"(kAccumulate), "n"(kTransA), "n"(kTransB));                                                  \
   }                                                                                                           \
   static __device__ __forceinline__ void rs(float (&d)[8][4], const uint32_t (&a)[4], uint64_t b) {           \
     FLASHATTN_WGMMA_ASM("wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE "\n" FLASHATTN_WGMMA_D64  \
@@ -146,12 +147,12 @@ struct Wgmma<ELEM, 64> {                                                        
 #define FLASHATTN_WGMMA_N128(ELEM, TYPE)                                                                        \
 template <>                                                                                                     \
 struct Wgmma<ELEM, 128> {                                                                                       \
-  template <int kAccumulate>                                                                                    \
+  template <int kAccumulate, int kTransA = 0, int kTransB = 0>                                                  \
   static __device__ __forceinline__ void ss(float (&d)[16][4], uint64_t a, uint64_t b) {                        \
     FLASHATTN_WGMMA_ASM("wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE "\n" FLASHATTN_WGMMA_D128  \
-                        "%64, %65, %66, 1, 1, 0, 0;\n"                                                          \
+                        "%64, %65, %66, 1, 1, %67, %68;\n"                                                          \
                         : FLASHATTN_WGMMA_C128                                                                  \
-                        : "l"(a), "l"(b), "n"(kAccumulate));                                                    \
+                        : "l"(a), "l"(b), "n"(kAccumulate), "n"(kTransA), "n"(kTransB));                                                    \
   }                                                                                                             \
   static __device__ __forceinline__ void rs(float (&d)[16][4], const uint32_t (&a)[4], uint64_t b) {            \
     FLASHATTN_WGMMA_ASM("wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE "\n" FLASHATTN_WGMMA_D128  \
@@ -198,12 +199,12 @@ struct Wgmma<ELEM, 128> {                                                       
 #define FLASHATTN_WGMMA_N256(ELEM, TYPE)                                                                        \
 template <>                                                                                                     \
 struct Wgmma<ELEM, 256> {                                                                                       \
-  template <int kAccumulate>                                                                                    \
+  template <int kAccumulate, int kTransA = 0, int kTransB = 0>                                                  \
   static __device__ __forceinline__ void ss(float (&d)[32][4], uint64_t a, uint64_t b) {                        \
     FLASHATTN_WGMMA_ASM("wgmma.mma_async.sync.aligned.m64n256k16.f32." TYPE "." TYPE "\n" FLASHATTN_WGMMA_D256  \
-                        "%128, %129, %130, 1, 1, 0, 0;\n"                                                       \
+                        "%128, %129, %130, 1, 1, %131, %132;\n"                                                       \
                         : FLASHATTN_WGMMA_C256                                                                  \
-                        : "l"(a), "l"(b), "n"(kAccumulate));                                                    \
+                        : "l"(a), "l"(b), "n"(kAccumulate), "n"(kTransA), "n"(kTransB));                                                    \
   }                                                                                                             \
   static __device__ __forceinline__ void rs(float (&d)[32][4], const uint32_t (&a)[4], uint64_t b) {            \
     FLASHATTN_WGMMA_ASM("wgmma.mma_async.sync.aligned.m64n256k16.f32." TYPE "." TYPE "\n" FLASHATTN_WGMMA_D256  \

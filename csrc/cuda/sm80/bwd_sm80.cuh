@@ -30,6 +30,7 @@
 #include "../common/grid.cuh"
 #include "../common/numeric.cuh"
 #include "../common/online_softmax.cuh"
+#include "../sm90/launch.h"
 #include "fragments.cuh"
 #include "bias_tile.cuh"
 #include "bwd_sm80_2d.cuh"
@@ -407,6 +408,9 @@ bool bwd_dkdv(const BwdParams& p, const void* dsum, const DqAccum& accum, const 
       return false;
     };
     if (needs_general_step(p)) return general();
+    if constexpr (sizeof(Elem) == 2 && kDim == 128) {  // on sm_90 the wgmma kernel (sm90/bwd_sm90.cuh)
+      if (bwd_operands_aligned<Elem>(p) && sm90::bwd_wgmma<Elem, kDim>(p, dsum, accum, stream)) return true;
+    }
     if (launch_dkdv_2d<Elem, kDim>(p, dsum, accum, tail, bwd_operands_aligned<Elem>(p), stream)) return true;
     const bool done = p.has_features() ? launch_dkdv<Elem, kDim, true, false>(p, dsum, accum, stream)
                                        : launch_dkdv<Elem, kDim, false, false>(p, dsum, accum, stream);

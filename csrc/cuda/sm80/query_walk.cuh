@@ -11,6 +11,7 @@
 #include "../../params.h"
 #include "../common/barrier.cuh"
 #include "../common/cp_async.cuh"
+#include "../common/wgmma.cuh"
 #include "bias_tile.cuh"
 #include "tile_copy.cuh"
 
@@ -86,7 +87,9 @@ enum class QueryBuffers {
 // first / count: only the walk's iterations [first, first + count) (count < 0: to its end; a
 // part of a split walk, tail_split.cuh: first lies within the walk, whose iterations number fewer
 // than 2^31, so the divisions are 32-bit).
-template <int kBM, QueryBuffers kMode = QueryBuffers::kTwo, class Load, class Body>
+// kAsyncProxy (kTwo only): the tiles are read by wgmma (sm90/), through the async proxy: each thread
+// fences its landed copies for it before the barrier.
+template <int kBM, QueryBuffers kMode = QueryBuffers::kTwo, bool kAsyncProxy = false, class Load, class Body>
 __device__ __forceinline__ void walk_query_tiles(const Seq& sq, int64_t n0, int rows_k, int64_t h_first,
                                                  int64_t group, Load&& load, Body&& body,
                                                  uint64_t* landed = nullptr, int first = 0, int count = -1) {
@@ -117,6 +120,7 @@ __device__ __forceinline__ void walk_query_tiles(const Seq& sq, int64_t n0, int 
       int64_t h_next = h, m_next = m0;
       advance(h_next, m_next);
       cp_async_wait<0>();
+      if constexpr (kAsyncProxy) fence_proxy_async();
       __syncthreads();  // this tile landed for all; every warp is done with the other buffers
       auto start_next = [&] {
         if (it + 1 < num_iters) load(h_next, m_next, buf ^ 1);

@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include "../../params.h"
+#include "../sm80/launch.h"
 
 namespace flashattn::cuda::sm90 {
 
@@ -14,5 +15,10 @@ bool fwd_wgmma(const FwdParams& p, cudaStream_t stream);
 // Whether fwd_wgmma takes the call where the image has the kernels (it needs no workspace).
 template <class Elem, int kDim>
 bool fwd_wgmma_serves(const FwdParams& p);
+
+// dK / dV and the atomic dQ of plain fp16 / bf16 calls with head_dim == head_dim_v == kDim (128) on
+// sm_90; the caller has checked the operands' alignment and that no general per-score step is needed.
+template <class Elem, int kDim>
+bool bwd_wgmma(const BwdParams& p, const void* dsum, const sm80::DqAccum& accum, cudaStream_t stream);
 
 }  // namespace flashattn::cuda::sm90
