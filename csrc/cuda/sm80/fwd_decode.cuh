@@ -81,7 +81,7 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads)
   constexpr uint32_t kTileBytes = kBN * kLd * sizeof(Elem);
   constexpr bool kSw = Cfg::kSwizzle;
 
-  extern __shared__ __align__(128) unsigned char smem_raw[];
+  extern __shared__ __align__(16) unsigned char smem_raw[];  // (one declaration per file: 16 as the others; the window starts 128-byte aligned)
   Elem* sQ = reinterpret_cast<Elem*>(smem_raw);
   Elem* sK = sQ + kRows * kLd;          // [kStages] tiles
   Elem* sV = sK + kStages * kBN * kLd;  // [kStages] tiles
