@@ -78,7 +78,7 @@ __device__ __forceinline__ void fence_proxy_async() {
 #endif
 }
 
-// m64nNk16 with fp32 accumulators (N = 64, 128, 256): ss<kAccumulate, kTransA, kTransB>(d, a, b): D = A B
+// m64nNk16 with fp32 accumulators (N = 32 (ss only), 64, 128, 256): ss<kAccumulate, kTransA, kTransB>(d, a, b): D = A B
 // (+ D where kAccumulate), A and B from descriptors, K-major (or MN-major where kTrans*); rs(d, a, b):
 // D += A B, A from registers, B MN-major.
 template <class Elem, int N>
@@ -94,6 +94,26 @@ struct Wgmma;
   do {                           \
   } while (0)
 #endif
+
+#define FLASHATTN_WGMMA_D32                                                    \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15},\n"
+
+#define FLASHATTN_WGMMA_C32                                                                  \
+  "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),  \
+  "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),  \
+  "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
+
+#define FLASHATTN_WGMMA_N32(ELEM, TYPE)                                                                       \
+template <>                                                                                                   \
+struct Wgmma<ELEM, 32> {                                                                                      \
+  template <int kAccumulate, int kTransA = 0, int kTransB = 0>                                                \
+  static __device__ __forceinline__ void ss(float (&d)[4][4], uint64_t a, uint64_t b) {                       \
+    FLASHATTN_WGMMA_ASM("wgmma.mma_async.sync.aligned.m64n32k16.f32." TYPE "." TYPE "\n" FLASHATTN_WGMMA_D32  \
+                        "%16, %17, %18, 1, 1, %19, %20;\n"                                                    \
+                        : FLASHATTN_WGMMA_C32                                                                 \
+                        : "l"(a), "l"(b), "n"(kAccumulate), "n"(kTransA), "n"(kTransB));                      \
+  }                                                                                                           \
+};
 
 #define FLASHATTN_WGMMA_D64                                                             \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"              \
@@ -214,6 +234,8 @@ struct Wgmma<ELEM, 256> {                                                       
   }                                                                                                             \
 };
 
+FLASHATTN_WGMMA_N32(__nv_bfloat16, "bf16")
+FLASHATTN_WGMMA_N32(__half, "f16")
 FLASHATTN_WGMMA_N64(__nv_bfloat16, "bf16")
 FLASHATTN_WGMMA_N64(__half, "f16")
 FLASHATTN_WGMMA_N128(__nv_bfloat16, "bf16")

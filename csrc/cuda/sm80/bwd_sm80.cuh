@@ -408,7 +408,7 @@ bool bwd_dkdv(const BwdParams& p, const void* dsum, const DqAccum& accum, const 
       return false;
     };
     if (needs_general_step(p)) return general();
-    if constexpr (sizeof(Elem) == 2 && kDim == 128) {  // on sm_90 the wgmma kernel (sm90/bwd_sm90.cuh)
+    if constexpr (sizeof(Elem) == 2 && (kDim == 64 || kDim == 128)) {  // on sm_90 the wgmma kernel (sm90/bwd_sm90.cuh)
       if (bwd_operands_aligned<Elem>(p) && sm90::bwd_wgmma<Elem, kDim>(p, dsum, accum, stream)) return true;
     }
     if (launch_dkdv_2d<Elem, kDim>(p, dsum, accum, tail, bwd_operands_aligned<Elem>(p), stream)) return true;

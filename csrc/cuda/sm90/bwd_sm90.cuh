@@ -1,5 +1,5 @@
 // dK/dV kernel (with the atomic dQ) on Hopper's warpgroup products (wgmma, sm_90a): plain fp16 / bf16
-// calls at head dim 128 (head_dim == head_dim_v == 128, no optional feature). The walk is the sm80/
+// calls at head dims 64 and 128 (head_dim == head_dim_v == kDim, no optional feature). The walk is the sm80/
 // kernels' (query_walk.cuh): one block per (batch, kv head, key tile of kBN = 128 keys) visits every
 // query tile of kBM = 64 rows that sees one of its keys, over the kv head's query heads. Two
 // warpgroups, each owning 64 of the block's keys:
@@ -24,7 +24,7 @@ namespace flashattn::cuda::sm90 {
 
 template <class Elem, int kDim>
 struct BwdWgmmaConfig {
-  static constexpr bool kServed = sizeof(Elem) == 2 && kDim == 128;
+  static constexpr bool kServed = sizeof(Elem) == 2 && (kDim == 64 || kDim == 128);
   static constexpr int kThreads = 256;  // two warpgroups
   static constexpr int kBN = 128, kBM = 64;
   static constexpr uint32_t kKvBytes = kBN * kDim * 2, kQBytes = kBM * kDim * 2, kDsBytes = kBN * kBM * 2;
@@ -183,19 +183,23 @@ __global__ void __launch_bounds__(BwdWgmmaConfig<Elem, kDim>::kThreads, 1)
         pin(dsa);
         __syncthreads();  // dS^T of both warpgroups in smem
 
-        // dQ (the tile's rows x this warpgroup's 64 dims) = dS K: A = dS (rows along dS^T's lines),
-        // B = K (dims along K's lines), both MN-major; K steps over the block's 128 keys.
-        float dq[1][kBM / 8][4];
+        // dQ (the tile's rows x this warpgroup's half of the dims) = dS K: A = dS (rows along dS^T's
+        // lines), B = K (dims along K's lines), both MN-major; K steps over the block's 128 keys. The
+        // half starts kDim / 2 columns into K's lines: a panel further at dim 128, 64 bytes into the
+        // line at dim 64.
+        constexpr int kHalf = kDim / 2;
+        const uint32_t k_half = k_at + (kDim == 128 ? wg * kBN * 128 : wg * kHalf * 2);
+        float dq[1][kHalf / 8][4];
         wgmma_fence();
-        Wgmma<Elem, 64>::template ss<0, 1, 1>(dq[0], mnmajor(ds_at, 0, kBN), mnmajor(k_at + wg * kBN * 128, 0, kBN));
+        Wgmma<Elem, kHalf>::template ss<0, 1, 1>(dq[0], mnmajor(ds_at, 0, kBN), mnmajor(k_half, 0, kBN));
 #pragma unroll
         for (int kk = 1; kk < kBN / 16; ++kk)
-          Wgmma<Elem, 64>::template ss<1, 1, 1>(dq[0], mnmajor(ds_at, kk, kBN), mnmajor(k_at + wg * kBN * 128, kk, kBN));
+          Wgmma<Elem, kHalf>::template ss<1, 1, 1>(dq[0], mnmajor(ds_at, kk, kBN), mnmajor(k_half, kk, kBN));
         wgmma_commit();
         wgmma_wait<0>();
         pin(dq[0]);
         const int64_t tile_row = sq.row_index(p.heads_q, h, m0);
-        sm80::add_dq_atoms(accum.block_slice<float>(round.groups), tile_row, dq, warp * 16, wg * 64,
+        sm80::add_dq_atoms(accum.block_slice<float>(round.groups), tile_row, dq, warp * 16, wg * kHalf,
                            sq.q_tile_rows(m0, kBM), kDim, lane);
       });
 
