@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <stdexcept>
 
+#include "../sm80/causal_order.cuh"
 #include "../sm80/dq_atomics.cuh"
 #include "../sm80/launch.h"
 #include "../sm80/query_walk.cuh"
@@ -53,7 +54,11 @@ __global__ void __launch_bounds__(BwdWgmmaConfig<Elem, kDim>::kThreads, 1)
   unsigned char* const sdS = tiles + 2 * Cfg::kKvBytes + 4 * Cfg::kQBytes;  // dS^T: kBN lines of kBM rows
   float* const sStats = reinterpret_cast<float*>(tiles + Cfg::kStatsOffset);  // [buf][LSE, D][kBM]
 
-  const TileBlock blk = tile_block(round.groups, 1, p.heads_kv, /*heaviest_first=*/false);
+  // A causal grid's last pairs tile slowest, heaviest first (sm80/causal_order.cuh; never with the
+  // deterministic accumulators, whose slice follows blockIdx.x).
+  const unsigned block =
+      blockIdx.x >= round.heavy.start ? sm80::heavy_last_block(round.heavy, round.groups, blockIdx.x) : blockIdx.x;
+  const TileBlock blk = tile_block(round.groups, 1, p.heads_kv, /*heaviest_first=*/false, block);
   const int64_t hk = blk.head, b = blk.batch, group = p.heads_q / p.heads_kv;
   const Seq sq = plain_sequence(p, b);
   const int64_t n0 = int64_t(round.first + blk.tile) * kBN;
@@ -238,7 +243,9 @@ bool bwd_wgmma(const BwdParams& p, const void* dsum, const sm80::DqAccum& accum,
   if (!bwd_wgmma_serves<Elem, kDim>(p) || !wgmma_compiled(stream)) return false;
   constexpr auto kernel = bwd_wgmma_kernel<Elem, kDim>;
   set_smem(kernel, Cfg::kSmemBytes, "sm90::bwd_wgmma_kernel");
+  const int per_sm = sm80::heavy_last_serves(p) ? 1 : 0;  // one block of this kernel per SM
   sm80::for_key_tile_rounds(p, Cfg::kBN, accum, [&](unsigned blocks, sm80::KeyTileRound round) {
+    round.heavy = sm80::plan_heavy_last(blocks, round.groups, per_sm);
     kernel<<<blocks, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, static_cast<const float*>(dsum), accum, round);
     check_launch("sm90::bwd_wgmma_kernel");
   });
