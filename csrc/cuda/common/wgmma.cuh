@@ -106,24 +106,6 @@ struct Wgmma;
   "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]),  \
   "+f"(d[7][2]), "+f"(d[7][3])
 
-#define FLASHATTN_WGMMA_N64(ELEM, TYPE)                                                                       \
-template <>                                                                                                   \
-struct Wgmma<ELEM, 64> {                                                                                      \
-  template <int kAccumulate>                                                                                  \
-  static __device__ __forceinline__ void ss(float (&d)[8][4], uint64_t a, uint64_t b) {                       \
-    FLASHATTN_WGMMA_ASM("wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE "\n" FLASHATTN_WGMMA_D64  \
-                        "%32, %33, %34, 1, 1, 0, 0;\n"                                                        \
-                        : FLASHATTN_WGMMA_C64                                                                 \
-                        : "l"(a), "l"(b), "n"(kAccumulate));                                                  \
-  }                                                                                                           \
-  static __device__ __forceinline__ void rs(float (&d)[8][4], const uint32_t (&a)[4], uint64_t b) {           \
-    FLASHATTN_WGMMA_ASM("wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE "\n" FLASHATTN_WGMMA_D64  \
-                        "{%32, %33, %34, %35}, %36, 1, 1, 1, 1;\n"                                            \
-                        : FLASHATTN_WGMMA_C64                                                                 \
-                        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));                                \
-  }                                                                                                           \
-};
-
 #define FLASHATTN_WGMMA_D128                                                            \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"              \
   "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"     \
@@ -142,24 +124,6 @@ struct Wgmma<ELEM, 64> {                                                        
   "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]),  \
   "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]),  \
   "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
-
-#define FLASHATTN_WGMMA_N128(ELEM, TYPE)                                                                        \
-template <>                                                                                                     \
-struct Wgmma<ELEM, 128> {                                                                                       \
-  template <int kAccumulate>                                                                                    \
-  static __device__ __forceinline__ void ss(float (&d)[16][4], uint64_t a, uint64_t b) {                        \
-    FLASHATTN_WGMMA_ASM("wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE "\n" FLASHATTN_WGMMA_D128  \
-                        "%64, %65, %66, 1, 1, 0, 0;\n"                                                          \
-                        : FLASHATTN_WGMMA_C128                                                                  \
-                        : "l"(a), "l"(b), "n"(kAccumulate));                                                    \
-  }                                                                                                             \
-  static __device__ __forceinline__ void rs(float (&d)[16][4], const uint32_t (&a)[4], uint64_t b) {            \
-    FLASHATTN_WGMMA_ASM("wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE "\n" FLASHATTN_WGMMA_D128  \
-                        "{%64, %65, %66, %67}, %68, 1, 1, 1, 1;\n"                                              \
-                        : FLASHATTN_WGMMA_C128                                                                  \
-                        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));                                  \
-  }                                                                                                             \
-};
 
 #define FLASHATTN_WGMMA_D256                                                                            \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"                              \
@@ -195,29 +159,30 @@ struct Wgmma<ELEM, 128> {                                                       
   "+f"(d[30][0]), "+f"(d[30][1]), "+f"(d[30][2]), "+f"(d[30][3]), "+f"(d[31][0]), "+f"(d[31][1]),  \
   "+f"(d[31][2]), "+f"(d[31][3])
 
-#define FLASHATTN_WGMMA_N256(ELEM, TYPE)                                                                        \
-template <>                                                                                                     \
-struct Wgmma<ELEM, 256> {                                                                                       \
-  template <int kAccumulate>                                                                                    \
-  static __device__ __forceinline__ void ss(float (&d)[32][4], uint64_t a, uint64_t b) {                        \
-    FLASHATTN_WGMMA_ASM("wgmma.mma_async.sync.aligned.m64n256k16.f32." TYPE "." TYPE "\n" FLASHATTN_WGMMA_D256  \
-                        "%128, %129, %130, 1, 1, 0, 0;\n"                                                       \
-                        : FLASHATTN_WGMMA_C256                                                                  \
-                        : "l"(a), "l"(b), "n"(kAccumulate));                                                    \
-  }                                                                                                             \
-  static __device__ __forceinline__ void rs(float (&d)[32][4], const uint32_t (&a)[4], uint64_t b) {            \
-    FLASHATTN_WGMMA_ASM("wgmma.mma_async.sync.aligned.m64n256k16.f32." TYPE "." TYPE "\n" FLASHATTN_WGMMA_D256  \
-                        "{%128, %129, %130, %131}, %132, 1, 1, 1, 1;\n"                                         \
-                        : FLASHATTN_WGMMA_C256                                                                  \
-                        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));                                  \
-  }                                                                                                             \
+#define FLASHATTN_WGMMA_SHAPE(ELEM, TYPE, N, SS, RS)                                                                  \
+template <>                                                                                                           \
+struct Wgmma<ELEM, N> {                                                                                               \
+  template <int kAccumulate>                                                                                          \
+  static __device__ __forceinline__ void ss(float (&d)[N / 8][4], uint64_t a, uint64_t b) {                           \
+    FLASHATTN_WGMMA_ASM("wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE "\n" FLASHATTN_WGMMA_D##N SS  \
+                        : FLASHATTN_WGMMA_C##N                                                                        \
+                        : "l"(a), "l"(b), "n"(kAccumulate));                                                          \
+  }                                                                                                                   \
+  static __device__ __forceinline__ void rs(float (&d)[N / 8][4], const uint32_t (&a)[4], uint64_t b) {               \
+    FLASHATTN_WGMMA_ASM("wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE "\n" FLASHATTN_WGMMA_D##N RS  \
+                        : FLASHATTN_WGMMA_C##N                                                                        \
+                        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));                                        \
+  }                                                                                                                   \
 };
 
-FLASHATTN_WGMMA_N64(__nv_bfloat16, "bf16")
-FLASHATTN_WGMMA_N64(__half, "f16")
-FLASHATTN_WGMMA_N128(__nv_bfloat16, "bf16")
-FLASHATTN_WGMMA_N128(__half, "f16")
-FLASHATTN_WGMMA_N256(__nv_bfloat16, "bf16")
-FLASHATTN_WGMMA_N256(__half, "f16")
+// SS / RS: the operands after the accumulators (descriptors, scale-d, scales, transposes), numbered on.
+#define FLASHATTN_WGMMA_SHAPES(ELEM, TYPE)                                                                    \
+  FLASHATTN_WGMMA_SHAPE(ELEM, TYPE, 64, "%32, %33, %34, 1, 1, 0, 0;\n", "{%32, %33, %34, %35}, %36, 1, 1, 1, 1;\n") \
+  FLASHATTN_WGMMA_SHAPE(ELEM, TYPE, 128, "%64, %65, %66, 1, 1, 0, 0;\n", "{%64, %65, %66, %67}, %68, 1, 1, 1, 1;\n") \
+  FLASHATTN_WGMMA_SHAPE(ELEM, TYPE, 256, "%128, %129, %130, 1, 1, 0, 0;\n",                                    \
+                        "{%128, %129, %130, %131}, %132, 1, 1, 1, 1;\n")
+
+FLASHATTN_WGMMA_SHAPES(__nv_bfloat16, "bf16")
+FLASHATTN_WGMMA_SHAPES(__half, "f16")
 
 }  // namespace flashattn::cuda
