@@ -32,8 +32,8 @@ if [[ " $STEPS " == *" test "* ]]; then
   PYTEST="env OMP_NUM_THREADS=2 python3 -m pytest -q -x -n ${PYTEST_PROCS:-6}"
   $PYTEST ${PYTEST_ARGS:-"-k cuda tests"} 2>&1 | tee "$OUT/tests.log" | tail -25
   status=$(( status | ${PIPESTATUS[0]} ))
-  # On sm_90: the wgmma forward on every call it serves, small ones too (by default it takes walks of
-  # >= 2048 keys), and the mma.sync kernels that it replaces there.
+  # On sm_90: the wgmma forward on every call it serves, small ones too (by default it takes rows that
+  # see >= 8 key tiles on grids of >= 1 block per SM), and the mma.sync kernels it replaces there.
   for kernels in wgmma sm80; do
     FLASHATTN_CUDA_KERNELS=$kernels $PYTEST -k cuda tests/test_accuracy.py tests/test_autograd.py \
       2>&1 | tee "$OUT/tests_$kernels.log" | tail -3

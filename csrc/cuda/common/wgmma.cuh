@@ -78,15 +78,15 @@ __device__ __forceinline__ void fence_proxy_async() {
 #endif
 }
 
-// m64nNk16 with fp32 accumulators (N = 32 (ss only), 64, 128, 256): ss<kAccumulate, kTransA, kTransB>(d, a, b): D = A B
-// (+ D where kAccumulate), A and B from descriptors, K-major (or MN-major where kTrans*); rs(d, a, b):
-// D += A B, A from registers, B MN-major.
+// m64nNk16 with fp32 accumulators (N = 32, 64, 128, 256): ss<kAccumulate, kTransA, kTransB>(d, a, b):
+// D = A B (+ D where kAccumulate), A and B from descriptors, K-major (MN-major where kTrans*);
+// rs(d, a, b): D += A B, A from registers, B MN-major.
 template <class Elem, int N>
 struct Wgmma;
 
 // The products as inline PTX, one specialization per element type and width N: TYPE names the PTX
-// type; FLASHATTN_WGMMA_D<N> / _C<N> list a lane's N / 2 accumulators as the instruction's operands
-// and as asm constraints. (The asm only where wgmma exists.)
+// type; FLASHATTN_WGMMA_R<N> / _C<N> list a lane's N / 2 accumulators as the instruction's operands
+// and as asm constraints (each width's lists extend the narrower one's). (The asm only where wgmma exists.)
 #ifdef FLASHATTN_WGMMA
 #define FLASHATTN_WGMMA_ASM(...) asm volatile(__VA_ARGS__)
 #else
@@ -95,152 +95,88 @@ struct Wgmma;
   } while (0)
 #endif
 
-#define FLASHATTN_WGMMA_D32                                                    \
-  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15},\n"
+#define FLASHATTN_WGMMA_R32 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
 
 #define FLASHATTN_WGMMA_C32                                                                  \
   "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),  \
   "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),  \
   "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
 
-#define FLASHATTN_WGMMA_N32(ELEM, TYPE)                                                                       \
-template <>                                                                                                   \
-struct Wgmma<ELEM, 32> {                                                                                      \
-  template <int kAccumulate, int kTransA = 0, int kTransB = 0>                                                \
-  static __device__ __forceinline__ void ss(float (&d)[4][4], uint64_t a, uint64_t b) {                       \
-    FLASHATTN_WGMMA_ASM("wgmma.mma_async.sync.aligned.m64n32k16.f32." TYPE "." TYPE "\n" FLASHATTN_WGMMA_D32  \
-                        "%16, %17, %18, 1, 1, %19, %20;\n"                                                    \
-                        : FLASHATTN_WGMMA_C32                                                                 \
-                        : "l"(a), "l"(b), "n"(kAccumulate), "n"(kTransA), "n"(kTransB));                      \
-  }                                                                                                           \
-};
-
-#define FLASHATTN_WGMMA_D64                                                             \
-  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"              \
-  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31},\n"
+#define FLASHATTN_WGMMA_R64                                                         \
+  FLASHATTN_WGMMA_R32 ", "                                                          \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
 
 #define FLASHATTN_WGMMA_C64                                                                  \
-  "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),  \
-  "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),  \
-  "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]),  \
-  "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),  \
-  "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]),  \
-  "+f"(d[7][2]), "+f"(d[7][3])
+  FLASHATTN_WGMMA_C32,                                                                       \
+  "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]),  \
+  "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),  \
+  "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
 
-#define FLASHATTN_WGMMA_N64(ELEM, TYPE)                                                                       \
-template <>                                                                                                   \
-struct Wgmma<ELEM, 64> {                                                                                      \
-  template <int kAccumulate, int kTransA = 0, int kTransB = 0>                                                \
-  static __device__ __forceinline__ void ss(float (&d)[8][4], uint64_t a, uint64_t b) {                       \
-    FLASHATTN_WGMMA_ASM("wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE "\n" FLASHATTN_WGMMA_D64  \
-                        "%32, %33, %34, 1, 1, %35, %36;\n"                                                        \
-                        : FLASHATTN_WGMMA_C64                                                                 \
-                        : "l"(a), "l"(b), "n"(kAccumulate), "n"(kTransA), "n"(kTransB));                                                  \
-  }                                                                                                           \
-  static __device__ __forceinline__ void rs(float (&d)[8][4], const uint32_t (&a)[4], uint64_t b) {           \
-    FLASHATTN_WGMMA_ASM("wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE "\n" FLASHATTN_WGMMA_D64  \
-                        "{%32, %33, %34, %35}, %36, 1, 1, 1, 1;\n"                                            \
-                        : FLASHATTN_WGMMA_C64                                                                 \
-                        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));                                \
-  }                                                                                                           \
-};
-
-#define FLASHATTN_WGMMA_D128                                                            \
-  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"              \
-  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"     \
-  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"     \
-  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63},\n"
+#define FLASHATTN_WGMMA_R128                                                          \
+  FLASHATTN_WGMMA_R64 ", "                                                            \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "  \
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
 
 #define FLASHATTN_WGMMA_C128                                                                       \
-  "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),        \
-  "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),        \
-  "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]),        \
-  "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),        \
-  "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]),        \
-  "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]),        \
-  "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]),      \
-  "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]),  \
-  "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]),  \
-  "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]),  \
-  "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+  FLASHATTN_WGMMA_C64,                                                                             \
+  "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]),        \
+  "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]),    \
+  "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]),  \
+  "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]),  \
+  "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]),  \
+  "+f"(d[15][2]), "+f"(d[15][3])
 
-#define FLASHATTN_WGMMA_N128(ELEM, TYPE)                                                                        \
-template <>                                                                                                     \
-struct Wgmma<ELEM, 128> {                                                                                       \
-  template <int kAccumulate, int kTransA = 0, int kTransB = 0>                                                  \
-  static __device__ __forceinline__ void ss(float (&d)[16][4], uint64_t a, uint64_t b) {                        \
-    FLASHATTN_WGMMA_ASM("wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE "\n" FLASHATTN_WGMMA_D128  \
-                        "%64, %65, %66, 1, 1, %67, %68;\n"                                                          \
-                        : FLASHATTN_WGMMA_C128                                                                  \
-                        : "l"(a), "l"(b), "n"(kAccumulate), "n"(kTransA), "n"(kTransB));                                                    \
-  }                                                                                                             \
-  static __device__ __forceinline__ void rs(float (&d)[16][4], const uint32_t (&a)[4], uint64_t b) {            \
-    FLASHATTN_WGMMA_ASM("wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE "\n" FLASHATTN_WGMMA_D128  \
-                        "{%64, %65, %66, %67}, %68, 1, 1, 1, 1;\n"                                              \
-                        : FLASHATTN_WGMMA_C128                                                                  \
-                        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));                                  \
-  }                                                                                                             \
-};
-
-#define FLASHATTN_WGMMA_D256                                                                            \
-  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"                              \
-  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"                     \
-  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"                     \
-  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63,"                     \
-  "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79,"                     \
-  "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95,"                     \
-  "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111,"         \
-  "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127},\n"
+#define FLASHATTN_WGMMA_R256                                                                        \
+  FLASHATTN_WGMMA_R128 ", "                                                                         \
+  "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "                \
+  "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "                \
+  "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "    \
+  "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
 
 #define FLASHATTN_WGMMA_C256                                                                       \
-  "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),        \
-  "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),        \
-  "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]),        \
-  "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),        \
-  "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]),        \
-  "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]),        \
-  "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]),      \
-  "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]),  \
-  "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]),  \
-  "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]),  \
-  "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3]), "+f"(d[16][0]), "+f"(d[16][1]),  \
-  "+f"(d[16][2]), "+f"(d[16][3]), "+f"(d[17][0]), "+f"(d[17][1]), "+f"(d[17][2]), "+f"(d[17][3]),  \
-  "+f"(d[18][0]), "+f"(d[18][1]), "+f"(d[18][2]), "+f"(d[18][3]), "+f"(d[19][0]), "+f"(d[19][1]),  \
-  "+f"(d[19][2]), "+f"(d[19][3]), "+f"(d[20][0]), "+f"(d[20][1]), "+f"(d[20][2]), "+f"(d[20][3]),  \
-  "+f"(d[21][0]), "+f"(d[21][1]), "+f"(d[21][2]), "+f"(d[21][3]), "+f"(d[22][0]), "+f"(d[22][1]),  \
-  "+f"(d[22][2]), "+f"(d[22][3]), "+f"(d[23][0]), "+f"(d[23][1]), "+f"(d[23][2]), "+f"(d[23][3]),  \
-  "+f"(d[24][0]), "+f"(d[24][1]), "+f"(d[24][2]), "+f"(d[24][3]), "+f"(d[25][0]), "+f"(d[25][1]),  \
-  "+f"(d[25][2]), "+f"(d[25][3]), "+f"(d[26][0]), "+f"(d[26][1]), "+f"(d[26][2]), "+f"(d[26][3]),  \
-  "+f"(d[27][0]), "+f"(d[27][1]), "+f"(d[27][2]), "+f"(d[27][3]), "+f"(d[28][0]), "+f"(d[28][1]),  \
-  "+f"(d[28][2]), "+f"(d[28][3]), "+f"(d[29][0]), "+f"(d[29][1]), "+f"(d[29][2]), "+f"(d[29][3]),  \
-  "+f"(d[30][0]), "+f"(d[30][1]), "+f"(d[30][2]), "+f"(d[30][3]), "+f"(d[31][0]), "+f"(d[31][1]),  \
-  "+f"(d[31][2]), "+f"(d[31][3])
+  FLASHATTN_WGMMA_C128,                                                                            \
+  "+f"(d[16][0]), "+f"(d[16][1]), "+f"(d[16][2]), "+f"(d[16][3]), "+f"(d[17][0]), "+f"(d[17][1]),  \
+  "+f"(d[17][2]), "+f"(d[17][3]), "+f"(d[18][0]), "+f"(d[18][1]), "+f"(d[18][2]), "+f"(d[18][3]),  \
+  "+f"(d[19][0]), "+f"(d[19][1]), "+f"(d[19][2]), "+f"(d[19][3]), "+f"(d[20][0]), "+f"(d[20][1]),  \
+  "+f"(d[20][2]), "+f"(d[20][3]), "+f"(d[21][0]), "+f"(d[21][1]), "+f"(d[21][2]), "+f"(d[21][3]),  \
+  "+f"(d[22][0]), "+f"(d[22][1]), "+f"(d[22][2]), "+f"(d[22][3]), "+f"(d[23][0]), "+f"(d[23][1]),  \
+  "+f"(d[23][2]), "+f"(d[23][3]), "+f"(d[24][0]), "+f"(d[24][1]), "+f"(d[24][2]), "+f"(d[24][3]),  \
+  "+f"(d[25][0]), "+f"(d[25][1]), "+f"(d[25][2]), "+f"(d[25][3]), "+f"(d[26][0]), "+f"(d[26][1]),  \
+  "+f"(d[26][2]), "+f"(d[26][3]), "+f"(d[27][0]), "+f"(d[27][1]), "+f"(d[27][2]), "+f"(d[27][3]),  \
+  "+f"(d[28][0]), "+f"(d[28][1]), "+f"(d[28][2]), "+f"(d[28][3]), "+f"(d[29][0]), "+f"(d[29][1]),  \
+  "+f"(d[29][2]), "+f"(d[29][3]), "+f"(d[30][0]), "+f"(d[30][1]), "+f"(d[30][2]), "+f"(d[30][3]),  \
+  "+f"(d[31][0]), "+f"(d[31][1]), "+f"(d[31][2]), "+f"(d[31][3])
 
-#define FLASHATTN_WGMMA_N256(ELEM, TYPE)                                                                        \
-template <>                                                                                                     \
-struct Wgmma<ELEM, 256> {                                                                                       \
-  template <int kAccumulate, int kTransA = 0, int kTransB = 0>                                                  \
-  static __device__ __forceinline__ void ss(float (&d)[32][4], uint64_t a, uint64_t b) {                        \
-    FLASHATTN_WGMMA_ASM("wgmma.mma_async.sync.aligned.m64n256k16.f32." TYPE "." TYPE "\n" FLASHATTN_WGMMA_D256  \
-                        "%128, %129, %130, 1, 1, %131, %132;\n"                                                       \
-                        : FLASHATTN_WGMMA_C256                                                                  \
-                        : "l"(a), "l"(b), "n"(kAccumulate), "n"(kTransA), "n"(kTransB));                                                    \
-  }                                                                                                             \
-  static __device__ __forceinline__ void rs(float (&d)[32][4], const uint32_t (&a)[4], uint64_t b) {            \
-    FLASHATTN_WGMMA_ASM("wgmma.mma_async.sync.aligned.m64n256k16.f32." TYPE "." TYPE "\n" FLASHATTN_WGMMA_D256  \
-                        "{%128, %129, %130, %131}, %132, 1, 1, 1, 1;\n"                                         \
-                        : FLASHATTN_WGMMA_C256                                                                  \
-                        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));                                  \
-  }                                                                                                             \
+#define FLASHATTN_WGMMA_SHAPE(ELEM, TYPE, N, SS, RS)                                                     \
+template <>                                                                                              \
+struct Wgmma<ELEM, N> {                                                                                  \
+  template <int kAccumulate, int kTransA = 0, int kTransB = 0>                                           \
+  static __device__ __forceinline__ void ss(float (&d)[N / 8][4], uint64_t a, uint64_t b) {              \
+    FLASHATTN_WGMMA_ASM("wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE "\n"             \
+                        "{" FLASHATTN_WGMMA_R##N "},\n" SS                                               \
+                        : FLASHATTN_WGMMA_C##N                                                           \
+                        : "l"(a), "l"(b), "n"(kAccumulate), "n"(kTransA), "n"(kTransB));            \
+  }                                                                                                      \
+  static __device__ __forceinline__ void rs(float (&d)[N / 8][4], const uint32_t (&a)[4], uint64_t b) {  \
+    FLASHATTN_WGMMA_ASM("wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE "\n"             \
+                        "{" FLASHATTN_WGMMA_R##N "},\n" RS                                               \
+                        : FLASHATTN_WGMMA_C##N                                                           \
+                        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));                           \
+  }                                                                                                      \
 };
 
-FLASHATTN_WGMMA_N32(__nv_bfloat16, "bf16")
-FLASHATTN_WGMMA_N32(__half, "f16")
-FLASHATTN_WGMMA_N64(__nv_bfloat16, "bf16")
-FLASHATTN_WGMMA_N64(__half, "f16")
-FLASHATTN_WGMMA_N128(__nv_bfloat16, "bf16")
-FLASHATTN_WGMMA_N128(__half, "f16")
-FLASHATTN_WGMMA_N256(__nv_bfloat16, "bf16")
-FLASHATTN_WGMMA_N256(__half, "f16")
+// SS / RS: the operands after the accumulators (descriptors, scale-d, scales, transposes), numbered on.
+#define FLASHATTN_WGMMA_SHAPES(ELEM, TYPE)                                                             \
+  FLASHATTN_WGMMA_SHAPE(ELEM, TYPE, 32, "%16, %17, %18, 1, 1, %19, %20;\n",                            \
+                        "{%16, %17, %18, %19}, %20, 1, 1, 1, 1;\n")                                    \
+  FLASHATTN_WGMMA_SHAPE(ELEM, TYPE, 64, "%32, %33, %34, 1, 1, %35, %36;\n",                            \
+                        "{%32, %33, %34, %35}, %36, 1, 1, 1, 1;\n")                                    \
+  FLASHATTN_WGMMA_SHAPE(ELEM, TYPE, 128, "%64, %65, %66, 1, 1, %67, %68;\n",                           \
+                        "{%64, %65, %66, %67}, %68, 1, 1, 1, 1;\n")                                    \
+  FLASHATTN_WGMMA_SHAPE(ELEM, TYPE, 256, "%128, %129, %130, 1, 1, %131, %132;\n",                      \
+                        "{%128, %129, %130, %131}, %132, 1, 1, 1, 1;\n")
+
+FLASHATTN_WGMMA_SHAPES(__nv_bfloat16, "bf16")
+FLASHATTN_WGMMA_SHAPES(__half, "f16")
 
 }  // namespace flashattn::cuda

@@ -81,7 +81,8 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads)
   constexpr uint32_t kTileBytes = kBN * kLd * sizeof(Elem);
   constexpr bool kSw = Cfg::kSwizzle;
 
-  extern __shared__ __align__(16) unsigned char smem_raw[];  // (one declaration per file: 16 as the others; the window starts 128-byte aligned)
+  // (16 as every kernel declares it: one declaration per file; the window starts 128-byte aligned)
+  extern __shared__ __align__(16) unsigned char smem_raw[];
   Elem* sQ = reinterpret_cast<Elem*>(smem_raw);
   Elem* sK = sQ + kRows * kLd;          // [kStages] tiles
   Elem* sV = sK + kStages * kBN * kLd;  // [kStages] tiles

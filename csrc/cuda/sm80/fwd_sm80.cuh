@@ -608,10 +608,6 @@ bool launch_fwd(const FwdParams& p, cudaStream_t stream) {
   return true;
 }
 
-// The tiers that sm90/ has a wgmma forward for.
-template <class Elem, int kDim>
-constexpr bool kWgmmaTier = sizeof(Elem) == 2 && (kDim == 128 || kDim == 256);
-
 // Workspace of the plain variant's call (its last wave's split), 0 where it takes none.
 template <class Elem, int kDim>
 size_t fwd_workspace_bytes(const FwdParams& p) {
@@ -620,7 +616,7 @@ size_t fwd_workspace_bytes(const FwdParams& p) {
     const DecodeLaunch<Elem, kDim> d(p);
     if (d.usable) return d.workspace_bytes();
   }
-  if constexpr (kWgmmaTier<Elem, kDim>) {
+  if constexpr (sm90::kFwdWgmmaTier<Elem, kDim>) {
     if (sm90::fwd_wgmma_serves<Elem, kDim>(p)) return 0;
   }
   const FwdLaunch<Elem, kDim, false> l(p);
@@ -642,7 +638,7 @@ bool fwd(const FwdParams& p, cudaStream_t stream) {
   // Few query rows per kv head (decode steps): the decode kernel (fwd_decode.cuh) where it serves;
   // then on sm_90 the wgmma kernels (sm90/fwd_sm90.cuh) where they serve.
   if (launch_decode<Elem, kDim>(p, stream)) return true;
-  if constexpr (kWgmmaTier<Elem, kDim>) {
+  if constexpr (sm90::kFwdWgmmaTier<Elem, kDim>) {
     if (sm90::fwd_wgmma<Elem, kDim>(p, stream)) return true;
   }
   return launch_fwd<Elem, kDim, false>(p, stream) || launch_fwd<Elem, kDim, true>(p, stream);

@@ -29,6 +29,7 @@
 #include "../common/wgmma.cuh"
 #include "../sm80/causal_order.cuh"
 #include "../sm80/fragments.cuh"
+#include "launch.h"
 
 namespace flashattn::cuda::sm90 {
 
@@ -37,7 +38,7 @@ namespace flashattn::cuda::sm90 {
 // and two blocks per SM (128 registers) ran 1.5-10% behind the sm80/ kernel, which keeps dim 64.
 template <class Elem, int kDim>
 struct FwdWgmmaConfig {
-  static constexpr bool kServed = sizeof(Elem) == 2 && (kDim == 128 || kDim == 256);
+  static constexpr bool kServed = kFwdWgmmaTier<Elem, kDim>;
   static constexpr int kWarpGroups = 2;  // 64 query rows each
   static constexpr int kThreads = 128 * kWarpGroups;
   static constexpr int kBM = 64 * kWarpGroups;
@@ -49,6 +50,13 @@ struct FwdWgmmaConfig {
   static constexpr size_t kSmemBytes = kQBytes + 4 * size_t(kKvBytes) + 1024;
 };
 
+// Byte offset of 16-byte chunk `chunk` of row `row` in a tile of kRows rows in the panel layout
+// (common/wgmma.cuh): panel chunk / 8, its line `row`, swizzled by row % 8.
+template <int kRows>
+__device__ __forceinline__ int panel_offset(int row, int chunk) {
+  return (chunk / 8) * (kRows * 128) + row * 128 + ((chunk % 8) ^ (row % 8)) * 16;
+}
+
 // Copies rows [0, rows) of a kRows x kDim tile (rows g_ld elements apart) into smem at `dst` in the
 // panel layout, rows from `rows` on zero-filled (their source ignored). A thread takes one chunk
 // column and every (kThreads / chunks-per-row)-th row: its rows agree modulo 8, so the swizzled
@@ -58,7 +66,7 @@ __device__ __forceinline__ void copy_panels(unsigned char* dst, const Elem* g, i
   constexpr int kPerRow = kDim / 8, kRowStep = kThreads / kPerRow;
   static_assert(kRowStep % 8 == 0 && kRows % kRowStep == 0, "a thread's rows agree modulo 8");
   const int r0 = tid / kPerRow, c = tid % kPerRow;
-  unsigned char* d = dst + (c / 8) * (kRows * 128) + r0 * 128 + ((c % 8) ^ (r0 % 8)) * 16;
+  unsigned char* d = dst + panel_offset<kRows>(r0, c);
   const Elem* src = g + r0 * g_ld + c * 8;
 #pragma unroll
   for (int it = 0; it < kRows / kRowStep; ++it) {
@@ -204,12 +212,16 @@ __global__ void __launch_bounds__(FwdWgmmaConfig<Elem, kDim>::kThreads)
   if (n_tiles > 0) load_v(0);
   cp_async_commit();
 
+  // The copies committed before the last group landed, fenced for the async proxy, for all threads.
+  auto landed = [] {
+    cp_async_wait<1>();
+    fence_proxy_async();
+    __syncthreads();
+  };
   uint32_t pa[kBN / 16][4];
   float alpha[2] = {1.f, 1.f};  // rescales O before the next P V
   if (n_tiles > 0) {
-    cp_async_wait<1>();
-    fence_proxy_async();
-    __syncthreads();  // Q and K 0 landed for all
+    landed();  // Q and K 0
     float s[kNA][4];
     wgmma_fence();
     issue_scores(s, 0);
@@ -227,9 +239,7 @@ __global__ void __launch_bounds__(FwdWgmmaConfig<Elem, kDim>::kThreads)
   // runs while they do, and P is packed once P V is done with its registers (FlashAttention-3's
   // order: no register of an in-flight product is written). The last tile has P V only.
   for (int i = 0; i + 1 < n_tiles; ++i) {
-    cp_async_wait<1>();
-    fence_proxy_async();
-    __syncthreads();  // K i + 1 and V i landed for all
+    landed();  // K i + 1 and V i
     float s[kNA][4];
     wgmma_fence();
     issue_scores(s, i + 1);
@@ -250,9 +260,7 @@ __global__ void __launch_bounds__(FwdWgmmaConfig<Elem, kDim>::kThreads)
     cp_async_commit();
   }
   if (n_tiles > 0) {
-    cp_async_wait<1>();
-    fence_proxy_async();
-    __syncthreads();  // V of the last tile landed for all
+    landed();  // V of the last tile
     rescale_o(alpha);
     pin(o);
     wgmma_fence();
@@ -264,7 +272,9 @@ __global__ void __launch_bounds__(FwdWgmmaConfig<Elem, kDim>::kThreads)
   // The output, staged through the warp's own rows of sQ (this warpgroup's products are done with
   // them) so that a lane stores 16-byte chunks, a row's 256 bytes by 16 lanes; and the row LSE.
   float* lse = static_cast<float*>(p.lse);
-  auto staged = [&](int row, int chunk) {  // the 16-byte chunk `chunk` of tile row `row` in sQ
+  // (panel_offset<kBM> written out: through the call ptxas formed the epilogue's addresses differently,
+  // a form not yet run on the device)
+  auto staged = [&](int row, int chunk) {
     return sQ + (chunk / 8) * (kBM * 128) + row * 128 + ((chunk % 8) ^ (row % 8)) * 16;
   };
 #pragma unroll

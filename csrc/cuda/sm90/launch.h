@@ -9,7 +9,11 @@
 
 namespace flashattn::cuda::sm90 {
 
-// Forward of plain fp16 / bf16 calls with head_dim == head_dim_v == kDim (64, 128) on sm_90.
+// The head-dim tiers the wgmma forward has (fp16 / bf16 at 128 and 256).
+template <class Elem, int kDim>
+constexpr bool kFwdWgmmaTier = sizeof(Elem) == 2 && (kDim == 128 || kDim == 256);
+
+// Forward of plain fp16 / bf16 calls with head_dim == head_dim_v == kDim on sm_90.
 template <class Elem, int kDim>
 bool fwd_wgmma(const FwdParams& p, cudaStream_t stream);
 // Whether fwd_wgmma takes the call where the image has the kernels (it needs no workspace).
