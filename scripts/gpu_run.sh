@@ -33,7 +33,8 @@ if [[ " $STEPS " == *" test "* ]]; then
   $PYTEST ${PYTEST_ARGS:-"-k cuda tests"} 2>&1 | tee "$OUT/tests.log" | tail -25
   status=$(( status | ${PIPESTATUS[0]} ))
   # On sm_90: the wgmma forward on every call it serves, small ones too (by default it takes rows that
-  # see >= 8 key tiles on grids of >= 1 block per SM), and the mma.sync kernels it replaces there.
+  # see >= 8 key tiles on grids of >= 1 block per SM), and the mma.sync kernels the wgmma forward and
+  # dK/dV kernels replace there (the default run above has the wgmma backward at dims 64 / 128).
   for kernels in wgmma sm80; do
     FLASHATTN_CUDA_KERNELS=$kernels $PYTEST -k cuda tests/test_accuracy.py tests/test_autograd.py \
       2>&1 | tee "$OUT/tests_$kernels.log" | tail -3
@@ -61,11 +62,16 @@ if [[ " $STEPS " == *" sanitize "* ]]; then
       status=$(( status | ${PIPESTATUS[0]} ))
     done
   done
-  # The wgmma forward (sm_90) on its cases, small grids sent to it.
+  # The wgmma forward (sm_90) on its cases, small grids sent to it; and the plain cases on the mma.sync
+  # kernels that sm_90 otherwise leaves (the dK/dV kernels at dims 64 / 128 run wgmma by default).
   for tool in memcheck racecheck; do
     echo "--- $tool, kernels: wgmma" | tee -a "$OUT/sanitize.log"
     FLASHATTN_CUDA_KERNELS=wgmma compute-sanitizer --tool $tool --error-exitcode 9 \
       python3 scripts/sanitize_cases.py 30 32 2>&1 | tee -a "$OUT/sanitize.log" | tail -4
+    status=$(( status | ${PIPESTATUS[0]} ))
+    echo "--- $tool, kernels: sm80" | tee -a "$OUT/sanitize.log"
+    FLASHATTN_CUDA_KERNELS=sm80 compute-sanitizer --tool $tool --error-exitcode 9 \
+      python3 scripts/sanitize_cases.py 0 30 2>&1 | tee -a "$OUT/sanitize.log" | tail -4
     status=$(( status | ${PIPESTATUS[0]} ))
   done
 fi

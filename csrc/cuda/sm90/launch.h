@@ -20,7 +20,7 @@ bool fwd_wgmma(const FwdParams& p, cudaStream_t stream);
 template <class Elem, int kDim>
 bool fwd_wgmma_serves(const FwdParams& p);
 
-// dK / dV and the atomic dQ of plain fp16 / bf16 calls with head_dim == head_dim_v == kDim (128) on
+// dK / dV and the atomic dQ of plain fp16 / bf16 calls with head_dim == head_dim_v == kDim (64, 128) on
 // sm_90; the caller has checked the operands' alignment and that no general per-score step is needed.
 template <class Elem, int kDim>
 bool bwd_wgmma(const BwdParams& p, const void* dsum, const sm80::DqAccum& accum, cudaStream_t stream);
