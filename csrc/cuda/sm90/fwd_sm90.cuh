@@ -34,8 +34,10 @@
 namespace flashattn::cuda::sm90 {
 
 // Measured against it (H100, bf16, forward): one warpgroup per block (64-row query tiles, two
-// blocks per SM) 13-20% slower at every length; at dim 64 both this shape and one with 64-key tiles
-// and two blocks per SM (128 registers) ran 1.5-10% behind the sm80/ kernel, which keeps dim 64.
+// blocks per SM) 13-20% slower at every length; at dim 64 this shape, one with 64-key tiles and two
+// blocks per SM (128 registers), and three warpgroups (128- or 64-key tiles) ran 1.5-30% behind the
+// sm80/ kernel, which keeps dim 64; a persistent grid (the next tile's copies under this one's last
+// products) slowed the key loop 8-10% (benchmarks/NOTES_sm90.md).
 template <class Elem, int kDim>
 struct FwdWgmmaConfig {
   static constexpr bool kServed = kFwdWgmmaTier<Elem, kDim>;
