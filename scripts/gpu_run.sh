@@ -62,12 +62,12 @@ if [[ " $STEPS " == *" sanitize "* ]]; then
       status=$(( status | ${PIPESTATUS[0]} ))
     done
   done
-  # The wgmma forward (sm_90) on its cases, small grids sent to it; and the plain cases on the mma.sync
+  # The wgmma forwards (sm_90) on their cases, small grids sent to them; and the plain cases on the mma.sync
   # kernels that sm_90 otherwise leaves (the dK/dV kernels at dims 64 / 128 run wgmma by default).
   for tool in memcheck racecheck; do
     echo "--- $tool, kernels: wgmma" | tee -a "$OUT/sanitize.log"
     FLASHATTN_CUDA_KERNELS=wgmma compute-sanitizer --tool $tool --error-exitcode 9 \
-      python3 scripts/sanitize_cases.py 30 32 2>&1 | tee -a "$OUT/sanitize.log" | tail -4
+      python3 scripts/sanitize_cases.py 30 33 2>&1 | tee -a "$OUT/sanitize.log" | tail -4
     status=$(( status | ${PIPESTATUS[0]} ))
     echo "--- $tool, kernels: sm80" | tee -a "$OUT/sanitize.log"
     FLASHATTN_CUDA_KERNELS=sm80 compute-sanitizer --tool $tool --error-exitcode 9 \

@@ -55,6 +55,7 @@ CASES = [  # (dtype, batch, heads_q, heads_kv, len_q, len_k, head_dim, head_dim_
     # FLASHATTN_CUDA_KERNELS=sm80 sends them to the sm80/ kernels their comments name.)
     (torch.bfloat16, 1, 4, 2, 200, 300, 128, 128, 1),
     (torch.float16, 1, 2, 1, 150, 333, 256, 256, 2),
+    (torch.bfloat16, 1, 4, 2, 300, 700, 64, 64, 1),  # the warp-specialized one at dim 64 (fwd_ws_sm90.cuh)
 ]
 
 bounds = [int(x) for x in sys.argv[1:3]]

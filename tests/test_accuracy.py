@@ -152,16 +152,17 @@ def test_forward_split_last_wave(device, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("head_dim", [128, 256])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("causal", CAUSAL_MODES, ids=CAUSAL_IDS)
 @pytest.mark.parametrize("len_q,heads_kv,group", [(2100, 20, 1), (2200, 4, 4)], ids=["mha", "gqa"])
 def test_forward_long_key_walks(device, dtype, head_dim, causal, len_q, heads_kv, group):
-    """Rows that see on average 8 or more key tiles (>= 1024 keys at dim 128, 512 at 256, causal
-    ones too) on a grid of at least a block per SM: the calls the wgmma forward takes on sm_90
-    (sm90/fwd_sm90.cuh; the sm80/ kernels elsewhere). 2100 keys: a ragged last key tile. CPU: one
-    kv head, 130 rows."""
+    """Rows that see on average 8 or more key tiles at dims 128 / 256 (>= 1024 keys at 128, 512 at
+    256, causal ones too), >= 4096 keys at 64 (non-causal), on a grid of at least a block per SM: the
+    calls the wgmma forwards take on sm_90 (sm90/fwd_sm90.cuh, fwd_ws_sm90.cuh at 64; the sm80/ kernels
+    elsewhere). 2100 / 4200 keys: a ragged last key tile. CPU: one kv head, 130 rows."""
     heads_kv, len_q = (heads_kv, len_q) if device == "cuda" else (1, 130)
-    q, k, v = make_qkv(1, heads_kv * group, heads_kv, len_q, 2100, head_dim, head_dim, dtype, device)
+    len_k = 4200 if head_dim == 64 else 2100
+    q, k, v = make_qkv(1, heads_kv * group, heads_kv, len_q, len_k, head_dim, head_dim, dtype, device)
     check_against_reference(q, k, v, head_dim**-0.5, causal)
 
 

@@ -13,6 +13,10 @@ namespace flashattn::cuda {
 __device__ __forceinline__ void bar_sync(int id, int threads) {
   asm volatile("barrier.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+// Arrives at named barrier `id` without waiting (the threads that bar_sync on it wait for these).
+__device__ __forceinline__ void bar_arrive(int id, int threads) {
+  asm volatile("barrier.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
 // bar_sync that also returns whether `pred` holds for any participating thread.
 __device__ __forceinline__ bool bar_sync_or(int id, int threads, bool pred) {
   uint32_t any;

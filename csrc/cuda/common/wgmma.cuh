@@ -78,6 +78,22 @@ __device__ __forceinline__ void fence_proxy_async() {
 #endif
 }
 
+// Moves registers between the warpgroups of a block (every warp of the executing warpgroup runs it;
+// the block's pool is what it was launched with): a producer warpgroup gives up registers that the
+// consumers' accumulators then take.
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_dec() {
+#ifdef FLASHATTN_WGMMA
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+#endif
+}
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_inc() {
+#ifdef FLASHATTN_WGMMA
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+#endif
+}
+
 // m64nNk16 with fp32 accumulators (N = 32, 64, 128, 256): ss<kAccumulate, kTransA, kTransB>(d, a, b):
 // D = A B (+ D where kAccumulate), A and B from descriptors, K-major (MN-major where kTrans*);
 // rs(d, a, b): D += A B, A from registers, B MN-major.

@@ -1,6 +1,6 @@
 // Forward on Hopper's warpgroup products (wgmma, sm_90a): plain fp16 / bf16 calls at head dims 128
-// and 256 (head_dim == head_dim_v == kDim, no optional feature, walks of at least
-// kWgmmaMinWalkTiles key tiles; every other call goes to the sm80/ kernels, which run on sm_90 too).
+// and 256 (head_dim == head_dim_v == kDim, no optional feature, long walks: fwd_sm90.cu's dispatch;
+// every other call goes to the sm80/ kernels, which run on sm_90 too). Dim 64: fwd_ws_sm90.cuh.
 //
 // One block per (batch, query head, 128-row query tile), the last tiles first (a causal grid's
 // last heads tile slowest, as sm80/causal_order.cuh). Two warpgroups of 4 warps, each owning 64
@@ -36,11 +36,11 @@ namespace flashattn::cuda::sm90 {
 // Measured against it (H100, bf16, forward): one warpgroup per block (64-row query tiles, two
 // blocks per SM) 13-20% slower at every length; at dim 64 this shape, one with 64-key tiles and two
 // blocks per SM (128 registers), and three warpgroups (128- or 64-key tiles) ran 1.5-30% behind the
-// sm80/ kernel, which keeps dim 64; a persistent grid (the next tile's copies under this one's last
-// products) slowed the key loop 8-10% (benchmarks/NOTES_sm90.md).
+// sm80/ kernel (dim 64 takes the warp-specialized kernel, fwd_ws_sm90.cuh); a persistent grid (the
+// next tile's copies under this one's last products) slowed the key loop 8-10% (benchmarks/NOTES_sm90.md).
 template <class Elem, int kDim>
 struct FwdWgmmaConfig {
-  static constexpr bool kServed = kFwdWgmmaTier<Elem, kDim>;
+  static constexpr bool kServed = kFwdWgmmaTier<Elem, kDim> && kDim != 64;  // dim 64: fwd_ws_sm90.cuh
   static constexpr int kWarpGroups = 2;  // 64 query rows each
   static constexpr int kThreads = 128 * kWarpGroups;
   static constexpr int kBM = 64 * kWarpGroups;
@@ -50,6 +50,12 @@ struct FwdWgmmaConfig {
   // Q, two K and two V stages, and room to align the tiles to 1024 bytes (the swizzle's period):
   // 161 KB at dim 128, 193 KB at 256: one block per SM.
   static constexpr size_t kSmemBytes = kQBytes + 4 * size_t(kKvBytes) + 1024;
+  // Taken where rows see on average at least 8 key tiles: with fewer, the walks are too short to hide
+  // a block's first S and last P V (H100, bf16, forward, TFLOP/s wgmma / sm80 kernel; a row sees L keys
+  // non-causal, about L / 2 causal): dim 128 non-causal L = 512 268 / 285, 1024 328 / 329, 2048 397 /
+  // 356; causal L = 1024 257 / 252, 2048 334 / 306; dim 256 (64-key tiles) non-causal L = 512 248 /
+  // 226; causal L = 512 146 / 161, 1024 259 / 208.
+  static constexpr int64_t kMinVisibleKeys = 8 * kBN;
 };
 
 // Byte offset of 16-byte chunk `chunk` of row `row` in a tile of kRows rows in the panel layout
@@ -314,50 +320,5 @@ WgmmaMode wgmma_mode();
 // device by a one-thread kernel; a call made while `stream` is being captured into a graph before
 // that does not ask (and takes the sm80/ kernels).
 bool wgmma_compiled(cudaStream_t stream);
-
-// The wgmma kernel takes calls whose rows see on average at least kWgmmaMinWalkTiles key tiles: with
-// fewer, its walks are too short to hide a block's first S and last P V (H100, bf16, forward,
-// TFLOP/s wgmma / sm80 kernel; a row sees L keys non-causal, about L / 2 causal): dim 128 non-causal
-// L = 512 268 / 285, 1024 328 / 329, 2048 397 / 356; causal L = 1024 257 / 252, 2048 334 / 306;
-// dim 256 (64-key tiles) non-causal L = 512 248 / 226; causal L = 512 146 / 161, 1024 259 / 208.
-constexpr int64_t kWgmmaMinWalkTiles = 8;
-
-// The keys a query row sees on average (causal: the mean of its band over the rows).
-inline int64_t mean_visible_keys(const FwdParams& p) {
-  if (!p.causal) return p.len_k;
-  const int64_t mean = p.causal_offset + (p.len_q + 1) / 2;
-  return mean < 0 ? 0 : mean > p.len_k ? p.len_k : mean;
-}
-
-// The call is plain (no optional feature) with head_dim == head_dim_v == kDim and walks of at least
-// kWgmmaMinWalkTiles, on an sm_90 GPU whose block gets the kernel's smem, with at least a block per
-// SM (smaller grids go to the sm80/ kernels, which split walks over keys where the GPU has room).
-template <class Elem, int kDim>
-bool fwd_wgmma_serves(const FwdParams& p) {
-  using Cfg = FwdWgmmaConfig<Elem, kDim>;
-  const WgmmaMode mode = wgmma_mode();
-  if (!Cfg::kServed || p.has_features() || p.head_dim != kDim || p.head_dim_v != kDim || mode == WgmmaMode::kOff)
-    return false;
-  const DeviceLimits lim = device_limits();
-  if (lim.major != 9 || Cfg::kSmemBytes > lim.smem_optin) return false;
-  const int64_t blocks = (p.len_q + Cfg::kBM - 1) / Cfg::kBM * p.heads_q * p.batch;
-  return mode == WgmmaMode::kForced ||
-         (mean_visible_keys(p) >= kWgmmaMinWalkTiles * Cfg::kBN && blocks >= lim.sms);
-}
-
-template <class Elem, int kDim>
-bool fwd_wgmma(const FwdParams& p, cudaStream_t stream) {
-  using Cfg = FwdWgmmaConfig<Elem, kDim>;
-  if (!fwd_wgmma_serves<Elem, kDim>(p) || !wgmma_compiled(stream)) return false;
-  const int64_t num_m_tiles = (p.len_q + Cfg::kBM - 1) / Cfg::kBM;
-  const int64_t blocks = num_m_tiles * p.heads_q * p.batch;
-  if (blocks > 0x7fffffff) throw std::runtime_error("flashattn_ext CUDA backend: forward grid too large");
-  constexpr auto kernel = fwd_wgmma_kernel<Elem, kDim>;
-  const int per_sm = blocks_per_sm_cached<kernel>(Cfg::kThreads, Cfg::kSmemBytes, "sm90::fwd_wgmma_kernel");
-  const sm80::HeavyLast order = p.causal ? sm80::plan_heavy_last(blocks, num_m_tiles, per_sm) : sm80::HeavyLast{};
-  kernel<<<unsigned(blocks), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, int(num_m_tiles), order);
-  check_launch("sm90::fwd_wgmma_kernel");
-  return true;
-}
 
 }  // namespace flashattn::cuda::sm90

@@ -9,9 +9,9 @@
 
 namespace flashattn::cuda::sm90 {
 
-// The head-dim tiers the wgmma forward has (fp16 / bf16 at 128 and 256).
+// The head-dim tiers the wgmma forward has (fp16 / bf16 at 64 (warp-specialized), 128 and 256).
 template <class Elem, int kDim>
-constexpr bool kFwdWgmmaTier = sizeof(Elem) == 2 && (kDim == 128 || kDim == 256);
+constexpr bool kFwdWgmmaTier = sizeof(Elem) == 2 && (kDim == 64 || kDim == 128 || kDim == 256);
 
 // Forward of plain fp16 / bf16 calls with head_dim == head_dim_v == kDim on sm_90.
 template <class Elem, int kDim>
