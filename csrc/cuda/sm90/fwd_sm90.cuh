@@ -9,9 +9,7 @@
 // issues S of key tile i + 1 and P V of tile i together, and runs the softmax of tile i + 1 while
 // P V runs (FlashAttention-3's intra-warpgroup overlap). K and V stream through two stages each
 // (cp.async by all threads), K two tiles ahead of the softmax and V one. O leaves through smem in
-// 16-byte stores.
-// The online softmax is the sm80 forward's (scores scaled before the max; exp2 on the MUFU; the
-// row max and sum reduced over a quad), so the two paths give the same answers to rounding.
+// 16-byte stores. The rows' state and steps: fwd_rows.cuh.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -20,15 +18,14 @@
 
 #include "../../common/sequence.h"
 #include "../../params.h"
-#include "../common/band_mask.cuh"
 #include "../common/check.h"
 #include "../common/cp_async.cuh"
 #include "../common/grid.cuh"
 #include "../common/numeric.cuh"
-#include "../common/online_softmax.cuh"
 #include "../common/wgmma.cuh"
 #include "../sm80/causal_order.cuh"
 #include "../sm80/fragments.cuh"
+#include "fwd_rows.cuh"
 #include "launch.h"
 
 namespace flashattn::cuda::sm90 {
@@ -88,10 +85,9 @@ __global__ void __launch_bounds__(FwdWgmmaConfig<Elem, kDim>::kThreads)
     fwd_wgmma_kernel(const FwdParams p, int num_m_tiles, sm80::HeavyLast order) {
 #ifdef FLASHATTN_WGMMA
   using Cfg = FwdWgmmaConfig<Elem, kDim>;
-  using M = sm80::Mma<Elem>;
   using Exp = ExpDomain<float>;
   constexpr int kBM = Cfg::kBM, kBN = Cfg::kBN, kThreads = Cfg::kThreads;
-  constexpr int kNA = kBN / 8, kDA = kDim / 8;  // accumulator atoms of S and O per thread
+  using Rows = FwdRows<Elem, kDim, kBN, kBM>;
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const uint32_t raw_at = smem_addr(smem_raw);
@@ -100,16 +96,10 @@ __global__ void __launch_bounds__(FwdWgmmaConfig<Elem, kDim>::kThreads)
   auto sK = [&](int stage) { return tiles + Cfg::kQBytes + stage * Cfg::kKvBytes; };
   auto sV = [&](int stage) { return tiles + Cfg::kQBytes + (2 + stage) * Cfg::kKvBytes; };
 
-  // The last tiles first; a causal grid's last heads tile slowest (sm80/causal_order.cuh).
-  const TileBlock blk =
-      tile_block(num_m_tiles, 1, p.heads_q, /*heaviest_first=*/true, sm80::ordered_block<true>(order, num_m_tiles));
-  const int64_t h = blk.head, b = blk.batch, hk = kv_head(p, h);
-  const Seq sq = plain_sequence(p, b);
-  const int64_t m0 = int64_t(blk.tile) * kBM;
-  const int rows = sq.q_tile_rows(m0, kBM);
-  const int64_t m_last = m0 + rows - 1;
-  const int64_t n_begin = sq.key_begin(m0) / kBN * kBN, n_end = sq.key_end(m_last);
-  const int n_tiles = n_end > n_begin ? int((n_end - n_begin + kBN - 1) / kBN) : 0;
+  const FwdTile<kBM, kBN> tile(p, num_m_tiles, order);
+  const Seq& sq = tile.sq;
+  const int64_t h = tile.h, hk = tile.hk, m0 = tile.m0, m_last = tile.m_last, n_begin = tile.n_begin;
+  const int rows = tile.rows, n_tiles = tile.n_tiles;
 
   const int tid = threadIdx.x, wg = tid / 128, lane = tid & 31, warp = (tid / 32) % 4;
   const int g = lane / 4, t = lane % 4;
@@ -127,86 +117,13 @@ __global__ void __launch_bounds__(FwdWgmmaConfig<Elem, kDim>::kThreads)
                                      key_rows(i), tid);
   };
 
-  // Descriptors: Q rows of this warpgroup and K rows as K-major operands (k16 step kk: panel
-  // kk / 4, 32 bytes along the line per step); V as the MN-major B of P V (k16 step: 16 keys = 16
-  // lines further; its columns cross panels kBN lines apart).
-  const uint32_t q_at = smem_addr(sQ) + wg * 64 * 128;
-  auto kmajor = [](uint32_t at, int kk, int rows_per_panel) {
-    return smem_desc(at + (kk / 4) * rows_per_panel * 128 + (kk % 4) * 32, 16, 1024);
-  };
-  auto v_desc = [&](int stage, int kk) { return smem_desc(smem_addr(sV(stage)) + kk * 16 * 128, kBN * 128, 1024); };
-
-  float o[kDA][4];
-#pragma unroll
-  for (int d = 0; d < kDA; ++d)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) o[d][e] = 0.f;
-  float row_max[2] = {neg_inf<float>(), neg_inf<float>()}, row_sum[2] = {0.f, 0.f};
+  const uint32_t q_at = smem_addr(sQ) + wg * 64 * 128;  // this warpgroup's Q rows
+  Rows w;
   const float score_scale = Exp::score_scale(p.scale);
-
-  // S = Q K^T of key tile i (K stage i % 2), issued and committed; the caller waits.
-  auto issue_scores = [&](float (&s)[kNA][4], int i) {
-    const uint32_t k_at = smem_addr(sK(i % 2));
-    Wgmma<Elem, kBN>::template ss<0>(s, kmajor(q_at, 0, kBM), kmajor(k_at, 0, kBN));
-#pragma unroll
-    for (int kk = 1; kk < kDim / 16; ++kk) Wgmma<Elem, kBN>::template ss<1>(s, kmajor(q_at, kk, kBM), kmajor(k_at, kk, kBN));
-    wgmma_commit();
-  };
-  // O += P V of key tile i (V stage i % 2), issued and committed.
-  auto issue_pv = [&](const uint32_t (&pa)[kBN / 16][4], int i) {
-#pragma unroll
-    for (int kk = 0; kk < kBN / 16; ++kk) Wgmma<Elem, kDim>::rs(o, pa[kk], v_desc(i % 2, kk));
-    wgmma_commit();
-  };
-
-  // The online softmax of key tile i's scores, in place (scaled, masked outside each row's band,
-  // exponentiated); returns through alpha the factor that rescales O.
-  auto softmax = [&](float (&s)[kNA][4], int i, float (&alpha)[2]) {
-    const int64_t n0 = n_begin + int64_t(i) * kBN;
-#pragma unroll
-    for (int j = 0; j < kNA; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[j][e] *= score_scale;
-    // Tiles every row of the block sees in full skip the per-element mask.
-    if (!(n0 >= sq.key_begin(m_last) && n0 + kBN <= sq.key_end(m0))) {
-#pragma unroll
-      for (int r = 0; r < 2; ++r) mask_row_band<kBN>(s, r, sq, m0 + wrow + g + 8 * r, n0, t);
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float mx[kNA];
-#pragma unroll
-      for (int j = 0; j < kNA; ++j) mx[j] = acc_max(s[j][2 * r], s[j][2 * r + 1]);
-      const float tile_max = reduce_max_lanes<4>(tree_reduce(mx, [](float a, float c) { return acc_max(a, c); }));
-      const float new_max = acc_max(row_max[r], tile_max);
-      alpha[r] = Exp::exp(row_max[r] - exp_base(new_max));
-      row_max[r] = new_max;
-      const float base = exp_base(new_max);
-      float sums[kNA];
-#pragma unroll
-      for (int j = 0; j < kNA; ++j) {
-        s[j][2 * r] = Exp::exp(s[j][2 * r] - base);
-        s[j][2 * r + 1] = Exp::exp(s[j][2 * r + 1] - base);
-        sums[j] = s[j][2 * r] + s[j][2 * r + 1];
-      }
-      row_sum[r] = row_sum[r] * alpha[r] + tree_reduce(sums, [](float a, float c) { return a + c; });
-    }
-  };
-  // P of the softmax's probabilities as the A fragments of P V.
-  auto pack_p = [&](float (&s)[kNA][4], uint32_t (&pa)[kBN / 16][4]) {
-#pragma unroll
-    for (int kk = 0; kk < kBN / 16; ++kk) {
-      typename M::A a;
-      M::a_from_acc(a, &s[2 * kk]);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) pa[kk][e] = a.r[e];
-    }
-  };
-  auto rescale_o = [&](const float (&alpha)[2]) {
-#pragma unroll
-    for (int d = 0; d < kDA; ++d)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) o[d][e] *= alpha[e / 2];
+  auto issue_scores = [&](typename Rows::Scores& s, int i) { Rows::issue_scores(s, q_at, smem_addr(sK(i % 2))); };
+  auto issue_pv = [&](const typename Rows::Probs& pa, int i) { w.issue_pv(pa, smem_addr(sV(i % 2))); };
+  auto softmax = [&](typename Rows::Scores& s, int i, float (&alpha)[2]) {
+    w.softmax(s, sq, m0, m_last, m0 + wrow + g, n_begin + int64_t(i) * kBN, t, score_scale, alpha);
   };
 
   // Copies: Q and K 0, then K 1 and V 0; then (after S 0) K 2 and V 1; the walk then loads K i + 3
@@ -226,17 +143,17 @@ __global__ void __launch_bounds__(FwdWgmmaConfig<Elem, kDim>::kThreads)
     fence_proxy_async();
     __syncthreads();
   };
-  uint32_t pa[kBN / 16][4];
+  typename Rows::Probs pa;
   float alpha[2] = {1.f, 1.f};  // rescales O before the next P V
   if (n_tiles > 0) {
     landed();  // Q and K 0
-    float s[kNA][4];
+    typename Rows::Scores s;
     wgmma_fence();
     issue_scores(s, 0);
     wgmma_wait<0>();
     pin(s);
     softmax(s, 0, alpha);
-    pack_p(s, pa);
+    Rows::pack_p(s, pa);
   }
   __syncthreads();  // every warpgroup is done with K 0
   if (n_tiles > 2) load_k(2);
@@ -248,20 +165,20 @@ __global__ void __launch_bounds__(FwdWgmmaConfig<Elem, kDim>::kThreads)
   // order: no register of an in-flight product is written). The last tile has P V only.
   for (int i = 0; i + 1 < n_tiles; ++i) {
     landed();  // K i + 1 and V i
-    float s[kNA][4];
+    typename Rows::Scores s;
     wgmma_fence();
     issue_scores(s, i + 1);
-    rescale_o(alpha);
-    pin(o);
+    w.rescale_o(alpha);
+    pin(w.o);
     wgmma_fence();
     issue_pv(pa, i);
     wgmma_wait<1>();  // S i + 1 (P V i may still run)
     pin(s);
     softmax(s, i + 1, alpha);
     wgmma_wait<0>();
-    pin(o);
+    pin(w.o);
     pin(pa);
-    pack_p(s, pa);
+    Rows::pack_p(s, pa);
     __syncthreads();  // every warpgroup is done with K i + 1 and V i
     if (i + 3 < n_tiles) load_k(i + 3);
     if (i + 2 < n_tiles) load_v(i + 2);
@@ -269,45 +186,15 @@ __global__ void __launch_bounds__(FwdWgmmaConfig<Elem, kDim>::kThreads)
   }
   if (n_tiles > 0) {
     landed();  // V of the last tile
-    rescale_o(alpha);
-    pin(o);
+    w.rescale_o(alpha);
+    pin(w.o);
     wgmma_fence();
     issue_pv(pa, n_tiles - 1);
     wgmma_wait<0>();
-    pin(o);
+    pin(w.o);
   }
 
-  // The output, staged through the warp's own rows of sQ (this warpgroup's products are done with
-  // them) so that a lane stores 16-byte chunks, a row's 256 bytes by 16 lanes; and the row LSE.
-  float* lse = static_cast<float*>(p.lse);
-  // (panel_offset<kBM> written out: through the call ptxas formed the epilogue's addresses differently,
-  // a form not yet run on the device)
-  auto staged = [&](int row, int chunk) {
-    return sQ + (chunk / 8) * (kBM * 128) + row * 128 + ((chunk % 8) ^ (row % 8)) * 16;
-  };
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const float l = reduce_sum_lanes<4>(row_sum[r]);
-    // l == 0 only when no key is visible: out = 0, lse = -inf. A NaN l propagates.
-    const bool empty = l == 0.f;
-    const float inv = empty ? 0.f : 1.f / l;
-    const int row = wrow + g + 8 * r;
-#pragma unroll
-    for (int d = 0; d < kDA; ++d)
-      *reinterpret_cast<uint32_t*>(staged(row, d) + 4 * t) = M::pack(o[d][2 * r] * inv, o[d][2 * r + 1] * inv);
-    const int64_t m = m0 + row;
-    if (t == 0 && m < sq.len_q) lse[sq.row_index(p.heads_q, h, m)] = empty ? neg_inf<float>() : Exp::lse(row_max[r], l);
-  }
-  __syncwarp();
-  constexpr int kLanesPerRow = kDim / 8, kRowsPerStep = 32 / kLanesPerRow;
-  const int c = lane % kLanesPerRow;
-  Elem* out = sq.q_rows<Elem>(p.out, p.out_stride, h, m0);
-#pragma unroll
-  for (int i = 0; i < 16 / kRowsPerStep; ++i) {
-    const int row = wrow + i * kRowsPerStep + lane / kLanesPerRow;
-    const uint4 chunk = *reinterpret_cast<const uint4*>(staged(row, c));
-    if (row < rows) *reinterpret_cast<uint4*>(out + row * p.out_stride.row + c * 8) = chunk;
-  }
+  w.store(sQ, p, sq, h, m0, rows, wrow, lane);
 #endif
 }
 

@@ -35,10 +35,9 @@ __global__ void __launch_bounds__(FwdWsConfig<Elem, kDim>::kThreads, 1)
     fwd_ws_kernel(const FwdParams p, int num_m_tiles, sm80::HeavyLast order) {
 #ifdef FLASHATTN_WGMMA
   using Cfg = FwdWsConfig<Elem, kDim>;
-  using M = sm80::Mma<Elem>;
   using Exp = ExpDomain<float>;
   constexpr int kBM = Cfg::kBM, kBN = Cfg::kBN, kStages = Cfg::kStages;
-  constexpr int kNA = kBN / 8, kDA = kDim / 8;
+  using Rows = FwdRows<Elem, kDim, kBN, kBM>;
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const uint32_t raw_at = smem_addr(smem_raw);
@@ -52,15 +51,10 @@ __global__ void __launch_bounds__(FwdWsConfig<Elem, kDim>::kThreads, 1)
   uint64_t* const k_empty = bars + 2 * kStages;   // the consumers' 256 threads: done reading K i
   uint64_t* const v_empty = bars + 3 * kStages;   // ... V i
 
-  const TileBlock blk =
-      tile_block(num_m_tiles, 1, p.heads_q, /*heaviest_first=*/true, sm80::ordered_block<true>(order, num_m_tiles));
-  const int64_t h = blk.head, b = blk.batch, hk = kv_head(p, h);
-  const Seq sq = plain_sequence(p, b);
-  const int64_t m0 = int64_t(blk.tile) * kBM;
-  const int rows = sq.q_tile_rows(m0, kBM);
-  const int64_t m_last = m0 + rows - 1;
-  const int64_t n_begin = sq.key_begin(m0) / kBN * kBN, n_end = sq.key_end(m_last);
-  const int n_tiles = n_end > n_begin ? int((n_end - n_begin + kBN - 1) / kBN) : 0;
+  const FwdTile<kBM, kBN> tile(p, num_m_tiles, order);
+  const Seq& sq = tile.sq;
+  const int64_t h = tile.h, hk = tile.hk, m0 = tile.m0, m_last = tile.m_last, n_begin = tile.n_begin;
+  const int rows = tile.rows, n_tiles = tile.n_tiles;
 
   const int tid = threadIdx.x, wg = tid / 128;
   if (tid == 0) {
@@ -117,103 +111,40 @@ __global__ void __launch_bounds__(FwdWsConfig<Elem, kDim>::kThreads, 1)
   // other one issue (bar_arrive(2 - c)).
   const int my_turn = 1 + cwg, other_turn = 2 - cwg;
 
-  const uint32_t q_at = smem_addr(sQ) + cwg * 64 * 128;
-  auto kmajor = [](uint32_t at, int kk, int rows_per_panel) {
-    return smem_desc(at + (kk / 4) * rows_per_panel * 128 + (kk % 4) * 32, 16, 1024);
-  };
-  auto v_desc = [&](int stage, int kk) { return smem_desc(smem_addr(sV(stage)) + kk * 16 * 128, kBN * 128, 1024); };
+  const uint32_t q_at = smem_addr(sQ) + cwg * 64 * 128;  // this warpgroup's Q rows
   auto wait_k = [&](int i) { mbar_wait(k_full + i % kStages, uint32_t(i / kStages) & 1); };
   auto wait_v = [&](int i) { mbar_wait(v_full + i % kStages, uint32_t(i / kStages) & 1); };
-
-  float o[kDA][4];
-#pragma unroll
-  for (int d = 0; d < kDA; ++d)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) o[d][e] = 0.f;
-  float row_max[2] = {neg_inf<float>(), neg_inf<float>()}, row_sum[2] = {0.f, 0.f};
+  Rows w;
   const float score_scale = Exp::score_scale(p.scale);
-
-  auto issue_scores = [&](float (&s)[kNA][4], int i) {
-    const uint32_t k_at = smem_addr(sK(i % kStages));
-    Wgmma<Elem, kBN>::template ss<0>(s, kmajor(q_at, 0, kBM), kmajor(k_at, 0, kBN));
-#pragma unroll
-    for (int kk = 1; kk < kDim / 16; ++kk) Wgmma<Elem, kBN>::template ss<1>(s, kmajor(q_at, kk, kBM), kmajor(k_at, kk, kBN));
-    wgmma_commit();
-  };
-  auto issue_pv = [&](const uint32_t (&pa)[kBN / 16][4], int i) {
-#pragma unroll
-    for (int kk = 0; kk < kBN / 16; ++kk) Wgmma<Elem, kDim>::rs(o, pa[kk], v_desc(i % kStages, kk));
-    wgmma_commit();
-  };
-  auto softmax = [&](float (&s)[kNA][4], int i, float (&alpha)[2]) {
-    const int64_t n0 = n_begin + int64_t(i) * kBN;
-#pragma unroll
-    for (int j = 0; j < kNA; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[j][e] *= score_scale;
-    if (!(n0 >= sq.key_begin(m_last) && n0 + kBN <= sq.key_end(m0))) {
-#pragma unroll
-      for (int r = 0; r < 2; ++r) mask_row_band<kBN>(s, r, sq, m0 + wrow + g + 8 * r, n0, t);
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float mx[kNA];
-#pragma unroll
-      for (int j = 0; j < kNA; ++j) mx[j] = acc_max(s[j][2 * r], s[j][2 * r + 1]);
-      const float tile_max = reduce_max_lanes<4>(tree_reduce(mx, [](float a, float c) { return acc_max(a, c); }));
-      const float new_max = acc_max(row_max[r], tile_max);
-      alpha[r] = Exp::exp(row_max[r] - exp_base(new_max));
-      row_max[r] = new_max;
-      const float base = exp_base(new_max);
-      float sums[kNA];
-#pragma unroll
-      for (int j = 0; j < kNA; ++j) {
-        s[j][2 * r] = Exp::exp(s[j][2 * r] - base);
-        s[j][2 * r + 1] = Exp::exp(s[j][2 * r + 1] - base);
-        sums[j] = s[j][2 * r] + s[j][2 * r + 1];
-      }
-      row_sum[r] = row_sum[r] * alpha[r] + tree_reduce(sums, [](float a, float c) { return a + c; });
-    }
-  };
-  auto pack_p = [&](float (&s)[kNA][4], uint32_t (&pa)[kBN / 16][4]) {
-#pragma unroll
-    for (int kk = 0; kk < kBN / 16; ++kk) {
-      typename M::A a;
-      M::a_from_acc(a, &s[2 * kk]);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) pa[kk][e] = a.r[e];
-    }
-  };
-  auto rescale_o = [&](const float (&alpha)[2]) {
-#pragma unroll
-    for (int d = 0; d < kDA; ++d)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) o[d][e] *= alpha[e / 2];
+  auto issue_scores = [&](typename Rows::Scores& s, int i) { Rows::issue_scores(s, q_at, smem_addr(sK(i % kStages))); };
+  auto issue_pv = [&](const typename Rows::Probs& pa, int i) { w.issue_pv(pa, smem_addr(sV(i % kStages))); };
+  auto softmax = [&](typename Rows::Scores& s, int i, float (&alpha)[2]) {
+    w.softmax(s, sq, m0, m_last, m0 + wrow + g, n_begin + int64_t(i) * kBN, t, score_scale, alpha);
   };
 
-  uint32_t pa[kBN / 16][4];
-  float alpha[2] = {1.f, 1.f};
+  typename Rows::Probs pa;
+  float alpha[2] = {1.f, 1.f};  // rescales O before the next P V
   if (n_tiles > 0) {
     wait_k(0);  // Q and K 0
-    float s[kNA][4];
+    typename Rows::Scores s;
     wgmma_fence();
     issue_scores(s, 0);
     wgmma_wait<0>();
     pin(s);
     mbar_arrive(k_empty + 0);
     softmax(s, 0, alpha);
-    pack_p(s, pa);
+    Rows::pack_p(s, pa);
   }
   // The first turn is the first warpgroup's.
   if (cwg == 1 && n_tiles > 1) bar_arrive(other_turn, 256);
   for (int i = 0; i + 1 < n_tiles; ++i) {
-    float s[kNA][4];
+    typename Rows::Scores s;
     wait_k(i + 1);
     bar_sync(my_turn, 256);
     wgmma_fence();
     issue_scores(s, i + 1);
-    rescale_o(alpha);
-    pin(o);
+    w.rescale_o(alpha);
+    pin(w.o);
     wait_v(i);
     wgmma_fence();
     issue_pv(pa, i);
@@ -224,48 +155,22 @@ __global__ void __launch_bounds__(FwdWsConfig<Elem, kDim>::kThreads, 1)
     mbar_arrive(k_empty + (i + 1) % kStages);
     softmax(s, i + 1, alpha);
     wgmma_wait<0>();
-    pin(o);
+    pin(w.o);
     pin(pa);
     mbar_arrive(v_empty + i % kStages);
-    pack_p(s, pa);
+    Rows::pack_p(s, pa);
   }
   if (n_tiles > 0) {
     wait_v(n_tiles - 1);
-    rescale_o(alpha);
-    pin(o);
+    w.rescale_o(alpha);
+    pin(w.o);
     wgmma_fence();
     issue_pv(pa, n_tiles - 1);
     wgmma_wait<0>();
-    pin(o);
+    pin(w.o);
   }
 
-  // The output, staged through this warp's own rows of sQ (only its warpgroup's products read them).
-  float* lse = static_cast<float*>(p.lse);
-  auto staged = [&](int row, int chunk) {
-    return sQ + (chunk / 8) * (kBM * 128) + row * 128 + ((chunk % 8) ^ (row % 8)) * 16;
-  };
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const float l = reduce_sum_lanes<4>(row_sum[r]);
-    const bool empty = l == 0.f;
-    const float inv = empty ? 0.f : 1.f / l;
-    const int row = wrow + g + 8 * r;
-#pragma unroll
-    for (int d = 0; d < kDA; ++d)
-      *reinterpret_cast<uint32_t*>(staged(row, d) + 4 * t) = M::pack(o[d][2 * r] * inv, o[d][2 * r + 1] * inv);
-    const int64_t m = m0 + row;
-    if (t == 0 && m < sq.len_q) lse[sq.row_index(p.heads_q, h, m)] = empty ? neg_inf<float>() : Exp::lse(row_max[r], l);
-  }
-  __syncwarp();
-  constexpr int kLanesPerRow = kDim / 8, kRowsPerStep = 32 / kLanesPerRow;
-  const int c = lane % kLanesPerRow;
-  Elem* out = sq.q_rows<Elem>(p.out, p.out_stride, h, m0);
-#pragma unroll
-  for (int i = 0; i < 16 / kRowsPerStep; ++i) {
-    const int row = wrow + i * kRowsPerStep + lane / kLanesPerRow;
-    const uint4 chunk = *reinterpret_cast<const uint4*>(staged(row, c));
-    if (row < rows) *reinterpret_cast<uint4*>(out + row * p.out_stride.row + c * 8) = chunk;
-  }
+  w.store(sQ, p, sq, h, m0, rows, wrow, lane);  // (only this warpgroup's products read its rows of sQ)
 #endif
 }
 

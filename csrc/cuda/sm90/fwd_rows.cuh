@@ -1,0 +1,176 @@
+// A warpgroup's 64 query rows in the wgmma forwards (fwd_sm90.cuh, fwd_ws_sm90.cuh): their O
+// accumulators and online-softmax state, and the steps of the key loop that both kernels run over
+// them (S = Q K^T and O += P V as wgmma products, the softmax, P packed for P V, the output).
+// Smem operands are in the panel layout of common/wgmma.cuh.
+// The online softmax is the sm80 forward's (scores scaled before the max; exp2 on the MUFU; the
+// row max and sum reduced over a quad), so the paths give the same answers to rounding.
+#pragma once
+#include <cstdint>
+
+#include "../../common/sequence.h"
+#include "../../params.h"
+#include "../common/band_mask.cuh"
+#include "../common/grid.cuh"
+#include "../common/numeric.cuh"
+#include "../common/online_softmax.cuh"
+#include "../common/wgmma.cuh"
+#include "../sm80/causal_order.cuh"
+#include "../sm80/fragments.cuh"
+
+namespace flashattn::cuda::sm90 {
+
+// The block's query tile of kBM rows (the last tiles first; a causal grid's last heads tile slowest,
+// sm80/causal_order.cuh) and the key tiles of kBN keys that its rows see.
+template <int kBM, int kBN>
+struct FwdTile {
+  Seq sq;
+  int64_t h, hk, m0, m_last, n_begin;
+  int rows, n_tiles;
+
+  __device__ __forceinline__ FwdTile(const FwdParams& p, int num_m_tiles, const sm80::HeavyLast& order) {
+    const TileBlock blk =
+        tile_block(num_m_tiles, 1, p.heads_q, /*heaviest_first=*/true, sm80::ordered_block<true>(order, num_m_tiles));
+    h = blk.head;
+    hk = kv_head(p, h);
+    sq = plain_sequence(p, blk.batch);
+    m0 = int64_t(blk.tile) * kBM;
+    rows = sq.q_tile_rows(m0, kBM);
+    m_last = m0 + rows - 1;
+    n_begin = sq.key_begin(m0) / kBN * kBN;
+    const int64_t n_end = sq.key_end(m_last);
+    n_tiles = n_end > n_begin ? int((n_end - n_begin + kBN - 1) / kBN) : 0;
+  }
+};
+
+// kBN keys per tile, kBM rows in the block's Q tile (the panels' line count).
+template <class Elem, int kDim, int kBN, int kBM>
+struct FwdRows {
+  using M = sm80::Mma<Elem>;
+  using Exp = ExpDomain<float>;
+  static constexpr int kNA = kBN / 8, kDA = kDim / 8;  // accumulator atoms of S and O per thread
+  using Scores = float[kNA][4];
+  using Probs = uint32_t[kBN / 16][4];  // P as the A fragments of P V
+
+  float o[kDA][4];
+  float row_max[2], row_sum[2];
+
+  __device__ __forceinline__ FwdRows() {
+#pragma unroll
+    for (int d = 0; d < kDA; ++d)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[d][e] = 0.f;
+    row_max[0] = row_max[1] = neg_inf<float>();
+    row_sum[0] = row_sum[1] = 0.f;
+  }
+
+  // A K-major operand (Q, K) at smem address `at`, k16 step kk: panel kk / 4, 32 bytes along the
+  // line per step.
+  static __device__ __forceinline__ uint64_t kmajor(uint32_t at, int kk, int rows_per_panel) {
+    return smem_desc(at + (kk / 4) * rows_per_panel * 128 + (kk % 4) * 32, 16, 1024);
+  }
+  // S = Q K^T of the warpgroup's Q rows (q_at) and a K tile (k_at), issued and committed; the caller waits.
+  static __device__ __forceinline__ void issue_scores(Scores& s, uint32_t q_at, uint32_t k_at) {
+    Wgmma<Elem, kBN>::template ss<0>(s, kmajor(q_at, 0, kBM), kmajor(k_at, 0, kBN));
+#pragma unroll
+    for (int kk = 1; kk < kDim / 16; ++kk)
+      Wgmma<Elem, kBN>::template ss<1>(s, kmajor(q_at, kk, kBM), kmajor(k_at, kk, kBN));
+    wgmma_commit();
+  }
+  // O += P V of a V tile (v_at; the MN-major B: a k16 step is 16 keys = 16 lines further, its
+  // columns cross panels kBN lines apart), issued and committed.
+  __device__ __forceinline__ void issue_pv(const Probs& pa, uint32_t v_at) {
+#pragma unroll
+    for (int kk = 0; kk < kBN / 16; ++kk) Wgmma<Elem, kDim>::rs(o, pa[kk], smem_desc(v_at + kk * 16 * 128, kBN * 128, 1024));
+    wgmma_commit();
+  }
+
+  // The online softmax of the key tile at n0, in place (scaled, masked outside each row's band,
+  // exponentiated); returns through alpha the factor that rescales O. The block's rows are
+  // m0 ... m_last, the lane's rows row0 and row0 + 8; t = lane % 4.
+  __device__ __forceinline__ void softmax(Scores& s, const Seq& sq, int64_t m0, int64_t m_last, int64_t row0,
+                                          int64_t n0, int t, float score_scale, float (&alpha)[2]) {
+#pragma unroll
+    for (int j = 0; j < kNA; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[j][e] *= score_scale;
+    // Tiles every row of the block sees in full skip the per-element mask.
+    if (!(n0 >= sq.key_begin(m_last) && n0 + kBN <= sq.key_end(m0))) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) mask_row_band<kBN>(s, r, sq, row0 + 8 * r, n0, t);
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx[kNA];
+#pragma unroll
+      for (int j = 0; j < kNA; ++j) mx[j] = acc_max(s[j][2 * r], s[j][2 * r + 1]);
+      const float tile_max = reduce_max_lanes<4>(tree_reduce(mx, [](float a, float c) { return acc_max(a, c); }));
+      const float new_max = acc_max(row_max[r], tile_max);
+      alpha[r] = Exp::exp(row_max[r] - exp_base(new_max));
+      row_max[r] = new_max;
+      const float base = exp_base(new_max);
+      float sums[kNA];
+#pragma unroll
+      for (int j = 0; j < kNA; ++j) {
+        s[j][2 * r] = Exp::exp(s[j][2 * r] - base);
+        s[j][2 * r + 1] = Exp::exp(s[j][2 * r + 1] - base);
+        sums[j] = s[j][2 * r] + s[j][2 * r + 1];
+      }
+      row_sum[r] = row_sum[r] * alpha[r] + tree_reduce(sums, [](float a, float c) { return a + c; });
+    }
+  }
+  static __device__ __forceinline__ void pack_p(Scores& s, Probs& pa) {
+#pragma unroll
+    for (int kk = 0; kk < kBN / 16; ++kk) {
+      typename M::A a;
+      M::a_from_acc(a, &s[2 * kk]);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) pa[kk][e] = a.r[e];
+    }
+  }
+  __device__ __forceinline__ void rescale_o(const float (&alpha)[2]) {
+#pragma unroll
+    for (int d = 0; d < kDA; ++d)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[d][e] *= alpha[e / 2];
+  }
+
+  // The output of the warp's 16 rows (from `wrow` in the block's tile, `rows` of which are the
+  // sequence's), staged through those rows of the Q tile at sQ (the warpgroup's products are done
+  // with them) so that a lane stores 16-byte chunks, a row's bytes by kDim / 8 lanes; and the row LSE.
+  __device__ __forceinline__ void store(unsigned char* sQ, const FwdParams& p, const Seq& sq, int64_t h, int64_t m0,
+                                        int rows, int wrow, int lane) {
+    const int g = lane / 4, t = lane % 4;
+    float* lse = static_cast<float*>(p.lse);
+    // (panel_offset<kBM> written out: through the call ptxas formed the epilogue's addresses
+    // differently, a form not yet run on the device)
+    auto staged = [&](int row, int chunk) {
+      return sQ + (chunk / 8) * (kBM * 128) + row * 128 + ((chunk % 8) ^ (row % 8)) * 16;
+    };
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float l = reduce_sum_lanes<4>(row_sum[r]);
+      // l == 0 only when no key is visible: out = 0, lse = -inf. A NaN l propagates.
+      const bool empty = l == 0.f;
+      const float inv = empty ? 0.f : 1.f / l;
+      const int row = wrow + g + 8 * r;
+#pragma unroll
+      for (int d = 0; d < kDA; ++d)
+        *reinterpret_cast<uint32_t*>(staged(row, d) + 4 * t) = M::pack(o[d][2 * r] * inv, o[d][2 * r + 1] * inv);
+      const int64_t m = m0 + row;
+      if (t == 0 && m < sq.len_q)
+        lse[sq.row_index(p.heads_q, h, m)] = empty ? neg_inf<float>() : Exp::lse(row_max[r], l);
+    }
+    __syncwarp();
+    constexpr int kLanesPerRow = kDim / 8, kRowsPerStep = 32 / kLanesPerRow;
+    const int c = lane % kLanesPerRow;
+    Elem* out = sq.q_rows<Elem>(p.out, p.out_stride, h, m0);
+#pragma unroll
+    for (int i = 0; i < 16 / kRowsPerStep; ++i) {
+      const int row = wrow + i * kRowsPerStep + lane / kLanesPerRow;
+      const uint4 chunk = *reinterpret_cast<const uint4*>(staged(row, c));
+      if (row < rows) *reinterpret_cast<uint4*>(out + row * p.out_stride.row + c * 8) = chunk;
+    }
+  }
+};
+
+}  // namespace flashattn::cuda::sm90
