@@ -74,6 +74,21 @@ constexpr auto kFwdKernel = [] {
     return fwd_wgmma_kernel<Elem, kDim>;
 }();
 
+// Whether the block's register pool holds what the warp-specialized kernel's warpgroups take after
+// their hand-over (setmaxnreg; an .inc beyond the pool would wait forever). ptxas gives a kernel that
+// moves registers the whole per-thread share its launch bounds allow (168 at 384 threads); checked
+// once, against the image loaded, in case a build does otherwise.
+template <class Elem, int kDim>
+bool register_pool_holds() {
+  using Cfg = FwdWsConfig<Elem, kDim>;
+  static const bool holds = [] {
+    cudaFuncAttributes attr{};
+    if (cudaFuncGetAttributes(&attr, fwd_ws_kernel<Elem, kDim>) != cudaSuccess) return false;
+    return attr.numRegs * Cfg::kThreads >= 128 * Cfg::kProducerRegs + 128 * Cfg::kConsumers * Cfg::kConsumerRegs;
+  }();
+  return holds;
+}
+
 }  // namespace
 
 // The call is plain (no optional feature) with head_dim == head_dim_v == kDim and rows that see on
@@ -88,6 +103,9 @@ bool fwd_wgmma_serves(const FwdParams& p) {
     return false;
   const DeviceLimits lim = device_limits();
   if (lim.major != 9 || Cfg::kSmemBytes > lim.smem_optin) return false;
+  if constexpr (kDim == 64) {
+    if (!register_pool_holds<Elem, kDim>()) return false;
+  }
   const int64_t blocks = (p.len_q + Cfg::kBM - 1) / Cfg::kBM * p.heads_q * p.batch;
   return mode == WgmmaMode::kForced || (mean_visible_keys(p) >= Cfg::kMinVisibleKeys && blocks >= lim.sms);
 }
