@@ -20,11 +20,20 @@
 
 #include <cstdint>
 
+#include "mma.cuh"  // smem_addr
+
 namespace flashattn::cuda {
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define FLASHATTN_WGMMA 1
 #endif
+
+// The first 1024-byte-aligned byte of `smem` (the swizzle's period; the kernels ask for 1024 bytes
+// more than their tiles take).
+__device__ __forceinline__ unsigned char* align_1024(unsigned char* smem) {
+  const uint32_t at = smem_addr(smem);
+  return smem + (((at + 1023) & ~1023u) - at);
+}
 
 // Descriptor of a 128-byte-swizzled smem operand at smem address `addr`: `lbo` the byte distance
 // between 64-column panels along the operand's M / N dimension (MN-major only; K-major operands

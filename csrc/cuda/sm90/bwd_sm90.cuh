@@ -45,8 +45,7 @@ __global__ void __launch_bounds__(BwdWgmmaConfig<Elem, kDim>::kThreads, 1)
   constexpr int kRA = kBM / 8, kDA = kDim / 8;  // S^T / dP^T atoms (over the rows), dK / dV atoms
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  const uint32_t raw_at = smem_addr(smem_raw);
-  unsigned char* const tiles = smem_raw + (((raw_at + 1023) & ~1023u) - raw_at);
+  unsigned char* const tiles = align_1024(smem_raw);
   unsigned char* const sK = tiles;
   unsigned char* const sV = tiles + Cfg::kKvBytes;
   auto sQ = [&](int buf) { return tiles + 2 * Cfg::kKvBytes + buf * Cfg::kQBytes; };

@@ -40,8 +40,7 @@ __global__ void __launch_bounds__(FwdWsConfig<Elem, kDim>::kThreads, 1)
   using Rows = FwdRows<Elem, kDim, kBN, kBM>;
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  const uint32_t raw_at = smem_addr(smem_raw);
-  unsigned char* const tiles = smem_raw + (((raw_at + 1023) & ~1023u) - raw_at);
+  unsigned char* const tiles = align_1024(smem_raw);
   unsigned char* const sQ = tiles;
   auto sK = [&](int stage) { return tiles + Cfg::kQBytes + stage * Cfg::kKvBytes; };
   auto sV = [&](int stage) { return tiles + Cfg::kQBytes + (kStages + stage) * Cfg::kKvBytes; };
