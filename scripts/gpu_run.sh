@@ -67,7 +67,7 @@ if [[ " $STEPS " == *" sanitize "* ]]; then
   for tool in memcheck racecheck; do
     echo "--- $tool, kernels: wgmma" | tee -a "$OUT/sanitize.log"
     FLASHATTN_CUDA_KERNELS=wgmma compute-sanitizer --tool $tool --error-exitcode 9 \
-      python3 scripts/sanitize_cases.py 30 33 2>&1 | tee -a "$OUT/sanitize.log" | tail -4
+      python3 scripts/sanitize_cases.py 30 35 2>&1 | tee -a "$OUT/sanitize.log" | tail -4
     status=$(( status | ${PIPESTATUS[0]} ))
     echo "--- $tool, kernels: sm80" | tee -a "$OUT/sanitize.log"
     FLASHATTN_CUDA_KERNELS=sm80 compute-sanitizer --tool $tool --error-exitcode 9 \

@@ -56,6 +56,9 @@ CASES = [  # (dtype, batch, heads_q, heads_kv, len_q, len_k, head_dim, head_dim_
     (torch.bfloat16, 1, 4, 2, 200, 300, 128, 128, 1),
     (torch.float16, 1, 2, 1, 150, 333, 256, 256, 2),
     (torch.bfloat16, 1, 4, 2, 300, 700, 64, 64, 1),  # the warp-specialized one at dim 64 (fwd_ws_sm90.cuh)
+    # ... persistent (non-causal grids of more blocks than SMs: 2-3 items per block, the Q buffers reused)
+    (torch.bfloat16, 1, 100, 50, 400, 300, 128, 128, 0),
+    (torch.float16, 1, 70, 10, 390, 1030, 64, 64, 0),
 ]
 
 bounds = [int(x) for x in sys.argv[1:3]]

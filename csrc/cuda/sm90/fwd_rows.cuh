@@ -27,9 +27,11 @@ struct FwdTile {
   int64_t h, hk, m0, m_last, n_begin;
   int rows, n_tiles;
 
-  __device__ __forceinline__ FwdTile(const FwdParams& p, int num_m_tiles, const sm80::HeavyLast& order) {
-    const TileBlock blk =
-        tile_block(num_m_tiles, 1, p.heads_q, /*heaviest_first=*/true, sm80::ordered_block<true>(order, num_m_tiles));
+  // Work item `index` of the grid's order (blockIdx.x where a block takes one).
+  __device__ __forceinline__ FwdTile(const FwdParams& p, int num_m_tiles, const sm80::HeavyLast& order,
+                                     unsigned index = blockIdx.x) {
+    const unsigned ordered = index >= order.start ? sm80::heavy_last_block(order, num_m_tiles, index) : index;
+    const TileBlock blk = tile_block(num_m_tiles, 1, p.heads_q, /*heaviest_first=*/true, ordered);
     h = blk.head;
     hk = kv_head(p, h);
     sq = plain_sequence(p, blk.batch);

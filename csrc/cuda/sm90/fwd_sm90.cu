@@ -1,8 +1,8 @@
-// Hopper forward kernels (wgmma): fp16 and bf16 at head dims 64 (warp-specialized), 128 and 256; their
-// dispatch, and the checks that sm90/ kernels share.
+// Hopper forward kernels (wgmma): fp16 and bf16, the warp-specialized one at head dims 64 and 128
+// (non-causal at 128), the two-warpgroup one at 128 (causal) and 256; their dispatch, and the checks
+// that sm90/ kernels share.
 #include <cstdlib>
 #include <cstring>
-#include <type_traits>
 
 #include "fwd_sm90.cuh"
 #include "fwd_ws_sm90.cuh"
@@ -63,17 +63,6 @@ int64_t mean_visible_keys(const FwdParams& p) {
   return mean < 0 ? 0 : mean > p.len_k ? p.len_k : mean;
 }
 
-// The kernel the forward takes at kDim on sm_90: the warp-specialized one at 64, the other at 128 / 256.
-template <class Elem, int kDim>
-using FwdShape = std::conditional_t<kDim == 64, FwdWsConfig<Elem, kDim>, FwdWgmmaConfig<Elem, kDim>>;
-template <class Elem, int kDim>
-constexpr auto kFwdKernel = [] {
-  if constexpr (kDim == 64)
-    return fwd_ws_kernel<Elem, kDim>;
-  else
-    return fwd_wgmma_kernel<Elem, kDim>;
-}();
-
 // Whether the block's register pool holds what the warp-specialized kernel's warpgroups take after
 // their hand-over (setmaxnreg; an .inc beyond the pool would wait forever). ptxas gives a kernel that
 // moves registers the whole per-thread share its launch bounds allow (168 at 384 threads); checked
@@ -89,42 +78,93 @@ bool register_pool_holds() {
   return holds;
 }
 
-}  // namespace
+enum class Sm90Forward { kNone, kWarpSpecialized, kTwoWarpGroups };
 
-// The call is plain (no optional feature) with head_dim == head_dim_v == kDim and rows that see on
-// average at least the kernel's kMinVisibleKeys, on an sm_90 GPU whose block gets the kernel's smem,
-// with at least a block per SM (smaller grids go to the sm80/ kernels, which split walks over keys
-// where the GPU has room).
+// The sm90/ kernel that takes the call, or none (the sm80/ kernels then do): plain calls (no optional
+// feature) with head_dim == head_dim_v == kDim on an sm_90 GPU whose block gets the kernel's smem,
+// rows that see the kernel's minimum of keys, on grids of at least a block per SM (smaller grids go to
+// the sm80/ kernels, which split walks over keys where the GPU has room). FLASHATTN_CUDA_KERNELS=wgmma
+// drops the last two conditions.
 template <class Elem, int kDim>
-bool fwd_wgmma_serves(const FwdParams& p) {
-  using Cfg = FwdShape<Elem, kDim>;
+Sm90Forward sm90_forward_for(const FwdParams& p) {
+  using Ws = FwdWsConfig<Elem, kDim>;
+  using TwoWg = FwdWgmmaConfig<Elem, kDim>;
   const WgmmaMode mode = wgmma_mode();
-  if (!Cfg::kServed || p.has_features() || p.head_dim != kDim || p.head_dim_v != kDim || mode == WgmmaMode::kOff)
-    return false;
+  if (!kFwdWgmmaTier<Elem, kDim> || p.has_features() || p.head_dim != kDim || p.head_dim_v != kDim ||
+      mode == WgmmaMode::kOff)
+    return Sm90Forward::kNone;
   const DeviceLimits lim = device_limits();
-  if (lim.major != 9 || Cfg::kSmemBytes > lim.smem_optin) return false;
-  if constexpr (kDim == 64) {
-    if (!register_pool_holds<Elem, kDim>()) return false;
+  if (lim.major != 9) return Sm90Forward::kNone;
+  const bool forced = mode == WgmmaMode::kForced;
+  const int64_t keys = mean_visible_keys(p);
+  auto fills_gpu = [&](int rows_per_block) {
+    return (p.len_q + rows_per_block - 1) / rows_per_block * p.heads_q * p.batch >= lim.sms;
+  };
+  if constexpr (Ws::kServed) {
+    const int64_t min_keys = p.causal ? Ws::kMinCausalKeys : Ws::kMinKeys;
+    if (min_keys >= 0 && Ws::kSmemBytes <= lim.smem_optin && register_pool_holds<Elem, kDim>() &&
+        (forced || (keys >= min_keys && fills_gpu(Ws::kBM))))
+      return Sm90Forward::kWarpSpecialized;
   }
-  const int64_t blocks = (p.len_q + Cfg::kBM - 1) / Cfg::kBM * p.heads_q * p.batch;
-  return mode == WgmmaMode::kForced || (mean_visible_keys(p) >= Cfg::kMinVisibleKeys && blocks >= lim.sms);
+  if constexpr (TwoWg::kServed) {
+    if (TwoWg::kSmemBytes <= lim.smem_optin && (forced || (keys >= TwoWg::kMinVisibleKeys && fills_gpu(TwoWg::kBM))))
+      return Sm90Forward::kTwoWarpGroups;
+  }
+  return Sm90Forward::kNone;
 }
 
-// One block per query tile of kBM rows, the last tiles first (a causal grid's last heads tile
-// slowest, sm80/causal_order.cuh).
+// The grid of a kernel with kBM-row query tiles: its blocks, the last tiles first (a causal grid's
+// last heads tile slowest, sm80/causal_order.cuh), and the kernel's blocks per SM.
+struct FwdGrid {
+  int64_t blocks;
+  int num_m_tiles, per_sm;
+  sm80::HeavyLast order;
+};
+
+template <class Cfg, auto kKernel>
+FwdGrid fwd_grid(const FwdParams& p) {
+  FwdGrid g{};
+  const int64_t num_m_tiles = (p.len_q + Cfg::kBM - 1) / Cfg::kBM;
+  g.blocks = num_m_tiles * p.heads_q * p.batch;
+  if (g.blocks > 0x7fffffff) throw std::runtime_error("flashattn_ext CUDA backend: forward grid too large");
+  g.num_m_tiles = int(num_m_tiles);
+  g.per_sm = blocks_per_sm_cached<kKernel>(Cfg::kThreads, Cfg::kSmemBytes, "sm90 forward");
+  if (p.causal) g.order = sm80::plan_heavy_last(g.blocks, num_m_tiles, g.per_sm);
+  return g;
+}
+
+}  // namespace
+
+template <class Elem, int kDim>
+bool fwd_wgmma_serves(const FwdParams& p) {
+  return sm90_forward_for<Elem, kDim>(p) != Sm90Forward::kNone;
+}
+
 template <class Elem, int kDim>
 bool fwd_wgmma(const FwdParams& p, cudaStream_t stream) {
-  using Cfg = FwdShape<Elem, kDim>;
-  if (!fwd_wgmma_serves<Elem, kDim>(p) || !wgmma_compiled(stream)) return false;
-  const int64_t num_m_tiles = (p.len_q + Cfg::kBM - 1) / Cfg::kBM;
-  const int64_t blocks = num_m_tiles * p.heads_q * p.batch;
-  if (blocks > 0x7fffffff) throw std::runtime_error("flashattn_ext CUDA backend: forward grid too large");
-  constexpr auto kernel = kFwdKernel<Elem, kDim>;
-  const int per_sm = blocks_per_sm_cached<kernel>(Cfg::kThreads, Cfg::kSmemBytes, "sm90 forward");
-  const sm80::HeavyLast order = p.causal ? sm80::plan_heavy_last(blocks, num_m_tiles, per_sm) : sm80::HeavyLast{};
-  kernel<<<unsigned(blocks), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, int(num_m_tiles), order);
-  check_launch("sm90 forward");
-  return true;
+  const Sm90Forward kernel = sm90_forward_for<Elem, kDim>(p);
+  if (kernel == Sm90Forward::kNone || !wgmma_compiled(stream)) return false;
+  if constexpr (FwdWsConfig<Elem, kDim>::kServed) {
+    if (kernel == Sm90Forward::kWarpSpecialized) {
+      using Cfg = FwdWsConfig<Elem, kDim>;
+      const FwdGrid g = fwd_grid<Cfg, fwd_ws_kernel<Elem, kDim>>(p);
+      // Non-causal grids larger than the GPU: persistent, a block per SM slot walking several items.
+      const int64_t slots = int64_t(device_limits().sms) * (g.per_sm > 0 ? g.per_sm : 1);
+      const int64_t grid = !p.causal && g.blocks > slots ? slots : g.blocks;
+      fwd_ws_kernel<Elem, kDim>
+          <<<unsigned(grid), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, g.num_m_tiles, unsigned(g.blocks), g.order);
+      check_launch("sm90 forward");
+      return true;
+    }
+  }
+  if constexpr (FwdWgmmaConfig<Elem, kDim>::kServed) {
+    using Cfg = FwdWgmmaConfig<Elem, kDim>;
+    const FwdGrid g = fwd_grid<Cfg, fwd_wgmma_kernel<Elem, kDim>>(p);
+    fwd_wgmma_kernel<Elem, kDim><<<unsigned(g.blocks), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, g.num_m_tiles, g.order);
+    check_launch("sm90 forward");
+    return true;
+  }
+  return false;
 }
 
 template bool fwd_wgmma<__nv_bfloat16, 64>(const FwdParams&, cudaStream_t);

@@ -1,6 +1,7 @@
-// Forward on Hopper's warpgroup products (wgmma, sm_90a): plain fp16 / bf16 calls at head dims 128
-// and 256 (head_dim == head_dim_v == kDim, no optional feature, long walks: fwd_sm90.cu's dispatch;
-// every other call goes to the sm80/ kernels, which run on sm_90 too). Dim 64: fwd_ws_sm90.cuh.
+// Forward on Hopper's warpgroup products (wgmma, sm_90a): plain fp16 / bf16 calls at head dim 256 and
+// causal ones at 128 (head_dim == head_dim_v == kDim, no optional feature, long walks: fwd_sm90.cu's
+// dispatch; every other call goes to the sm80/ kernels, which run on sm_90 too). Dim 64 and
+// non-causal dim 128: the warp-specialized kernel (fwd_ws_sm90.cuh).
 //
 // One block per (batch, query head, 128-row query tile), the last tiles first (a causal grid's
 // last heads tile slowest, as sm80/causal_order.cuh). Two warpgroups of 4 warps, each owning 64
@@ -66,17 +67,25 @@ __device__ __forceinline__ int panel_offset(int row, int chunk) {
 // panel layout, rows from `rows` on zero-filled (their source ignored). A thread takes one chunk
 // column and every (kThreads / chunks-per-row)-th row: its rows agree modulo 8, so the swizzled
 // offset is one constant.
-template <int kRows, int kDim, int kThreads, class Elem>
+// kRolled: a loop that steps its pointers instead of an unrolled one (fewer registers: a producer
+// warpgroup that has given its registers to the consumers).
+template <int kRows, int kDim, int kThreads, class Elem, bool kRolled = false>
 __device__ __forceinline__ void copy_panels(unsigned char* dst, const Elem* g, int64_t g_ld, int rows, int tid) {
   constexpr int kPerRow = kDim / 8, kRowStep = kThreads / kPerRow;
   static_assert(kRowStep % 8 == 0 && kRows % kRowStep == 0, "a thread's rows agree modulo 8");
   const int r0 = tid / kPerRow, c = tid % kPerRow;
   unsigned char* d = dst + panel_offset<kRows>(r0, c);
   const Elem* src = g + r0 * g_ld + c * 8;
+  if constexpr (kRolled) {
+#pragma unroll 1
+    for (int r = r0; r < kRows; r += kRowStep, d += kRowStep * 128, src += kRowStep * g_ld)
+      cp_async_16_zfill(d, r < rows ? src : g, r < rows);
+  } else {
 #pragma unroll
-  for (int it = 0; it < kRows / kRowStep; ++it) {
-    const bool valid = r0 + it * kRowStep < rows;
-    cp_async_16_zfill(d + it * kRowStep * 128, valid ? src + it * kRowStep * g_ld : g, valid);
+    for (int it = 0; it < kRows / kRowStep; ++it) {
+      const bool valid = r0 + it * kRowStep < rows;
+      cp_async_16_zfill(d + it * kRowStep * 128, valid ? src + it * kRowStep * g_ld : g, valid);
+    }
   }
 }
 

@@ -9,7 +9,7 @@
 
 namespace flashattn::cuda::sm90 {
 
-// The head-dim tiers the wgmma forward has (fp16 / bf16 at 64 (warp-specialized), 128 and 256).
+// The head-dim tiers the wgmma forwards have (fp16 / bf16 at 64 and 128 (warp-specialized), 128 and 256).
 template <class Elem, int kDim>
 constexpr bool kFwdWgmmaTier = sizeof(Elem) == 2 && (kDim == 64 || kDim == 128 || kDim == 256);
 
