@@ -1,0 +1,90 @@
+"""Forward TFLOP/s of kernel variants chosen by environment variables (FLASHATTN_CUDA_KERNELS=sm80 /
+wgmma, ...), each in its own process, in interleaved rounds: variant A, B, C, A, B, C, ... so that a
+slow stretch of the GPU (medians 20-80% low now and then, benchmarks/NOTES_sm90.md Version 4) hits
+one reading, not one variant. Prints every round and the mean over rounds per variant and row.
+
+  python benchmarks/bench_variants.py --rows 128:512,64:1024 --rounds 3 \\
+      --variant sm80 FLASHATTN_CUDA_KERNELS=sm80 --variant wgmma FLASHATTN_CUDA_KERNELS=wgmma --flash
+
+Rows are E:L, non-causal unless --causal, bf16 unless --dtype fp16, B·L = 16384 and H·E = 2048 as in
+bench_gpu.py. One process times its rows with 40 calls per median after at least 0.3 s of warm-up."""
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+
+
+def child(args):
+    import torch
+    import torch.nn.functional as F
+
+    import flashattn_ext
+    from flashattn_ext import _measure as M
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+
+    def run(q, k, v):
+        if args.impl == "flash":
+            with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=args.causal)
+        return flashattn_ext.scaled_dot_product_attention(q, k, v, is_causal=args.causal)
+
+    out = []
+    for row in args.rows.split(","):
+        e, length = map(int, row.split(":"))
+        b, h = 16384 // length, 2048 // e
+        if args.device == "cpu":  # a debug run of the script's own code: tiny shapes
+            b, h, length = 1, 2, min(length, 128)
+        q, k, v = (torch.randn(b, h, length, e, device=args.device, dtype=dtype) for _ in range(3))
+        ms = M.median_ms(lambda: run(q, k, v), args.device, warmup=3, repeats=40, warmup_s=0.3)
+        flops = 4 * b * h * length * length * e / (2 if args.causal else 1)
+        out.append(f"{flops / ms / 1e9:.1f}")
+    print(" ".join(out))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", required=True, help="comma list of E:L")
+    p.add_argument("--variant", nargs="+", action="append", default=[], metavar=("NAME", "ENV=VALUE"),
+                   help="a name and the environment variables that select it (repeatable)")
+    p.add_argument("--flash", action="store_true", help="SDPA's flash backend as one more variant")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    p.add_argument("--device", default="cuda", help="'cpu' runs the script's code on tiny shapes (debug only)")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--impl", default="ours", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        return child(args)
+    bad = [kv for v in args.variant for kv in v[1:] if "=" not in kv]
+    if bad:
+        p.error(f"--variant: environment settings are ENV=VALUE, got {bad}")
+    variants = [(v[0], dict(kv.split("=", 1) for kv in v[1:]), "ours") for v in args.variant]
+    if args.flash:
+        variants.append(("flash", {}, "flash"))
+    if not variants:
+        p.error("name at least one --variant (or --flash)")
+    if len({name for name, _, _ in variants}) != len(variants):
+        p.error(f"variant names must differ: {[name for name, _, _ in variants]}")
+    rows = args.rows.split(",")
+    readings = {name: [] for name, _, _ in variants}
+    base = [sys.executable, __file__, "--child", "--rows", args.rows, "--dtype", args.dtype, "--device", args.device]
+    base += ["--causal"] if args.causal else []
+    for r in range(args.rounds):
+        for name, env, impl in variants:
+            res = subprocess.run(base + ["--impl", impl], env={**os.environ, **env}, capture_output=True, text=True)
+            if res.returncode != 0:
+                sys.exit(f"variant {name} failed:\n{res.stderr[-2000:]}")
+            values = [float(x) for x in res.stdout.split()]
+            readings[name].append(values)
+            print(f"round {r + 1} {name:>12}: " + " ".join(f"{row}={x}" for row, x in zip(rows, values)), flush=True)
+    print(f"\nmean over {args.rounds} rounds, TFLOP/s ({args.dtype}, {'causal' if args.causal else 'non-causal'})")
+    print(f"{'variant':>12} " + " ".join(f"{row:>9}" for row in rows))
+    for name, values in readings.items():
+        means = [statistics.mean(col) for col in zip(*values)]
+        print(f"{name:>12} " + " ".join(f"{m:9.1f}" for m in means))
+
+
+if __name__ == "__main__":
+    main()
