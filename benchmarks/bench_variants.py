@@ -7,7 +7,8 @@ one reading, not one variant. Prints every round and the mean over rounds per va
       --variant sm80 FLASHATTN_CUDA_KERNELS=sm80 --variant wgmma FLASHATTN_CUDA_KERNELS=wgmma --flash
 
 Rows are E:L, non-causal unless --causal, bf16 unless --dtype fp16, B·L = 16384 and H·E = 2048 as in
-bench_gpu.py. One process times its rows with 40 calls per median after at least 0.3 s of warm-up."""
+bench_gpu.py. One process times its rows with 40 calls per median after at least 0.3 s of warm-up; a process that
+fails or runs past --child-timeout seconds (a kernel that hangs) leaves its round's readings empty."""
 import argparse
 import os
 import statistics
@@ -52,6 +53,7 @@ def main():
     p.add_argument("--causal", action="store_true")
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     p.add_argument("--device", default="cuda", help="'cpu' runs the script's code on tiny shapes (debug only)")
+    p.add_argument("--child-timeout", type=float, default=180.0, help="seconds a variant's process may take")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--impl", default="ours", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -73,17 +75,25 @@ def main():
     base += ["--causal"] if args.causal else []
     for r in range(args.rounds):
         for name, env, impl in variants:
-            res = subprocess.run(base + ["--impl", impl], env={**os.environ, **env}, capture_output=True, text=True)
+            try:
+                res = subprocess.run(base + ["--impl", impl], env={**os.environ, **env}, capture_output=True, text=True,
+                                     timeout=args.child_timeout)
+            except subprocess.TimeoutExpired:
+                print(f"round {r + 1} {name:>12}: timed out after {args.child_timeout:.0f} s", flush=True)
+                continue
             if res.returncode != 0:
-                sys.exit(f"variant {name} failed:\n{res.stderr[-2000:]}")
+                print(f"round {r + 1} {name:>12}: failed\n{res.stderr[-2000:]}", flush=True)
+                continue
             values = [float(x) for x in res.stdout.split()]
             readings[name].append(values)
             print(f"round {r + 1} {name:>12}: " + " ".join(f"{row}={x}" for row, x in zip(rows, values)), flush=True)
     print(f"\nmean over {args.rounds} rounds, TFLOP/s ({args.dtype}, {'causal' if args.causal else 'non-causal'})")
     print(f"{'variant':>12} " + " ".join(f"{row:>9}" for row in rows))
     for name, values in readings.items():
-        means = [statistics.mean(col) for col in zip(*values)]
-        print(f"{name:>12} " + " ".join(f"{m:9.1f}" for m in means))
+        means = [statistics.mean(col) for col in zip(*values)] if values else [float("nan")] * len(rows)
+        print(f"{name:>12} " + " ".join(f"{m:9.1f}" for m in means) + f"   ({len(values)} rounds)")
+    if any(len(values) < args.rounds for values in readings.values()):
+        sys.exit(1)
 
 
 if __name__ == "__main__":
