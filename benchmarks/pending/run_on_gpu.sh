@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the GPU machine: builds this tree ("main") and this tree with the patches of benchmarks/pending
-# applied ("carry": 0001; "tma": 0001-0003) side by side, checks that the patched kernels finish and
+# applied ("carry": 0001; "tma": 0001-0004) side by side, checks that the patched kernels finish and
 # agree with PyTorch on a few calls, times the three (benchmarks/bench_variants.py, interleaved
 # rounds, SDPA-flash beside), then runs the forced-wgmma tests and compute-sanitizer on "tma".
 # Steps are in order of what decides the patches' fate; each has a timeout, so that a kernel that
@@ -17,7 +17,7 @@ log() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/steps.log"; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$OUT/steps.log"
 
 TREES=$ROOT/snapshots  # ignored by git: kept between calls while the machine stays warm
-declare -A PATCHES=([main]="" [carry]="0001" [tma]="0001 0002 0003")
+declare -A PATCHES=([main]="" [carry]="0001" [tma]="0001 0002 0003 0004")
 for t in main carry tma; do
   if [ -f "$TREES/$t/.built" ]; then continue; fi
   rm -rf "$TREES/$t" && mkdir -p "$TREES/$t"
