@@ -10,6 +10,7 @@
 #   run: bash benchmarks/pending/run_on_gpu.sh   (about 9 minutes on an H100; a 600 s call)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+[ -f setup.py ] && [ -d benchmarks/pending ] || { echo "run_on_gpu.sh: not inside the repository ($PWD)"; exit 1; }
 ROOT=$PWD
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
@@ -29,7 +30,7 @@ for t in main carry tma; do
   rm -rf "$TREES/$t" && mkdir -p "$TREES/$t"
   tar --exclude=./snapshots --exclude=./build --exclude=./gpu_out --exclude='*.so' -cf - . | tar -xf - -C "$TREES/$t"
   for n in ${PATCHES[$t]}; do (cd "$TREES/$t" && patch -p1 -s < "$ROOT"/benchmarks/pending/$n-*.patch) || log "patch $n failed on $t"; done
-  ( cd "$TREES/$t" && FLASHATTN_BUILD=cuda MAX_JOBS=$(( $(nproc) / 3 )) python3 setup.py build_ext --inplace \
+  ( cd "$TREES/$t" && FLASHATTN_BUILD=cuda MAX_JOBS=$(( $(nproc) > 3 ? $(nproc) / 3 : 1 )) python3 setup.py build_ext --inplace \
       > "$LOGS/build_$t.log" 2>&1 && touch .built || log "build of $t failed: $(tail -5 "$LOGS/build_$t.log")" ) &
 done
 wait
