@@ -21,6 +21,9 @@ log() {
   echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/steps.log"
   tar -cf "$OUT/logs.tar" -C "$LOGS" .
 }
+# Whether at most $1 seconds of the call have passed (the later steps are skipped near its 600 s end).
+before() { (( $(date +%s) - T0 < $1 )) || { log "skipped: $2"; return 1; }; }
+left() { echo $(( 590 - ($(date +%s) - T0) )); }  # seconds to the call's end, for a step's timeout
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$OUT/steps.log"
 
 TREES=$ROOT/snapshots  # ignored by git: kept between calls while the machine stays warm
@@ -60,28 +63,27 @@ for t in main carry tma; do
   log "smoke $t: rc=$? $(tail -1 "$LOGS/smoke_$t.log")"
 done
 
-# Forward TFLOP/s, interleaved rounds: main as dispatched, then the ws kernel forced in each tree.
+# Forward TFLOP/s, interleaved rounds: main as dispatched, then the ws kernel forced in each tree (bf16:
+# fp16 has measured within 1-3% of it on these kernels).
 V="--variant main PYTHONPATH=$TREES/main --variant main-ws PYTHONPATH=$TREES/main FLASHATTN_CUDA_KERNELS=wgmma"
 V+=" --variant carry-ws PYTHONPATH=$TREES/carry FLASHATTN_CUDA_KERNELS=wgmma"
 V+=" --variant tma-ws PYTHONPATH=$TREES/tma FLASHATTN_CUDA_KERNELS=wgmma"
 (cd "$TREES/main" && timeout 300 python3 benchmarks/bench_variants.py --rounds 3 --child-timeout 90 --flash $V \
     --rows 64:512,64:1024,64:2048,64:8192,128:512,128:1024,128:4096 > "$LOGS/bench_nc_bf16.txt" 2>&1); tail -7 "$LOGS/bench_nc_bf16.txt" | tee -a "$OUT/steps.log"
 log "bench non-causal bf16"
-(cd "$TREES/main" && timeout 150 python3 benchmarks/bench_variants.py --rounds 2 --child-timeout 90 --flash $V \
-    --dtype fp16 --rows 64:512,64:1024,128:1024 > "$LOGS/bench_nc_fp16.txt" 2>&1); tail -7 "$LOGS/bench_nc_fp16.txt" | tee -a "$OUT/steps.log"
-log "bench non-causal fp16"
-(cd "$TREES/main" && timeout 120 python3 benchmarks/bench_variants.py --rounds 2 --child-timeout 90 --causal \
+(cd "$TREES/main" && timeout 90 python3 benchmarks/bench_variants.py --rounds 2 --child-timeout 60 --causal \
     --variant main PYTHONPATH=$TREES/main --variant tma PYTHONPATH=$TREES/tma --flash \
-    --rows 64:4096,64:16384 > "$LOGS/bench_causal_bf16.txt" 2>&1); tail -5 "$LOGS/bench_causal_bf16.txt" | tee -a "$OUT/steps.log"
+    --rows 64:8192 > "$LOGS/bench_causal_bf16.txt" 2>&1); tail -5 "$LOGS/bench_causal_bf16.txt" | tee -a "$OUT/steps.log"
 log "bench causal bf16"
 
 # The patched tree's tests with the wgmma kernels forced.
-(cd "$TREES/tma" && FLASHATTN_CUDA_KERNELS=wgmma OMP_NUM_THREADS=2 PYTHONPATH=$PWD timeout 200 python3 -m pytest -q -x -n 6 \
+before 480 "tests" && (cd "$TREES/tma" && FLASHATTN_CUDA_KERNELS=wgmma OMP_NUM_THREADS=2 PYTHONPATH=$PWD timeout $(left) python3 -m pytest -q -x -n 6 \
     -k cuda tests/test_accuracy.py tests/test_autograd.py > "$LOGS/tests_tma_wgmma.log" 2>&1)
-log "tests tma wgmma: $(tail -1 "$LOGS/tests_tma_wgmma.log")"
+[ -f "$LOGS/tests_tma_wgmma.log" ] && log "tests tma wgmma: $(tail -1 "$LOGS/tests_tma_wgmma.log")"
 # Where the dim-64 ws kernel's time goes (L = 1024, bf16): issue, pipes, stalls, main against tma.
 for t in main tma; do
-  (cd "$TREES/$t" && FLASHATTN_CUDA_KERNELS=wgmma PYTHONPATH=$PWD timeout 120 ncu --clock-control none \
+  before 530 "ncu $t" || break
+  (cd "$TREES/$t" && FLASHATTN_CUDA_KERNELS=wgmma PYTHONPATH=$PWD timeout 60 ncu --clock-control none \
       --kernel-name regex:fwd_ws_kernel --launch-skip 1 --launch-count 1 --section SpeedOfLight \
       --section ComputeWorkloadAnalysis --section SchedulerStats --section WarpStateStats --section InstructionStats \
       python3 scripts/profile_sm80.py --head-dim 64 --len 1024 > "$LOGS/ncu_ws64_$t.txt" 2>&1)
@@ -90,7 +92,8 @@ done
 
 # compute-sanitizer on the patched tree's wgmma cases (scripts/gpu_run.sh runs them again once landed).
 for tool in memcheck racecheck; do
-  (cd "$TREES/tma" && FLASHATTN_CUDA_KERNELS=wgmma PYTHONPATH=$PWD timeout 100 compute-sanitizer --tool $tool \
+  before 540 "$tool" || break
+  (cd "$TREES/tma" && FLASHATTN_CUDA_KERNELS=wgmma PYTHONPATH=$PWD timeout 50 compute-sanitizer --tool $tool \
       --error-exitcode 9 python3 scripts/sanitize_cases.py 30 35 > "$LOGS/sanitize_tma_$tool.log" 2>&1)
   log "$tool tma: rc=$? $(tail -1 "$LOGS/sanitize_tma_$tool.log")"
 done
