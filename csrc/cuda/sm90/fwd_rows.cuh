@@ -57,12 +57,15 @@ struct FwdRows {
   float row_max[2], row_sum[2];
 
   __device__ __forceinline__ FwdRows() {
+    zero_output();
+    row_max[0] = row_max[1] = neg_inf<float>();
+    row_sum[0] = row_sum[1] = 0.f;
+  }
+  __device__ __forceinline__ void zero_output() {
 #pragma unroll
     for (int d = 0; d < kDA; ++d)
 #pragma unroll
       for (int e = 0; e < 4; ++e) o[d][e] = 0.f;
-    row_max[0] = row_max[1] = neg_inf<float>();
-    row_sum[0] = row_sum[1] = 0.f;
   }
 
   // A K-major operand (Q, K) at smem address `at`, k16 step kk: panel kk / 4, 32 bytes along the
@@ -136,13 +139,24 @@ struct FwdRows {
       for (int e = 0; e < 4; ++e) o[d][e] *= alpha[e / 2];
   }
 
-  // The output of the warp's 16 rows (from `wrow` in the block's tile, `rows` of which are the
-  // sequence's), staged through those rows of the Q tile at sQ (the warpgroup's products are done
-  // with them) so that a lane stores 16-byte chunks, a row's bytes by kDim / 8 lanes; and the row LSE.
-  __device__ __forceinline__ void store(unsigned char* sQ, const FwdParams& p, const Seq& sq, int64_t h, int64_t m0,
-                                        int rows, int wrow, int lane) {
+  // Where a block tile's output goes: its first row of out and of lse, and how many of its rows are
+  // the sequence's (a few registers to keep while the next tile's rows are on the way).
+  struct Dest {
+    Elem* out;
+    float* lse;
+    int rows;
+  };
+  template <class Tile>
+  static __device__ __forceinline__ Dest dest(const FwdParams& p, const Tile& tile) {
+    return {tile.sq.template q_rows<Elem>(p.out, p.out_stride, tile.h, tile.m0),
+            static_cast<float*>(p.lse) + tile.sq.row_index(p.heads_q, tile.h, tile.m0), tile.rows};
+  }
+
+  // The output of the warp's 16 rows (from `wrow` in the block's tile), staged through those rows of
+  // the Q tile at sQ (the warpgroup's products are done with them) so that a lane stores 16-byte
+  // chunks, a row's bytes by kDim / 8 lanes; and the row LSE.
+  __device__ __forceinline__ void store(unsigned char* sQ, const FwdParams& p, const Dest& dst, int wrow, int lane) {
     const int g = lane / 4, t = lane % 4;
-    float* lse = static_cast<float*>(p.lse);
     // (panel_offset<kBM> written out: through the call ptxas formed the epilogue's addresses
     // differently, a form not yet run on the device)
     auto staged = [&](int row, int chunk) {
@@ -158,19 +172,16 @@ struct FwdRows {
 #pragma unroll
       for (int d = 0; d < kDA; ++d)
         *reinterpret_cast<uint32_t*>(staged(row, d) + 4 * t) = M::pack(o[d][2 * r] * inv, o[d][2 * r + 1] * inv);
-      const int64_t m = m0 + row;
-      if (t == 0 && m < sq.len_q)
-        lse[sq.row_index(p.heads_q, h, m)] = empty ? neg_inf<float>() : Exp::lse(row_max[r], l);
+      if (t == 0 && row < dst.rows) dst.lse[row] = empty ? neg_inf<float>() : Exp::lse(row_max[r], l);
     }
     __syncwarp();
     constexpr int kLanesPerRow = kDim / 8, kRowsPerStep = 32 / kLanesPerRow;
     const int c = lane % kLanesPerRow;
-    Elem* out = sq.q_rows<Elem>(p.out, p.out_stride, h, m0);
 #pragma unroll
     for (int i = 0; i < 16 / kRowsPerStep; ++i) {
       const int row = wrow + i * kRowsPerStep + lane / kLanesPerRow;
       const uint4 chunk = *reinterpret_cast<const uint4*>(staged(row, c));
-      if (row < rows) *reinterpret_cast<uint4*>(out + row * p.out_stride.row + c * 8) = chunk;
+      if (row < dst.rows) *reinterpret_cast<uint4*>(dst.out + row * p.out_stride.row + c * 8) = chunk;
     }
   }
 };

@@ -202,7 +202,7 @@ __global__ void __launch_bounds__(FwdWgmmaConfig<Elem, kDim>::kThreads)
     pin(w.o);
   }
 
-  w.store(sQ, p, sq, h, m0, rows, wrow, lane);
+  w.store(sQ, p, Rows::dest(p, tile), wrow, lane);
 #endif
 }
 

@@ -33,6 +33,9 @@ struct FwdWsConfig {
   // 24 its unrolled copies spilled 452 B).
   static constexpr int kProducerRegs = kDim == 64 ? 64 : 40, kConsumerRegs = kDim == 64 ? 216 : 232;
   static constexpr bool kRolledCopies = kDim != 64;
+  // An item's last P V issued with the next item's S 0 (fwd_ws_kernel's consumers): at dim 128 the two
+  // items' state does not fit in 232 registers (412 B of spills, serialized products).
+  static constexpr bool kCarryAcrossItems = kDim == 64;
   // Taken (fwd_sm90.cu) non-causal where rows see at least kMinKeys keys; causal at dim 64 where they
   // see on average kMinCausalKeys (dim 128's causal calls take fwd_sm90.cuh's kernel). H100, bf16,
   // forward TFLOP/s, three interleaved rounds (benchmarks/NOTES_sm90.md Version 4), non-causal, this
@@ -134,85 +137,141 @@ __global__ void __launch_bounds__(FwdWsConfig<Elem, kDim>::kThreads, 1)
   const int cwg = wg - 1, lane = tid & 31, warp = (tid / 32) % 4;
   const int g = lane / 4, t = lane % 4;
   const int wrow = cwg * 64 + warp * 16;
-  // The consumers' turns at the tensor cores: warpgroup c issues after bar_sync(1 + c), then lets the
-  // other one issue (bar_arrive(2 - c)); every item's turns alternate from the first warpgroup's.
-  const int my_turn = 1 + cwg, other_turn = 2 - cwg;
   const float score_scale = Exp::score_scale(p.scale);
+  // The consumers' turns at the tensor cores over the block's whole stream of issues (every item's,
+  // the same for both): warpgroup c issues after bar_sync(1 + c), then lets the other one issue
+  // (bar_arrive(2 - c)). The second lends the first its first turn; the first takes the second's last
+  // hand-over at the end.
+  const int my_turn = 1 + cwg, other_turn = 2 - cwg;
+  if (cwg == 1) bar_arrive(other_turn, 256);
 
-  int c = 0;
+  // Where an item's next item has keys, its last P V is issued with the next item's S 0, whose softmax
+  // then runs under that P V (the output of the item after it): `started` marks an item whose S 0 is
+  // thus already in pa.
+  auto k_at = [&](int cc) { return smem_addr(sK(cc % kStages)); };
+  auto wait_k = [&](int cc) { mbar_wait(k_full + cc % kStages, uint32_t(cc / kStages) & 1); };
+  auto wait_v = [&](int cc) { mbar_wait(v_full + cc % kStages, uint32_t(cc / kStages) & 1); };
+  auto release_k = [&](int cc) { mbar_arrive(k_empty + cc % kStages); };
+  auto release_v = [&](int cc) { mbar_arrive(v_empty + cc % kStages); };
+  auto q_at = [&](unsigned item) { return smem_addr(sQ(item % 2)) + cwg * 64 * 128; };  // this warpgroup's Q rows
+  Rows w;
+  typename Rows::Probs pa;
+  float alpha[2] = {1.f, 1.f};  // rescales O before the next P V
+  auto softmax = [&](typename Rows::Scores& s, const Tile& tile, int i) {
+    w.softmax(s, tile.sq, tile.m0, tile.m_last, tile.m0 + wrow + g, tile.n_begin + int64_t(i) * kBN, t, score_scale,
+              alpha);
+  };
+  auto store = [&](const Tile& tile, unsigned item) {
+    // (only this warpgroup's products read its rows of the Q tile)
+    w.store(sQ(item % 2), p, Rows::dest(p, tile), wrow, lane);
+    mbar_arrive(q_empty + item % 2);
+  };
+
+  // One turn at the tensor cores: S of key tile kc (Q of item q_item) issued with P V of key tile vc;
+  // `under` (the softmax of those scores) runs while the P V does.
+  auto scores_with_pv = [&](typename Rows::Scores& s, unsigned q_item, int kc, int vc, auto&& under) {
+    wait_k(kc);
+    bar_sync(my_turn, 256);
+    wgmma_fence();
+    Rows::issue_scores(s, q_at(q_item), k_at(kc));
+    w.rescale_o(alpha);
+    pin(w.o);
+    wait_v(vc);
+    wgmma_fence();
+    w.issue_pv(pa, smem_addr(sV(vc % kStages)));
+    bar_arrive(other_turn, 256);
+    wgmma_wait<1>();
+    pin(s);
+    release_k(kc);
+    under();
+    wgmma_wait<0>();
+    pin(w.o);
+    pin(pa);
+    release_v(vc);
+  };
+
+  int c = 0;  // the block's key tiles before this item
   unsigned item = 0;
+  bool started = false;
+  Tile tile(p, num_m_tiles, order, blockIdx.x);
   for (unsigned index = blockIdx.x; index < num_work; index += gridDim.x, ++item) {
-    const Tile tile(p, num_m_tiles, order, index);
-    const Seq& sq = tile.sq;
-    const int64_t m0 = tile.m0;
     const int n_tiles = tile.n_tiles;
-    unsigned char* const q_tile = sQ(item % 2);
-    const uint32_t q_at = smem_addr(q_tile) + cwg * 64 * 128;  // this warpgroup's Q rows
-    auto wait_k = [&](int i) { mbar_wait(k_full + (c + i) % kStages, uint32_t((c + i) / kStages) & 1); };
-    auto wait_v = [&](int i) { mbar_wait(v_full + (c + i) % kStages, uint32_t((c + i) / kStages) & 1); };
-    auto release_k = [&](int i) { mbar_arrive(k_empty + (c + i) % kStages); };
-    auto release_v = [&](int i) { mbar_arrive(v_empty + (c + i) % kStages); };
-    Rows w;
-    auto issue_scores = [&](typename Rows::Scores& s, int i) {
-      Rows::issue_scores(s, q_at, smem_addr(sK((c + i) % kStages)));
-    };
-    auto issue_pv = [&](const typename Rows::Probs& pa, int i) { w.issue_pv(pa, smem_addr(sV((c + i) % kStages))); };
-    auto softmax = [&](typename Rows::Scores& s, int i, float (&alpha)[2]) {
-      w.softmax(s, sq, m0, tile.m_last, m0 + wrow + g, tile.n_begin + int64_t(i) * kBN, t, score_scale, alpha);
-    };
-
-    typename Rows::Probs pa;
-    float alpha[2] = {1.f, 1.f};  // rescales O before the next P V
-    if (n_tiles > 0) {
-      wait_k(0);  // Q and K 0
+    if (n_tiles > 0 && !started) {
       typename Rows::Scores s;
-      wgmma_fence();
-      issue_scores(s, 0);
-      wgmma_wait<0>();
-      pin(s);
-      release_k(0);
-      softmax(s, 0, alpha);
-      Rows::pack_p(s, pa);
-    }
-    if (cwg == 1 && n_tiles > 1) bar_arrive(other_turn, 256);
-    for (int i = 0; i + 1 < n_tiles; ++i) {
-      typename Rows::Scores s;
-      wait_k(i + 1);
+      wait_k(c);  // Q and K 0
       bar_sync(my_turn, 256);
       wgmma_fence();
-      issue_scores(s, i + 1);
-      w.rescale_o(alpha);
-      pin(w.o);
-      wait_v(i);
-      wgmma_fence();
-      issue_pv(pa, i);
-      // (the second warpgroup's last turn of an item hands over to nobody: the first has no turn after it)
-      if (cwg == 0 || i + 2 < n_tiles) bar_arrive(other_turn, 256);
-      wgmma_wait<1>();
-      pin(s);
-      release_k(i + 1);
-      softmax(s, i + 1, alpha);
+      Rows::issue_scores(s, q_at(item), k_at(c));
+      bar_arrive(other_turn, 256);
       wgmma_wait<0>();
-      pin(w.o);
-      pin(pa);
-      release_v(i);
+      pin(s);
+      release_k(c);
+      softmax(s, tile, 0);
       Rows::pack_p(s, pa);
     }
-    if (n_tiles > 0) {
-      wait_v(n_tiles - 1);
-      w.rescale_o(alpha);
-      pin(w.o);
-      wgmma_fence();
-      issue_pv(pa, n_tiles - 1);
-      wgmma_wait<0>();
-      pin(w.o);
-      release_v(n_tiles - 1);
+    for (int i = 0; i + 1 < n_tiles; ++i) {
+      typename Rows::Scores s;
+      scores_with_pv(s, item, c + i + 1, c + i, [&] { softmax(s, tile, i + 1); });
+      Rows::pack_p(s, pa);
     }
-    // (only this warpgroup's products read its rows of the Q tile)
-    w.store(q_tile, p, sq, tile.h, m0, tile.rows, wrow, lane);
-    mbar_arrive(q_empty + item % 2);
+    const unsigned next_index = index + gridDim.x;
+    const int last = c + n_tiles - 1;
+    bool carried = false;  // this item's last P V issued with the next item's S 0, whose softmax runs under it
+    if constexpr (Cfg::kCarryAcrossItems) {
+      if (n_tiles > 0 && next_index < num_work) {
+        const Tile next(p, num_m_tiles, order, next_index);
+        if (next.n_tiles > 0) {
+          typename Rows::Scores s;
+          // The row maxima and sums not in w: this item's while the next item's start afresh in w, then
+          // (swapped back for this item's output) the next item's.
+          float aside_max[2], aside_sum[2];
+          scores_with_pv(s, item + 1, last + 1, last, [&] {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+              aside_max[r] = w.row_max[r], aside_sum[r] = w.row_sum[r];
+              w.row_max[r] = neg_inf<float>(), w.row_sum[r] = 0.f;
+            }
+            softmax(s, next, 0);
+          });
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const float mx = w.row_max[r], sum = w.row_sum[r];
+            w.row_max[r] = aside_max[r], w.row_sum[r] = aside_sum[r];
+            aside_max[r] = mx, aside_sum[r] = sum;
+          }
+          store(tile, item);
+          w.zero_output();
+#pragma unroll
+          for (int r = 0; r < 2; ++r) w.row_max[r] = aside_max[r], w.row_sum[r] = aside_sum[r];
+          Rows::pack_p(s, pa);
+          tile = next;
+          carried = true;
+        }
+      }
+    }
+    if (!carried) {
+      if (n_tiles > 0) {
+        bar_sync(my_turn, 256);
+        w.rescale_o(alpha);
+        pin(w.o);
+        wait_v(last);
+        wgmma_fence();
+        w.issue_pv(pa, smem_addr(sV(last % kStages)));
+        bar_arrive(other_turn, 256);
+        wgmma_wait<0>();
+        pin(w.o);
+        release_v(last);
+        store(tile, item);
+        w = Rows();
+      } else {
+        store(tile, item);  // no key: zeros, lse -inf
+      }
+      if (next_index < num_work) tile = Tile(p, num_m_tiles, order, next_index);
+    }
+    started = carried;
     c += n_tiles;
   }
+  if (cwg == 0) bar_sync(my_turn, 256);  // the second warpgroup's last hand-over
 #endif
 }
 
