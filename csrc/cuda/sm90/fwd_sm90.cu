@@ -7,6 +7,7 @@
 #include "fwd_sm90.cuh"
 #include "fwd_ws_sm90.cuh"
 #include "launch.h"
+#include "tma_map.h"
 
 namespace flashattn::cuda::sm90 {
 
@@ -80,13 +81,24 @@ bool register_pool_holds() {
 
 enum class Sm90Forward { kNone, kWarpSpecialized, kTwoWarpGroups };
 
+// The warp-specialized kernel's tensor maps of q, k and v; false where the driver refuses one (or a
+// size exceeds the copies' 32-bit coordinates).
+template <class Cfg>
+bool encode_ws_maps(const FwdParams& p, FwdPanelMaps& maps) {
+  constexpr int64_t kMaxCoord = 0x7fffffff;
+  if (p.batch > kMaxCoord || p.heads_q > kMaxCoord || p.len_q > kMaxCoord || p.len_k > kMaxCoord) return false;
+  return encode_panel_map(&maps.q, p.q, p.q_stride, p.batch, p.heads_q, p.len_q, p.head_dim, Cfg::kBM) &&
+         encode_panel_map(&maps.k, p.k, p.k_stride, p.batch, p.heads_kv, p.len_k, p.head_dim, Cfg::kBN) &&
+         encode_panel_map(&maps.v, p.v, p.v_stride, p.batch, p.heads_kv, p.len_k, p.head_dim_v, Cfg::kBN);
+}
+
 // The sm90/ kernel that takes the call, or none (the sm80/ kernels then do): plain calls (no optional
 // feature) with head_dim == head_dim_v == kDim on an sm_90 GPU whose block gets the kernel's smem,
 // rows that see the kernel's minimum of keys, on grids of at least a block per SM (smaller grids go to
 // the sm80/ kernels, which split walks over keys where the GPU has room). FLASHATTN_CUDA_KERNELS=wgmma
-// drops the last two conditions.
+// drops the last two conditions. The warp-specialized kernel's tensor maps are encoded into `maps`.
 template <class Elem, int kDim>
-Sm90Forward sm90_forward_for(const FwdParams& p) {
+Sm90Forward sm90_forward_for(const FwdParams& p, FwdPanelMaps& maps) {
   using Ws = FwdWsConfig<Elem, kDim>;
   using TwoWg = FwdWgmmaConfig<Elem, kDim>;
   const WgmmaMode mode = wgmma_mode();
@@ -103,7 +115,7 @@ Sm90Forward sm90_forward_for(const FwdParams& p) {
   if constexpr (Ws::kServed) {
     const int64_t min_keys = p.causal ? Ws::kMinCausalKeys : Ws::kMinKeys;
     if (min_keys >= 0 && Ws::kSmemBytes <= lim.smem_optin && register_pool_holds<Elem, kDim>() &&
-        (forced || (keys >= min_keys && fills_gpu(Ws::kBM))))
+        (forced || (keys >= min_keys && fills_gpu(Ws::kBM))) && encode_ws_maps<Ws>(p, maps))
       return Sm90Forward::kWarpSpecialized;
   }
   if constexpr (TwoWg::kServed) {
@@ -137,12 +149,14 @@ FwdGrid fwd_grid(const FwdParams& p) {
 
 template <class Elem, int kDim>
 bool fwd_wgmma_serves(const FwdParams& p) {
-  return sm90_forward_for<Elem, kDim>(p) != Sm90Forward::kNone;
+  FwdPanelMaps maps;
+  return sm90_forward_for<Elem, kDim>(p, maps) != Sm90Forward::kNone;
 }
 
 template <class Elem, int kDim>
 bool fwd_wgmma(const FwdParams& p, cudaStream_t stream) {
-  const Sm90Forward kernel = sm90_forward_for<Elem, kDim>(p);
+  FwdPanelMaps maps;
+  const Sm90Forward kernel = sm90_forward_for<Elem, kDim>(p, maps);
   if (kernel == Sm90Forward::kNone || !wgmma_compiled(stream)) return false;
   if constexpr (FwdWsConfig<Elem, kDim>::kServed) {
     if (kernel == Sm90Forward::kWarpSpecialized) {
@@ -152,7 +166,8 @@ bool fwd_wgmma(const FwdParams& p, cudaStream_t stream) {
       const int64_t slots = int64_t(device_limits().sms) * (g.per_sm > 0 ? g.per_sm : 1);
       const int64_t grid = !p.causal && g.blocks > slots ? slots : g.blocks;
       fwd_ws_kernel<Elem, kDim>
-          <<<unsigned(grid), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, g.num_m_tiles, unsigned(g.blocks), g.order);
+          <<<unsigned(grid), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, maps, g.num_m_tiles, unsigned(g.blocks),
+                                                                      g.order);
       check_launch("sm90 forward");
       return true;
     }

@@ -67,25 +67,17 @@ __device__ __forceinline__ int panel_offset(int row, int chunk) {
 // panel layout, rows from `rows` on zero-filled (their source ignored). A thread takes one chunk
 // column and every (kThreads / chunks-per-row)-th row: its rows agree modulo 8, so the swizzled
 // offset is one constant.
-// kRolled: a loop that steps its pointers instead of an unrolled one (fewer registers: a producer
-// warpgroup that has given its registers to the consumers).
-template <int kRows, int kDim, int kThreads, class Elem, bool kRolled = false>
+template <int kRows, int kDim, int kThreads, class Elem>
 __device__ __forceinline__ void copy_panels(unsigned char* dst, const Elem* g, int64_t g_ld, int rows, int tid) {
   constexpr int kPerRow = kDim / 8, kRowStep = kThreads / kPerRow;
   static_assert(kRowStep % 8 == 0 && kRows % kRowStep == 0, "a thread's rows agree modulo 8");
   const int r0 = tid / kPerRow, c = tid % kPerRow;
   unsigned char* d = dst + panel_offset<kRows>(r0, c);
   const Elem* src = g + r0 * g_ld + c * 8;
-  if constexpr (kRolled) {
-#pragma unroll 1
-    for (int r = r0; r < kRows; r += kRowStep, d += kRowStep * 128, src += kRowStep * g_ld)
-      cp_async_16_zfill(d, r < rows ? src : g, r < rows);
-  } else {
 #pragma unroll
-    for (int it = 0; it < kRows / kRowStep; ++it) {
-      const bool valid = r0 + it * kRowStep < rows;
-      cp_async_16_zfill(d + it * kRowStep * 128, valid ? src + it * kRowStep * g_ld : g, valid);
-    }
+  for (int it = 0; it < kRows / kRowStep; ++it) {
+    const bool valid = r0 + it * kRowStep < rows;
+    cp_async_16_zfill(d + it * kRowStep * 128, valid ? src + it * kRowStep * g_ld : g, valid);
   }
 }
 

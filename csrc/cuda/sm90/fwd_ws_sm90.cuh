@@ -1,6 +1,6 @@
 // Warp-specialized forward on wgmma (sm_90a): plain fp16 / bf16 calls at head dims 64 and 128. A
-// block of three warpgroups: the first copies Q, K and V tiles into smem (cp.async, then each copy's
-// landing published through an mbarrier), the other two take 64 query rows each and never wait for
+// block of three warpgroups: in the first one thread copies Q, K and V tiles into smem (TMA, each
+// copy completing an mbarrier's phase), the other two take 64 query rows each and never wait for
 // each other at a block barrier: they take turns at issuing their products (two named barriers), so
 // that one's softmax runs while the other's products use the tensor cores (FlashAttention-3's
 // ping-pong), each besides overlapping its own softmax of tile i + 1 with its P V of tile i as
@@ -14,6 +14,7 @@
 #pragma once
 #include "fwd_sm90.cuh"
 #include "../common/barrier.cuh"
+#include "../common/tma.cuh"
 
 namespace flashattn::cuda::sm90 {
 
@@ -29,12 +30,10 @@ struct FwdWsConfig {
   // buffer), and room to align to 1024: 97 KB at dim 64, 193 KB at 128.
   static constexpr size_t kSmemBytes = kBarOffset + (4 * kStages + 2) * 8 + 1024;
   // Registers per thread after the hand-over (128 x producer + 256 x consumer <= 384 x 168, the
-  // launch's pool). Dim 128: the consumers need ~230; the producer then copies in a rolled loop (at
-  // 24 its unrolled copies spilled 452 B).
-  static constexpr int kProducerRegs = kDim == 64 ? 64 : 40, kConsumerRegs = kDim == 64 ? 216 : 232;
-  static constexpr bool kRolledCopies = kDim != 64;
+  // launch's pool; the consumers need ~230 at dim 128).
+  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
   // An item's last P V issued with the next item's S 0 (fwd_ws_kernel's consumers): at dim 128 the two
-  // items' state does not fit in 232 registers (412 B of spills, serialized products).
+  // items' state does not fit in 240 registers (376 B of spills).
   static constexpr bool kCarryAcrossItems = kDim == 64;
   // Taken (fwd_sm90.cu) non-causal where rows see at least kMinKeys keys; causal at dim 64 where they
   // see on average kMinCausalKeys (dim 128's causal calls take fwd_sm90.cuh's kernel). H100, bf16,
@@ -48,9 +47,15 @@ struct FwdWsConfig {
   static constexpr int64_t kMinCausalKeys = kDim == 64 ? 4096 : -1;  // -1: never
 };
 
+// Tensor maps of q, k and v (sm90/tma_map.h): 64-column boxes of kBM query rows, of kBN keys.
+struct FwdPanelMaps {
+  CUtensorMap q, k, v;
+};
+
 template <class Elem, int kDim>
 __global__ void __launch_bounds__(FwdWsConfig<Elem, kDim>::kThreads, 1)
-    fwd_ws_kernel(const FwdParams p, int num_m_tiles, unsigned num_work, sm80::HeavyLast order) {
+    fwd_ws_kernel(const FwdParams p, const __grid_constant__ FwdPanelMaps maps, int num_m_tiles, unsigned num_work,
+                  sm80::HeavyLast order) {
 #ifdef FLASHATTN_WGMMA
   using Cfg = FwdWsConfig<Elem, kDim>;
   using Exp = ExpDomain<float>;
@@ -65,7 +70,7 @@ __global__ void __launch_bounds__(FwdWsConfig<Elem, kDim>::kThreads, 1)
   auto sK = [&](int stage) { return kv_tiles + stage * Cfg::kKvBytes; };
   auto sV = [&](int stage) { return kv_tiles + (kStages + stage) * Cfg::kKvBytes; };
   uint64_t* const bars = reinterpret_cast<uint64_t*>(tiles + Cfg::kBarOffset);
-  uint64_t* const k_full = bars;                  // the producer's 128 threads: K c landed (with Q at an item's K 0)
+  uint64_t* const k_full = bars;                  // the producer's copies: K c landed (with Q at an item's K 0)
   uint64_t* const v_full = bars + kStages;        // ... V c landed
   uint64_t* const k_empty = bars + 2 * kStages;   // the consumers' 256 threads: done reading K c
   uint64_t* const v_empty = bars + 3 * kStages;   // ... V c
@@ -74,12 +79,13 @@ __global__ void __launch_bounds__(FwdWsConfig<Elem, kDim>::kThreads, 1)
   const int tid = threadIdx.x, wg = tid / 128;
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(k_full + s, 128);
-      mbar_init(v_full + s, 128);
+      mbar_init(k_full + s, 1);
+      mbar_init(v_full + s, 1);
       mbar_init(k_empty + s, 128 * Cfg::kConsumers);
       mbar_init(v_empty + s, 128 * Cfg::kConsumers);
     }
     for (int b = 0; b < 2; ++b) mbar_init(q_empty + b, 128 * Cfg::kConsumers);
+    fence_mbar_init();
   }
   __syncthreads();
 
@@ -87,48 +93,41 @@ __global__ void __launch_bounds__(FwdWsConfig<Elem, kDim>::kThreads, 1)
   // item k of the block uses Q buffer k % 2. Key tiles count on across the block's items: its c-th
   // K and V tiles take stage c % kStages, and the mbarriers' phases follow c / kStages.
   if (wg == 0) {
-    // Producer: per item, copy groups K 0 (with Q), V 0, K 1, V 1, ...; a group's landing is
-    // published once the next group is issued (its copies waited for, fenced for the async proxy,
-    // then an arrive), the block's last group at the end.
+    // Producer: one thread issues every copy (TMA, a 64-column panel per box), per item K 0 with Q,
+    // V 0, K 1, V 1, ...; each copy's bytes complete the phase of its full barrier.
     setmaxnreg_dec<Cfg::kProducerRegs>();
-    uint64_t* pending = nullptr;  // the full barrier of the last group issued, not yet published
+    if (tid != 0) return;
+    tma_prefetch_map(&maps.q);
+    tma_prefetch_map(&maps.k);
+    tma_prefetch_map(&maps.v);
+    constexpr int kPanels = kDim / 64;
     int c = 0;
     unsigned item = 0;
     for (unsigned index = blockIdx.x; index < num_work; index += gridDim.x, ++item) {
       const Tile tile(p, num_m_tiles, order, index);
-      const Seq& sq = tile.sq;
-      const Elem* k = sq.k_rows<const Elem>(p.k, p.k_stride, tile.hk, 0);
-      const Elem* v = sq.k_rows<const Elem>(p.v, p.v_stride, tile.hk, 0);
-      for (int j = 0; j < 2 * tile.n_tiles; ++j) {
-        const int i = j / 2, cc = c + i, stage = cc % kStages;
-        const bool is_k = j % 2 == 0;
-        if (cc >= kStages) mbar_wait(is_k ? k_empty + stage : v_empty + stage, uint32_t(cc / kStages - 1) & 1);
-        const int64_t n0 = tile.n_begin + int64_t(i) * kBN;
-        const int keys = sq.k_tile_rows(n0, kBN);
-        if (is_k) {
-          if (j == 0) {
-            if (item >= 2) mbar_wait(q_empty + item % 2, uint32_t(item / 2 - 1) & 1);
-            copy_panels<kBM, kDim, 128, Elem, Cfg::kRolledCopies>(sQ(item % 2), sq.q_rows<const Elem>(p.q, p.q_stride, tile.h, tile.m0),
-                                        p.q_stride.row, tile.rows, tid);
-          }
-          copy_panels<kBN, kDim, 128, Elem, Cfg::kRolledCopies>(sK(stage), k + n0 * p.k_stride.row, p.k_stride.row, keys, tid);
+      const int b = int(tile.sq.tb), hk = int(tile.hk);
+      for (int i = 0; i < tile.n_tiles; ++i) {
+        const int cc = c + i, stage = cc % kStages;
+        const uint32_t empty_parity = uint32_t(cc / kStages - 1) & 1;
+        const int n0 = int(tile.n_begin) + i * kBN;
+        if (cc >= kStages) mbar_wait(k_empty + stage, empty_parity);
+        if (i == 0) {
+          if (item >= 2) mbar_wait(q_empty + item % 2, uint32_t(item / 2 - 1) & 1);
+          mbar_arrive_expect_tx(k_full + stage, Cfg::kQBytes + Cfg::kKvBytes);
+#pragma unroll
+          for (int pn = 0; pn < kPanels; ++pn)
+            tma_load_4d(sQ(item % 2) + pn * kBM * 128, &maps.q, k_full + stage, 64 * pn, int(tile.m0), int(tile.h), b);
         } else {
-          copy_panels<kBN, kDim, 128, Elem, Cfg::kRolledCopies>(sV(stage), v + n0 * p.v_stride.row, p.v_stride.row, keys, tid);
+          mbar_arrive_expect_tx(k_full + stage, Cfg::kKvBytes);
         }
-        cp_async_commit();
-        if (pending != nullptr) {
-          cp_async_wait<1>();
-          fence_proxy_async();
-          mbar_arrive(pending);
-        }
-        pending = is_k ? k_full + stage : v_full + stage;
+#pragma unroll
+        for (int pn = 0; pn < kPanels; ++pn) tma_load_4d(sK(stage) + pn * kBN * 128, &maps.k, k_full + stage, 64 * pn, n0, hk, b);
+        if (cc >= kStages) mbar_wait(v_empty + stage, empty_parity);
+        mbar_arrive_expect_tx(v_full + stage, Cfg::kKvBytes);
+#pragma unroll
+        for (int pn = 0; pn < kPanels; ++pn) tma_load_4d(sV(stage) + pn * kBN * 128, &maps.v, v_full + stage, 64 * pn, n0, hk, b);
       }
       c += tile.n_tiles;
-    }
-    if (pending != nullptr) {
-      cp_async_wait<0>();
-      fence_proxy_async();
-      mbar_arrive(pending);
     }
     return;
   }
@@ -164,6 +163,7 @@ __global__ void __launch_bounds__(FwdWsConfig<Elem, kDim>::kThreads, 1)
   auto store = [&](const Tile& tile, unsigned item) {
     // (only this warpgroup's products read its rows of the Q tile)
     w.store(sQ(item % 2), p, Rows::dest(p, tile), wrow, lane);
+    fence_proxy_async();  // the staging's smem writes before the producer's next TMA copy there
     mbar_arrive(q_empty + item % 2);
   };
 

@@ -1,0 +1,55 @@
+// Host side of the TMA copies (common/tma.cuh): tensor maps of the 16-bit (batch, heads, rows, dim)
+// operands, encoded per call through the driver's cuTensorMapEncodeTiled.
+#pragma once
+#include <cuda.h>
+#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "../../params.h"
+
+namespace flashattn::cuda::sm90 {
+
+// The driver's cuTensorMapEncodeTiled, looked up through the runtime (the extension does not link
+// libcuda), or null where the driver has none.
+inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 encoder = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+#if CUDART_VERSION >= 12050
+    const cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found);
+#else
+    const cudaError_t err = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &fn, cudaEnableDefault, &found);
+#endif
+    return err == cudaSuccess && found == cudaDriverEntryPointSuccess
+               ? reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn)
+               : nullptr;
+  }();
+  return encoder;
+}
+
+// A map of the 16-bit tensor at `base` (batch, heads, rows, dim; element strides `s`, the last
+// dimension contiguous, rows 16-byte aligned) whose box is 64 columns by `box_rows` rows, 128-byte
+// swizzled: a box lands as one panel of common/wgmma.cuh's layout (the smem address 1024-byte
+// aligned), rows past the tensor's end as zeros. False where the driver refuses the map (the caller
+// then leaves the call to another kernel).
+inline bool encode_panel_map(CUtensorMap* map, const void* base, const Strides& s, int64_t batch, int64_t heads,
+                             int64_t rows, int64_t dim, int box_rows) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  if (encode == nullptr) return false;
+  // A dimension of size 1 is never stepped along: its stride is given as a dense layout's, whatever
+  // the tensor's (torch may report any stride there).
+  const int64_t dense_row = dim * 2, dense_head = rows * dense_row, dense_batch = heads * dense_head;
+  const cuuint64_t sizes[4] = {cuuint64_t(dim), cuuint64_t(rows), cuuint64_t(heads), cuuint64_t(batch)};
+  const cuuint64_t strides[3] = {cuuint64_t(rows == 1 ? dense_row : s.row * 2),
+                                 cuuint64_t(heads == 1 ? dense_head : s.head * 2),
+                                 cuuint64_t(batch == 1 ? dense_batch : s.batch * 2)};
+  const cuuint32_t box[4] = {64, cuuint32_t(box_rows), 1, 1};
+  const cuuint32_t element_steps[4] = {1, 1, 1, 1};
+  return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, const_cast<void*>(base), sizes, strides, box, element_steps,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+}  // namespace flashattn::cuda::sm90
