@@ -343,6 +343,23 @@ def test_transposed_blhe_inputs(device, dtype, causal):
     _assert_no_copies(lambda: torch.ops.flashattn.bwd(dout, q, k, v, out, lse, None, 0.2, causal, False))
 
 
+@pytest.mark.parametrize("dtype,head_dim", [(torch.bfloat16, 64), (torch.float16, 128)], ids=["bf16-64", "fp16-128"])
+@pytest.mark.parametrize("causal", [NONE, BOTTOM_RIGHT], ids=["none", "bottom_right"])
+def test_strided_views_at_hopper_dims(device, dtype, head_dim, causal):
+    """Views read in place at the head dims of the warp-specialized Hopper forward, whose copies address
+    the operands through tensor maps (sm90/tma_map.h; on sm_90 FLASHATTN_CUDA_KERNELS=wgmma sends these
+    small grids to it): (batch, len, heads, dim) queries, keys / values a slice of a longer cache in that
+    layout (GQA). The forward gives the bits of contiguous copies, and the reference's answers."""
+    b, h, hk, lq, lk, e = 2, 4, 2, 200, 300, head_dim
+    q = torch.randn(b, lq, h, e, dtype=dtype, device=device).transpose(1, 2)
+    cache_k, cache_v = (torch.randn(b, 512, hk, e, dtype=dtype, device=device) for _ in range(2))
+    k, v = (c[:, 100:100 + lk].transpose(1, 2) for c in (cache_k, cache_v))
+    out, lse = ours(q, k, v, e**-0.5, causal)
+    out_c, lse_c = ours(q.contiguous(), k.contiguous(), v.contiguous(), e**-0.5, causal)
+    assert torch.equal(out, out_c) and torch.equal(lse, lse_c)
+    check_against_reference(q, k, v, e**-0.5, causal)
+
+
 @pytest.mark.parametrize("head_dim", [96, 128])
 def test_decode_from_a_cache_slice(device, head_dim):
     """A decode step as a server runs it: one query row per head of (batch, len, heads, dim) tensors,
