@@ -20,6 +20,8 @@ def child(args):
     import torch
     import torch.nn.functional as F
 
+    # The flash variant's process names no tree of its own: this script's one, after any PYTHONPATH.
+    sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import flashattn_ext
     from flashattn_ext import _measure as M
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]

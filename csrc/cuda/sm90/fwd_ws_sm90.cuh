@@ -37,13 +37,13 @@ struct FwdWsConfig {
   static constexpr bool kCarryAcrossItems = kDim == 64;
   // Taken (fwd_sm90.cu) non-causal where rows see at least kMinKeys keys; causal at dim 64 where they
   // see on average kMinCausalKeys (dim 128's causal calls take fwd_sm90.cuh's kernel). H100, bf16,
-  // forward TFLOP/s, three interleaved rounds (benchmarks/NOTES_sm90.md Version 4), non-causal, this
-  // kernel / fwd_sm90.cuh's / the sm80/ one / SDPA-flash: dim 128 L = 512 355 / 333 / 312 / 284,
-  // 1024 391 / 383 / 336 / 324, 2048 418 / 412 / 351 / 324; dim 64 (this / sm80/ / flash) L = 512
-  // 256 / 267 / 250, 1024 309 / 294 / 275, 8192 351 / 330 / 300. Causal, one block per item (the
-  // 2-warpgroup kernel / the sm80/ one): dim 64 L = 2048 282 / 295, 8192 357 / 339, 16384 360 / 343;
-  // dim 128 (this / fwd_sm90.cuh's or sm80/'s) L = 512 159 / 196, 1024 249 / 294, 2048 367 / 373.
-  static constexpr int64_t kMinKeys = kDim == 64 ? 1024 : 512;
+  // forward TFLOP/s, three interleaved rounds (benchmarks/NOTES_sm90.md Version 6), non-causal, this
+  // kernel (TMA producer) / the sm80/ kernel: dim 64 L = 512 304 / 286, 1024 354 / 309 (as dispatched
+  // before), 2048 369, 8192 388; dim 128 L = 512 454 / 356 (the kernel before TMA), 1024 518 / 397,
+  // 4096 553 / 434. Causal, one block per item (Version 4, before TMA; the 2-warpgroup kernel / the
+  // sm80/ one): dim 64 L = 2048 282 / 295, 8192 357 / 339, 16384 360 / 343; dim 128 (this /
+  // fwd_sm90.cuh's or sm80/'s) L = 512 159 / 196, 1024 249 / 294, 2048 367 / 373.
+  static constexpr int64_t kMinKeys = 512;
   static constexpr int64_t kMinCausalKeys = kDim == 64 ? 4096 : -1;  // -1: never
 };
 
