@@ -114,7 +114,7 @@ Sm90Forward sm90_forward_for(const FwdParams& p, FwdPanelMaps& maps) {
   };
   if constexpr (Ws::kServed) {
     const int64_t min_keys = p.causal ? Ws::kMinCausalKeys : Ws::kMinKeys;
-    if (min_keys >= 0 && Ws::kSmemBytes <= lim.smem_optin && register_pool_holds<Elem, kDim>() &&
+    if (Ws::kSmemBytes <= lim.smem_optin && register_pool_holds<Elem, kDim>() &&
         (forced || (keys >= min_keys && fills_gpu(Ws::kBM))) && encode_ws_maps<Ws>(p, maps))
       return Sm90Forward::kWarpSpecialized;
   }

@@ -35,16 +35,15 @@ struct FwdWsConfig {
   // An item's last P V issued with the next item's S 0 (fwd_ws_kernel's consumers): at dim 128 the two
   // items' state does not fit in 240 registers (376 B of spills).
   static constexpr bool kCarryAcrossItems = kDim == 64;
-  // Taken (fwd_sm90.cu) non-causal where rows see at least kMinKeys keys; causal at dim 64 where they
-  // see on average kMinCausalKeys (dim 128's causal calls take fwd_sm90.cuh's kernel). H100, bf16,
-  // forward TFLOP/s, three interleaved rounds (benchmarks/NOTES_sm90.md Version 6), non-causal, this
-  // kernel (TMA producer) / the sm80/ kernel: dim 64 L = 512 304 / 286, 1024 354 / 309 (as dispatched
-  // before), 2048 369, 8192 388; dim 128 L = 512 454 / 356 (the kernel before TMA), 1024 518 / 397,
-  // 4096 553 / 434. Causal, one block per item (Version 4, before TMA; the 2-warpgroup kernel / the
-  // sm80/ one): dim 64 L = 2048 282 / 295, 8192 357 / 339, 16384 360 / 343; dim 128 (this /
-  // fwd_sm90.cuh's or sm80/'s) L = 512 159 / 196, 1024 249 / 294, 2048 367 / 373.
+  // Taken (fwd_sm90.cu) where rows see at least kMinKeys keys, on causal grids kMinCausalKeys on
+  // average. H100, bf16, forward TFLOP/s, interleaved rounds (benchmarks/NOTES_sm90.md Version 6), this
+  // kernel (TMA producer) / what took the call before: non-causal dim 64 L = 512 304 / 286 (sm80/),
+  // 1024 354 / 309, 8192 388 / 359; dim 128 L = 512 454 / 356, 1024 518 / 397, 4096 553 / 434 (the
+  // kernel before TMA). Causal (a block per item) dim 128 L = 512 235 / 205 (fwd_sm90.cuh's kernel),
+  // 1024 351 / 273, 2048 439 / 376, 8192 515 / 418; dim 64 L = 512 150 / 187 (as dispatched before), 1024 222 / 249,
+  // 2048 292 / 295, 4096 345 / 314, 16384 380 / 380 (this kernel from 4096 mean keys before).
   static constexpr int64_t kMinKeys = 512;
-  static constexpr int64_t kMinCausalKeys = kDim == 64 ? 4096 : -1;  // -1: never
+  static constexpr int64_t kMinCausalKeys = kDim == 64 ? 2048 : 0;
 };
 
 // Tensor maps of q, k and v (sm90/tma_map.h): 64-column boxes of kBM query rows, of kBN keys.
