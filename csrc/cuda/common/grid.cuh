@@ -17,21 +17,17 @@ struct TileBlock {
 // the most keys, and starting them first keeps them off the tail of the grid.
 // `block`: the block's index in that enumeration (blockIdx.x, or another block's where one block
 // does the work of several, sm80/tail_split.cuh, or runs another's, sm80/causal_order.cuh).
-// The arithmetic is 32-bit: a grid has fewer than 2^31 blocks, so the block index, the counts and
-// the heads all fit (a 64-bit division is a subroutine of ~85 instructions, which a persistent
-// kernel, sm90/fwd_ws_sm90.cuh, would pay per work item).
 __device__ __forceinline__ TileBlock tile_block(int num_tiles, int num_splits, int64_t heads,
                                                 bool heaviest_first, unsigned block) {
-  const unsigned tiles = unsigned(num_tiles), splits = unsigned(num_splits), head_count = unsigned(heads);
-  unsigned bid = block;
+  int64_t bid = block;
   TileBlock blk;
-  const int tile = int(bid % tiles);
+  const int tile = int(bid % num_tiles);
   blk.tile = heaviest_first ? num_tiles - 1 - tile : tile;
-  bid /= tiles;
-  blk.split = int(bid % splits);
-  bid /= splits;
-  blk.head = bid % head_count;
-  blk.batch = bid / head_count;
+  bid /= num_tiles;
+  blk.split = int(bid % num_splits);
+  bid /= num_splits;
+  blk.head = bid % heads;
+  blk.batch = bid / heads;
   return blk;
 }
 __device__ __forceinline__ TileBlock tile_block(int num_tiles, int num_splits, int64_t heads,
@@ -40,10 +36,9 @@ __device__ __forceinline__ TileBlock tile_block(int num_tiles, int num_splits, i
 }
 
 // The kv head that query head h reads (GQA/MQA groups of heads_q / heads_kv query heads).
-// (32-bit, as tile_block: h < heads_q < 2^31.)
 template <class Params>
 __device__ __forceinline__ int64_t kv_head(const Params& p, int64_t h) {
-  return unsigned(h) / unsigned(p.heads_q / p.heads_kv);
+  return h / (p.heads_q / p.heads_kv);
 }
 
 }  // namespace flashattn::cuda
