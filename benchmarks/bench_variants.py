@@ -1,14 +1,17 @@
-"""Forward TFLOP/s of kernel variants chosen by environment variables (FLASHATTN_CUDA_KERNELS=sm80 /
-wgmma, ...), each in its own process, in interleaved rounds: variant A, B, C, A, B, C, ... so that a
-slow stretch of the GPU (medians 20-80% low now and then, benchmarks/NOTES_sm90.md Version 4) hits
-one reading, not one variant. Prints every round and the mean over rounds per variant and row.
+"""Forward (or backward) TFLOP/s of kernel variants chosen by environment variables
+(FLASHATTN_CUDA_KERNELS=sm80 / wgmma, PYTHONPATH=another build, ...), each in its own process, in
+interleaved rounds: variant A, B, C, A, B, C, ... so that a slow stretch of the GPU (medians 20-80% low
+now and then, benchmarks/NOTES_sm90.md Version 4) hits one reading, not one variant. Prints every round
+and the mean over rounds per variant and row.
 
   python benchmarks/bench_variants.py --rows 128:512,64:1024 --rounds 3 \\
       --variant sm80 FLASHATTN_CUDA_KERNELS=sm80 --variant wgmma FLASHATTN_CUDA_KERNELS=wgmma --flash
 
 Rows are E:L, non-causal unless --causal, bf16 unless --dtype fp16, B·L = 16384 and H·E = 2048 as in
-bench_gpu.py. One process times its rows with 40 calls per median after at least 0.3 s of warm-up; a process that
-fails or runs past --child-timeout seconds (a kernel that hangs) leaves its round's readings empty."""
+bench_gpu.py; the forward, or with --pass bwd the backward alone on a retained graph of one forward as
+bench_gpu.py times it (FLOPs 2.5x the forward's). One process times its rows with 40 calls per median
+after at least 0.3 s of warm-up; a process that fails or runs past --child-timeout seconds (a kernel
+that hangs) leaves its round's readings empty."""
 import argparse
 import os
 import statistics
@@ -26,11 +29,11 @@ def child(args):
     from flashattn_ext import _measure as M
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
 
-    def run(q, k, v):
+    def attn(q, k, v, causal):
         if args.impl == "flash":
             with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=args.causal)
-        return flashattn_ext.scaled_dot_product_attention(q, k, v, is_causal=args.causal)
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return flashattn_ext.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
     out = []
     for row in args.rows.split(","):
@@ -38,9 +41,13 @@ def child(args):
         b, h = 16384 // length, 2048 // e
         if args.device == "cpu":  # a debug run of the script's own code: tiny shapes
             b, h, length = 1, 2, min(length, 128)
-        q, k, v = (torch.randn(b, h, length, e, device=args.device, dtype=dtype) for _ in range(3))
-        ms = M.median_ms(lambda: run(q, k, v), args.device, warmup=3, repeats=40, warmup_s=0.3)
-        flops = 4 * b * h * length * length * e / (2 if args.causal else 1)
+        q, k, v, dout = M.make_inputs(b, h, length, e, dtype, args.device)
+        if args.pass_ == "bwd":
+            fn = M.bwd_only_fn(attn, q, k, v, dout, args.causal)
+        else:
+            fn = lambda: attn(q, k, v, args.causal)  # noqa: E731
+        ms = M.median_ms(fn, args.device, warmup=3, repeats=40, warmup_s=0.3)
+        flops = M.attention_flops(b, h, length, length, e, args.causal, args.pass_)
         out.append(f"{flops / ms / 1e9:.1f}")
     print(" ".join(out))
 
@@ -54,6 +61,7 @@ def main():
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--causal", action="store_true")
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    p.add_argument("--pass", dest="pass_", choices=("fwd", "bwd"), default="fwd")
     p.add_argument("--device", default="cuda", help="'cpu' runs the script's code on tiny shapes (debug only)")
     p.add_argument("--child-timeout", type=float, default=180.0, help="seconds a variant's process may take")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -73,7 +81,8 @@ def main():
         p.error(f"variant names must differ: {[name for name, _, _ in variants]}")
     rows = args.rows.split(",")
     readings = {name: [] for name, _, _ in variants}
-    base = [sys.executable, __file__, "--child", "--rows", args.rows, "--dtype", args.dtype, "--device", args.device]
+    base = [sys.executable, __file__, "--child", "--rows", args.rows, "--dtype", args.dtype, "--device", args.device,
+            "--pass", args.pass_]
     base += ["--causal"] if args.causal else []
     for r in range(args.rounds):
         for name, env, impl in variants:
@@ -89,7 +98,7 @@ def main():
             values = [float(x) for x in res.stdout.split()]
             readings[name].append(values)
             print(f"round {r + 1} {name:>12}: " + " ".join(f"{row}={x}" for row, x in zip(rows, values)), flush=True)
-    print(f"\nmean over {args.rounds} rounds, TFLOP/s ({args.dtype}, {'causal' if args.causal else 'non-causal'})")
+    print(f"\nmean over {args.rounds} rounds, TFLOP/s ({args.pass_}, {args.dtype}, {'causal' if args.causal else 'non-causal'})")
     print(f"{'variant':>12} " + " ".join(f"{row:>9}" for row in rows))
     for name, values in readings.items():
         means = [statistics.mean(col) for col in zip(*values)] if values else [float("nan")] * len(rows)
