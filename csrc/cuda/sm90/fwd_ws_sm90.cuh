@@ -40,8 +40,9 @@ struct FwdWsConfig {
   // kernel (TMA producer) / what took the call before: non-causal dim 64 L = 512 304 / 286 (sm80/),
   // 1024 354 / 309, 8192 388 / 359; dim 128 L = 512 454 / 356, 1024 518 / 397, 4096 553 / 434 (the
   // kernel before TMA). Causal (a block per item) dim 128 L = 512 235 / 205 (fwd_sm90.cuh's kernel),
-  // 1024 351 / 273, 2048 439 / 376, 8192 515 / 418; dim 64 L = 512 150 / 187 (as dispatched before), 1024 222 / 249,
-  // 2048 292 / 295, 4096 345 / 314, 16384 380 / 380 (this kernel from 4096 mean keys before).
+  // 1024 351 / 273, 2048 439 / 376, 8192 515 / 418; dim 64 L = 512 150 / 187 (as dispatched before),
+  // 1024 222 / 249, 2048 292 / 295, 4096 345 / 314, 16384 380 / 380 (this kernel from 4096 mean keys
+  // before).
   static constexpr int64_t kMinKeys = 512;
   static constexpr int64_t kMinCausalKeys = kDim == 64 ? 2048 : 0;
 };
