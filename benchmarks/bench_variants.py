@@ -1,7 +1,7 @@
 """Forward (or backward) TFLOP/s of kernel variants chosen by environment variables
 (FLASHATTN_CUDA_KERNELS=sm80 / wgmma, PYTHONPATH=another build, ...), each in its own process, in
 interleaved rounds: variant A, B, C, A, B, C, ... so that a slow stretch of the GPU (medians 20-80% low
-now and then, benchmarks/NOTES_sm90.md Version 4) hits one reading, not one variant. Prints every round
+now and then, docs/performance.md) hits one reading, not one variant. Prints every round
 and the mean over rounds per variant and row.
 
   python benchmarks/bench_variants.py --rows 128:512,64:1024 --rounds 3 \\

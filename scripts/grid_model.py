@@ -9,7 +9,7 @@ slots each take the next block in grid order when free. Printed per head dim and
 the plain order (tile fastest, heaviest first, then head) and of csrc/cuda/sm80/causal_order.cuh's
 order (the last pairs for two waves, tile slowest, where a pair has at most S / 2 tiles), both over
 the ideal (the total work spread evenly). The model ignores L2 and a block running faster alone
-on its SM; benchmarks/NOTES_sm80.md Version 27 compares it with the measurements.
+on its SM; docs/kernels/sm80_backward.md gives the measurements.
 """
 import argparse
 import heapq

@@ -7,8 +7,8 @@ and as it is in the working tree, for sm_90 with sass_blocks.py's flags, and pri
 registers and spill bytes (ptxas) in both (kernels matched by name and template arguments), and `same` where the two SASS listings are identical,
 else both instruction counts and, for their largest loops, `loop same` where the loop's
 instructions are identical (branch targets masked) or both loops' sizes. A change meant for one kernel
-should leave the others `same`: one that moves another kernel's registers or key loop (NOTES_sm80
-Version 23, items 4, 9 and 11: 1-5% each) shows here before it costs a device call.
+should leave the others `same`: one that moves another kernel's registers or key loop (docs/kernels/
+sm80_forward.md: such moves cost 1-5%) shows here before it costs a device call.
 """
 import argparse
 import concurrent.futures

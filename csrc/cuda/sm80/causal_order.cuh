@@ -9,7 +9,7 @@
 // 0.5-4%). Measured (H200, bf16): backward +1.5-2% at dim 64, +4.5-5.5% at 128, +2-4% at 256,
 // +9-10% at 192 (L = 1024-8192); forward +8-10% at 192 / 256, and +2-7% at dims 64 / 96 / 128 over
 // the pairs of a heavy and a light query tile per block that those took before. The whole grid in
-// that order by groups of pairs measured -5..+3% (benchmarks/NOTES_sm80.md, Version 26): the
+// that order by groups of pairs measured -5..+3% (docs/kernels/sm80_backward.md): the
 // blocks in flight then span several heads, whose operands (and the backward's dQ accumulators)
 // compete for L2.
 #pragma once

@@ -599,7 +599,7 @@ bool launch_fwd(const FwdParams& p, cudaStream_t stream) {
   // Causal calls of the plain variant: the last heads' tiles heaviest first across them
   // (causal_order.cuh; H200, bf16: +8-10% at dims 192 / 256, +2.3-6.6% at 64 / 96 / 128 and
   // +0.3-2.6% at 32 over pairs of a heavy and a light query tile per block, which this kernel
-  // took at dims <= 128 before: benchmarks/NOTES_sm80.md, Version 27). Not with a split (one
+  // took at dims <= 128 before: docs/kernels/sm80_forward.md). Not with a split (one
   // query tile per head: every block's walk the same).
   HeavyLast order;
   if (!kFeatures && p.causal && split.walks == 0) order = plan_heavy_last(l.blocks, l.num_m_tiles, l.per_sm);

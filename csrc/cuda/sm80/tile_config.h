@@ -1,7 +1,7 @@
 // Tile shapes of the tensor-core kernels per element type and head-dim tier, and the host
 // checks that decide whether they can run.
 //
-// Shapes (measured on the H200; see benchmarks/NOTES_sm80.md):
+// Shapes (measured on the H200; see docs/kernels/sm80_forward.md and sm80_backward.md):
 //   fp16/bf16: 4 warps x 32 query rows (B fragments serve two row groups), 2 blocks per SM;
 //              64-key tiles up to dim 128 (with 64 instead of 32 keys the forward measured
 //              19-24% faster at dim 96, 5-9% at 128). The feature variant keeps 32-key tiles

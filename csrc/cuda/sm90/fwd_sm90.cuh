@@ -35,7 +35,7 @@ namespace flashattn::cuda::sm90 {
 // blocks per SM) 13-20% slower at every length; at dim 64 this shape, one with 64-key tiles and two
 // blocks per SM (128 registers), and three warpgroups (128- or 64-key tiles) ran 1.5-30% behind the
 // sm80/ kernel (dim 64 takes the warp-specialized kernel, fwd_ws_sm90.cuh); a persistent grid (the
-// next tile's copies under this one's last products) slowed the key loop 8-10% (benchmarks/NOTES_sm90.md).
+// next tile's copies under this one's last products) slowed the key loop 8-10% (docs/kernels/sm90_forward.md).
 template <class Elem, int kDim>
 struct FwdWgmmaConfig {
   static constexpr bool kServed = kFwdWgmmaTier<Elem, kDim> && kDim != 64;  // dim 64: fwd_ws_sm90.cuh

@@ -36,7 +36,7 @@ struct FwdWsConfig {
   // items' state does not fit in 240 registers (376 B of spills).
   static constexpr bool kCarryAcrossItems = kDim == 64;
   // Taken (fwd_sm90.cu) where rows see at least kMinKeys keys, on causal grids kMinCausalKeys on
-  // average. H100, bf16, forward TFLOP/s, interleaved rounds (benchmarks/NOTES_sm90.md Version 6), this
+  // average. H100, bf16, forward TFLOP/s, interleaved rounds (docs/kernels/sm90_forward_ws.md), this
   // kernel (TMA producer) / what took the call before: non-causal dim 64 L = 512 304 / 286 (sm80/),
   // 1024 354 / 309, 8192 388 / 359; dim 128 L = 512 454 / 356, 1024 518 / 397, 4096 553 / 434 (the
   // kernel before TMA). Causal (a block per item) dim 128 L = 512 235 / 205 (fwd_sm90.cuh's kernel),
