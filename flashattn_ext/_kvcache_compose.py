@@ -1,0 +1,124 @@
+"""flash_attn_with_kvcache composed from torch ops and flashattn::fwd: rotary, the in-place
+append, the cache read (a view, or a gather for cache_batch_idx and paged caches) and one bool
+mask (B, 1, Lq, C) that carries each sequence's length, left padding, causal and window
+(a float bias when ALiBi is on), since the op aligns those against one key length for the whole
+batch. Every shape comes from the tensors' shapes, never from index values, so nothing waits for
+the device and a CUDA graph can capture the call. Correct everywhere, but it reads the whole
+cache (and copies it when gathering): a dedicated decode kernel takes KVCacheArgs instead."""
+import torch
+
+from ._kvcache_values import valid_sequences
+from .functional import checked_fwd
+from .ops import CAUSAL_NONE
+
+
+def forward(a):
+    """(out (B, Lq, H, Ev), lse (B, H, Lq)) for resolved arguments `a` (kvcache.KVCacheArgs)."""
+    valid = valid_sequences(a)
+    seqlens = a.seqlens.long()
+    q = a.q
+    if a.rotary_cos is not None:
+        rows = torch.arange(q.shape[1], device=q.device) if a.rotary_rows_consecutive else \
+            torch.zeros(q.shape[1], dtype=torch.long, device=q.device)
+        q = _rotate(q, a, seqlens[:, None] + rows)
+    if a.len_new and q.shape[0]:
+        k_new = a.k_new
+        if a.rotary_cos is not None:
+            k_new = _rotate(k_new, a, seqlens[:, None] + torch.arange(a.len_new, device=q.device))
+        _append(a, k_new, a.v_new, seqlens, valid)
+    k, v = _read_cache(a)
+    out, lse = checked_fwd(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), a.scale, CAUSAL_NONE,
+                           attn_bias=_mask_or_bias(a, seqlens), softcap=a.softcap)
+    nan = float("nan")
+    out = torch.where(valid[:, None, None, None], out, nan)
+    lse = torch.where(valid[:, None, None], lse, nan)
+    return out.transpose(1, 2), lse
+
+
+def _rotate(x, a, positions):
+    """Rotary embedding of x (B, L, heads, E) at positions (B, L), in float32 (float64 for
+    float64 inputs) and rounded once, as a kernel does in registers."""
+    table = a.rotary_cos.shape[0]
+    positions = positions.clamp(0, table - 1)  # out-of-range sequences are masked by valid_sequences
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    cos = a.rotary_cos[positions].to(acc)[:, :, None, :]
+    sin = a.rotary_sin[positions].to(acc)[:, :, None, :]
+    dim = 2 * cos.shape[-1]
+    part = x[..., :dim].to(acc)
+    if a.rotary_interleaved:
+        x1, x2 = part[..., 0::2], part[..., 1::2]
+        rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    else:
+        x1, x2 = part[..., :dim // 2], part[..., dim // 2:]
+        rotated = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return torch.cat((rotated.to(x.dtype), x[..., dim:]), dim=-1)
+
+
+def _append(a, k_new, v_new, seqlens, valid):
+    """Writes k_new, v_new (B, L_new, Hkv, *) into the caches at seqlens .. seqlens + L_new - 1.
+
+    Every destination is clamped into the cache; the writes of invalid sequences are turned into
+    copies of the first valid write (same place, same value), or into a rewrite of the cache's
+    first row with its own value when no write is valid, so that duplicate destinations carry
+    equal values and the result does not depend on which one lands."""
+    batch, len_new = k_new.shape[:2]
+    positions = seqlens[:, None] + torch.arange(len_new, device=seqlens.device)  # (B, L_new)
+    if a.paged:
+        page = a.k_cache.shape[1]
+        page_index = (positions // page).clamp(0, a.block_table.shape[1] - 1)
+        rows = a.block_table.long().gather(1, page_index).clamp(0, a.k_cache.shape[0] - 1)
+        cols = positions % page
+    else:
+        cache_rows = a.batch_idx.long() if a.batch_idx is not None else torch.arange(batch, device=seqlens.device)
+        rows = cache_rows.clamp(0, a.k_cache.shape[0] - 1)[:, None].expand(batch, len_new)
+        cols = positions.clamp(0, a.k_cache.shape[1] - 1)
+    rows, cols = rows.flatten(), cols.flatten()
+    ok = valid[:, None].expand(batch, len_new).flatten()
+    first = ok.int().argmax()  # the first valid write, or 0 when there is none
+    any_ok = ok.any()
+    zero = torch.zeros((), dtype=torch.long, device=rows.device)
+    rows = torch.where(ok, rows, torch.where(any_ok, rows[first], zero))
+    cols = torch.where(ok, cols, torch.where(any_ok, cols[first], zero))
+    for cache, new in ((a.k_cache, k_new), (a.v_cache, v_new)):
+        values = new.flatten(0, 1)
+        fallback = torch.where(any_ok, values[first], cache[0, 0])
+        cache.index_put_((rows, cols), torch.where(ok[:, None, None], values, fallback))
+
+
+def _read_cache(a):
+    """(B, C, Hkv, *) keys and values of each sequence: the caches themselves when dense and
+    unindexed, else a gather (clamped: invalid sequences are masked by valid_sequences)."""
+    if a.paged:
+        blocks = a.block_table.long().clamp(0, a.k_cache.shape[0] - 1).flatten()
+        batch = a.block_table.shape[0]
+        return tuple(c.index_select(0, blocks).reshape(batch, a.cache_len, *c.shape[2:])
+                     for c in (a.k_cache, a.v_cache))
+    if a.batch_idx is not None:
+        rows = a.batch_idx.long().clamp(0, a.k_cache.shape[0] - 1)
+        return a.k_cache.index_select(0, rows), a.v_cache.index_select(0, rows)
+    return a.k_cache, a.v_cache
+
+
+def _mask_or_bias(a, seqlens):
+    """Bool (B, 1, Lq, C), True = key visible, or with ALiBi a float bias (B, H, Lq, C) with -inf
+    where hidden. Query row i of sequence b sits at key end_b - Lq + i, end_b = seqlens + L_new."""
+    batch, len_q, heads = a.q.shape[0], a.q.shape[1], a.q.shape[2]
+    device = a.q.device
+    end = seqlens + a.len_new
+    leftpad = a.leftpad.long() if a.leftpad is not None else torch.zeros_like(seqlens)
+    key = torch.arange(a.cache_len, device=device)
+    diagonal = (end[:, None] - len_q + torch.arange(len_q, device=device))[:, :, None]  # (B, Lq, 1)
+    visible = (key >= leftpad[:, None, None]) & (key < end[:, None, None])
+    left, right = a.window
+    if a.causal:
+        visible = visible & (key <= diagonal)
+    if left >= 0:
+        visible = visible & (key >= diagonal - left)
+    if right >= 0:
+        visible = visible & (key <= diagonal + right)
+    if a.alibi_slopes is None:
+        return visible[:, None]
+    bias_dtype = torch.float64 if a.q.dtype == torch.float64 else torch.float32
+    slopes = a.alibi_slopes.to(bias_dtype).expand(batch, heads)[:, :, None, None]
+    bias = -slopes * (diagonal - key).abs().to(bias_dtype)[:, None]
+    return bias.masked_fill(~visible[:, None], float("-inf"))

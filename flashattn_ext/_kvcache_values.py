@@ -1,0 +1,68 @@
+"""The per-sequence value rules of flash_attn_with_kvcache (cache_seqlens, cache_leftpad,
+cache_batch_idx, block_table, rotary positions), written as tensor ops that never wait for the
+device. On the CPU a broken rule raises, naming the sequence and its values; on CUDA the same
+rules give the mask of valid sequences, and the composition drops the writes of the others and
+returns NaN for their rows (so a bad value is visible, never an out-of-bounds access)."""
+import torch
+
+
+def _rules(a):
+    """[(ok, message)]: ok is a (B,) bool tensor, message(b) describes sequence b's violation."""
+    seqlens = a.seqlens.long()
+    leftpad = a.leftpad.long() if a.leftpad is not None else torch.zeros_like(seqlens)
+    len_new, cache_len = a.len_new, a.cache_len
+    end = seqlens + len_new
+    rules = [
+        (seqlens >= 0, lambda b: f"cache_seqlens[{b}] = {int(seqlens[b])} must be >= 0"),
+        (end <= cache_len, lambda b: f"cache_seqlens[{b}] = {int(seqlens[b])} plus the {len_new} new keys exceeds "
+                                     f"the cache length {cache_len}: the cache is too short for the append"),
+    ]
+    if a.leftpad is not None:
+        rules.append(((leftpad >= 0) & (leftpad <= seqlens),
+                      lambda b: f"cache_leftpad[{b}] = {int(leftpad[b])} must be in [0, cache_seqlens[{b}] = "
+                                f"{int(seqlens[b])}]"))
+    if a.batch_idx is not None:
+        rows = a.k_cache.shape[0]
+        idx = a.batch_idx.long()
+        rules.append(((idx >= 0) & (idx < rows),
+                      lambda b: f"cache_batch_idx[{b}] = {int(idx[b])} is not a row of k_cache (must be in "
+                                f"[0, {rows}))"))
+    if a.paged:
+        blocks, page = a.k_cache.shape[0], a.k_cache.shape[1]
+        table = a.block_table.long()
+        pages = torch.arange(table.shape[1], device=table.device)
+        # Only the pages that hold keys of the sequence must name a block; the rest may be padding.
+        used = (pages >= (leftpad // page)[:, None]) & (pages * page < end[:, None])
+        bad = used & ((table < 0) | (table >= blocks))
+
+        def page_message(b):
+            p = int(bad[b].nonzero()[0])
+            return (f"block_table[{b}, {p}] = {int(table[b, p])} is not a block of k_cache (must be in [0, {blocks}))"
+                    f"; page {p} holds keys {p * page}..{p * page + page - 1} of sequence {b}, which has keys "
+                    f"{int(leftpad[b])}..{int(end[b]) - 1}")
+        rules.append((~bad.any(1), page_message))
+    if a.rotary_cos is not None:
+        positions = a.rotary_cos.shape[0]
+        len_q = a.q.shape[1]
+        span = max(len_new, len_q if a.rotary_rows_consecutive else min(len_q, 1))
+        last = seqlens + span - 1
+        rules.append((last < positions if span else torch.ones_like(seqlens, dtype=torch.bool),
+                      lambda b: f"rotary_cos has {positions} positions but sequence {b} needs position "
+                                f"{int(last[b])} (cache_seqlens[{b}] = {int(seqlens[b])}, {len_new} new keys, "
+                                f"{len_q} query rows)"))
+    return rules
+
+
+def valid_sequences(a):
+    """(B,) bool: the sequences whose every index value is in range."""
+    ok = torch.ones(a.q.shape[0], dtype=torch.bool, device=a.q.device)
+    for rule_ok, _ in _rules(a):
+        ok = ok & rule_ok
+    return ok
+
+
+def raise_on_invalid(a):
+    """Reads the values (CPU tensors): ValueError naming the first broken rule."""
+    for ok, message in _rules(a):
+        if not bool(ok.all()):
+            raise ValueError(f"flashattn_ext: {message(int((~ok).nonzero()[0]))}")
