@@ -140,7 +140,7 @@ def _check_grad(named):
     if not torch.is_grad_enabled():
         return
     for name, t in named:
-        if t is not None and t.requires_grad:
+        if isinstance(t, torch.Tensor) and t.requires_grad:
             _fail(f"{name} requires grad, but flash_attn_with_kvcache is forward only (it writes into the cache "
                   f"in place): call it under torch.no_grad() or torch.inference_mode(), or detach {name}")
 

@@ -1,0 +1,342 @@
+"""flash_attn_with_kvcache against a float64 reference built sequence by sequence
+(kvcache_reference.py), with the accuracy rule of DESIGN §4 for out and lse and the cache
+contents after the in-place append: append, rotary (both layouts, with and without append),
+paged caches, leftpad, cache_batch_idx, GQA/MQA, causal, window, softcap, ALiBi, several query
+rows, every dtype; plus argument errors, the masking of out-of-range values on the device path,
+and CUDA-graph capture."""
+import inspect
+
+import pytest
+import torch
+
+import flashattn_ext
+from flashattn_ext import _kvcache_compose
+from flashattn_ext._measure import REL_ATOL
+from flashattn_ext.kvcache import _resolve
+from kvcache_reference import kvcache_ref
+from reference import assert_accurate, lse_dtype
+
+BATCH, HEADS, DIM, CACHE, PAGE = 3, 4, 16, 64, 16
+DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def make_case(device, dtype, heads_kv=2, len_q=1, len_new=1, dim_v=DIM, paged=False, batch_idx=False, leftpad=False,
+              rotary=False, interleaved=True, seqlens=(7, 33, None), alibi=None, **options):
+    """(kwargs of flash_attn_with_kvcache, kwargs of kvcache_ref); seqlens None = fill the cache."""
+    make = lambda *shape: torch.randn(*shape, dtype=torch.float32).to(dtype)
+    seqlens = [CACHE - len_new if s is None else s for s in seqlens]
+    ours = dict(q=make(BATCH, len_q, HEADS, DIM), **options)
+    ref = dict(options)
+    if paged:
+        pages = CACHE // PAGE
+        blocks = BATCH * pages + 2
+        table = torch.randperm(blocks)[:BATCH * pages].view(BATCH, pages).to(torch.int32)
+        # Pages past a sequence's end may hold anything (serving stacks pad with -1).
+        for b, s in enumerate(seqlens):
+            table[b, (s + len_new + PAGE - 1) // PAGE:] = -1
+        ours["block_table"], ref["block_table"] = table, table.tolist()
+        cache_shape = (blocks, PAGE, heads_kv)
+    elif batch_idx:
+        rows = torch.tensor([4, 0, 2], dtype=torch.int32)
+        ours["cache_batch_idx"], ref["batch_idx"] = rows, rows.tolist()
+        cache_shape = (5, CACHE, heads_kv)
+    else:
+        cache_shape = (BATCH, CACHE, heads_kv)
+    ours["k_cache"], ours["v_cache"] = make(*cache_shape, DIM), make(*cache_shape, dim_v)
+    if len_new:
+        ours["k"], ours["v"] = make(BATCH, len_new, heads_kv, DIM), make(BATCH, len_new, heads_kv, dim_v)
+    ours = dict(ours, cache_seqlens=torch.tensor(seqlens, dtype=torch.int32))
+    ref["seqlens"] = seqlens
+    if leftpad:
+        pad = torch.tensor([min(3, s) for s in seqlens], dtype=torch.int32)
+        ours["cache_leftpad"], ref["leftpad"] = pad, pad.tolist()
+    if rotary:
+        half = DIM // 4  # rotary_dim = 8 < DIM: the last features pass through
+        angle = torch.arange(CACHE + 2, dtype=torch.float64)[:, None] / 10000 ** (torch.arange(half) / half)
+        ours["rotary_cos"], ours["rotary_sin"] = angle.cos().to(dtype), angle.sin().to(dtype)
+        ours["rotary_interleaved"] = ref["interleaved"] = interleaved
+    if alibi is not None:
+        ours["alibi_slopes"] = ref["alibi"] = 0.3 * torch.rand(alibi if alibi == (HEADS,) else (BATCH, HEADS))
+    for name in ("q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin"):
+        if name in ours:
+            ref[name] = ours[name]
+    ref["causal"] = ours.get("causal", False)
+    ref["window"] = ours.get("window_size", (-1, -1))
+    ref["softcap"] = ours.get("softcap", 0.0)
+    ref["scale"] = ours.get("softmax_scale")
+    for name in ("window_size", "softmax_scale", "cache_seqlens"):
+        ref.pop(name, None)
+    if "cache_seqlens" in options:
+        ours["cache_seqlens"] = options["cache_seqlens"]
+        ref["seqlens"] = None
+    ours = {n: t.to(device) if isinstance(t, torch.Tensor) else t for n, t in ours.items()}
+    return ours, ref
+
+
+def run_and_check(ours, ref):
+    """Runs ours on copies of the caches, checks out, lse and both caches; returns ours."""
+    ours = dict(ours, k_cache=ours["k_cache"].clone(), v_cache=ours["v_cache"].clone())
+    out, lse = flashattn_ext.flash_attn_with_kvcache(**ours, return_softmax_lse=True)
+    dtype = ours["q"].dtype
+    as64 = {n: (t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() and n != "alibi" else t)
+            for n, t in ref.items()}
+    expected, same = kvcache_ref(**as64), kvcache_ref(**ref)
+    got = (out, lse, ours["k_cache"], ours["v_cache"])
+    assert out.dtype == dtype and lse.dtype == lse_dtype(dtype)
+    for name, g, r, s in zip(("out", "lse", "k_cache", "v_cache"), got, expected, same):
+        assert_accurate(name, g.cpu(), r, s, REL_ATOL[lse_dtype(dtype) if name == "lse" else dtype])
+    return out, lse
+
+
+CASES = {
+    "no_append": dict(len_new=0),
+    "append": dict(),
+    "append_causal_spec_rows": dict(len_q=3, len_new=3, causal=True),
+    "rows_beyond_new_keys": dict(len_q=4, len_new=1, causal=True, seqlens=(0, 2, None)),
+    "mqa": dict(heads_kv=1, len_q=2, causal=True),
+    "mha_dim_v": dict(heads_kv=4, dim_v=8),
+    "full_cache": dict(seqlens=(None, None, None), len_new=2, len_q=2),
+    "no_seqlens": dict(len_new=0, cache_seqlens=None),
+    "rotary_interleaved": dict(rotary=True, len_q=2),
+    "rotary_halves_causal": dict(rotary=True, interleaved=False, len_q=2, len_new=2, causal=True),
+    "rotary_no_append": dict(rotary=True, len_new=0, len_q=2, causal=True),
+    "rotary_no_append_noncausal": dict(rotary=True, interleaved=False, len_new=0, len_q=2),
+    "paged": dict(paged=True, len_new=2, len_q=2, causal=True),
+    "paged_rotary_leftpad": dict(paged=True, rotary=True, leftpad=True, causal=True),
+    "leftpad": dict(leftpad=True, len_q=2, causal=True),
+    "batch_idx": dict(batch_idx=True, len_q=2),
+    "batch_idx_rotary": dict(batch_idx=True, rotary=True, interleaved=False),
+    "window": dict(window_size=(5, 0), len_q=3, len_new=2),
+    "window_both_sides": dict(window_size=(4, 2), len_q=3, len_new=0, leftpad=True),
+    "window_causal_rotary": dict(window_size=(6, -1), causal=True, rotary=True, len_q=2),
+    "softcap": dict(softcap=2.0, softmax_scale=1.0, len_q=2, causal=True),
+    "alibi_heads": dict(alibi=(HEADS,), len_q=2, causal=True),
+    "alibi_batch_heads_window": dict(alibi=(BATCH, HEADS), window_size=(8, 3), len_q=2, leftpad=True),
+    "everything_paged": dict(paged=True, rotary=True, leftpad=True, alibi=(HEADS,), softcap=3.0,
+                             window_size=(20, -1), causal=True, heads_kv=1, len_q=3, len_new=2),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_kvcache_fp32(device, case):
+    run_and_check(*make_case(device, torch.float32, **CASES[case]))
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize("case", ["append_causal_spec_rows", "paged_rotary_leftpad", "everything_paged",
+                                  "batch_idx_rotary"])
+def test_kvcache_dtypes(device, case, dtype):
+    run_and_check(*make_case(device, dtype, **CASES[case]))
+
+
+def test_int_seqlens_and_plain_output(device):
+    """An int cache_seqlens means every sequence; without return_softmax_lse only out returns."""
+    ours, ref = make_case(device, torch.float32, seqlens=(20, 20, 20), len_q=2, causal=True)
+    out, _ = run_and_check(ours, ref)
+    ours["cache_seqlens"] = 20
+    plain = flashattn_ext.flash_attn_with_kvcache(**ours)
+    assert isinstance(plain, torch.Tensor) and torch.equal(plain, out)
+
+
+def test_num_splits_is_a_hint(device):
+    ours, _ = make_case(device, torch.float32, len_new=0, len_q=2, causal=True)
+    out = flashattn_ext.flash_attn_with_kvcache(**ours)
+    for splits in (1, 3):
+        assert torch.equal(flashattn_ext.flash_attn_with_kvcache(**ours, num_splits=splits), out)
+
+
+def test_strided_query_and_new_keys(device):
+    """q, k and v with a non-contiguous last dimension are accepted (small, copied)."""
+    ours, ref = make_case(device, torch.float32, len_q=2, len_new=2, causal=True)
+    for name in ("q", "k", "v"):
+        wide = torch.cat((ours[name], ours[name]), dim=-1)
+        ours[name] = wide[..., ::2].copy_(ours[name])
+        assert ours[name].stride(-1) == 2
+    run_and_check(ours, ref)
+
+
+# ---- forward only ----
+
+def test_requires_grad_is_an_error(device):
+    ours, _ = make_case(device, torch.float32)
+    ours["q"].requires_grad_()
+    with pytest.raises(ValueError, match=r"q requires grad, but flash_attn_with_kvcache is forward only"):
+        flashattn_ext.flash_attn_with_kvcache(**ours)
+    with torch.no_grad():
+        out = flashattn_ext.flash_attn_with_kvcache(**ours)
+    assert not out.requires_grad
+
+
+# ---- argument errors ----
+
+def _change(**changes):
+    def apply(ours):
+        for name, value in changes.items():
+            ours[name] = value(ours) if callable(value) else value
+    return apply
+
+
+BAD = [
+    ("q_rank", _change(q=lambda a: a["q"][0]), r"q must have 4 dimensions \(batch, seq_len_q, heads, head_dim\), "
+                                               r"got shape \(1, 4, 16\)"),
+    ("int_q", _change(q=lambda a: a["q"].int(), k_cache=lambda a: a["k_cache"].int()),
+     r"q has dtype torch.int32; supported dtypes are"),
+    ("cache_dtype", _change(k_cache=lambda a: a["k_cache"].double()),
+     r"k_cache has dtype torch.float64 but q has dtype torch.float32; they must match"),
+    ("v_cache_shape", _change(v_cache=lambda a: a["v_cache"][:, :10]),
+     r"v_cache has shape \(3, 10, 2, 16\) and k_cache \(3, 64, 2, 16\); they must agree"),
+    ("head_dim", _change(k_cache=lambda a: a["k_cache"][..., :8], v_cache=lambda a: a["v_cache"][..., :8]),
+     r"k_cache has head_dim 8 but q has 16"),
+    ("heads", _change(q=lambda a: a["q"][:, :, :3]), r"q has 3 heads and k_cache 2; the number of query heads must"),
+    ("cache_stride", _change(k_cache=lambda a: torch.cat((a["k_cache"], a["k_cache"]), -1)[..., ::2],
+                             v_cache=lambda a: torch.cat((a["v_cache"], a["v_cache"]), -1)[..., ::2]),
+     r"k_cache must have a contiguous last dimension \(stride 1\), got stride 2"),
+    ("k_without_v", _change(v=None), r"k and v must be given together"),
+    ("k_shape", _change(k=lambda a: a["k"][:2], v=lambda a: a["v"][:2]),
+     r"k must have shape \(batch, seq_len_new, heads_kv, head_dim\) = \(3, 1, 2, 16\) .*got \(2, 1, 2, 16\)"),
+    ("v_shape", _change(v=lambda a: a["v"][..., :8]), r"v must have shape .* = \(3, 1, 2, 16\) .*got \(3, 1, 2, 8\)"),
+    ("append_without_seqlens", _change(cache_seqlens=None), r"k and v are given but cache_seqlens is None"),
+    ("seqlens_dtype", _change(cache_seqlens=lambda a: a["cache_seqlens"].long()),
+     r"cache_seqlens must have dtype int32, got torch.int64"),
+    ("seqlens_shape", _change(cache_seqlens=lambda a: a["cache_seqlens"][:2]),
+     r"cache_seqlens must have shape \(3,\) \(batch,\), got \(2,\)"),
+    ("seqlens_float", _change(cache_seqlens=2.0), r"cache_seqlens must be an int or an int32 tensor"),
+    ("seqlens_int_too_long", _change(cache_seqlens=64),
+     r"cache_seqlens = 64 must be in \[0, cache length 64 - new keys 1\]: the cache is too short for the append"),
+    ("cache_batch", _change(k_cache=lambda a: a["k_cache"][:2], v_cache=lambda a: a["v_cache"][:2]),
+     r"k_cache has batch 2 but q has 3; without cache_batch_idx \(or block_table\) they must be equal"),
+    ("batch_idx_dtype", _change(cache_batch_idx=torch.tensor([0, 1, 2])),
+     r"cache_batch_idx must have dtype int32, got torch.int64"),
+    ("leftpad_shape", _change(cache_leftpad=torch.zeros(3, 1, dtype=torch.int32)),
+     r"cache_leftpad must have 1 dimensions"),
+    ("block_table_dtype", _change(block_table=torch.zeros(3, 4, dtype=torch.int64)),
+     r"block_table must have dtype int32, got torch.int64"),
+    ("block_table_batch", _change(block_table=torch.zeros(2, 4, dtype=torch.int32)),
+     r"block_table must have shape \(batch = 3, pages_per_sequence >= 1\), got \(2, 4\)"),
+    ("page_size", _change(block_table=torch.zeros(3, 4, dtype=torch.int32),
+                          k_cache=lambda a: a["k_cache"][:, :24], v_cache=lambda a: a["v_cache"][:, :24]),
+     r"the page size \(k_cache.shape\[1\] with a block_table\) must be a positive multiple of 16, got 24"),
+    ("paged_batch_idx", _change(block_table=torch.zeros(3, 4, dtype=torch.int32),
+                                cache_batch_idx=torch.zeros(3, dtype=torch.int32)),
+     r"cache_batch_idx cannot be combined with block_table"),
+    ("rotary_half", _change(rotary_cos=torch.ones(70, 4)), r"rotary_cos and rotary_sin must be given together"),
+    ("rotary_dim", _change(rotary_cos=torch.ones(70, 9), rotary_sin=torch.ones(70, 9)),
+     r"rotary_dim = 2 \* rotary_cos.shape\[1\] = 18 must be between 2 and head_dim = 16"),
+    ("rotary_shapes", _change(rotary_cos=torch.ones(70, 4), rotary_sin=torch.ones(60, 4)),
+     r"rotary_sin has shape \(60, 4\) but rotary_cos has \(70, 4\)"),
+    ("rotary_dtype", _change(rotary_cos=torch.ones(70, 4, dtype=torch.float64),
+                             rotary_sin=torch.ones(70, 4, dtype=torch.float64)),
+     r"rotary_cos has dtype torch.float64; it must be q's dtype \(torch.float32\) or float32"),
+    ("alibi_shape", _change(alibi_slopes=torch.ones(3)), r"alibi_slopes must have shape \(4,\) \(heads\) or \(3, 4\)"),
+    ("alibi_dtype", _change(alibi_slopes=torch.ones(4, dtype=torch.float64)),
+     r"alibi_slopes must have dtype float32, got torch.float64"),
+    ("window", _change(window_size=(-2, 0)), r"window_size must be \(left, right\) with each >= 0, or -1"),
+    ("window_type", _change(window_size=3), r"window_size must be a pair \(left, right\) of ints, got 3"),
+    ("softcap", _change(softcap=-1.0), r"softcap must be >= 0 \(0 = off\), got -1.0"),
+    ("num_splits", _change(num_splits=-1), r"num_splits must be an int >= 0 \(0 = automatic\), got -1"),
+]
+
+
+@pytest.mark.parametrize("change,match", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_argument_errors(device, change, match):
+    ours, _ = make_case(device, torch.float32)
+    change(ours)
+    ours = {n: t.to(device) if isinstance(t, torch.Tensor) else t for n, t in ours.items()}
+    with pytest.raises(ValueError, match=match):
+        flashattn_ext.flash_attn_with_kvcache(**ours)
+
+
+def test_device_mismatch():
+    ours, _ = make_case("cpu", torch.float32)
+    ours["cache_seqlens"] = ours["cache_seqlens"].to("meta")
+    with pytest.raises(ValueError, match=r"cache_seqlens is on device meta but q is on cpu; they must be on the same"):
+        flashattn_ext.flash_attn_with_kvcache(**ours)
+
+
+# ---- out-of-range index values: an error on the CPU, a masked sequence on the device path ----
+
+def _seqlens(values):
+    return _change(cache_seqlens=torch.tensor(values, dtype=torch.int32))
+
+
+OUT_OF_RANGE = [
+    ("seqlens_negative", dict(), _seqlens([7, -1, 63]), r"cache_seqlens\[1\] = -1 must be >= 0"),
+    ("cache_too_short", dict(len_new=2), _seqlens([7, 63, 62]),
+     r"cache_seqlens\[1\] = 63 plus the 2 new keys exceeds the cache length 64: the cache is too short"),
+    ("leftpad", dict(leftpad=True), _change(cache_leftpad=torch.tensor([3, 40, 3], dtype=torch.int32)),
+     r"cache_leftpad\[1\] = 40 must be in \[0, cache_seqlens\[1\] = 33\]"),
+    ("batch_idx", dict(batch_idx=True), _change(cache_batch_idx=torch.tensor([4, 5, 2], dtype=torch.int32)),
+     r"cache_batch_idx\[1\] = 5 is not a row of k_cache \(must be in \[0, 5\)\)"),
+    ("block_table", dict(paged=True), lambda a: a["block_table"][1].__setitem__(1, 14),
+     r"block_table\[1, 1\] = 14 is not a block of k_cache \(must be in \[0, 14\)\); page 1 holds keys 16..31 of "
+     r"sequence 1, which has keys 0..33"),
+    ("rotary_positions", dict(rotary=True, len_new=0, len_q=3, causal=True, seqlens=(7, 33, 20)),
+     _seqlens([7, 64, 20]),
+     r"rotary_cos has 66 positions but sequence 1 needs position 66 \(cache_seqlens\[1\] = 64"),
+]
+
+
+@pytest.mark.parametrize("case,change,match", [c[1:] for c in OUT_OF_RANGE], ids=[c[0] for c in OUT_OF_RANGE])
+def test_out_of_range_values(device, case, change, match):
+    """Sequence 1 breaks a rule. The public function raises on the CPU; the device path (run
+    here directly on every device) writes nothing for it, reads nothing out of bounds and gives
+    it NaN rows, while the other sequences match a call where sequence 1 is valid and its append
+    rewrites the cache's own values."""
+    fixed, _ = make_case(device, torch.float32, **case)
+    bad = {n: t.clone() if isinstance(t, torch.Tensor) else t for n, t in fixed.items()}
+    bad = {n: t.cpu() if isinstance(t, torch.Tensor) else t for n, t in bad.items()}
+    change(bad)
+    bad = {n: t.to(device) if isinstance(t, torch.Tensor) else t for n, t in bad.items()}
+    if device == "cpu":
+        with pytest.raises(ValueError, match=match):
+            flashattn_ext.flash_attn_with_kvcache(**bad)
+    if "k" in fixed:  # sequence 1's valid append writes back what its slots already hold
+        s = int(fixed["cache_seqlens"][1])
+        for new, cache in (("k", "k_cache"), ("v", "v_cache")):
+            slots = [(int(fixed["block_table"][1, p // PAGE]), p % PAGE) if "block_table" in fixed else
+                     (int(fixed["cache_batch_idx"][1]) if "cache_batch_idx" in fixed else 1, p)
+                     for p in range(s, s + fixed[new].shape[1])]
+            fixed[new][1] = torch.stack([fixed[cache][r, c] for r, c in slots])
+            bad[new] = fixed[new].clone()
+    out, lse = _kvcache_compose.forward(_resolved(bad))
+    want, want_lse = flashattn_ext.flash_attn_with_kvcache(**fixed, return_softmax_lse=True)
+    assert out[1].isnan().all() and lse[1].isnan().all()
+    keep = [0, 2]
+    assert torch.equal(out[keep], want[keep]) and torch.equal(lse[keep], want_lse[keep])
+    assert torch.equal(bad["k_cache"], fixed["k_cache"]) and torch.equal(bad["v_cache"], fixed["v_cache"])
+
+
+def _resolved(kwargs):
+    """The resolved arguments of a public call with these keyword arguments (no value checks)."""
+    bound = inspect.signature(flashattn_ext.flash_attn_with_kvcache).bind(**kwargs)
+    bound.apply_defaults()
+    bound.arguments.pop("return_softmax_lse")
+    return _resolve(**bound.arguments)
+
+
+# ---- CUDA graphs ----
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not flashattn_ext.has_cuda_kernels(), reason="needs CUDA")
+def test_cuda_graph_capture_and_replay():
+    """Captured once, replayed with new q, k, v and cache_seqlens: equal to eager calls."""
+    static, _ = make_case("cuda", torch.bfloat16, paged=True, rotary=True, leftpad=True, causal=True, len_q=2,
+                          len_new=2, seqlens=(5, 20, 40))
+    eager_caches = (static["k_cache"].clone(), static["v_cache"].clone())
+    flashattn_ext.flash_attn_with_kvcache(**static)  # warm-up outside the graph (lazy initialisation)
+    static["k_cache"].copy_(eager_caches[0])
+    static["v_cache"].copy_(eager_caches[1])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out, static_lse = flashattn_ext.flash_attn_with_kvcache(**static, return_softmax_lse=True)
+    eager = dict(static, k_cache=eager_caches[0], v_cache=eager_caches[1])
+    for step, seqlens in enumerate(([5, 20, 40], [7, 22, 42], [9, 3, 44])):
+        for name in ("q", "k", "v"):
+            static[name].copy_(torch.randn_like(static[name]))
+        static["cache_seqlens"].copy_(torch.tensor(seqlens, dtype=torch.int32))
+        graph.replay()
+        eager = dict(eager, q=static["q"].clone(), k=static["k"].clone(), v=static["v"].clone(),
+                     cache_seqlens=static["cache_seqlens"].clone())
+        out, lse = flashattn_ext.flash_attn_with_kvcache(**eager, return_softmax_lse=True)
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, out) and torch.equal(static_lse, lse), f"step {step}"
+        assert torch.equal(static["k_cache"], eager["k_cache"]) and torch.equal(static["v_cache"], eager["v_cache"])
