@@ -74,14 +74,16 @@ def _append(a, k_new, v_new, seqlens, valid):
         cols = positions.clamp(0, a.k_cache.shape[1] - 1)
     rows, cols = rows.flatten(), cols.flatten()
     ok = valid[:, None].expand(batch, len_new).flatten()
-    first = ok.int().argmax()  # the first valid write, or 0 when there is none
+    # The first valid write (0 when none), as a 1-element index: indexing with a 0-d device
+    # tensor could read its value on the host.
+    first = ok.int().argmax().view(1)
     any_ok = ok.any()
     zero = torch.zeros((), dtype=torch.long, device=rows.device)
-    rows = torch.where(ok, rows, torch.where(any_ok, rows[first], zero))
-    cols = torch.where(ok, cols, torch.where(any_ok, cols[first], zero))
+    rows = torch.where(ok, rows, torch.where(any_ok, rows.index_select(0, first), zero))
+    cols = torch.where(ok, cols, torch.where(any_ok, cols.index_select(0, first), zero))
     for cache, new in ((a.k_cache, k_new), (a.v_cache, v_new)):
         values = new.flatten(0, 1)
-        fallback = torch.where(any_ok, values[first], cache[0, 0])
+        fallback = torch.where(any_ok, values.index_select(0, first), cache[0, 0])
         cache.index_put_((rows, cols), torch.where(ok[:, None, None], values, fallback))
 
 

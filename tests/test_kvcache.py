@@ -316,7 +316,24 @@ def _resolved(kwargs):
 
 # ---- CUDA graphs ----
 
-@pytest.mark.skipif(not torch.cuda.is_available() or not flashattn_ext.has_cuda_kernels(), reason="needs CUDA")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or not flashattn_ext.has_cuda_kernels(),
+                                reason="needs CUDA")
+
+
+@needs_cuda
+@pytest.mark.parametrize("case", ["everything_paged", "batch_idx_rotary"])
+def test_no_host_sync(case):
+    """No call waits for the device (torch's sync debug mode turns a synchronisation into an error)."""
+    ours, _ = make_case("cuda", torch.float16, **CASES[case])
+    flashattn_ext.flash_attn_with_kvcache(**ours)  # lazy initialisation may synchronise once
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        flashattn_ext.flash_attn_with_kvcache(**ours, return_softmax_lse=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@needs_cuda
 def test_cuda_graph_capture_and_replay():
     """Captured once, replayed with new q, k, v and cache_seqlens: equal to eager calls."""
     static, _ = make_case("cuda", torch.bfloat16, paged=True, rotary=True, leftpad=True, causal=True, len_q=2,
