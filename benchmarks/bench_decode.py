@@ -1,0 +1,257 @@
+"""Decode-step benchmark: flash_attn_with_kvcache (dense and paged cache) beside torch SDPA's flash,
+cuDNN and efficient backends on the same dense cache, and a device-to-device copy of the same bytes.
+
+One row = one decode step of B sequences, each with C keys in its cache: q (B, Lq, H, E) with
+Lq = 1 by default, the new keys appended at C - Lq (ours), attention to all C keys, not causal
+(bottom-right causal is a no-op for one row). ours-graph is the dense step captured once in a
+CUDA graph and replayed (no Python or launch overhead). SDPA reads the same (B, Hkv, C, E) cache
+views in place, with enable_gqa where Hkv < H, and appends nothing. Per row: µs per step (CUDA
+events, warm-up, median) and K/V bandwidth = bytes of K and V read (B·C·Hkv·2E·itemsize) / time.
+The copy column is the bandwidth ceiling: a copy of that many bytes, counted as read + write
+bytes / time (what a copy moves). Rows whose buffers would pass --max-gb are skipped.
+
+    python benchmarks/bench_decode.py                       # the default grid (bf16, E=128)
+    python benchmarks/bench_decode.py --full                # B 1..64, C 1k..128k, E 64/128/256
+    python benchmarks/bench_decode.py --device cpu --quick  # tiny sizes on the CPU (code paths only)
+"""
+import argparse
+import datetime
+import itertools
+import json
+import os
+import sys
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+import flashattn_ext
+from flashattn_ext import _measure as M
+
+IMPLS = ("ours", "ours-graph", "ours-paged", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "copy")
+KINDS = {"mha": 1, "gqa": 4, "mqa": None}  # query heads per key/value head (None: one key/value head)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out-dir", default=os.environ.get("OUT") or os.path.join(os.path.dirname(
+        os.path.abspath(__file__)), "results"))
+    p.add_argument("--dtype", default="bf16", choices=tuple(M.DTYPES))
+    p.add_argument("--batches", default="1,8,64")
+    p.add_argument("--caches", default="1024,8192,32768,131072", help="comma list of cache lengths C")
+    p.add_argument("--head-dims", default="128")
+    p.add_argument("--heads", type=int, default=32, help="query heads H")
+    p.add_argument("--kinds", default="mha,gqa,mqa", help="mha (Hkv = H), gqa (Hkv = H/4), mqa (Hkv = 1)")
+    p.add_argument("--len-q", type=int, default=1, help="query rows per sequence (new keys per step)")
+    p.add_argument("--page-size", type=int, default=256)
+    p.add_argument("--impls", default=",".join(IMPLS))
+    p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--max-gb", type=float, help="skip rows needing more (default 60; 1 with --device cpu)")
+    p.add_argument("--full", action="store_true", help="B 1,2,4,...,64, C 1k,2k,...,128k, E 64,128,256")
+    p.add_argument("--quick", action="store_true", help="tiny: B 1,2, C 256,1024, E 64, H 8, fp32")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--device", default="cuda")
+    args = p.parse_args(argv)
+    if args.full:
+        args.batches, args.head_dims = "1,2,4,8,16,32,64", "64,128,256"
+        args.caches = ",".join(str(1024 << i) for i in range(8))
+    if args.quick:
+        args.batches, args.caches, args.head_dims, args.heads, args.dtype = "1,2", "256,1024", "64", 8, "fp32"
+        args.page_size = min(args.page_size, 64)
+        args.repeats, args.warmup = min(args.repeats, 5), min(args.warmup, 2)
+    args.max_gb = args.max_gb or (1.0 if args.device == "cpu" else 60.0)
+    args.batches = [int(x) for x in args.batches.split(",")]
+    args.caches = [int(x) for x in args.caches.split(",")]
+    args.head_dims = [int(x) for x in args.head_dims.split(",")]
+    args.kinds = args.kinds.split(",")
+    args.impls = args.impls.split(",")
+    for name, given, known in (("kinds", args.kinds, KINDS), ("impls", args.impls, IMPLS)):
+        if set(given) - set(known):
+            p.error(f"unknown {name} {sorted(set(given) - set(known))}; choose from {tuple(known)}")
+    return args
+
+
+def make_row(batch, cache, heads, heads_kv, dim, len_q, page, dtype, device):
+    """The row's tensors: a dense cache, the same keys in a paged cache (pages in shuffled blocks),
+    q and the new keys and values."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    randn = lambda *s: torch.randn(*s, generator=gen, device=device, dtype=torch.float32).to(dtype)
+    t = {"q": randn(batch, len_q, heads, dim), "k": randn(batch, len_q, heads_kv, dim),
+         "v": randn(batch, len_q, heads_kv, dim), "k_cache": randn(batch, cache, heads_kv, dim),
+         "v_cache": randn(batch, cache, heads_kv, dim),
+         "cache_seqlens": torch.full((batch,), cache - len_q, dtype=torch.int32, device=device)}
+    if cache % page == 0:
+        pages = batch * cache // page
+        order = torch.randperm(pages, generator=torch.Generator().manual_seed(0)).to(device)
+        for name in ("k_cache", "v_cache"):
+            paged = torch.empty((pages, page, heads_kv, dim), dtype=dtype, device=device)
+            paged[order] = t[name].reshape(pages, page, heads_kv, dim)
+            t[name + "_paged"] = paged
+        t["block_table"] = order.view(batch, cache // page).to(torch.int32)
+    return t
+
+
+def step_fn(impl, t):
+    """One decode step of `impl` on the row's tensors."""
+    if impl == "ours":
+        return lambda: flashattn_ext.flash_attn_with_kvcache(t["q"], t["k_cache"], t["v_cache"], t["k"], t["v"],
+                                                             cache_seqlens=t["cache_seqlens"])
+    if impl == "ours-graph":  # the same step captured in a CUDA graph: no Python or launch overhead
+        step = step_fn("ours", t)
+        step()  # lazy initialisation outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        return graph.replay
+    if impl == "ours-paged":
+        return lambda: flashattn_ext.flash_attn_with_kvcache(
+            t["q"], t["k_cache_paged"], t["v_cache_paged"], t["k"], t["v"], cache_seqlens=t["cache_seqlens"],
+            block_table=t["block_table"])
+    if impl == "copy":
+        src = torch.empty(2 * t["k_cache"].numel() * t["k_cache"].element_size(), dtype=torch.uint8,
+                          device=t["q"].device)
+        dst = torch.empty_like(src)
+        return lambda: dst.copy_(src)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    backend = getattr(SDPBackend, M.SDPA_BACKENDS[impl])
+    q, k, v = (t[n].transpose(1, 2) for n in ("q", "k_cache", "v_cache"))
+    gqa = q.shape[1] != k.shape[1]
+
+    def sdpa():
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+    return sdpa
+
+
+def first_line(text):
+    return text.strip().splitlines()[0] if text.strip() else ""
+
+
+def measure(impl, t, kv_bytes, args):
+    if impl == "ours-graph" and args.device != "cuda":
+        return {"skipped": "CUDA graphs need a CUDA device"}
+    if impl == "ours-paged" and "block_table" not in t:
+        return {"skipped": f"cache length not a multiple of the page size {args.page_size}"}
+    fn = step_fn(impl, t)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            fn()
+        except (RuntimeError, ValueError, NotImplementedError, torch.cuda.OutOfMemoryError) as e:
+            notes = "; ".join(first_line(str(w.message)) for w in caught)
+            return {"skipped": first_line(str(e)) + (f" ({notes})" if notes else "")}
+    ms = M.median_ms(fn, args.device, args.warmup, args.repeats, warmup_s=0.2 if args.device == "cuda" else 0.0)
+    moved = 2 * kv_bytes if impl == "copy" else kv_bytes  # a copy reads and writes them
+    return {"us": ms * 1e3, "gb_per_s": moved / (ms * 1e-3) / 1e9}
+
+
+def check_paged_equals_dense(t):
+    """ours-paged reads the same keys as ours: equal outputs (a guard on the benchmark's inputs)."""
+    dense = step_fn("ours", t)()
+    paged = step_fn("ours-paged", t)()
+    if not torch.equal(dense, paged):
+        raise AssertionError(f"paged and dense outputs differ by {(dense - paged).abs().max().item():.3g}")
+
+
+def run_grid(args):
+    dtype = M.DTYPES[args.dtype]
+    rows = []
+    names = " ".join(f"{i.replace('sdpa-', ''):>10s}" for i in args.impls)
+    print(f"{'E':>3s} {'kind':4s} {'B':>3s} {'C':>6s} {'H':>3s} {'Hkv':>3s} | us per step {names} | GB/s of K/V "
+          f"{names} | ours/fastest SDPA time")
+    for dim, kind, batch, cache in itertools.product(args.head_dims, args.kinds, args.batches, args.caches):
+        heads_kv = 1 if KINDS[kind] is None else args.heads // KINDS[kind]
+        kv_bytes = 2 * batch * cache * heads_kv * dim * dtype.itemsize
+        row = {"dtype": args.dtype, "head_dim": dim, "kind": kind, "batch": batch, "cache": cache,
+               "heads": args.heads, "heads_kv": heads_kv, "len_q": args.len_q, "page_size": args.page_size,
+               "kv_bytes": kv_bytes}
+        need_gb = 6 * kv_bytes / 1e9  # dense + paged caches, the gathered copy, the copy buffers
+        if need_gb > args.max_gb or cache <= args.len_q:
+            row["skipped"] = f"needs ~{need_gb:.3g} GB > --max-gb {args.max_gb:g}" if need_gb > args.max_gb \
+                else f"cache length {cache} <= len_q {args.len_q}"
+            rows.append(row)
+            continue
+        t = make_row(batch, cache, args.heads, heads_kv, dim, args.len_q, args.page_size, dtype, args.device)
+        if "ours" in args.impls and "ours-paged" in args.impls and "block_table" in t:
+            check_paged_equals_dense(t)
+        for impl in args.impls:
+            row[impl] = measure(impl, t, kv_bytes, args)
+        del t
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+        sdpa = [row[i]["us"] for i in args.impls if i.startswith("sdpa") and "us" in row[i]]
+        row["ours_over_fastest_sdpa"] = row["ours"]["us"] / min(sdpa) if sdpa and "us" in row.get("ours", {}) \
+            else None
+        us = " ".join(f"{row[i]['us']:10.1f}" if "us" in row[i] else f"{'-':>10s}" for i in args.impls)
+        bw = " ".join(f"{row[i]['gb_per_s']:10.1f}" if "us" in row[i] else f"{'-':>10s}" for i in args.impls)
+        ratio = row["ours_over_fastest_sdpa"]
+        print(f"{dim:3d} {kind:4s} {batch:3d} {cache:6d} {args.heads:3d} {heads_kv:3d} | {'':11s} {us} | "
+              f"{'':11s} {bw} | {'-' if ratio is None else f'{ratio:.2f}'}", flush=True)
+        rows.append(row)
+    for reason in sorted({(i, r[i]["skipped"]) for r in rows for i in args.impls if "skipped" in r.get(i, {})}):
+        print("skipped %s: %s" % reason)
+    return rows
+
+
+def plot(rows, impls, out_dir):
+    """K/V bandwidth against cache length: one PNG per (head dim, kind), one panel per batch."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not importable: no plots")
+        return []
+    paths = []
+    measured = [r for r in rows if "skipped" not in r]
+    for dim, kind in sorted({(r["head_dim"], r["kind"]) for r in measured}):
+        sel = [r for r in measured if (r["head_dim"], r["kind"]) == (dim, kind)]
+        batches = sorted({r["batch"] for r in sel})
+        fig, axes = plt.subplots(1, len(batches), figsize=(4.2 * len(batches), 3.8), squeeze=False)
+        for ax, batch in zip(axes[0], batches):
+            pts = sorted((r for r in sel if r["batch"] == batch), key=lambda r: r["cache"])
+            for impl in impls:
+                xy = [(r["cache"], r[impl]["gb_per_s"]) for r in pts if "gb_per_s" in r[impl]]
+                if xy:
+                    ax.plot(*zip(*xy), marker="o", label=impl, linestyle="--" if impl == "copy" else "-")
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("cache length (keys)")
+            ax.set_ylabel("K/V bandwidth (GB/s)")
+            ax.set_title(f"B={batch}", fontsize=10)
+        axes[0][0].legend(fontsize=7)
+        heads_kv = sel[0]["heads_kv"]
+        fig.suptitle(f"Decode step, {sel[0]['dtype']}, E={dim}, H={sel[0]['heads']}, Hkv={heads_kv} ({kind})",
+                     fontsize=11)
+        fig.tight_layout()
+        path = os.path.join(out_dir, f"decode_{sel[0]['dtype']}_hdim{dim}_{kind}.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("no CUDA device here; --device cpu --quick runs the code paths on the CPU")
+    os.makedirs(args.out_dir, exist_ok=True)
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    print(f"{device_name}, torch {torch.__version__}, {args.dtype}, Lq={args.len_q}, page {args.page_size}, "
+          f"median of {args.repeats} after {args.warmup} warm-up")
+    with torch.inference_mode():
+        rows = run_grid(args)
+    meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,
+            "device": device_name, "cuda": torch.version.cuda, "repeats": args.repeats, "warmup": args.warmup,
+            "bandwidth": "K/V bytes read / time; copy: bytes read + written / time"}
+    path = os.path.join(args.out_dir, f"decode_{args.dtype}.json" if args.device == "cuda" else "decode_cpu.json")
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    print(f"wrote {path}")
+    if not args.no_plots:
+        for png in plot(rows, args.impls, args.out_dir):
+            print(f"wrote {png}")
+
+
+if __name__ == "__main__":
+    main()
