@@ -9,6 +9,7 @@ Environment:
 """
 import glob
 import os
+import platform
 import shutil
 
 import torch
@@ -24,19 +25,37 @@ TORCH_TARGET = "-DTORCH_TARGET_VERSION=0x020a000000000000"
 PY_LIMITED = "-DPy_LIMITED_API=0x03090000"
 
 
-X86 = os.uname().machine in ("x86_64", "AMD64")
+X86 = platform.machine().lower() in ("x86_64", "amd64")
 AVX512_SOURCE = "csrc/cpu/kernels_avx512.cpp"
-AVX512_FLAGS = ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq"]
+
+
+def cxx_flags(msvc):
+    """Host compiler flags: GCC/Clang spelling, or MSVC's (cl.exe) on Windows. x86-64 builds
+    target AVX2 + FMA (any CPU from 2013 on); the AVX-512 kernels are built beside them
+    (BuildWithAVX512) and picked at run time."""
+    if msvc:
+        flags = ["/O2", "/std:c++17", TORCH_TARGET, PY_LIMITED]
+        return flags + ["/arch:AVX2", "-DFLASHATTN_HAVE_AVX512"] if X86 else flags
+    flags = ["-O3", "-std=c++17", TORCH_TARGET, PY_LIMITED, "-fvisibility=hidden"]
+    return flags + ["-mavx2", "-mfma", "-mf16c", "-DFLASHATTN_HAVE_AVX512"] if X86 else flags
+
+
+def avx512_flags(msvc):
+    return ["/arch:AVX512"] if msvc else ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq", "-fPIC"]
 
 
 class BuildWithAVX512(BuildExtension):
-    """Compiles kernels_avx512.cpp on its own with AVX-512 flags (setuptools has no per-file
+    """Adds the host compiler flags in its spelling (the compiler is known only here), and
+    compiles kernels_avx512.cpp on its own with AVX-512 flags (setuptools has no per-file
     flags) and links its object after all others: see the comment at the top of that file."""
 
     def build_extensions(self):
+        msvc = self.compiler.compiler_type == "msvc"
+        for ext in self.extensions:
+            ext.extra_compile_args["cxx"] = cxx_flags(msvc) + ext.extra_compile_args["cxx"]
         if X86:
             for ext in self.extensions:
-                flags = ext.extra_compile_args["cxx"] + AVX512_FLAGS + ["-fPIC"]
+                flags = ext.extra_compile_args["cxx"] + avx512_flags(msvc)
                 ext.extra_objects += self.compiler.compile(
                     [AVX512_SOURCE], output_dir=self.build_temp, include_dirs=ext.include_dirs,
                     extra_postargs=flags)
@@ -73,17 +92,12 @@ def cuda_gencode_flags():
 def extension():
     rel = lambda pattern: sorted(os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, pattern), recursive=True))
     sources = rel("csrc/*.cpp") + [p for p in rel("csrc/cpu/*.cpp") if p != AVX512_SOURCE]
-    # x86-64 builds target AVX2 + FMA (any CPU from 2013 on); the AVX-512 kernels are built
-    # beside them (BuildWithAVX512) and picked at run time.
-    cxx = ["-O3", "-std=c++17", TORCH_TARGET, PY_LIMITED, "-fvisibility=hidden"]
-    if X86:
-        cxx += ["-mavx2", "-mfma", "-mf16c", "-DFLASHATTN_HAVE_AVX512"]
     common = dict(name="flashattn_ext._C", sources=sources, py_limited_api=True)
     if not want_cuda():
-        return CppExtension(extra_compile_args={"cxx": cxx}, **common)
+        return CppExtension(extra_compile_args={"cxx": []}, **common)
     common["sources"] += rel("csrc/cuda/**/*.cu")
     nvcc = ["-O3", "-std=c++17", TORCH_TARGET, "--expt-relaxed-constexpr", "-lineinfo"] + cuda_gencode_flags()
-    return CUDAExtension(extra_compile_args={"cxx": cxx + ["-DFLASHATTN_WITH_CUDA"],
+    return CUDAExtension(extra_compile_args={"cxx": ["-DFLASHATTN_WITH_CUDA"],
                                              "nvcc": nvcc + ["-DFLASHATTN_WITH_CUDA"]},
                          define_macros=[("USE_CUDA", None)], **common)
 
