@@ -1,0 +1,151 @@
+"""flash-attn 2's Python API under its own names and argument orders: flash_attn_func,
+flash_attn_varlen_func and their packed variants, whose qkv / kv tensors are split into views
+(no copy) before the call. `from flashattn_ext.flash_attn_interface import ...` stands in for
+`from flash_attn.flash_attn_interface import ...`.
+
+Every function takes dropout_p, softmax_scale, causal (aligned bottom-right), window_size,
+softcap, alibi_slopes and deterministic as functional.flash_attn_func documents them, and
+return_attn_probs: with it, the result is flash-attn's (out, softmax_lse, S_dmask), S_dmask
+the attention probabilities rebuilt from softmax_lse (see _attn_probs.py), negative where
+dropout dropped them. flash-attn returns S_dmask only for testing, and only with dropout;
+here it is always returned, always exact, and costs O(len_q * len_k) memory."""
+import math
+
+import torch
+
+from . import functional
+from ._attn_probs import attention_probs, varlen_attention_probs, with_dropout_signs
+from .functional import _check_tensors, _window, checked_fwd
+from .ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, new_rng_state
+
+__all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
+           "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func"]
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, return_lse=False):
+    """functional.flash_attn_func (q, k, v of shape (batch, seq_len, heads, head_dim)) with
+    flash-attn's return_attn_probs: (out, softmax_lse (batch, heads, seq_len_q), S_dmask
+    (batch, heads, seq_len_q, seq_len_k)). return_lse=True gives (out, softmax_lse)."""
+    if not return_attn_probs:
+        return functional.flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                                          alibi_slopes, deterministic, return_lse=return_lse)
+    _check_tensors((("q", q), ("k", k), ("v", v)), _rank(4, "batch, seq_len, heads, head_dim"))
+    out, lse, probs = _forward_and_probs(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p,
+                                         softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic)
+    return out.transpose(1, 2), lse, probs
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None, *, return_lse=False):
+    """functional.flash_attn_varlen_func (packed q, k, v of shape (total, heads, head_dim))
+    with flash-attn's return_attn_probs: (out, softmax_lse (heads, total_q), S_dmask (batch,
+    heads, max_seqlen_q, max_seqlen_k) holding sequence b's probabilities in [b, :, :len_q,
+    :len_k], zeros elsewhere). block_table (a paged KV cache) is not supported: it must be None."""
+    if block_table is not None:
+        raise ValueError(f"flashattn_ext: block_table (a paged KV cache) is not supported; it must be None, got a "
+                         f"{type(block_table).__name__}")
+    if not return_attn_probs:
+        return functional.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                 dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                                 deterministic, return_lse=return_lse)
+    _check_tensors((("q", q), ("k", k), ("v", v)), _rank(3, "total, heads, head_dim"))
+    _check_tensors((("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)), lambda name, t: None)
+    varlen = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=int(max_seqlen_q),
+                  max_seqlen_k=int(max_seqlen_k))
+    out, lse, probs = _forward_and_probs(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                         dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                         deterministic, varlen)
+    return out[0].transpose(0, 1), lse[0], probs
+
+
+def _rank(n, dims):
+    def rule(name, t):
+        if t.dim() != n:
+            raise ValueError(f"flashattn_ext: {name} must have {n} dimensions ({dims}), got shape {tuple(t.shape)}")
+    return rule
+
+
+def _real(value, name):
+    try:
+        if isinstance(value, (str, bytes)):
+            raise TypeError
+        return float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"flashattn_ext: {name} must be a real number, got {value!r}") from None
+
+
+def _forward_and_probs(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                       varlen=None):
+    """(out, lse, S_dmask) of one call on (batch, heads, len, dim) views (varlen: the op's
+    cu_seqlens arguments). The call draws its dropout state here, so that S_dmask can show
+    which scores it dropped."""
+    if softmax_scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] > 0 else 1.0
+    else:
+        scale = _real(softmax_scale, "softmax_scale")
+    causal = CAUSAL_BOTTOM_RIGHT if causal else CAUSAL_NONE
+    window, softcap, dropout_p = _window(window_size), _real(softcap, "softcap"), _real(dropout_p, "dropout_p")
+    rng_state = new_rng_state() if dropout_p > 0.0 else None
+    out, lse = checked_fwd(q, k, v, scale, causal, bool(deterministic), window_left=window[0], window_right=window[1],
+                           alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p, rng_state=rng_state,
+                           **(varlen or {}))
+    if varlen is None:
+        probs = attention_probs(q, k, lse, scale, causal, window, softcap, alibi_slopes)
+    else:
+        probs = varlen_attention_probs(q, k, lse, scale, causal, varlen["cu_seqlens_q"], varlen["cu_seqlens_k"],
+                                       varlen["max_seqlen_q"], varlen["max_seqlen_k"], window, softcap, alibi_slopes)
+    if rng_state is not None:
+        probs = with_dropout_signs(probs, rng_state, dropout_p)
+    return out, lse, probs.to(q.dtype)
+
+
+def _unpack(name, packed, dim, count, layout):
+    """The `count` tensors stacked along `dim` of a packed argument, as views."""
+    if not isinstance(packed, torch.Tensor):
+        raise TypeError(f"flashattn_ext: {name} must be a torch.Tensor, got {type(packed).__name__}")
+    rank = len(layout.split(","))
+    if packed.dim() != rank or packed.shape[dim] != count:
+        raise ValueError(f"flashattn_ext: {name} must have shape ({layout}) with {count} at dimension {dim}, got "
+                         f"shape {tuple(packed.shape)}")
+    return packed.unbind(dim)
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash_attn_func on qkv (batch, seq_len, 3, heads, head_dim): q, k, v = qkv[:, :, i].
+    Returns out (batch, seq_len, heads, head_dim); its gradient reaches qkv."""
+    q, k, v = _unpack("qkv", qkv, 2, 3, "batch, seq_len, 3, heads, head_dim")
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           deterministic, return_attn_probs)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash_attn_func on q (batch, seq_len_q, heads, head_dim) and kv (batch, seq_len_k, 2,
+    heads_kv, head_dim): k, v = kv[:, :, 0], kv[:, :, 1]; heads_kv may divide heads (GQA)."""
+    k, v = _unpack("kv", kv, 2, 2, "batch, seq_len_k, 2, heads_kv, head_dim")
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
+                                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False):
+    """flash_attn_varlen_func on qkv (total, 3, heads, head_dim), the same cu_seqlens and
+    max_seqlen for queries and keys. Returns out (total, heads, head_dim)."""
+    q, k, v = _unpack("qkv", qkv, 1, 3, "total, 3, heads, head_dim")
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale,
+                                  causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash_attn_varlen_func on q (total_q, heads, head_dim) and kv (total_k, 2, heads_kv,
+    head_dim). Returns out (total_q, heads, head_dim)."""
+    k, v = _unpack("kv", kv, 1, 2, "total_k, 2, heads_kv, head_dim")
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                  softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs)
