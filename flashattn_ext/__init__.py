@@ -1,9 +1,17 @@
 """flashattn_ext: exact attention the FlashAttention way (tiled, online softmax, O(L) memory)."""
 from . import ops  # noqa: F401  (registers the ops, fake kernels and autograd)
-from .functional import flash_attn_func, flash_attn_varlen_func, scaled_dot_product_attention
+from . import nn  # noqa: F401  (flashattn_ext.nn.MultiheadAttention, flashattn_ext.nn.Attention)
+from ._sdpa_inputs import scaled_dot_product_attention
+from .attention_fn import attention
+from .bert_padding import pad_input, unpad_input
+from .flash_attn_interface import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
+                                   flash_attn_varlen_func, flash_attn_varlen_kvpacked_func,
+                                   flash_attn_varlen_qkvpacked_func)
 from .kvcache import flash_attn_with_kvcache
 
-__all__ = ["scaled_dot_product_attention", "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"]
+__all__ = ["scaled_dot_product_attention", "attention", "flash_attn_func", "flash_attn_varlen_func",
+           "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_qkvpacked_func",
+           "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache", "unpad_input", "pad_input"]
 __version__ = "0.1.0"
 
 
