@@ -100,7 +100,7 @@ def _reference_probs(q, k, scale, causal, window=(-1, -1), softcap=0.0, alibi=No
     return torch.softmax(s, dim=-1).nan_to_num(0.0)
 
 
-@pytest.mark.parametrize("dtype,atol", [(torch.float64, 1e-12), (torch.float32, 2e-6)], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("dtype,atol", [(torch.float64, 1e-12), (torch.float32, 5e-6)], ids=["fp64", "fp32"])
 @pytest.mark.parametrize("features", FEATURES)
 def test_return_attn_probs(device, dtype, atol, features):
     """S_dmask is the softmax probabilities (batch, heads, len_q, len_k), with every option;

@@ -63,7 +63,7 @@ def _jagged(lens, heads, dim, dtype, device):
     return nested, nested.transpose(1, 2)
 
 
-@pytest.mark.parametrize("dtype,atol", [(torch.float64, 1e-12), (torch.float32, 2e-6)], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("dtype,atol", [(torch.float64, 1e-12), (torch.float32, 5e-6)], ids=["fp64", "fp32"])
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_nested_self_attention(device, dtype, atol, is_causal):
     """Each sequence attends within itself, as SDPA on that sequence alone; the result is a
