@@ -2,8 +2,6 @@
 the inputs of torch's SDPA that are not plain tensors: torch.nn.attention.bias.CausalBias
 masks (a causal flag with its alignment) and jagged nested tensors (a variable-length batch,
 run through the ops' cu_seqlens path with no padding)."""
-import math
-
 import torch
 from torch.nn.attention.bias import CausalBias, CausalVariant
 
@@ -121,8 +119,6 @@ def nested_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enabl
     # values() of a (batch, heads, j, dim) jagged tensor is a (heads, total, dim) view: the
     # (1, heads, total, dim) view the variable-length op takes.
     q, k, v = query.values()[None], key.values()[None], value.values()[None]
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])
     out, _ = _attention(q, k, v, scale, CAUSAL_TOP_LEFT if is_causal else CAUSAL_NONE, False, dropout_p=dropout_p,
                         cu_seqlens_q=query.offsets().to(torch.int32), cu_seqlens_k=key.offsets().to(torch.int32),
                         max_seqlen_q=_max_seqlen(query), max_seqlen_k=_max_seqlen(key))
