@@ -1,7 +1,7 @@
 """flash-attn 2's Python API under its own names and argument orders: flash_attn_func,
 flash_attn_varlen_func and their packed variants, whose qkv / kv tensors are split into views
 (no copy) before the call. `from flashattn_ext.flash_attn_interface import ...` stands in for
-`from flash_attn.flash_attn_interface import ...`.
+`from flash_attn.flash_attn_interface import ...` (flash_attn_with_kvcache lives in kvcache.py).
 
 Every function takes dropout_p, softmax_scale, causal (aligned bottom-right), window_size,
 softcap, alibi_slopes and deterministic as functional.flash_attn_func documents them, and
@@ -16,10 +16,11 @@ import torch
 from . import functional
 from ._attn_probs import attention_probs, varlen_attention_probs, with_dropout_signs
 from .functional import _check_tensors, _window, checked_fwd
+from .kvcache import flash_attn_with_kvcache
 from .ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, new_rng_state
 
 __all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
-           "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func"]
+           "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache"]
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
