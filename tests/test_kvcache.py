@@ -73,10 +73,10 @@ def make_case(device, dtype, heads_kv=2, len_q=1, len_new=1, dim_v=DIM, paged=Fa
     return ours, ref
 
 
-def run_and_check(ours, ref):
-    """Runs ours on copies of the caches, checks out, lse and both caches; returns ours."""
+def run_and_check(ours, ref, fn=flashattn_ext.flash_attn_with_kvcache):
+    """Runs fn on copies of the caches, checks out, lse and both caches; returns out, lse."""
     ours = dict(ours, k_cache=ours["k_cache"].clone(), v_cache=ours["v_cache"].clone())
-    out, lse = flashattn_ext.flash_attn_with_kvcache(**ours, return_softmax_lse=True)
+    out, lse = fn(**ours, return_softmax_lse=True)
     dtype = ours["q"].dtype
     as64 = {n: (t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() and n != "alibi" else t)
             for n, t in ref.items()}
@@ -93,6 +93,7 @@ CASES = {
     "append": dict(),
     "append_causal_spec_rows": dict(len_q=3, len_new=3, causal=True),
     "rows_beyond_new_keys": dict(len_q=4, len_new=1, causal=True, seqlens=(0, 2, None)),
+    "alibi_rows_beyond_new_keys": dict(alibi=(HEADS,), len_q=4, len_new=1, causal=True, seqlens=(0, 2, None)),
     "mqa": dict(heads_kv=1, len_q=2, causal=True),
     "mha_dim_v": dict(heads_kv=4, dim_v=8),
     "full_cache": dict(seqlens=(None, None, None), len_new=2, len_q=2),
@@ -153,6 +154,23 @@ def test_strided_query_and_new_keys(device):
         ours[name] = wide[..., ::2].copy_(ours[name])
         assert ours[name].stride(-1) == 2
     run_and_check(ours, ref)
+
+
+def test_cache_views_of_one_buffer(device):
+    """k_cache and v_cache as strided views of one (B, C, 2, Hkv, E) buffer: written in place."""
+    ours, ref = make_case(device, torch.float32, len_q=2, len_new=2, causal=True)
+    kv = torch.stack((ours["k_cache"], ours["v_cache"]), dim=2)
+    ours["k_cache"], ours["v_cache"] = kv[:, :, 0], kv[:, :, 1]
+    out = flashattn_ext.flash_attn_with_kvcache(**ours)
+    _, _, k_after, v_after = kvcache_ref(**ref)
+    assert torch.equal(kv[:, :, 0].cpu(), k_after) and torch.equal(kv[:, :, 1].cpu(), v_after)
+    assert torch.equal(out, run_and_check(ours, ref)[0])
+
+
+def test_torch_compile_fullgraph(device):
+    """torch.compile(fullgraph=True) traces the whole call (values unchecked there, as on CUDA)."""
+    ours, ref = make_case(device, torch.float32, **CASES["everything_paged"])
+    run_and_check(ours, ref, torch.compile(flashattn_ext.flash_attn_with_kvcache, fullgraph=True))
 
 
 # ---- forward only ----
