@@ -80,8 +80,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     rotary_cos / rotary_sin (R, rotary_dim / 2): rotary embedding of the first rotary_dim features
     of the new k (at their cache positions) and of q (row i at cache_seqlens[b] + i when causal or
     windowed, else every row at cache_seqlens[b]); interleaved pairs (0, 1), (2, 3)... or, with
-    rotary_interleaved=False, halves (i, i + rotary_dim / 2). Unlike flash-attn, q is rotated
-    also when no k is given.
+    rotary_interleaved=False, halves (i, i + rotary_dim / 2); q is rotated also when no k is
+    given (flash-attn refuses that).
     causal, window_size, alibi_slopes are aligned bottom-right against the cache length after the
     append (query i of sequence b sits at key cache_seqlens[b] + L_new - Lq + i); softcap as in
     flash_attn_func. GQA/MQA when Hkv divides H. num_splits: a scheduling hint (0 = automatic), never
