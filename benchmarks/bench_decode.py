@@ -147,10 +147,11 @@ def measure(impl, t, kv_bytes, args):
 
 
 def check_paged_equals_dense(t):
-    """ours-paged reads the same keys as ours: equal outputs (a guard on the benchmark's inputs)."""
+    """ours-paged reads the same keys as ours: the same outputs up to rounding (a guard on the
+    benchmark's inputs; a wrong page would change them by O(1))."""
     dense = step_fn("ours", t)()
     paged = step_fn("ours-paged", t)()
-    if not torch.equal(dense, paged):
+    if not torch.allclose(dense.float(), paged.float(), rtol=1e-2, atol=1e-2):
         raise AssertionError(f"paged and dense outputs differ by {(dense - paged).abs().max().item():.3g}")
 
 
