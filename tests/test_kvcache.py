@@ -324,6 +324,17 @@ def test_out_of_range_values(device, case, change, match):
     assert torch.equal(bad["k_cache"], fixed["k_cache"]) and torch.equal(bad["v_cache"], fixed["v_cache"])
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
+def test_every_sequence_out_of_range(device, paged):
+    """With no valid sequence the device path leaves both caches exactly as they were."""
+    ours, _ = make_case(device, torch.float32, paged=paged, len_new=2)
+    ours["cache_seqlens"] = torch.tensor([-5, 63, 1000], dtype=torch.int32, device=device)
+    before = ours["k_cache"].clone(), ours["v_cache"].clone()
+    out, lse = _kvcache_compose.forward(_resolved(ours))
+    assert out.isnan().all() and lse.isnan().all()
+    assert torch.equal(ours["k_cache"], before[0]) and torch.equal(ours["v_cache"], before[1])
+
+
 def _resolved(kwargs):
     """The resolved arguments of a public call with these keyword arguments (no value checks)."""
     bound = inspect.signature(flashattn_ext.flash_attn_with_kvcache).bind(**kwargs)
