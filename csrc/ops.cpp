@@ -8,7 +8,9 @@
 #include <torch/csrc/stable/accelerator.h>
 #endif
 
+#include <algorithm>
 #include <cmath>
+#include <stdexcept>
 #include <limits>
 #include <optional>
 #include <string>
@@ -34,6 +36,7 @@ constexpr int64_t kMaxHeadDim = 256;
 // 2 = bottom-right (flash-attn causal).
 constexpr int64_t kCausalNone = 0, kCausalTopLeft = 1, kCausalBottomRight = 2;
 
+std::string shape_str(const Tensor& t);
 std::string shape_str(const Tensor& t) {
   std::string s = "[";
   for (int64_t d = 0; d < t.dim(); ++d) s += (d ? ", " : "") + std::to_string(t.size(d));
@@ -129,14 +132,37 @@ Dims check_qkv(const Tensor& q, const Tensor& k, const Tensor& v, int64_t causal
 
 Strides strides_of(const Tensor& t) { return Strides{t.stride(0), t.stride(1), t.stride(2)}; }
 
+// A failed allocation: reported to Python as torch.OutOfMemoryError (see guarded()).
+struct OutOfMemory : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+std::string shape_str(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t d = 0; d < shape.size(); ++d) s += (d ? ", " : "") + std::to_string(shape[d]);
+  return s + "]";
+}
+
+// torch::stable::empty, with a failure (the only cause once the arguments are checked: no memory
+// left on the device) raised as OutOfMemory naming what was being allocated.
+Tensor allocate(const std::vector<int64_t>& shape, ScalarType dtype, const Tensor& like, const char* what) {
+  try {
+    return torch::stable::empty(shape, dtype, std::nullopt, like.device());
+  } catch (const std::exception&) {
+    throw OutOfMemory(std::string("flashattn: out of memory allocating ") + what + " of shape " + shape_str(shape) +
+                      " on " + (like.is_cuda() ? "cuda:" + std::to_string(like.get_device_index()) : "cpu"));
+  }
+}
+
 // New (batch, heads, len, dim) tensor laid out in memory like `like`: (batch, len, heads, dim)
 // order when `like` keeps heads inside rows (a transposed flash-attn view), else contiguous.
 // The fake kernels in flashattn_ext/ops.py follow the same rule.
-Tensor empty_like_layout(const Tensor& like, int64_t heads, int64_t len, int64_t dim, ScalarType dtype) {
+Tensor empty_like_layout(const Tensor& like, int64_t heads, int64_t len, int64_t dim, ScalarType dtype,
+                         const char* what) {
   bool heads_inner = like.size(1) > 1 && like.size(2) > 1 && like.stride(1) < like.stride(2);
   std::vector<int64_t> shape = heads_inner ? std::vector<int64_t>{like.size(0), len, heads, dim}
                                            : std::vector<int64_t>{like.size(0), heads, len, dim};
-  Tensor t = torch::stable::empty(shape, dtype, std::nullopt, like.device());
+  Tensor t = allocate(shape, dtype, like, what);
   return heads_inner ? torch::stable::transpose(t, 1, 2) : t;
 }
 
@@ -156,6 +182,12 @@ void fill_common(FwdParams& p, const Tensor& q, const Tensor& k, const Tensor& v
   p.len_k = d.len_k;
   p.head_dim = d.head_dim;
   p.head_dim_v = d.head_dim_v;
+  // The kernels fold log2(e) into the scale in the accumulation type (fp64 for fp64 inputs,
+  // else fp32): a scale that overflows there would turn every score into +-inf or NaN.
+  const double max_scale = (p.dtype == DType::kFloat64 ? std::numeric_limits<double>::max()
+                                                       : double(std::numeric_limits<float>::max())) / 1.4426950408889634;
+  STD_TORCH_CHECK(std::isfinite(scale) && std::fabs(scale) <= max_scale, "flashattn: argument 'scale' must be finite "
+                  "with |scale| <= ", max_scale, " (scale * log2(e) must fit in the accumulation type), got ", scale);
   p.scale = scale;
   p.causal = causal != kCausalNone;
   p.causal_offset = causal == kCausalBottomRight ? d.len_k - d.len_q : 0;
@@ -181,9 +213,10 @@ bool same_device(const Tensor& a, const Tensor& b) {
   return (a.is_cpu() && b.is_cpu()) || (a.is_cuda() && b.is_cuda() && a.get_device_index() == b.get_device_index());
 }
 
-// Checks a cu_seqlens tensor, and that max_seqlen covers its longest sequence. Its values are
-// read on the host: a CUDA tensor is copied there first (a sync, the price of never reading
-// out of bounds).
+// Checks a cu_seqlens tensor, and, for a CPU one, that its values are offsets into `total` rows
+// and that max_seqlen covers its longest sequence. A CUDA one is not read here (no copy to the
+// host, so the op can be captured in a CUDA graph): the Python layer checks its values outside
+// capture, and the kernels clamp every offset into the tensors (common/sequence.h).
 void check_cu_seqlens(const Tensor& cu, const char* name, const Tensor& q, int64_t batch_plus_one, int64_t total,
                          int64_t max_seqlen, const char* max_name) {
   STD_TORCH_CHECK(cu.scalar_type() == ScalarType::Int, "flashattn: argument '", name, "' must have dtype int32, got ",
@@ -194,9 +227,8 @@ void check_cu_seqlens(const Tensor& cu, const char* name, const Tensor& q, int64
                   "the same length (batch + 1), got ", batch_plus_one, " and ", cu.size(0));
   STD_TORCH_CHECK(same_device(cu, q), "flashattn: argument '", name, "' is on device ", device_str(cu),
                   " but 'q' is on ", device_str(q), "; they must be on the same device");
-  const Tensor host =
-      cu.is_cpu() ? cu : torch::stable::to(cu, torch::stable::Device(torch::headeronly::DeviceType::CPU));
-  const int32_t* c = static_cast<const int32_t*>(host.const_data_ptr());
+  if (!cu.is_cpu()) return;
+  const int32_t* c = static_cast<const int32_t*>(cu.const_data_ptr());
   STD_TORCH_CHECK(c[0] == 0, "flashattn: argument '", name, "' must start at 0, got ", c[0]);
   int64_t longest = 0;
   for (int64_t i = 0; i + 1 < cu.size(0); ++i) {
@@ -217,11 +249,18 @@ void check_and_fill_features(FwdParams& p, const Features& f, const Tensor& q, c
   STD_TORCH_CHECK(f.window_left >= -1 && f.window_right >= -1, "flashattn: argument 'window_size' must be (left, "
                   "right) with each >= 0, or -1 for unbounded, got (", f.window_left, ", ", f.window_right, ")");
   STD_TORCH_CHECK(f.softcap >= 0.0, "flashattn: argument 'softcap' must be >= 0 (0 = off), got ", f.softcap);
+  STD_TORCH_CHECK(f.max_seqlen_q >= 0 && f.max_seqlen_k >= 0, "flashattn: arguments 'max_seqlen_q' and 'max_seqlen_k' "
+                  "must be >= 0, got ", f.max_seqlen_q, " and ", f.max_seqlen_k);
   STD_TORCH_CHECK(f.dropout_p >= 0.0 && f.dropout_p < 1.0, "flashattn: argument 'dropout_p' must be in [0, 1), got ",
                   f.dropout_p);
-  p.window_left = f.window_left;
-  p.window_right = f.window_right;
-  p.softcap = f.softcap;
+  // A window reaching past every row and key (wider than len_q + len_k) is unbounded: -1 keeps the
+  // band arithmetic (positions +- window) far from int64 overflow.
+  const auto bounded = [&](int64_t w) { return w > d.len_q + d.len_k ? -1 : w; };
+  p.window_left = bounded(f.window_left);
+  p.window_right = bounded(f.window_right);
+  // softcap * tanh(s / softcap) equals s in floating point once softcap is this large (and
+  // infinity would give inf * tanh(0) = NaN): such a cap is no cap.
+  p.softcap = f.softcap > double(std::numeric_limits<float>::max()) ? 0.0 : f.softcap;
   p.dropout_p = f.dropout_p;
 
   if (f.varlen()) {
@@ -238,8 +277,10 @@ void check_and_fill_features(FwdParams& p, const Features& f, const Tensor& q, c
     p.cu_seqlens_k = static_cast<const int32_t*>(f.cu_seqlens_k->const_data_ptr());
     p.batch = n - 1;
     p.total_q = d.len_q;
-    p.len_q = f.max_seqlen_q;
-    p.len_k = f.max_seqlen_k;
+    p.total_k = d.len_k;
+    // No sequence is longer than all the rows: a larger bound only sizes grids and workspaces.
+    p.len_q = std::min(f.max_seqlen_q, d.len_q);
+    p.len_k = std::min(f.max_seqlen_k, d.len_k);
     p.causal_bottom_right = causal == kCausalBottomRight;
   }
 
@@ -281,15 +322,20 @@ void check_and_fill_features(FwdParams& p, const Features& f, const Tensor& q, c
 
   if (f.dropout_p > 0.0) {
     STD_TORCH_CHECK(f.rng_state.has_value(), "flashattn: dropout_p > 0 needs argument 'rng_state' (int64 [seed, "
-                    "offset] on the CPU)");
+                    "offset], on the CPU or on q's device)");
     const Tensor& r = *f.rng_state;
-    STD_TORCH_CHECK(r.is_cpu() && r.scalar_type() == ScalarType::Long && r.dim() == 1 && r.size(0) == 2 &&
-                        r.is_contiguous(),
-                    "flashattn: argument 'rng_state' must be a contiguous int64 CPU tensor [seed, offset], got shape ",
-                    shape_str(r), " and dtype ", dtype_name(r.scalar_type()));
+    STD_TORCH_CHECK((r.is_cpu() || same_device(r, q)) && r.scalar_type() == ScalarType::Long && r.dim() == 1 &&
+                        r.size(0) == 2 && r.is_contiguous(),
+                    "flashattn: argument 'rng_state' must be a contiguous int64 tensor [seed, offset] on the CPU or on "
+                    "q's device, got shape ", shape_str(r), " and dtype ", dtype_name(r.scalar_type()), " on ",
+                    device_str(r));
     const int64_t* st = static_cast<const int64_t*>(r.const_data_ptr());
-    p.dropout_seed = uint64_t(st[0]);
-    p.dropout_offset = uint32_t(uint64_t(st[1]));
+    if (r.is_cpu()) {
+      p.dropout_seed = uint64_t(st[0]);
+      p.dropout_offset = uint32_t(uint64_t(st[1]));
+    } else {
+      p.dropout_state = st;
+    }
   }
 }
 
@@ -316,9 +362,8 @@ std::tuple<Tensor, Tensor> fwd(Tensor q, Tensor k, Tensor v, double scale, int64
   FwdParams p;
   fill_common(p, q, k, v, d, scale, causal);
   check_and_fill_features(p, f, q, d, causal);
-  Tensor out = empty_like_layout(q, d.heads_q, d.len_q, d.head_dim_v, q.scalar_type());
-  Tensor lse = torch::stable::empty({d.batch, d.heads_q, d.len_q}, lse_type(q.scalar_type()), std::nullopt,
-                                    q.device());
+  Tensor out = empty_like_layout(q, d.heads_q, d.len_q, d.head_dim_v, q.scalar_type(), "out");
+  Tensor lse = allocate({d.batch, d.heads_q, d.len_q}, lse_type(q.scalar_type()), q, "lse");
   if (out.numel() == 0) return {out, lse};
   if (d.len_k == 0) {  // every row is fully masked
     torch::stable::zero_(out);
@@ -336,7 +381,7 @@ std::tuple<Tensor, Tensor> fwd(Tensor q, Tensor k, Tensor v, double scale, int64
     p.workspace_bytes = cuda::fwd_workspace_bytes(p);
     Tensor ws;  // (held until the kernels are queued: the allocator's stream order covers them)
     if (p.workspace_bytes > 0) {
-      ws = torch::stable::empty({static_cast<int64_t>(p.workspace_bytes)}, ScalarType::Byte, std::nullopt, q.device());
+      ws = allocate({static_cast<int64_t>(p.workspace_bytes)}, ScalarType::Byte, q, "the workspace");
       p.workspace = ws.mutable_data_ptr();
     }
     cuda::run_fwd(p, current_cuda_stream(q));
@@ -391,11 +436,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> bwd(
                     shape_str(lse), ", got shape ", shape_str(g), " and dtype ", dtype_name(g.scalar_type()));
   }
 
-  Tensor dq = empty_like_layout(q, d.heads_q, d.len_q, d.head_dim, q.scalar_type());
-  Tensor dk = empty_like_layout(k, d.heads_kv, d.len_k, d.head_dim, q.scalar_type());
-  Tensor dv = empty_like_layout(v, d.heads_kv, d.len_k, d.head_dim_v, q.scalar_type());
-  Tensor dbias = torch::stable::empty({bias_requires_grad ? d.batch : 0, d.heads_q, d.len_q, d.len_k},
-                                      lse_type(q.scalar_type()), std::nullopt, q.device());
+  Tensor dq = empty_like_layout(q, d.heads_q, d.len_q, d.head_dim, q.scalar_type(), "dq");
+  Tensor dk = empty_like_layout(k, d.heads_kv, d.len_k, d.head_dim, q.scalar_type(), "dk");
+  Tensor dv = empty_like_layout(v, d.heads_kv, d.len_k, d.head_dim_v, q.scalar_type(), "dv");
+  Tensor dbias = allocate({bias_requires_grad ? d.batch : 0, d.heads_q, d.len_q, d.len_k}, lse_type(q.scalar_type()),
+                          q, "the attn_bias gradient");
   torch::stable::zero_(dbias);  // the backend writes only the scores it visits
   if (d.batch * d.heads_q * d.len_q * d.len_k == 0) {  // nothing attends to anything
     torch::stable::zero_(dq);
@@ -421,16 +466,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> bwd(
   p.deterministic = deterministic || p.dtype == DType::kFloat64;
   if (q.is_cpu()) {
     p.workspace_bytes = cpu::bwd_workspace_bytes(p);
-    Tensor ws = torch::stable::empty({static_cast<int64_t>(p.workspace_bytes)}, ScalarType::Byte, std::nullopt,
-                                     q.device());
+    Tensor ws = allocate({static_cast<int64_t>(p.workspace_bytes)}, ScalarType::Byte, q, "the workspace");
     p.workspace = ws.mutable_data_ptr();
     cpu::run_bwd(p);
   } else {
 #ifdef FLASHATTN_WITH_CUDA
     torch::stable::accelerator::DeviceGuard guard(q.get_device_index());
     p.workspace_bytes = cuda::bwd_workspace_bytes(p);
-    Tensor ws = torch::stable::empty({static_cast<int64_t>(p.workspace_bytes)}, ScalarType::Byte, std::nullopt,
-                                     q.device());
+    Tensor ws = allocate({static_cast<int64_t>(p.workspace_bytes)}, ScalarType::Byte, q, "the workspace");
     p.workspace = ws.mutable_data_ptr();
     cuda::run_bwd(p, current_cuda_stream(q));
 #else
@@ -445,7 +488,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> bwd(
 // of this shape, (batch, heads, len_q, len_k) bool on the CPU; sequence b of a variable-length
 // batch uses [b, :, :len_q_b, :len_k_b] of it.
 Tensor dropout_mask(Tensor rng_state, int64_t batch, int64_t heads, int64_t len_q, int64_t len_k, double dropout_p) {
-  STD_TORCH_CHECK(batch >= 0 && heads >= 0 && len_q >= 0 && len_k >= 0 && batch * heads * len_q * len_k <= (1 << 28),
+  STD_TORCH_CHECK(batch >= 0 && heads >= 0 && len_q >= 0 && len_k >= 0 &&
+                      double(batch) * double(heads) * double(len_q) * double(len_k) <= double(1 << 28),
                   "flashattn: dropout_mask is a test helper for small shapes; got ", batch, " x ", heads, " x ",
                   len_q, " x ", len_k);
   STD_TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "flashattn: argument 'dropout_p' must be in [0, 1), got ",
@@ -458,7 +502,7 @@ Tensor dropout_mask(Tensor rng_state, int64_t batch, int64_t heads, int64_t len_
   const uint64_t seed = uint64_t(st[0]);
   const uint32_t offset = uint32_t(uint64_t(st[1]));
   const uint32_t threshold = dropout_threshold(dropout_p);
-  Tensor mask = torch::stable::empty({batch, heads, len_q, len_k}, ScalarType::Bool);
+  Tensor mask = allocate({batch, heads, len_q, len_k}, ScalarType::Bool, rng_state, "the dropout mask");
   bool* m = static_cast<bool*>(mask.mutable_data_ptr());
   for (int64_t bh = 0; bh < batch * heads; ++bh)
     for (int64_t i = 0; i < len_q; ++i)
@@ -467,34 +511,97 @@ Tensor dropout_mask(Tensor rng_state, int64_t batch, int64_t heads, int64_t len_
   return mask;
 }
 
+// Runs `body`, turning any exception into "<Python exception type>|<message>" (empty: no error).
+// On torch < 2.13 an exception leaving a stable-ABI kernel kills the process, so the registered
+// kernels below throw nothing: flashattn_ext/ops.py raises the error in Python.
+template <class Body>
+std::string guarded(Body&& body) {
+  try {
+    body();
+    return {};
+  } catch (const OutOfMemory& e) {
+    return std::string("OutOfMemoryError|") + e.what();
+  } catch (const std::exception& e) {
+    return std::string("RuntimeError|") + e.what();
+  } catch (...) {
+    return "RuntimeError|flashattn: unknown C++ exception";
+  }
+}
+
+// The kernels registered as flashattn::_fwd, _bwd and _dropout_mask: fwd, bwd and dropout_mask
+// plus an error string. With an error, the tensors returned are placeholders (an input).
+std::tuple<Tensor, Tensor, std::string> fwd_guarded(
+    Tensor q, Tensor k, Tensor v, double scale, int64_t causal, bool deterministic, std::optional<Tensor> attn_bias,
+    int64_t window_left, int64_t window_right, std::optional<Tensor> alibi_slopes, double softcap, double dropout_p,
+    std::optional<Tensor> rng_state, std::optional<Tensor> cu_seqlens_q, std::optional<Tensor> cu_seqlens_k,
+    int64_t max_seqlen_q, int64_t max_seqlen_k) {
+  std::tuple<Tensor, Tensor> r{q, q};
+  std::string err = guarded([&] {
+    r = fwd(q, k, v, scale, causal, deterministic, attn_bias, window_left, window_right, alibi_slopes, softcap,
+            dropout_p, rng_state, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+  });
+  return {std::get<0>(r), std::get<1>(r), err};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, std::string> bwd_guarded(
+    Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, std::optional<Tensor> dlse, double scale,
+    int64_t causal, bool deterministic, std::optional<Tensor> attn_bias, int64_t window_left, int64_t window_right,
+    std::optional<Tensor> alibi_slopes, double softcap, double dropout_p, std::optional<Tensor> rng_state,
+    std::optional<Tensor> cu_seqlens_q, std::optional<Tensor> cu_seqlens_k, int64_t max_seqlen_q,
+    int64_t max_seqlen_k, bool bias_requires_grad) {
+  std::tuple<Tensor, Tensor, Tensor, Tensor> r{q, q, q, q};
+  std::string err = guarded([&] {
+    r = bwd(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, attn_bias, window_left, window_right,
+            alibi_slopes, softcap, dropout_p, rng_state, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+            bias_requires_grad);
+  });
+  return {std::get<0>(r), std::get<1>(r), std::get<2>(r), std::get<3>(r), err};
+}
+
+std::tuple<Tensor, std::string> dropout_mask_guarded(Tensor rng_state, int64_t batch, int64_t heads, int64_t len_q,
+                                                     int64_t len_k, double dropout_p) {
+  Tensor mask = rng_state;
+  std::string err = guarded([&] { mask = dropout_mask(rng_state, batch, heads, len_q, len_k, dropout_p); });
+  return {mask, err};
+}
+
 }  // namespace
 }  // namespace flashattn
 
+#define FLASHATTN_FWD_ARGS                                                                                       \
+  "Tensor q, Tensor k, Tensor v, float scale, int causal, bool deterministic=False, Tensor? attn_bias=None, "   \
+  "int window_left=-1, int window_right=-1, Tensor? alibi_slopes=None, float softcap=0.0, float dropout_p=0.0, " \
+  "Tensor? rng_state=None, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, int max_seqlen_q=0, "          \
+  "int max_seqlen_k=0"
+#define FLASHATTN_BWD_ARGS                                                                                        \
+  "Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, float scale, int causal, "   \
+  "bool deterministic, Tensor? attn_bias=None, int window_left=-1, int window_right=-1, "                        \
+  "Tensor? alibi_slopes=None, float softcap=0.0, float dropout_p=0.0, Tensor? rng_state=None, "                  \
+  "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, int max_seqlen_q=0, int max_seqlen_k=0, "              \
+  "bool bias_requires_grad=False"
+
+// fwd, bwd and dropout_mask are the public ops; their CPU and CUDA kernels are registered in
+// flashattn_ext/ops.py, which calls the underscored kernels below and raises their errors.
 STABLE_TORCH_LIBRARY(flashattn, m) {
   // The optional features (defaults: off) are documented in flashattn_ext/ops.py.
-  m.def(
-      "fwd(Tensor q, Tensor k, Tensor v, float scale, int causal, bool deterministic=False, "
-      "Tensor? attn_bias=None, int window_left=-1, int window_right=-1, Tensor? alibi_slopes=None, "
-      "float softcap=0.0, float dropout_p=0.0, Tensor? rng_state=None, Tensor? cu_seqlens_q=None, "
-      "Tensor? cu_seqlens_k=None, int max_seqlen_q=0, int max_seqlen_k=0) -> (Tensor out, Tensor lse)");
-  m.def(
-      "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, float scale, "
-      "int causal, bool deterministic, Tensor? attn_bias=None, int window_left=-1, int window_right=-1, "
-      "Tensor? alibi_slopes=None, float softcap=0.0, float dropout_p=0.0, Tensor? rng_state=None, "
-      "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, int max_seqlen_q=0, int max_seqlen_k=0, "
-      "bool bias_requires_grad=False) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dbias)");
+  m.def("fwd(" FLASHATTN_FWD_ARGS ") -> (Tensor out, Tensor lse)");
+  m.def("bwd(" FLASHATTN_BWD_ARGS ") -> (Tensor dq, Tensor dk, Tensor dv, Tensor dbias)");
   m.def("dropout_mask(Tensor rng_state, int batch, int heads, int len_q, int len_k, float dropout_p) -> Tensor");
+  m.def("_fwd(" FLASHATTN_FWD_ARGS ") -> (Tensor out, Tensor lse, str error)");
+  m.def("_bwd(" FLASHATTN_BWD_ARGS ") -> (Tensor dq, Tensor dk, Tensor dv, Tensor dbias, str error)");
+  m.def("_dropout_mask(Tensor rng_state, int batch, int heads, int len_q, int len_k, float dropout_p) -> "
+        "(Tensor mask, str error)");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(flashattn, CPU, m) {
-  m.impl("fwd", TORCH_BOX(&flashattn::fwd));
-  m.impl("bwd", TORCH_BOX(&flashattn::bwd));
-  m.impl("dropout_mask", TORCH_BOX(&flashattn::dropout_mask));
+  m.impl("_fwd", TORCH_BOX(&flashattn::fwd_guarded));
+  m.impl("_bwd", TORCH_BOX(&flashattn::bwd_guarded));
+  m.impl("_dropout_mask", TORCH_BOX(&flashattn::dropout_mask_guarded));
 }
 
 #ifdef FLASHATTN_WITH_CUDA
 STABLE_TORCH_LIBRARY_IMPL(flashattn, CUDA, m) {
-  m.impl("fwd", TORCH_BOX(&flashattn::fwd));
-  m.impl("bwd", TORCH_BOX(&flashattn::bwd));
+  m.impl("_fwd", TORCH_BOX(&flashattn::fwd_guarded));
+  m.impl("_bwd", TORCH_BOX(&flashattn::bwd_guarded));
 }
 #endif

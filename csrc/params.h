@@ -69,20 +69,26 @@ struct FwdParams {
   double softcap = 0.0;
 
   // Dropout of the attention probabilities (kept ones scaled by 1 / (1 - p)); the keep mask is
-  // a function of (seed, offset, batch, head, row, column) alone (common/dropout.h).
+  // a function of (seed, offset, batch, head, row, column) alone (common/dropout.h). The seed
+  // and offset come by value, or, when dropout_state is set, as int64 [seed, offset] in the
+  // tensors' device memory (drawn there by torch's generator: a CUDA graph redraws it on every
+  // replay); CUDA kernels then read them from there.
   double dropout_p = 0.0;
   uint64_t dropout_seed = 0;
   uint32_t dropout_offset = 0;
+  const int64_t* dropout_state = nullptr;
 
   // Variable-length batch (cu_seqlens_q != null): q, k, v, out are (1, heads, total, dim) and
   // sequence b holds rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of q/out and
   // [cu_seqlens_k[b], cu_seqlens_k[b + 1]) of k/v (int32, on the tensors' device). `batch` is
   // the number of sequences, len_q / len_k the longest ones, total_q the rows of q; lse is
   // (1, heads_q, total_q). Causal and window offsets are taken per sequence, the causal one
-  // bottom-right when causal_bottom_right (else top-left).
+  // bottom-right when causal_bottom_right (else top-left). Offsets are clamped to the tensors'
+  // rows (total_q, total_k) and lengths to len_q / len_k where they are read (sequence()), so that
+  // offsets that were not checked on the host (CUDA-graph capture) never address memory outside q, k, v.
   const int32_t* cu_seqlens_q = nullptr;
   const int32_t* cu_seqlens_k = nullptr;
-  int64_t total_q = 0;
+  int64_t total_q = 0, total_k = 0;
   bool causal_bottom_right = false;
 
   // Scratch of `workspace_bytes` bytes, as the backend's fwd_workspace_bytes / bwd_workspace_bytes

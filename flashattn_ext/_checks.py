@@ -16,17 +16,34 @@ def _dtype_name(dtype):
     return DTYPE_NAMES.get(dtype) or str(dtype).replace("torch.", "")
 
 
-def _shape(t):
-    return "[" + ", ".join(str(s) for s in t.shape) + "]"
+# Where the dimensions of a (batch, heads, len, dim) view of the ops sit in the tensor the user
+# passed: flash_attn_func's (batch, len, heads, dim) and flash_attn_varlen_func's (total, heads,
+# dim) (the view is (1, heads, total, dim)). Messages show the shape the user passed.
+_USER_DIMS = {"bhld": (0, 1, 2, 3), "blhd": (0, 2, 1, 3), "thd": (2, 1, 3)}
 
 
-def _check_tensor(t, name):
+def _shape(t, layout="bhld"):
+    dims = tuple(t.shape)
+    if t.dim() == 4:
+        dims = tuple(dims[i] for i in _USER_DIMS[layout])
+    return "[" + ", ".join(str(s) for s in dims) + "]"
+
+
+def check_layout(t, name):
+    """A dense tensor: sparse, mkldnn and other layouts have no strides to read in place."""
+    if t.layout != torch.strided:
+        raise ValueError(f"flashattn: argument '{name}' must be a dense (strided) tensor, got layout "
+                         f"{str(t.layout).replace('torch.', '')}; call .to_dense() on it first")
+
+
+def _check_tensor(t, name, layout="bhld"):
+    check_layout(t, name)
     if t.dim() != 4:
         raise RuntimeError(f"flashattn: argument '{name}' must have 4 dimensions (batch, heads, seq_len, head_dim), "
                            f"got shape {_shape(t)}")
     if t.shape[3] > 1 and t.numel() > 0 and t.stride(3) != 1:
         raise RuntimeError(f"flashattn: argument '{name}' must have a contiguous last dimension (stride 1), got "
-                           f"stride {t.stride(3)} for shape {_shape(t)}; call .contiguous() on it first")
+                           f"stride {t.stride(3)} for shape {_shape(t, layout)}; call .contiguous() on it first")
     if t.dtype not in DTYPE_NAMES:
         raise RuntimeError(f"flashattn: argument '{name}' has dtype {_dtype_name(t.dtype)}; supported dtypes are "
                            f"float64, float32, bfloat16 and float16")
@@ -53,25 +70,26 @@ def check_same_device(**tensors):
         _check_same_device(ref, ref_name, t, name)
 
 
-def _check_size(t, name, dim, expected, what):
+def _check_size(t, name, dim, expected, what, layout):
     if t.shape[dim] != expected:
-        raise RuntimeError(f"flashattn: argument '{name}' has {what} {t.shape[dim]} (shape {_shape(t)}) but "
+        raise RuntimeError(f"flashattn: argument '{name}' has {what} {t.shape[dim]} (shape {_shape(t, layout)}) but "
                            f"{expected} was expected")
 
 
-def check_fwd_args(q, k, v, causal):
-    """The checks of check_qkv in csrc/ops.cpp."""
+def check_fwd_args(q, k, v, causal, layout="bhld"):
+    """The checks of check_qkv in csrc/ops.cpp; `layout` says how the caller passed q, k, v
+    (see _USER_DIMS), for the shapes the messages show."""
     for t, name in ((q, "q"), (k, "k"), (v, "v")):
-        _check_tensor(t, name)
+        _check_tensor(t, name, layout)
     _check_same(q, "q", k, "k")
     _check_same(q, "q", v, "v")
     batch, heads_q, _, head_dim = q.shape
     heads_kv, len_k = k.shape[1], k.shape[2]
-    _check_size(k, "k", 0, batch, "batch size")
-    _check_size(v, "v", 0, batch, "batch size")
-    _check_size(v, "v", 1, heads_kv, "number of heads (must equal k's)")
-    _check_size(v, "v", 2, len_k, "sequence length (must equal k's)")
-    _check_size(k, "k", 3, head_dim, "head_dim (must equal q's)")
+    _check_size(k, "k", 0, batch, "batch size", layout)
+    _check_size(v, "v", 0, batch, "batch size", layout)
+    _check_size(v, "v", 1, heads_kv, "number of heads (must equal k's)", layout)
+    _check_size(v, "v", 2, len_k, "sequence length (must equal k's)", layout)
+    _check_size(k, "k", 3, head_dim, "head_dim (must equal q's)", layout)
     if not 1 <= head_dim <= MAX_HEAD_DIM:
         raise RuntimeError(f"flashattn: head_dim of q and k must be between 1 and {MAX_HEAD_DIM}, got {head_dim}")
     if not 1 <= v.shape[3] <= MAX_HEAD_DIM:
@@ -175,8 +193,11 @@ def check_features(q, k, causal, attn_bias=None, window_left=-1, window_right=-1
                                f"they must be on the same device")
     if dropout_p > 0.0:
         if rng_state is None:
-            raise RuntimeError("flashattn: dropout_p > 0 needs argument 'rng_state' (int64 [seed, offset] on the CPU)")
+            raise RuntimeError("flashattn: dropout_p > 0 needs argument 'rng_state' (int64 [seed, offset], on the CPU "
+                               "or on q's device)")
         r = rng_state
-        if r.device.type != "cpu" or r.dtype != torch.int64 or r.dim() != 1 or r.shape[0] != 2 or not r.is_contiguous():
-            raise RuntimeError(f"flashattn: argument 'rng_state' must be a contiguous int64 CPU tensor [seed, offset], "
-                               f"got shape {_shape(r)} and dtype {_dtype_name(r.dtype)}")
+        if ((r.device.type != "cpu" and not _same_device(r, q)) or r.dtype != torch.int64 or r.dim() != 1
+                or r.shape[0] != 2 or not r.is_contiguous()):
+            raise RuntimeError(f"flashattn: argument 'rng_state' must be a contiguous int64 tensor [seed, offset] on the "
+                               f"CPU or on q's device, got shape {_shape(r)} and dtype {_dtype_name(r.dtype)} on "
+                               f"{r.device}")

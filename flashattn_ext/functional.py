@@ -1,53 +1,99 @@
 """Public attention functions. They only reshape views and translate flags; every call
 reaches the ops flashattn::fwd / flashattn::bwd on (batch, heads, len, dim) views."""
 import math
+import operator
 
 import torch
 
-from ._checks import check_cu_seqlens_values, check_features, check_fwd_args
+from ._checks import check_features, check_fwd_args, check_layout
 from .ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, CAUSAL_TOP_LEFT, fwd, new_rng_state
 
 
-def checked_fwd(q, k, v, scale, causal, deterministic=False, **features):
-    """flashattn::fwd after every check of csrc/ops.cpp, in Python (so that bad input raises
-    a Python exception on every torch; see _checks.py); `features` as the op names them."""
-    check_fwd_args(q, k, v, causal)
+def checked_fwd(q, k, v, scale, causal, deterministic=False, layout="bhld", **features):
+    """flashattn::fwd after every check of csrc/ops.cpp that needs no tensor values, in Python
+    (so that bad input raises at trace time under torch.compile too; see _checks.py);
+    `features` as the op names them; `layout` how the caller passed q, k, v (for messages)."""
+    check_fwd_args(q, k, v, causal, layout)
     check_features(q, k, causal, **features)
-    cu_q, cu_k = features.get("cu_seqlens_q"), features.get("cu_seqlens_k")
-    if cu_q is not None and not torch.compiler.is_compiling():
-        check_cu_seqlens_values(cu_q, "cu_seqlens_q", q.shape[2], features.get("max_seqlen_q", 0), "max_seqlen_q")
-        check_cu_seqlens_values(cu_k, "cu_seqlens_k", k.shape[2], features.get("max_seqlen_k", 0), "max_seqlen_k")
     return fwd(q, k, v, scale, causal, deterministic, **features)
 
 
+# Windows this wide reach past any sequence a tensor can hold: unbounded (-1), and within int64.
+_UNBOUNDED_WINDOW = 2**62
+
+
+def _real(value, name, rule=""):
+    """float(value) for a scalar argument, with a message naming it."""
+    try:
+        if isinstance(value, (str, bytes, bool)):
+            raise TypeError
+        return float(value)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"flashattn_ext: {name} must be a real number{rule}, got {value!r}") from None
+
+
+def _window(window_size):
+    try:
+        left, right = window_size
+        left, right = int(left), int(right)
+    except (TypeError, ValueError):
+        raise ValueError(f"flashattn_ext: window_size must be a pair (left, right) of ints (-1 = unbounded), got "
+                         f"{window_size!r}") from None
+    return tuple(-1 if w >= _UNBOUNDED_WINDOW else w for w in (left, right))
+
+
 def _attention(q, k, v, scale, causal, deterministic, attn_bias=None, window_size=(-1, -1), alibi_slopes=None,
-               softcap=0.0, dropout_p=0.0, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0):
+               softcap=0.0, dropout_p=0.0, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
+               layout="bhld", scale_name="scale"):
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] > 0 else 1.0
+    else:
+        scale = _real(scale, scale_name)
     if (attn_bias is None and alibi_slopes is None and cu_seqlens_q is None and cu_seqlens_k is None and not softcap
             and not dropout_p and window_size == (-1, -1)):
         # No optional feature: the op with its defaults, and only the checks that can fail then (the
         # feature checks pass on defaults). Passing on the eleven feature keywords and checking them
         # cost 8-10 us per call (2-core CPU, bench_overhead.py: forward under no_grad 69 -> 60 us).
-        check_fwd_args(q, k, v, causal)
-        return fwd(q, k, v, float(scale), causal, deterministic)
-    dropout_p = float(dropout_p)
-    return checked_fwd(q, k, v, float(scale), causal, deterministic, attn_bias=attn_bias,
-                       window_left=int(window_size[0]), window_right=int(window_size[1]), alibi_slopes=alibi_slopes,
-                       softcap=float(softcap), dropout_p=dropout_p,
-                       rng_state=new_rng_state() if dropout_p > 0.0 else None, cu_seqlens_q=cu_seqlens_q,
-                       cu_seqlens_k=cu_seqlens_k, max_seqlen_q=int(max_seqlen_q), max_seqlen_k=int(max_seqlen_k))
+        check_fwd_args(q, k, v, causal, layout)
+        return fwd(q, k, v, scale, causal, deterministic)
+    dropout_p = _real(dropout_p, "dropout_p", " in [0, 1)")
+    softcap = _real(softcap, "softcap", " >= 0 (0 = off)")
+    left, right = _window(window_size)
+    max_seqlen_q, max_seqlen_k = (_count(n, name) for n, name in ((max_seqlen_q, "max_seqlen_q"),
+                                                                  (max_seqlen_k, "max_seqlen_k")))
+    return checked_fwd(q, k, v, scale, causal, deterministic, layout, attn_bias=attn_bias, window_left=left,
+                       window_right=right, alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p,
+                       rng_state=new_rng_state(q.device) if dropout_p > 0.0 else None, cu_seqlens_q=cu_seqlens_q,
+                       cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+
+
+def _count(n, name):
+    """A non-negative int argument; bounds beyond int64 are clamped (the op clamps a max_seqlen to
+    the rows there are)."""
+    try:
+        if isinstance(n, bool):
+            raise TypeError
+        n = operator.index(n)
+    except TypeError:
+        raise TypeError(f"flashattn_ext: {name} must be an int, got {n!r}") from None
+    if n < 0:
+        raise ValueError(f"flashattn_ext: {name} must be >= 0, got {n}")
+    return min(n, 2**63 - 1)
 
 
 def _check_tensors(names_and_tensors, rank_rule):
     for name, t in names_and_tensors:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"flashattn_ext: {name} must be a torch.Tensor, got {type(t).__name__}")
+        check_layout(t, name)
         rank_rule(name, t)
 
 
 def _sdpa_mask(attn_mask, target, query_dtype):
-    """attn_mask broadcast (a view, no copy) to `target` = (*lead, H, L, S)."""
+    """attn_mask as a view (no copy) of len(target) dimensions that broadcasts to `target` =
+    (*lead, H, L, S). Broadcast dimensions stay of size 1 (the op reads them with stride 0 and
+    sums a float mask's gradient over them in the accumulation dtype); only several leading
+    dimensions that are folded into one batch dimension are expanded."""
     if not isinstance(attn_mask, torch.Tensor):
         raise TypeError(f"flashattn_ext: attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
     shape = tuple(attn_mask.shape)
@@ -57,7 +103,11 @@ def _sdpa_mask(attn_mask, target, query_dtype):
     if attn_mask.dtype not in (torch.bool, query_dtype, torch.float32):
         raise ValueError(f"flashattn_ext: attn_mask must be bool (True = take part) or float (added to the scores) "
                          f"in the query's dtype ({query_dtype}) or float32, got dtype {attn_mask.dtype}")
-    return attn_mask.expand(target)
+    mask = attn_mask.reshape((1,) * (len(target) - len(shape)) + shape)
+    lead = len(target) - 3
+    if lead > 1 and any(mask.shape[i] != target[i] for i in range(lead)) and any(mask.shape[i] != 1 for i in range(lead)):
+        mask = mask.expand(tuple(target[:lead]) + tuple(mask.shape[lead:]))
+    return mask
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -101,14 +151,6 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     return out.reshape(tuple(lead) + tuple(out.shape[1:])) if query.dim() != 4 else out
 
 
-def _window(window_size):
-    try:
-        left, right = window_size
-        return int(left), int(right)
-    except (TypeError, ValueError):
-        raise ValueError(f"flashattn_ext: window_size must be a pair (left, right) of ints, got {window_size!r}")
-
-
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                     alibi_slopes=None, deterministic=False, return_lse=False):
     """flash-attn 2's flash_attn_func on (batch, seq_len, heads, head_dim) tensors.
@@ -129,8 +171,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     _check_tensors((("q", q), ("k", k), ("v", v)), four_d)
     out, lse = _attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale,
                           CAUSAL_BOTTOM_RIGHT if causal else CAUSAL_NONE, bool(deterministic),
-                          window_size=_window(window_size), alibi_slopes=alibi_slopes, softcap=softcap,
-                          dropout_p=dropout_p)
+                          window_size=window_size, alibi_slopes=alibi_slopes, softcap=softcap,
+                          dropout_p=dropout_p, layout="blhd", scale_name="softmax_scale")
     out = out.transpose(1, 2)
     return (out, lse) if return_lse else out
 
@@ -157,8 +199,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             raise TypeError(f"flashattn_ext: {name} must be a torch.Tensor, got {type(t).__name__}")
     out, lse = _attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], softmax_scale,
                           CAUSAL_BOTTOM_RIGHT if causal else CAUSAL_NONE, bool(deterministic),
-                          window_size=_window(window_size), alibi_slopes=alibi_slopes, softcap=softcap,
+                          window_size=window_size, alibi_slopes=alibi_slopes, softcap=softcap,
                           dropout_p=dropout_p, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                          max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+                          max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, layout="thd",
+                          scale_name="softmax_scale")
     out = out[0].transpose(0, 1)
     return (out, lse[0]) if return_lse else out

@@ -7,14 +7,23 @@ Optional features of both ops (keyword arguments; each default is "off"):
   window_left, window_right   sliding window aligned bottom-right (flash-attn), -1 = unbounded
   alibi_slopes   float32 (heads_q,) or (batch, heads_q): -slope * |i + len_k - len_q - j| added
   softcap        softcap * tanh(s / softcap) on the scaled scores, before bias and masks
-  dropout_p, rng_state        dropout of the probabilities; rng_state = int64 CPU [seed, offset]
+  dropout_p, rng_state        dropout of the probabilities; rng_state = int64 [seed, offset], on the
+                 CPU or on q's device (read there by the kernels: graph-capture safe)
   cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k   variable-length batch: q, k, v are
                  (1, heads, total, dim) views, lse is (1, heads_q, total_q)
-flashattn::bwd also takes bias_requires_grad and returns the bias gradient as a fourth tensor."""
+flashattn::bwd also takes bias_requires_grad and returns the bias gradient as a fourth tensor.
+
+The C++ library defines the ops and registers, for CPU and CUDA, the underscored kernels _fwd,
+_bwd and _dropout_mask, which throw nothing (on torch < 2.13 an exception leaving a stable-ABI
+kernel kills the process): they return an error string, which the kernels registered here for
+fwd, bwd and dropout_mask raise as a Python exception (torch.OutOfMemoryError for a failed
+allocation). The public functions call the underscored kernels directly on eager CPU/CUDA
+tensors (one dispatch less), and the ops everywhere else (torch.compile, meta and fake tensors,
+tensor subclasses)."""
 import torch
 
 from . import _C  # noqa: F401  (loading the library registers the ops)
-from ._checks import check_features, check_fwd_args, check_same_device
+from ._checks import check_cu_seqlens_values, check_features, check_fwd_args, check_same_device
 
 CAUSAL_NONE, CAUSAL_TOP_LEFT, CAUSAL_BOTTOM_RIGHT = 0, 1, 2
 
@@ -40,16 +49,119 @@ def _empty_like_layout(like, heads, length, dim):
     return like.new_empty((b, heads, length, dim))
 
 
-def new_rng_state():
-    """[seed, offset] for one dropout call, drawn from torch's default CPU generator, so that
-    torch.manual_seed reproduces the call (on CPU and on CUDA alike)."""
+def new_rng_state(device=None):
+    """[seed, offset] for one dropout call, drawn by torch's generator of `device` (default: the
+    CPU), on that device: torch.manual_seed reproduces the call, and a CUDA graph that captured
+    the draw draws again on every replay (as torch's own dropout does)."""
+    if device is not None and device.type == "cuda":
+        return torch.randint(0, 2**63 - 1, (2,), dtype=torch.int64, device=device)
     return torch.randint(0, 2**63 - 1, (2,), dtype=torch.int64, device="cpu")
 
 
+def _raise(error):
+    """Raises the error string of a guarded C++ kernel ("<type>|<message>"): the message from
+    'flashattn' on (STD_TORCH_CHECK puts the C++ function, file and line before it)."""
+    kind, _, message = error.partition("|")
+    start = message.find("flashattn")
+    message = message[start:] if start > 0 else message
+    raise (torch.OutOfMemoryError if kind == "OutOfMemoryError" else RuntimeError)(message)
+
+
+def run_fwd(*args):
+    """The C++ forward on CPU/CUDA tensors, its error raised in Python."""
+    out, lse, error = torch.ops.flashattn._fwd.default(*args)
+    if error:
+        _raise(error)
+    return out, lse
+
+
+def run_bwd(*args):
+    """The C++ backward on CPU/CUDA tensors, its error raised in Python."""
+    dq, dk, dv, dbias, error = torch.ops.flashattn._bwd.default(*args)
+    if error:
+        _raise(error)
+    return dq, dk, dv, dbias
+
+
+def _eager(t):
+    """A plain CPU/CUDA tensor outside tracing: the guarded kernels can be called directly."""
+    return type(t) is torch.Tensor and (t.is_cpu or t.is_cuda) and not torch.compiler.is_compiling()
+
+
+def _check_cu_seqlens_on_device(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    """The value checks C++ leaves to Python for CUDA offsets (it never copies them to the
+    host): done here unless a CUDA graph is being captured, where they are trusted (the kernels
+    still clamp them into the tensors)."""
+    if cu_seqlens_q is None or not cu_seqlens_q.is_cuda or torch.cuda.is_current_stream_capturing():
+        return
+    check_cu_seqlens_values(cu_seqlens_q, "cu_seqlens_q", q.shape[2], max_seqlen_q, "max_seqlen_q")
+    if cu_seqlens_k is not None:
+        check_cu_seqlens_values(cu_seqlens_k, "cu_seqlens_k", k.shape[2], max_seqlen_k, "max_seqlen_k")
+
+
+def _fwd_kernel(q, k, v, scale, causal, deterministic=False, attn_bias=None, window_left=-1, window_right=-1,
+                alibi_slopes=None, softcap=0.0, dropout_p=0.0, rng_state=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                max_seqlen_q=0, max_seqlen_k=0):
+    _check_cu_seqlens_on_device(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return run_fwd(q, k, v, scale, causal, deterministic, attn_bias, window_left, window_right, alibi_slopes, softcap,
+                   dropout_p, rng_state, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+
+
+def _bwd_kernel(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, attn_bias=None, window_left=-1,
+                window_right=-1, alibi_slopes=None, softcap=0.0, dropout_p=0.0, rng_state=None, cu_seqlens_q=None,
+                cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, bias_requires_grad=False):
+    _check_cu_seqlens_on_device(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return run_bwd(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, attn_bias, window_left, window_right,
+                   alibi_slopes, softcap, dropout_p, rng_state, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                   bias_requires_grad)
+
+
+def _dropout_mask_kernel(rng_state, batch, heads, len_q, len_k, dropout_p):
+    mask, error = torch.ops.flashattn._dropout_mask.default(rng_state, batch, heads, len_q, len_k, dropout_p)
+    if error:
+        _raise(error)
+    return mask
+
+
+def autocast_inputs(device_type, q, k, v, attn_bias):
+    """q, k, v and attn_bias as computed in an autocast region of device_type (unchanged outside
+    one): in the autocast dtype, as torch's scaled_dot_product_attention; a float32 bias stays
+    float32 (the kernels read it as it is)."""
+    if not torch.is_autocast_enabled(device_type):
+        return q, k, v, attn_bias
+    dtype = torch.get_autocast_dtype(device_type)
+    cast = lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t  # noqa: E731
+    if attn_bias is not None and attn_bias.is_floating_point() and attn_bias.dtype != torch.float32:
+        attn_bias = cast(attn_bias)
+    return cast(q), cast(k), cast(v), attn_bias
+
+
+def _autocast_fwd(device_type):
+    def kernel(q, k, v, scale, causal, deterministic=False, attn_bias=None, *features):
+        q, k, v, attn_bias = autocast_inputs(device_type, q, k, v, attn_bias)
+        with torch.autocast(device_type, enabled=False):
+            return torch.ops.flashattn.fwd.default(q, k, v, scale, causal, deterministic, attn_bias, *features)
+    return kernel
+
+
+_lib = torch.library.Library("flashattn", "IMPL")
+for _key in ("CPU", "CUDA") if torch._C._dispatch_has_kernel_for_dispatch_key("flashattn::_fwd", "CUDA") else ("CPU",):
+    _lib.impl("fwd", _fwd_kernel, _key)
+    _lib.impl("bwd", _bwd_kernel, _key)
+_lib.impl("dropout_mask", _dropout_mask_kernel, "CPU")
+_lib.impl("fwd", _autocast_fwd("cpu"), "AutocastCPU")
+_lib.impl("fwd", _autocast_fwd("cuda"), "AutocastCUDA")
+
+
 def dropout_mask(rng_state, batch, heads, len_q, len_k, dropout_p):
-    """Test helper: the keep mask (True = kept) of the ops' dropout for rng_state, as a bool
-    (batch, heads, len_q, len_k) CPU tensor; small shapes only."""
-    return torch.ops.flashattn.dropout_mask(rng_state, batch, heads, len_q, len_k, float(dropout_p))
+    """Test helper: the keep mask (True = kept) of the ops' dropout for rng_state (int64
+    [seed, offset], on any device), as a bool (batch, heads, len_q, len_k) CPU tensor; small
+    shapes only (at most 2**28 elements)."""
+    sizes = (batch, heads, len_q, len_k)
+    if any(not isinstance(n, int) or n < 0 for n in sizes) or batch * heads * len_q * len_k > 2**28:
+        raise ValueError(f"flashattn: dropout_mask is a test helper for small shapes (batch, heads, len_q, len_k "
+                         f"non-negative ints, at most 2**28 elements in all), got {sizes}")
+    return torch.ops.flashattn.dropout_mask(rng_state.cpu(), batch, heads, len_q, len_k, float(dropout_p))
 
 
 @torch.library.register_fake("flashattn::fwd")
@@ -113,12 +225,15 @@ def _gradients(ctx, dout, dlse, bias_needs_grad):
         dout = torch.zeros_like(out)
     if dlse is not None:
         dlse = dlse.contiguous()
-    dq, dk, dv, dbias = torch.ops.flashattn.bwd.default(
+    bwd_op = (run_bwd if not torch.is_grad_enabled() else _BwdRecorded.apply) if _eager(q) else \
+        torch.ops.flashattn.bwd.default
+    dq, dk, dv, dbias = bwd_op(
         _last_dim_contiguous(dout), q, k, v, out, lse, dlse, ctx.scale, ctx.causal,
         ctx.deterministic or torch.are_deterministic_algorithms_enabled(), *features, bias_grad)
     if not bias_grad:
         return dq, dk, dv, None
-    broadcast = [d for d in range(4) if bias.shape[d] == 1 and dbias.shape[d] != 1]  # sum where it broadcast
+    # Summed where the bias broadcast, in the accumulation dtype, before rounding to the bias's dtype.
+    broadcast = [d for d in range(4) if bias.shape[d] == 1 and dbias.shape[d] != 1]
     return dq, dk, dv, (dbias.sum(broadcast, keepdim=True) if broadcast else dbias).to(bias.dtype)
 
 
@@ -138,6 +253,24 @@ def _bwd_backward(ctx, *grads):
                        "supported")
 
 
+class _BwdRecorded(torch.autograd.Function):
+    """The backward where autograd records it (create_graph=True, torch.func.grad): its own
+    backward raises. In torch.func's style (forward and setup_context apart), which the
+    registered formula of flashattn::bwd is not."""
+
+    @staticmethod
+    def forward(*args):
+        return run_bwd(*args)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *grads):
+        _bwd_backward(ctx, *grads)
+
+
 torch.library.register_autograd("flashattn::fwd", _fwd_backward, setup_context=_fwd_setup_context)
 torch.library.register_autograd("flashattn::bwd", _bwd_backward, setup_context=_bwd_setup_context)
 
@@ -148,15 +281,18 @@ class _FwdWithGrad(torch.autograd.Function):
     fill_defaults reads schema.arguments once per argument), ~90 us of Python per call on a 2-core
     CPU with torch 2.13: longer than the whole kernel of a small call (bf16, L = 1024, causal:
     ~40 us on an H200), whose timing then measures the CPU. The arguments come as q, k, v,
-    attn_bias (those that take gradients) and one tuple of the rest: apply() costs per argument."""
+    attn_bias (those that take gradients) and one tuple of the rest: apply() costs per argument.
+    forward and setup_context are separate, as torch.func transforms (grad, vjp) require."""
 
     @staticmethod
-    def forward(ctx, q, k, v, attn_bias, rest):
+    def forward(q, k, v, attn_bias, rest):
         scale, causal, deterministic, *others = rest
-        features = (attn_bias, *others)
-        out, lse = torch.ops.flashattn.fwd.default(q, k, v, scale, causal, deterministic, *features)
-        _save_for_backward(ctx, q, k, v, scale, causal, deterministic, features, out, lse)
-        return out, lse
+        return run_fwd(q, k, v, scale, causal, deterministic, attn_bias, *others)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, attn_bias, (scale, causal, deterministic, *others) = inputs
+        _save_for_backward(ctx, q, k, v, scale, causal, deterministic, (attn_bias, *others), *output)
 
     @staticmethod
     def backward(ctx, dout, dlse):  # gradients of q, k, v, attn_bias (apply's index 3); none for rest
@@ -171,7 +307,17 @@ def fwd(q, k, v, scale, causal, deterministic=False, **features):
     if features:
         raise TypeError(f"flashattn_ext: unknown feature arguments {sorted(features)}")
     bias = values[0]
+    if _any_autocast():
+        q, k, v, bias = autocast_inputs(q.device.type, q, k, v, bias)
+        values = (bias,) + values[1:]
+    if not _eager(q):
+        return torch.ops.flashattn.fwd.default(q, k, v, scale, causal, deterministic, *values)
+    if values[7] is not None:  # cu_seqlens_q: CUDA offsets are checked in Python (see _fwd_kernel)
+        _check_cu_seqlens_on_device(q, k, *values[7:11])
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (
-            bias is not None and bias.requires_grad)) and not torch.compiler.is_compiling():
+            bias is not None and bias.requires_grad)):
         return _FwdWithGrad.apply(q, k, v, bias, (scale, causal, deterministic) + values[1:])
-    return torch.ops.flashattn.fwd.default(q, k, v, scale, causal, deterministic, *values)
+    return run_fwd(q, k, v, scale, causal, deterministic, *values)
+
+
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)

@@ -54,16 +54,20 @@ FLASHATTN_HD Seq plain_sequence(const FwdParams& p, int64_t b) {
   return Seq{b, b, 0, 0, p.len_q, p.len_k, p.len_q, make_band(p.causal, p.causal_offset, -1, -1, p.len_q, p.len_k)};
 }
 
+FLASHATTN_HD int64_t clamp_to(int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : x > hi ? hi : x; }
+
 FLASHATTN_HD Seq sequence(const FwdParams& p, int64_t b) {
   Seq s;
   s.b = b;
   int64_t causal_offset = p.causal_offset;
   if (p.cu_seqlens_q) {
     s.tb = 0;
-    s.q0 = p.cu_seqlens_q[b];
-    s.k0 = p.cu_seqlens_k[b];
-    s.len_q = p.cu_seqlens_q[b + 1] - s.q0;
-    s.len_k = p.cu_seqlens_k[b + 1] - s.k0;
+    s.q0 = clamp_to(p.cu_seqlens_q[b], 0, p.total_q);
+    s.k0 = clamp_to(p.cu_seqlens_k[b], 0, p.total_k);
+    s.len_q = clamp_to(p.cu_seqlens_q[b + 1], s.q0, p.total_q) - s.q0;
+    s.len_k = clamp_to(p.cu_seqlens_k[b + 1], s.k0, p.total_k) - s.k0;
+    s.len_q = s.len_q < p.len_q ? s.len_q : p.len_q;
+    s.len_k = s.len_k < p.len_k ? s.len_k : p.len_k;
     s.rows_per_head = p.total_q;
     causal_offset = p.causal_bottom_right ? s.len_k - s.len_q : 0;
   } else {

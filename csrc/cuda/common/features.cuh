@@ -169,8 +169,8 @@ struct DropoutMask {
   __device__ DropoutMask(const FwdParams& p, const Seq& sq, int64_t h)
       : on(p.dropout_p > 0.0),
         threshold(dropout_threshold(p.dropout_p)),
-        offset(p.dropout_offset),
-        seed(p.dropout_seed),
+        offset(p.dropout_state ? uint32_t(uint64_t(p.dropout_state[1])) : p.dropout_offset),
+        seed(p.dropout_state ? uint64_t(p.dropout_state[0]) : p.dropout_seed),
         bh(sq.b * p.heads_q + h),
         inv_keep(Acc(1.0 / (1.0 - p.dropout_p))) {}
 
