@@ -3,7 +3,7 @@ NCCL: time of one forward + backward per length, causal (zigzag shards) and not,
 beside one GPU running flash_attn_func on the whole sequence (where it fits) and torch's own
 context parallelism (torch.distributed.tensor.experimental.context_parallel) with its cuDNN and
 flash SDPA backends -- and with SDPA's flash backend routed to our kernels where this build has
-that hook (flashattn_ext.sdpa_backend). Per row: median ms over ranks' worst, TFLOP/s of the
+that hook (flashattn_ext.sdpa). Per row: median ms over ranks' worst, TFLOP/s of the
 whole sequence, speedup and scaling efficiency against one GPU, peak memory per GPU, and how
 much of the ring's time the attention alone takes (the same calls with the transfers replaced
 by no-ops: 1.0 = communication fully hidden). JSON on stdout or --out.
@@ -98,10 +98,11 @@ def _context_parallel_rows(args, world, device, length, causal):
     variants = [("torch-cp-cudnn", SDPBackend.CUDNN_ATTENTION, False), ("torch-cp-flash", SDPBackend.FLASH_ATTENTION,
                                                                        False)]
     try:
-        from flashattn_ext import sdpa_backend  # noqa: F401  (registers "flashattn_ext" with torch)
-        variants.append(("torch-cp-flash=ours", SDPBackend.FLASH_ATTENTION, True))
+        import flashattn_ext.sdpa  # noqa: F401  (the SDPA integration registers "flashattn_ext" with torch)
     except ImportError:
         pass
+    if "flashattn_ext" in getattr(torch.nn.attention, "list_flash_attention_impls", list)():
+        variants.append(("torch-cp-flash=ours", SDPBackend.FLASH_ATTENTION, True))
     rows = []
     for name, backend, ours in variants:
         q, k, v, dout = _inputs((args.batch, args.heads, length, args.head_dim), device, seed=0)

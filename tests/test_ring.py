@@ -30,10 +30,11 @@ def _shard(x, dim, layout, rank, world):
     return x.chunk(world, dim)[rank]
 
 
-def _inputs(dtype, device, b, length, hq, hkv, e, seed=0):
+def _inputs(dtype, device, b, length, hq, hkv, e, ev=None, seed=0):
     g = torch.Generator().manual_seed(seed)
     make = lambda *s: torch.randn(*s, generator=g).to(dtype=dtype, device=device)
-    return (make(b, length, hq, e), make(b, length, hkv, e), make(b, length, hkv, e), make(b, length, hq, e),
+    ev = ev or e
+    return (make(b, length, hq, e), make(b, length, hkv, e), make(b, length, hkv, ev), make(b, length, hq, ev),
             make(b, hq, length).to(lse_dtype(dtype)))
 
 
@@ -47,12 +48,12 @@ def _grads(fn, q, k, v, dout, dlse):
 
 
 def _check_exact(rank, world, device, causal=False, layout=None, hq=2, hkv=2, n=6, window=(-1, -1), softcap=0.0,
-                 alibi=False, with_dlse=False, b=2, e=8):
+                 alibi=False, with_dlse=False, b=2, e=8, ev=None):
     """float64: this rank's shard of ring_attention against the op on the whole sequence."""
     label = dict(world=world, causal=causal, layout=layout, hq=hq, hkv=hkv, n=n, window=window, softcap=softcap,
-                 alibi=alibi, with_dlse=with_dlse)
+                 alibi=alibi, with_dlse=with_dlse, ev=ev)
     layout_used = layout or ("zigzag" if causal else "contiguous")
-    q, k, v, dout, dlse = _inputs(torch.float64, device, b, n * world, hq, hkv, e, seed=len(str(label)))
+    q, k, v, dout, dlse = _inputs(torch.float64, device, b, n * world, hq, hkv, e, ev, seed=len(str(label)))
     dlse = dlse if with_dlse else None
     slopes = torch.rand(b, hq, generator=torch.Generator().manual_seed(7)).to(device) if alibi else None
     options = dict(causal=causal, window_size=window, softcap=softcap, alibi_slopes=slopes, return_lse=True)
@@ -117,7 +118,7 @@ def _check_errors(rank, world, device):
 
 EXACT_CASES = {
     2: [dict(), dict(n=5, hq=4, hkv=2), dict(causal=True, hq=4, hkv=1), dict(causal=True, n=10, with_dlse=True),
-        dict(causal=True, layout="contiguous", n=5), dict(n=7, window=(3, 2)), dict(causal=True, window=(4, -1)),
+        dict(causal=True, layout="contiguous", n=5, ev=4), dict(n=7, window=(3, 2)), dict(causal=True, window=(4, -1)),
         dict(causal=True, n=8, window=(2, 0), softcap=0.7), dict(n=5, alibi=True, with_dlse=True),
         dict(causal=True, alibi=True, window=(7, -1))],
     4: [dict(n=3, hq=4, hkv=2), dict(causal=True, n=4, hq=4, hkv=2, with_dlse=True), dict(causal=True, window=(5, 0)),
