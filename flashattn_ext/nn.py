@@ -64,7 +64,9 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
     O(L * S) memory, as in torch. With dropout in training they are the dropped and rescaled
     weights the output used. Pass need_weights=False when they are not needed.
 
-    One difference: a query that every mask hides gives 0 here where torch gives NaN."""
+    One difference: a query that every mask hides gives 0 here where torch gives NaN. Inside
+    torch.nn.TransformerEncoderLayer in inference (eval, no grad), torch's fused fast path
+    reads these weights and never calls this forward."""
 
     def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
                 average_attn_weights=True, is_causal=False):

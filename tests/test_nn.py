@@ -192,3 +192,17 @@ def test_attention_block_errors():
         fnn.Attention(30, 4)
     with pytest.raises(ValueError, match=r"x must be a \(batch, len, embed_dim\) tensor, got \(10, 32\)"):
         fnn.Attention(E, 4)(torch.randn(10, E))
+
+
+def test_modules_compile_fullgraph(device):
+    """torch.compile(fullgraph=True) traces both modules (forward and backward) with no graph break."""
+    x = torch.randn(2, 8, E, device=device, requires_grad=True)
+    mha = fnn.MultiheadAttention(E, HEADS, batch_first=True, device=device)
+    block = fnn.Attention(E, HEADS, num_kv_heads=2, causal=True, window_size=(3, 0), device=device)
+    for module, call in ((mha, lambda m: m(x, x, x, need_weights=False)[0]), (block, lambda m: m(x))):
+        compiled = torch.compile(module, fullgraph=True, backend="aot_eager")
+        out, expected = call(compiled), call(module)
+        torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)  # the graph may split a linear's add
+        (g,) = torch.autograd.grad(out.sum(), x)
+        (e,) = torch.autograd.grad(expected.sum(), x)
+        torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-6)

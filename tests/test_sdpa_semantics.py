@@ -175,3 +175,24 @@ def test_attention_errors(device):
         flashattn_ext.attention(x[0], x, x, layout="blhd")
     with pytest.raises(ValueError, match="attn_mask of shape .* does not broadcast"):
         flashattn_ext.attention(x, x, x, attn_mask=torch.ones(3, 5, 5, dtype=torch.bool, device=device))
+
+
+def test_attention_compile_fullgraph(device):
+    """torch.compile(fullgraph=True) traces attention() with a mask and every modifier, and
+    scaled_dot_product_attention with a CausalBias built outside the compiled function."""
+    q, k, v = _leaves((2, 4, 12, 16), (2, 2, 20, 16), (2, 2, 20, 16), device=device)
+    mask = torch.rand(2, 1, 12, 20, device=device) > 0.2
+    alibi = torch.rand(4, device=device)
+
+    def every_feature(q_, k_, v_):
+        return flashattn_ext.attention(q_, k_, v_, attn_mask=mask, causal="bottom_right", window_size=(9, 2),
+                                       softcap=2.0, alibi_slopes=alibi)
+
+    bias = causal_lower_right(12, 20)
+
+    def with_causal_bias(q_, k_, v_):
+        return flashattn_ext.scaled_dot_product_attention(q_, k_, v_, attn_mask=bias, enable_gqa=True)
+
+    for fn in (every_feature, with_causal_bias):
+        compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+        _assert_same_with_grads(compiled(q, k, v), fn(q, k, v), (q, k, v), 1e-12)
