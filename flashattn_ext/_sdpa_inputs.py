@@ -27,7 +27,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     after .transpose(1, 2)), with attn_mask=None: each sequence attends within itself (with
     is_causal, top-left within the sequence), through the variable-length path; the result
     is a nested tensor like query, differentiable."""
-    if any(isinstance(t, torch.Tensor) and t.is_nested for t in (query, key, value)):
+    if getattr(query, "is_nested", False) or getattr(key, "is_nested", False) or getattr(value, "is_nested", False):
         return nested_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if isinstance(attn_mask, CausalBias):
         return _causal_bias_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
