@@ -36,7 +36,7 @@ def attention(q, k, v, *, layout="bhld", attn_mask=None, causal=None, window_siz
     q, k, v, attn_mask, causal_code = _bhld_inputs(q, k, v, layout, attn_mask, causal)
     out, lse = _attention(q, k, v, scale, causal_code, bool(deterministic), attn_bias=attn_mask,
                           window_size=_window(window_size), alibi_slopes=alibi_slopes, softcap=softcap,
-                          dropout_p=dropout_p)
+                          dropout_p=dropout_p, layout=layout)
     out = out.transpose(1, 2) if layout == "blhd" else out
     return (out, lse) if return_lse else out
 

@@ -15,7 +15,7 @@ import torch
 
 from . import functional
 from ._attn_probs import attention_probs, varlen_attention_probs, with_dropout_signs
-from .functional import _check_tensors, _window, checked_fwd
+from .functional import _check_tensors, _count, _real, _window, checked_fwd
 from .kvcache import flash_attn_with_kvcache
 from .ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, new_rng_state
 
@@ -53,8 +53,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                                  deterministic, return_lse=return_lse)
     _check_tensors((("q", q), ("k", k), ("v", v)), _rank(3, "total, heads, head_dim"))
     _check_tensors((("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)), lambda name, t: None)
-    varlen = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=int(max_seqlen_q),
-                  max_seqlen_k=int(max_seqlen_k))
+    # S_dmask's padded lengths: max_seqlen_*, clamped to the rows there are (as the op clamps them).
+    varlen = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                  max_seqlen_q=min(_count(max_seqlen_q, "max_seqlen_q"), q.shape[0]),
+                  max_seqlen_k=min(_count(max_seqlen_k, "max_seqlen_k"), k.shape[0]))
     out, lse, probs = _forward_and_probs(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                          dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                          deterministic, varlen)
@@ -68,15 +70,6 @@ def _rank(n, dims):
     return rule
 
 
-def _real(value, name):
-    try:
-        if isinstance(value, (str, bytes)):
-            raise TypeError
-        return float(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"flashattn_ext: {name} must be a real number, got {value!r}") from None
-
-
 def _forward_and_probs(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                        varlen=None):
     """(out, lse, S_dmask) of one call on (batch, heads, len, dim) views (varlen: the op's
@@ -87,11 +80,12 @@ def _forward_and_probs(q, k, v, dropout_p, softmax_scale, causal, window_size, s
     else:
         scale = _real(softmax_scale, "softmax_scale")
     causal = CAUSAL_BOTTOM_RIGHT if causal else CAUSAL_NONE
-    window, softcap, dropout_p = _window(window_size), _real(softcap, "softcap"), _real(dropout_p, "dropout_p")
-    rng_state = new_rng_state() if dropout_p > 0.0 else None
-    out, lse = checked_fwd(q, k, v, scale, causal, bool(deterministic), window_left=window[0], window_right=window[1],
-                           alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p, rng_state=rng_state,
-                           **(varlen or {}))
+    window = _window(window_size)
+    softcap, dropout_p = _real(softcap, "softcap", " >= 0 (0 = off)"), _real(dropout_p, "dropout_p", " in [0, 1)")
+    rng_state = new_rng_state(q.device) if dropout_p > 0.0 else None
+    out, lse = checked_fwd(q, k, v, scale, causal, bool(deterministic), "blhd" if varlen is None else "thd",
+                           window_left=window[0], window_right=window[1], alibi_slopes=alibi_slopes, softcap=softcap,
+                           dropout_p=dropout_p, rng_state=rng_state, **(varlen or {}))
     if varlen is None:
         probs = attention_probs(q, k, lse, scale, causal, window, softcap, alibi_slopes)
     else:

@@ -152,7 +152,7 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         """Output (N, L, heads, head_dim) and weights (N, heads, L, S) of one call."""
         qb, kb, vb, mask, _ = _bhld_inputs(q, k, v, "blhd", mask, None)
         scale = self.head_dim ** -0.5
-        rng_state = new_rng_state() if dropout_p > 0.0 else None  # drawn here: the weights show its mask
+        rng_state = new_rng_state(q.device) if dropout_p > 0.0 else None  # drawn here: the weights show its mask
         out, lse = checked_fwd(qb, kb, vb, scale, CAUSAL_NONE, False, attn_bias=mask, dropout_p=float(dropout_p),
                                rng_state=rng_state)
         weights = attention_probs(qb, kb, lse, scale, CAUSAL_NONE, attn_bias=mask)

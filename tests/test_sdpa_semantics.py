@@ -150,7 +150,7 @@ def test_attention_dropout_with_bool_mask(device):
     q, k, v = _leaves((2, 2, 20, 16), (2, 2, 30, 16), (2, 2, 30, 16), device=device)
     mask = torch.rand(2, 1, 20, 30, device=device) > 0.2
     torch.manual_seed(5)
-    rng_state = new_rng_state()
+    rng_state = new_rng_state(q.device)
     torch.manual_seed(5)
     out = flashattn_ext.attention(q, k, v, attn_mask=mask, causal="bottom_right", dropout_p=0.3)
     keep = dropout_mask(rng_state, 2, 2, 20, 30, 0.3).to(device)
