@@ -133,6 +133,34 @@ def test_mha_dropout_weights_are_those_the_output_used(device):
     torch.testing.assert_close(out, ours.out_proj(rebuilt), rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_mha_inside_transformer_encoder_layer(device, causal):
+    """Swapped into torch.nn.TransformerEncoderLayer (which calls it with need_weights=False, a
+    padding mask and the is_causal hint): the layer's output and gradients are unchanged."""
+    torch.manual_seed(3)
+    ref = torch.nn.TransformerEncoderLayer(E, HEADS, dim_feedforward=64, dropout=0.0, batch_first=True,
+                                           device=device, dtype=torch.float64)
+    ours = torch.nn.TransformerEncoderLayer(E, HEADS, dim_feedforward=64, dropout=0.0, batch_first=True,
+                                            device=device, dtype=torch.float64)
+    ours.self_attn = fnn.MultiheadAttention(E, HEADS, dropout=0.0, batch_first=True, device=device,
+                                            dtype=torch.float64)
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(N, L, E, dtype=torch.float64, device=device, requires_grad=True)
+    padding = torch.zeros(N, L, dtype=torch.bool, device=device)
+    padding[1, -2:] = True
+    mask = None
+    if causal:
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(L, device=device, dtype=torch.float64)
+    call = dict(src_mask=mask, src_key_padding_mask=padding, is_causal=causal)
+    out, expected = ours(x, **call), ref(x, **call)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, [x] + list(ours.parameters()), dout)
+    want = torch.autograd.grad(expected, [x] + list(ref.parameters()), dout)
+    for g, e in zip(got, want):
+        torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
+
+
 def test_mha_errors(device):
     _, ours = _pair(torch.float32, device)
     q, k, v = _inputs(torch.float32, device, False)
