@@ -17,7 +17,7 @@ from torch.autograd.function import once_differentiable
 from ._checks import check_features, check_fwd_args
 from ._ring_plan import LAYOUTS, alibi_terms, block_calls, shard_chunks, zigzag_chunk_ids
 from .functional import _window
-from .ops import fwd
+from .ops import FEATURES, autocast_inputs, run_bwd, run_fwd
 
 __all__ = ["ring_attention", "zigzag_shard", "zigzag_unshard"]
 
@@ -96,23 +96,28 @@ class _Plan:
         return self._calls[src]
 
     def op_args(self, call, device, bias_dtype):
-        """The op's keyword features for `call`, and the amount (batch or 1, heads, rows) to add to
-        the call's log-sum-exp (None when none): ALiBi between disjoint ranges is a per-key bias
-        plus a per-query constant (see _ring_plan.alibi_terms), computed in `bias_dtype` (float64
-        for float64 inputs, where the op's own ALiBi is exact in float64 too)."""
+        """The op's feature arguments for `call` (in schema order), and the amount (batch or 1,
+        heads, rows) to add to the call's log-sum-exp (None when none): ALiBi between disjoint
+        ranges is a per-key bias plus a per-query constant (see _ring_plan.alibi_terms), computed
+        in `bias_dtype` (float64 for float64 inputs, where the op's own ALiBi is exact in float64
+        too)."""
         features = dict(window_left=call.window_left, window_right=call.window_right, softcap=self.softcap)
-        slopes = self.alibi_slopes
-        if slopes is None:
-            return features, None
-        if call.diagonal:
+        slopes, lse_shift = self.alibi_slopes, None
+        if slopes is not None and call.diagonal:
             features["alibi_slopes"] = slopes
-            return features, None
+        elif slopes is not None:
+            features["attn_bias"], lse_shift = self._alibi_split(call, device, bias_dtype)
+        return tuple(features.get(name, default) for name, default in FEATURES), lse_shift
+
+    def _alibi_split(self, call, device, bias_dtype):
+        """ALiBi between disjoint ranges: the per-key bias (batch or 1, heads, 1, keys) and the
+        per-query term (batch or 1, heads, rows) of _ring_plan.alibi_terms."""
+        slopes = self.alibi_slopes
         (k_first, k_step), (q_first, q_step) = alibi_terms(call)
         slopes = (slopes if slopes.dim() == 2 else slopes[None]).to(bias_dtype)
         key_offsets = k_first + k_step * torch.arange(call.k_end - call.k_start, device=device, dtype=bias_dtype)
         query_offsets = q_first + q_step * torch.arange(call.q_end - call.q_start, device=device, dtype=bias_dtype)
-        features["attn_bias"] = (-slopes[:, :, None, None] * key_offsets).contiguous()
-        return features, -slopes[:, :, None] * query_offsets
+        return (-slopes[:, :, None, None] * key_offsets).contiguous(), -slopes[:, :, None] * query_offsets
 
 
 def _acc_dtype(dtype):
@@ -154,8 +159,8 @@ class _RingAttention(torch.autograd.Function):
             transfer = ring.start(kv) if step < ring.world - 1 else None
             for call in plan.calls(src):
                 features, lse_shift = plan.op_args(call, q.device, _acc_dtype(q.dtype))
-                out, lse = fwd(_heads_view(q, call), _heads_view(kv[0], call, "k"), _heads_view(kv[1], call, "k"),
-                               plan.scale, call.causal, plan.deterministic, **features)
+                out, lse = run_fwd(_heads_view(q, call), _heads_view(kv[0], call, "k"), _heads_view(kv[1], call, "k"),
+                                   plan.scale, call.causal, plan.deterministic, *features)
                 if lse_shift is not None:
                     lse = lse + lse_shift.to(lse.dtype)
                 rows = slice(call.q_start, call.q_end)
@@ -210,11 +215,10 @@ def _block_backward(plan, call, dout, q, kv, out, lse, dlse):
     # left out of S', it comes off the global lse instead.
     lse_rows = (lse_rows - lse_shift.to(lse.dtype)) if lse_shift is not None else lse_rows.contiguous()
     dlse_rows = dlse[:, :, rows].contiguous() if dlse is not None else None
-    dq, dk, dv, _ = torch.ops.flashattn.bwd.default(
+    dq, dk, dv, _ = run_bwd(
         _heads_view(dout, call), _heads_view(q, call), _heads_view(kv[0], call, "k"), _heads_view(kv[1], call, "k"),
         _heads_view(out, call), lse_rows, dlse_rows, plan.scale, call.causal,
-        plan.deterministic or torch.are_deterministic_algorithms_enabled(), features.get("attn_bias"),
-        call.window_left, call.window_right, features.get("alibi_slopes"), plan.softcap)
+        plan.deterministic or torch.are_deterministic_algorithms_enabled(), *features, False)
     return dq, dk, dv
 
 
@@ -274,6 +278,7 @@ def ring_attention(q, k, v, group=None, causal=False, softmax_scale=None, window
     for name, t in (("q", q), ("k", k), ("v", v)):
         four_d(name, t)
     rank, world = _group_info(group)
+    q, k, v, _ = autocast_inputs(q.device.type, q, k, v, None)  # in an autocast region, its dtype (as the ops)
     causal = bool(causal)
     layout = layout if layout is not None else ("zigzag" if causal else "contiguous")
     if layout not in LAYOUTS:

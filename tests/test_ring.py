@@ -95,7 +95,7 @@ def _check_accuracy(rank, world, device, dtype, causal, hq=4, hkv=2, n=16, b=1, 
                         shard(same[name], 2), tol)
 
 
-def _check_errors(rank, world, device):
+def _check_errors_and_helpers(rank, world, device):
     q = torch.randn(1, 4, 2, 8, dtype=torch.float64, device=device)
     longer = torch.randn(1, 6, 2, 8, dtype=torch.float64, device=device)
     with pytest.raises(ValueError, match=r"q shape is \(1, 4, 2, 8\) on rank 0 and \(1, 6, 2, 8\) on rank 1"
@@ -109,6 +109,13 @@ def _check_errors(rank, world, device):
         fd.ring_attention(q, q, q, layout="striped")
     with pytest.raises(ValueError, match=r"\(6\) must be a multiple of 2 \* world_size = 4"):
         fd.zigzag_shard(longer, 1)
+    x = torch.randn(1, 4, 2, 8, device=device, requires_grad=True)
+    with torch.autocast(device.type, dtype=torch.bfloat16):  # computed in bf16, as the ops under autocast
+        out = fd.ring_attention(x, x, x, causal=True)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, fd.ring_attention(*(x.detach().bfloat16(),) * 3, causal=True))
+    out.float().sum().backward()
+    assert x.grad.dtype == torch.float32 and x.grad.abs().sum() > 0
     whole = torch.arange(24.0, device=device).reshape(1, 8, 3)
     mine = fd.zigzag_shard(whole, 1)
     assert torch.equal(mine[0, :, 0], torch.tensor([2 * rank, 2 * rank + 1, 6 - 2 * rank, 7 - 2 * rank],
@@ -137,7 +144,7 @@ def _worker(rank, world, port, device_type):
         for case in EXACT_CASES[world]:
             _check_exact(rank, world, device, **case)
         if world == 2:
-            _check_errors(rank, world, device)
+            _check_errors_and_helpers(rank, world, device)
             for dtype, causal in ((torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)):
                 _check_accuracy(rank, world, device, dtype, causal)
     finally:
