@@ -86,6 +86,9 @@ def _ring_rows(args, rank, world, device, length, causal):
     return rows + _context_parallel_rows(args, world, device, length, causal)
 
 
+_mesh = None
+
+
 def _context_parallel_rows(args, world, device, length, causal):
     """torch's context_parallel on (B, H, L, E) buffers it shards itself (head-tail balanced when
     causal); its ring calls SDPA's fused CUDA ops, so there is nothing to run on the CPU."""
@@ -94,7 +97,9 @@ def _context_parallel_rows(args, world, device, length, causal):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import context_parallel
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    mesh = init_device_mesh("cuda", (world,))
+    global _mesh
+    if _mesh is None:  # one per process: a mesh may create process groups
+        _mesh = init_device_mesh("cuda", (world,))
     variants = [("torch-cp-cudnn", SDPBackend.CUDNN_ATTENTION, False), ("torch-cp-flash", SDPBackend.FLASH_ATTENTION,
                                                                        False)]
     try:
@@ -109,7 +114,7 @@ def _context_parallel_rows(args, world, device, length, causal):
         try:
             if ours:
                 torch.nn.attention.activate_flash_attention_impl("flashattn_ext")
-            with context_parallel(mesh, buffers=[q, k, v, dout], buffer_seq_dims=[2, 2, 2, 2],
+            with context_parallel(_mesh, buffers=[q, k, v, dout], buffer_seq_dims=[2, 2, 2, 2],
                                   no_restore_buffers={q, k, v, dout}), sdpa_kernel(backend):
                 q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
 
