@@ -139,7 +139,7 @@ def _merge_into(out_acc, lse_acc, out_part, lse_part):
     ref = lse.masked_fill(lse == float("-inf"), 0.0)  # rows no key has reached yet: both weights 0
     w_acc = torch.exp(lse_acc - ref).transpose(1, 2)[..., None]
     w_part = torch.exp(lse_part - ref).transpose(1, 2)[..., None]
-    out_acc.mul_(w_acc).add_(out_part * w_part)
+    out_acc.mul_(w_acc).addcmul_(out_part, w_part)  # in place: no accumulator-sized temporary
     lse_acc.copy_(lse)
 
 
