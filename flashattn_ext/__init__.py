@@ -8,6 +8,7 @@ from .flash_attn_interface import (flash_attn_func, flash_attn_kvpacked_func, fl
                                    flash_attn_varlen_func, flash_attn_varlen_kvpacked_func,
                                    flash_attn_varlen_qkvpacked_func)
 from .kvcache import flash_attn_with_kvcache
+from . import sdpa  # noqa: F401,E402  (the SDPA mode; registers "flashattn_ext" with torch.nn.attention)
 
 __all__ = ["scaled_dot_product_attention", "attention", "flash_attn_func", "flash_attn_varlen_func",
            "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_qkvpacked_func",

@@ -1,0 +1,135 @@
+"""Send torch.nn.functional.scaled_dot_product_attention calls to our kernels, unmodified code
+included:
+
+    with flashattn_ext.sdpa.enabled():
+        out = model(x)            # every F.scaled_dot_product_attention call inside runs ours
+
+    flashattn_ext.sdpa.enable()   # the same until flashattn_ext.sdpa.disable()
+
+A TorchFunctionMode sees each SDPA call and runs flashattn_ext.scaled_dot_product_attention
+when we take the inputs: plain CPU tensors, or CUDA tensors when this build has the CUDA
+kernels; float64/float32/bfloat16/float16; head dims 1..256; attn_mask None or a plain bool or
+float tensor that broadcasts. Anything else (nested tensors, tensor subclasses such as
+torch.nn.attention.bias.CausalBias, other dtypes or devices, larger head dims, arguments
+SDPA itself would refuse) goes to torch unchanged, so torch answers it as it always does.
+
+On CUDA with torch >= 2.11 there is also SDPA's own hook: importing flashattn_ext registers
+the name "flashattn_ext" with torch.nn.attention, and
+torch.nn.attention.activate_flash_attention_impl("flashattn_ext") makes SDPA's flash backend
+run our kernels (see sdpa_backend.py)."""
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from . import functional
+from ._checks import DTYPE_NAMES, MAX_HEAD_DIM
+from .sdpa_backend import register_with_torch
+
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
+
+
+def _bind(args, kwargs):
+    """SDPA's arguments by name, or None when they do not bind (torch will say why)."""
+    if len(args) > len(_SDPA_ARGS) or any(name not in _SDPA_ARGS for name in kwargs):
+        return None
+    bound = dict(_SDPA_DEFAULTS, **dict(zip(_SDPA_ARGS, args)))
+    for name, value in kwargs.items():
+        if name in bound and _SDPA_ARGS.index(name) < len(args):
+            return None
+        bound[name] = value
+    return bound if all(name in bound for name in ("query", "key", "value")) else None
+
+
+def _device_taken(device):
+    if device.type == "cpu":
+        return True
+    from . import has_cuda_kernels
+    return device.type == "cuda" and has_cuda_kernels()
+
+
+def _plain(t):
+    return type(t) is torch.Tensor or type(t) is torch.nn.Parameter
+
+
+def takes(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """True when flashattn_ext.scaled_dot_product_attention computes this SDPA call exactly
+    as torch would; False sends it to torch."""
+    tensors = (query, key, value)
+    if not all(isinstance(t, torch.Tensor) and _plain(t) and not t.is_nested for t in tensors):
+        return False
+    if query.dim() < 3 or any(t.dim() != query.dim() for t in (key, value)):
+        return False
+    if query.dtype not in DTYPE_NAMES or any(t.dtype != query.dtype or t.device != query.device for t in (key, value)):
+        return False
+    if not _device_taken(query.device):
+        return False
+    if key.shape[:-3] != query.shape[:-3] or value.shape[:-3] != query.shape[:-3]:
+        return False
+    if key.shape[-1] != query.shape[-1] or value.shape[-2:-1] != key.shape[-2:-1] or value.shape[-3] != key.shape[-3]:
+        return False
+    if not (1 <= query.shape[-1] <= MAX_HEAD_DIM and 1 <= value.shape[-1] <= MAX_HEAD_DIM):
+        return False
+    heads_q, heads_k = query.shape[-3], key.shape[-3]
+    if heads_q != heads_k and not (enable_gqa and heads_k > 0 and heads_q % heads_k == 0):
+        return False
+    if any(t.shape[-1] > 1 and t.stride(-1) != 1 for t in tensors):
+        return False  # ours reads the head dim in place; torch copies such inputs
+    if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        return False
+    if attn_mask is not None:
+        if is_causal or not (isinstance(attn_mask, torch.Tensor) and _plain(attn_mask)) or attn_mask.is_nested:
+            return False
+        if attn_mask.device != query.device or attn_mask.dtype not in (torch.bool, query.dtype, torch.float32):
+            return False
+        target = tuple(query.shape[:-2]) + (query.shape[-2], key.shape[-2])
+        shape = tuple(attn_mask.shape)
+        if len(shape) > len(target) or any(s not in (1, t) for s, t in zip(reversed(shape), reversed(target))):
+            return False
+    return True
+
+
+class SDPAMode(TorchFunctionMode):
+    """Runs F.scaled_dot_product_attention calls that `takes` accepts on our kernels; every
+    other call, SDPA or not, goes on unchanged."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            bound = _bind(args, kwargs)
+            if bound is not None and takes(**bound):
+                return functional.scaled_dot_product_attention(**bound)
+        return func(*args, **kwargs)
+
+
+_enabled = []  # the modes enable() entered, innermost last
+
+
+def enable():
+    """Send SDPA calls to our kernels until disable()."""
+    mode = SDPAMode()
+    mode.__enter__()
+    _enabled.append(mode)
+
+
+def disable():
+    """Undo the last enable(); nothing to undo is an error."""
+    if not _enabled:
+        raise RuntimeError("flashattn_ext.sdpa.disable(): no enable() to undo")
+    _enabled.pop().__exit__(None, None, None)
+
+
+def is_enabled():
+    return bool(_enabled)
+
+
+@contextlib.contextmanager
+def enabled():
+    """Send SDPA calls inside the block to our kernels."""
+    with SDPAMode():
+        yield
+
+
+register_with_torch()

@@ -1,0 +1,182 @@
+"""Hugging Face transformers integration: our kernels as an attention implementation.
+
+    import flashattn_ext.transformers
+    name = flashattn_ext.transformers.register()
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=name)
+
+register() adds an attention function (AttentionInterface) and a mask function
+(AttentionMaskInterface) under one name. The mask function decides how the model's masks
+reach the kernels:
+
+- a plain causal, sliding-window causal or bidirectional pattern whose keys are exactly the
+  tokens the 2-D padding mask covers (no cache, or a dynamic cache): the 2-D padding mask
+  itself, or None when nothing is padded. The attention function then unpads the batch and
+  runs the variable-length path (flash_attn_varlen_func: causal aligned bottom-right,
+  window and softcap as flags); no (L, S) mask is built. While torch.compile traces, the
+  values of the mask cannot be read, so the same 2-D mask becomes a (batch, 1, 1, S)
+  key-padding bias read through broadcast strides, again with no (L, S) mask.
+- anything else (static caches, whose keys run past the tokens seen; packed sequences;
+  custom and/or mask functions; chunked or bidirectional sliding patterns): transformers'
+  own boolean SDPA mask, (batch, 1, L, S), passed to the kernels as attn_bias.
+
+This module imports transformers only when register() is called."""
+import torch
+
+from .functional import checked_fwd, flash_attn_varlen_func
+from .ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, new_rng_state
+
+# transformers treats any implementation name containing "flash" as a kernel to fetch from
+# its hub, and names containing "sdpa" or "flex" as its own backends: this one has none.
+IMPLEMENTATION = "tiled_exact"
+
+
+def register(name=IMPLEMENTATION):
+    """Register the attention and mask functions with transformers under `name` and return
+    it, to pass as `attn_implementation=` (from_pretrained, from_config, or
+    model.set_attn_implementation)."""
+    for word in ("flash", "sdpa", "flex", "paged", "eager"):
+        if word in name:
+            raise ValueError(f"flashattn_ext: implementation name {name!r} contains {word!r}, which transformers "
+                             f"reserves for its own backends; choose a name without it")
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, attention_mask)
+    return name
+
+
+# ---------------------------------------------------------------------------- mask function
+
+def _closure_values(fn):
+    return [cell.cell_contents for cell in (fn.__closure__ or ())]
+
+
+def _is_sliding_causal(mask_function, window):
+    """True when mask_function is transformers' sliding_window_causal_mask_function(window):
+    and_masks(sliding_window_overlay(window), causal_mask_function). Read from the closures;
+    any other structure answers False (and the mask is then built in full)."""
+    from transformers import masking_utils as mu
+
+    if window is None or mask_function.__qualname__ != mu.and_masks(mu.causal_mask_function).__qualname__:
+        return False
+    parts = [v for v in _closure_values(mask_function) if isinstance(v, tuple)]
+    if len(parts) != 1 or len(parts[0]) != 2 or parts[0][1] is not mu.causal_mask_function:
+        return False
+    overlay = parts[0][0]
+    return (getattr(overlay, "__qualname__", None) == mu.sliding_window_overlay(window).__qualname__
+            and _closure_values(overlay) == [window])
+
+
+def _is_plain_pattern(mask_function, local_size):
+    from transformers import masking_utils as mu
+
+    return (mask_function is mu.causal_mask_function or mask_function is mu.bidirectional_mask_function
+            or _is_sliding_causal(mask_function, local_size))
+
+
+def attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
+                   attention_mask=None, local_size=None, use_vmap=False, **kwargs):
+    """The AttentionMaskInterface function: None, a 2-D (batch, kv_length) padding mask, or a
+    4-D boolean mask (see the module docstring for which, and what each means)."""
+    from transformers import masking_utils as mu
+
+    if mask_function is None:
+        mask_function = mu.causal_mask_function
+    keys_end = kv_offset + kv_length
+    queries_are_last_keys = isinstance(q_offset, int) and q_offset + q_length == keys_end
+    if (not use_vmap and queries_are_last_keys and _is_plain_pattern(mask_function, local_size)
+            and (attention_mask is None or attention_mask.shape[-1] == keys_end)):
+        if attention_mask is None:
+            return None
+        padding = attention_mask[:, kv_offset:].to(torch.bool)
+        if not torch.compiler.is_compiling() and bool(padding.all()):
+            return None
+        return padding
+    args = dict(kwargs, batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
+                local_size=local_size, use_vmap=use_vmap)
+    mask = mu.sdpa_mask(**args)
+    if mask is None and q_length > 1 and kv_length != q_length:
+        # transformers skips the mask there for SDPA's top-left is_causal; ours reads a missing
+        # mask as causal aligned bottom-right, so build it.
+        mask = mu.sdpa_mask(**dict(args, allow_is_causal_skip=False))
+    return mask
+
+
+# ----------------------------------------------------------------------- attention function
+
+def _window(sliding_window, causal):
+    """transformers' sliding patterns as (left, right): causal keeps keys j with
+    i - window < j <= i, bidirectional keeps |i - j| <= window."""
+    if sliding_window is None:
+        return (-1, -1)
+    return (int(sliding_window) - 1, 0) if causal else (int(sliding_window), int(sliding_window))
+
+
+def _one_run(padding):
+    """True when every row keeps one contiguous run of tokens (left or right padding): then a
+    token's rank among the kept ones differs from its position by a per-row constant, and a
+    window over ranks (the packed layout) is the window over positions."""
+    positions = torch.arange(padding.shape[1], device=padding.device)
+    first = torch.where(padding, positions, padding.shape[1]).amin(1)
+    last = torch.where(padding, positions, -1).amax(1)
+    count = padding.sum(1)
+    return bool(((count == 0) | (last - first + 1 == count)).all())
+
+
+def _unpadded_attention(query, key, value, key_padding, causal, **options):
+    """Attention over the tokens the 2-D key padding mask keeps, packed (no padding in the
+    kernels). The queries are the last len_q keys; padded query rows come out as zeros."""
+    batch, heads_q, len_q, _ = query.shape
+    keep_k = key_padding
+    keep_q = keep_k[:, -len_q:]
+    q, k, v = (t.transpose(1, 2)[m] for t, m in ((query, keep_q), (key, keep_k), (value, keep_k)))
+    lengths_q, lengths_k = keep_q.sum(1, dtype=torch.int32), keep_k.sum(1, dtype=torch.int32)
+    cu_q = torch.nn.functional.pad(lengths_q.cumsum(0, dtype=torch.int32), (1, 0))
+    cu_k = torch.nn.functional.pad(lengths_k.cumsum(0, dtype=torch.int32), (1, 0))
+    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, int(lengths_q.max()), int(lengths_k.max()), causal=causal,
+                                 **options)
+    padded = out.new_zeros((batch, len_q, heads_q, out.shape[-1]))
+    return padded.index_put((keep_q,), out)
+
+
+def _dense_attention(query, key, value, scale, causal, bias, window, softcap, dropout):
+    out, _ = checked_fwd(query, key, value, scale, causal, attn_bias=bias, window_left=window[0],
+                         window_right=window[1], softcap=softcap, dropout_p=dropout,
+                         rng_state=new_rng_state() if dropout > 0.0 else None)
+    return out.transpose(1, 2).contiguous()
+
+
+def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
+                      softcap=None, is_causal=None, **kwargs):
+    """The AttentionInterface function: query (batch, heads, len_q, dim), key and value
+    (batch, kv_heads, len_k, dim) with kv_heads dividing heads (grouped-query attention
+    needs no copy); returns (out (batch, len_q, heads, dim_v), None)."""
+    scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+    softcap, dropout = float(softcap or 0.0), float(dropout)
+    if attention_mask is not None and attention_mask.dim() == 4:
+        # A full mask already holds the causal and window patterns.
+        bias = attention_mask
+        if bias.dtype not in (torch.bool, query.dtype, torch.float32):
+            bias = bias.to(torch.float32)
+        return _dense_attention(query, key, value, scale, CAUSAL_NONE, bias, (-1, -1), softcap, dropout), None
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    causal = bool(is_causal) and query.shape[2] > 1
+    window = _window(sliding_window, bool(is_causal))
+    flag = CAUSAL_BOTTOM_RIGHT if causal else CAUSAL_NONE
+    if attention_mask is None:
+        return _dense_attention(query, key, value, scale, flag, None, window, softcap, dropout), None
+    if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (key.shape[0], key.shape[2]):
+        raise ValueError(f"flashattn_ext: attention_mask must be 4-D (batch, heads or 1, len_q, len_k) or a 2-D "
+                         f"padding mask (batch, len_k) = {(key.shape[0], key.shape[2])}, got shape "
+                         f"{tuple(attention_mask.shape)}")
+    padding = attention_mask.to(torch.bool)
+    if not torch.compiler.is_compiling() and (window == (-1, -1) or _one_run(padding)):
+        out = _unpadded_attention(query, key, value, padding, causal, dropout_p=dropout, softmax_scale=scale,
+                                  window_size=window, softcap=softcap)
+        return out, None
+    # Tracing (values unreadable) or a window over gaps in the padding: the key padding as a
+    # (batch, 1, 1, len_k) bias broadcast over heads and queries, positions as they are.
+    return _dense_attention(query, key, value, scale, flag, padding[:, None, None, :], window, softcap, dropout), None
