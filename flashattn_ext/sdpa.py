@@ -28,12 +28,13 @@ from ._checks import DTYPE_NAMES, MAX_HEAD_DIM
 from .sdpa_backend import register_with_torch
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_SDPA_POSITIONAL = 6  # scale and enable_gqa are keyword-only
 _SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
 
 
 def _bind(args, kwargs):
     """SDPA's arguments by name, or None when they do not bind (torch will say why)."""
-    if len(args) > len(_SDPA_ARGS) or any(name not in _SDPA_ARGS for name in kwargs):
+    if len(args) > _SDPA_POSITIONAL or any(name not in _SDPA_ARGS for name in kwargs):
         return None
     bound = dict(_SDPA_DEFAULTS, **dict(zip(_SDPA_ARGS, args)))
     for name, value in kwargs.items():
