@@ -58,6 +58,8 @@ def _is_sliding_causal(mask_function, window):
     any other structure answers False (and the mask is then built in full)."""
     from transformers import masking_utils as mu
 
+    if torch.compiler.is_compiling():
+        return False  # functions made while tracing do not show their names and closures to the tracer
     if window is None or mask_function.__qualname__ != mu.and_masks(mu.causal_mask_function).__qualname__:
         return False
     parts = [v for v in _closure_values(mask_function) if isinstance(v, tuple)]

@@ -1,0 +1,203 @@
+"""transformers integration: tiny random-init Llama (grouped-query attention), Qwen2 (sliding
+window), Gemma2 (softcap, alternating window) and BERT (bidirectional, padding) models built
+from configs, run with our attention and with transformers' own, checked against a float64
+run with DESIGN.md's rule (logits, loss, every parameter's gradient), greedy generation on a
+left-padded batch with dynamic and static caches, torch.compile(fullgraph=True), dropout."""
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import flashattn_ext.transformers as fx  # noqa: E402
+from flashattn_ext.ops import dropout_mask, new_rng_state  # noqa: E402
+
+from feature_reference import attention_ref  # noqa: E402
+from reference import BOTTOM_RIGHT, NONE, assert_accurate  # noqa: E402
+
+NAME = fx.register()
+REFERENCE = "reference_math"
+
+
+def _reference_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
+                         is_causal=None, **kwargs):
+    """Plain-torch attention on transformers' full boolean mask (rows that see no key give 0;
+    transformers' eager attention gives NaN there in float64, which then reaches every row)."""
+    if attention_mask is None:
+        causal = (is_causal if is_causal is not None else module.is_causal) and query.shape[2] > 1
+        bias = None
+    else:
+        causal, bias = False, attention_mask
+    out, _ = attention_ref(query, key, value, scaling, BOTTOM_RIGHT if causal else NONE, bias=bias,
+                           softcap=float(softcap or 0.0))
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _reference_mask(*args, **kwargs):
+    return transformers.masking_utils.sdpa_mask(*args, **dict(kwargs, allow_is_causal_skip=False))
+
+
+transformers.AttentionInterface.register(REFERENCE, _reference_attention)
+transformers.masking_utils.AttentionMaskInterface.register(REFERENCE, _reference_mask)
+SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.2)
+
+
+def _config(kind):
+    if kind == "llama":
+        return transformers.LlamaConfig(**SMALL)
+    if kind == "qwen2":  # layer 0 full attention, layer 1 a window of 4 tokens
+        return transformers.Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=4, max_window_layers=1)
+    if kind == "gemma2":  # softcap small enough to bite; layers alternate window / full
+        return transformers.Gemma2Config(**SMALL, head_dim=16, query_pre_attn_scalar=16, sliding_window=4,
+                                         attn_logit_softcapping=2.0, final_logit_softcapping=None)
+    return transformers.BertConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, max_position_embeddings=64, initializer_range=0.2,
+                                   hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+
+_MODEL_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                "bert": "BertForMaskedLM"}
+
+
+def _model(kind, implementation, device, dtype=torch.float32):
+    torch.manual_seed(0)  # the same weights for every implementation
+    cls = getattr(transformers, _MODEL_CLASS[kind])
+    return cls._from_config(_config(kind), attn_implementation=implementation).to(device, dtype).eval()
+
+
+def _same_dtype_implementation(kind):
+    return "eager" if kind == "gemma2" else "sdpa"  # transformers' sdpa refuses softcap
+
+
+def _padded_batch(kind, device, length=14):
+    """Token ids, the 2-D padding mask (left padding for decoders, right padding for BERT)
+    and labels that ignore the padding."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 128, (3, length), generator=g)
+    mask = torch.ones(3, length, dtype=torch.long)
+    pads = [(1, 4), (2, 9)]
+    for row, n in pads:
+        if kind == "bert":
+            mask[row, length - n:] = 0
+        else:
+            mask[row, :n] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    labels = ids.masked_fill(mask == 0, -100)
+    return ids.to(device), mask.to(device), labels.to(device)
+
+
+def _run(model, ids, mask, labels):
+    model.zero_grad()
+    out = model(input_ids=ids, attention_mask=mask, labels=labels)
+    out.loss.backward()
+    keep = mask.bool()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.logits.detach()[keep], out.loss.detach(), grads
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma2", "bert"])
+def test_logits_loss_and_gradients(device, kind, monkeypatch):
+    ids, mask, labels = _padded_batch(kind, device)
+    ref_logits, ref_loss, ref_grads = _run(_model(kind, REFERENCE, device, torch.float64), ids, mask, labels)
+    same_logits, same_loss, same_grads = _run(_model(kind, _same_dtype_implementation(kind), device), ids, mask,
+                                              labels)
+    unpadded = []
+    monkeypatch.setattr(fx, "flash_attn_varlen_func",
+                        lambda *a, **k: unpadded.append(1) or flashattn_ext_varlen(*a, **k))
+    logits, loss, grads = _run(_model(kind, NAME, device), ids, mask, labels)
+    assert len(unpadded) == 2  # one padded batch per layer, through the variable-length path
+    assert_accurate("logits", logits, ref_logits, same_logits, 1e-6)
+    assert_accurate("loss", loss, ref_loss, same_loss, 1e-6)
+    assert grads.keys() == ref_grads.keys() and len(grads) > 10
+    for name, grad in grads.items():
+        assert_accurate(name, grad, ref_grads[name], same_grads[name], 1e-6)
+
+
+def flashattn_ext_varlen(*args, **kwargs):
+    from flashattn_ext import flash_attn_varlen_func
+    return flash_attn_varlen_func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma2"])
+def test_greedy_generation_left_padded(device, kind, cache):
+    ids, mask, _ = _padded_batch(kind, device, length=8)
+    options = dict(attention_mask=mask, max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0,
+                   cache_implementation=cache)
+    with torch.no_grad():
+        theirs = _model(kind, _same_dtype_implementation(kind), device).generate(ids, **options)
+        ours = _model(kind, NAME, device).generate(ids, **options)
+    assert ours.shape == (3, 28)
+    assert torch.equal(ours, theirs)
+
+
+def test_compile_fullgraph_traces(device):
+    """The traced path reads no mask values: the padding mask becomes a key-padding bias."""
+    ids, mask, _ = _padded_batch("qwen2", device)
+    model = _model("qwen2", NAME, device)
+    with torch.no_grad():
+        eager = model(input_ids=ids, attention_mask=mask).logits[mask.bool()]
+        compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+        traced = compiled(input_ids=ids, attention_mask=mask).logits[mask.bool()]
+        unpadded = compiled(input_ids=ids).logits
+    torch.testing.assert_close(traced, eager, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(unpadded, model(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
+class _Attention(torch.nn.Module):
+    is_causal = True
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "padding", "full"])
+def test_dropout_matches_reference(device, mask_kind):
+    """Dropout in training, on each path: the kept probabilities are those of the ops'
+    dropout stream for the [seed, offset] drawn from torch's generator."""
+    torch.manual_seed(0)
+    q = torch.randn(1, 4, 9, 16, device=device, requires_grad=True)
+    k, v = (torch.randn(1, 2, 9, 16, device=device, requires_grad=True) for _ in range(2))
+    causal = torch.ones(9, 9, dtype=torch.bool, device=device).tril()
+    mask = {"none": None, "padding": torch.ones(1, 9, dtype=torch.bool, device=device),
+            "full": causal[None, None]}[mask_kind]
+    if mask_kind == "padding":
+        mask[0, :2] = False  # two left pads: the batch is unpadded to 7 tokens
+    torch.manual_seed(3)
+    out, _ = fx.attention_forward(_Attention(), q, k, v, mask, dropout=0.25, scaling=0.3)
+    torch.manual_seed(3)
+    rng = new_rng_state()
+    n = 7 if mask_kind == "padding" else 9
+    keep = dropout_mask(rng, 1, 4, n, n, 0.25).to(device)
+    kv = [t[:, :, 9 - n:].repeat_interleave(2, 1).double() for t in (k, v)]
+    ref, _ = attention_ref(q[:, :, 9 - n:].double(), *kv, 0.3, BOTTOM_RIGHT if mask_kind != "full" else NONE,
+                           bias=causal[None, None] if mask_kind == "full" else None, keep=keep, dropout_p=0.25)
+    got = out.transpose(1, 2)[:, :, 9 - n:]
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+    if mask_kind == "padding":
+        assert torch.equal(out[:, :2], torch.zeros_like(out[:, :2]))
+
+
+def test_training_step_with_dropout_is_seeded(device):
+    config = _config("llama")
+    config.attention_dropout = 0.3
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM._from_config(config, attn_implementation=NAME).to(device).train()
+    ids, mask, labels = _padded_batch("llama", device)
+    losses = []
+    for seed in (7, 7, 8):
+        torch.manual_seed(seed)
+        losses.append(model(input_ids=ids, attention_mask=mask, labels=labels).loss)
+    losses[0].backward()
+    assert losses[0] == losses[1] and losses[0] != losses[2]
+    assert all(p.grad.isfinite().all() for p in model.parameters() if p.grad is not None)
+
+
+def test_names_transformers_reserves_are_refused():
+    for name in ("flashattn_ext", "my_sdpa"):
+        with pytest.raises(ValueError, match="reserves"):
+            fx.register(name)
+    assert "flash" not in NAME
+
+
+def test_attention_mask_of_the_wrong_shape_is_refused(device):
+    q = torch.randn(2, 4, 5, 8, device=device)
+    with pytest.raises(ValueError, match="attention_mask"):
+        fx.attention_forward(_Attention(), q, q, q, torch.ones(2, 7, dtype=torch.bool, device=device))
