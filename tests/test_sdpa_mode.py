@@ -254,7 +254,8 @@ def test_activated_hook_runs_sdpa_flash_on_ours(device):
         attention.activate_flash_attention_impl(sdpa_backend.NAME)
         try:
             assert attention.current_flash_attention_impl() == sdpa_backend.NAME
-            with torch.profiler.profile() as prof:
+            activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            with torch.profiler.profile(activities=activities) as prof:
                 ours = F.scaled_dot_product_attention(q, k, v, is_causal=True)
                 our_grads = torch.autograd.grad(ours, (q, k, v), dout)
                 torch.cuda.synchronize()
@@ -262,7 +263,10 @@ def test_activated_hook_runs_sdpa_flash_on_ours(device):
             attention.restore_flash_attention_impl()
         _, fwd, _ = _ran_ours(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
     names = {e.name for e in prof.events()}
+    kernels = {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
     assert "flashattn::fwd" in names and "flashattn::bwd" in names and not fwd
+    assert any("flashattn::cuda" in k for k in kernels), sorted(kernels)
+    assert not any("pytorch_flash" in k for k in kernels), sorted(kernels)
     for name, o, t, r in zip(("out", "dq", "dk", "dv"), (ours,) + our_grads, (theirs,) + their_grads,
                              (ref64,) + ref64_grads):
         assert_accurate(name, o, r, t, 1e-3)
