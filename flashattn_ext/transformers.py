@@ -170,10 +170,12 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     flag = CAUSAL_BOTTOM_RIGHT if causal else CAUSAL_NONE
     if attention_mask is None:
         return _dense_attention(query, key, value, scale, flag, None, window, softcap, dropout), None
-    if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (key.shape[0], key.shape[2]):
+    if (attention_mask.dim() != 2 or tuple(attention_mask.shape) != (key.shape[0], key.shape[2])
+            or query.shape[2] > key.shape[2]):
         raise ValueError(f"flashattn_ext: attention_mask must be 4-D (batch, heads or 1, len_q, len_k) or a 2-D "
-                         f"padding mask (batch, len_k) = {(key.shape[0], key.shape[2])}, got shape "
-                         f"{tuple(attention_mask.shape)}")
+                         f"padding mask (batch, len_k) = {(key.shape[0], key.shape[2])} with len_q <= len_k (the "
+                         f"queries are the last keys), got shape {tuple(attention_mask.shape)} and len_q "
+                         f"{query.shape[2]}")
     padding = attention_mask.to(torch.bool)
     if not torch.compiler.is_compiling() and (window == (-1, -1) or _one_run(padding)):
         out = _unpadded_attention(query, key, value, padding, causal, dropout_p=dropout, softmax_scale=scale,

@@ -133,7 +133,9 @@ def test_inputs_we_do_not_take_go_to_torch(device, case):
 
 def test_wrong_arguments_get_torch_errors(device):
     q = torch.randn(1, 2, 6, 8, device=device)
-    for args, kwargs in (((q, q), {}), ((q, q, q), {"bogus": 1}), ((q, q, q, None, 0.0, False, 0.3), {}), ((q, q, q), {"attn_mask": q, "is_causal": True})):
+    wrong = (((q, q), {}), ((q, q, q), {"bogus": 1}), ((q, q, q, None, 0.0, False, 0.3), {}),
+             ((q, q, q), {"attn_mask": q, "is_causal": True}))
+    for args, kwargs in wrong:
         with pytest.raises((TypeError, RuntimeError)) as theirs:
             F.scaled_dot_product_attention(*args, **kwargs)
         with sdpa.enabled(), pytest.raises(type(theirs.value)):
