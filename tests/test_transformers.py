@@ -48,9 +48,10 @@ def _config(kind):
         return transformers.LlamaConfig(**SMALL)
     if kind == "qwen2":  # layer 0 full attention, layer 1 a window of 4 tokens
         return transformers.Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=4, max_window_layers=1)
-    if kind == "gemma2":  # softcap small enough to bite; layers alternate window / full
+    if kind == "gemma2":  # softcap small enough to bite; layers alternate window / full; untied embeddings
         return transformers.Gemma2Config(**SMALL, head_dim=16, query_pre_attn_scalar=16, sliding_window=4,
-                                         attn_logit_softcapping=2.0, final_logit_softcapping=None)
+                                         attn_logit_softcapping=2.0, final_logit_softcapping=None,
+                                         tie_word_embeddings=False)  # (tied, greedy decoding repeats one token)
     return transformers.BertConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, max_position_embeddings=64, initializer_range=0.2,
                                    hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
@@ -76,7 +77,7 @@ def _padded_batch(kind, device, length=14):
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, 128, (3, length), generator=g)
     mask = torch.ones(3, length, dtype=torch.long)
-    pads = [(1, 4), (2, 9)]
+    pads = [(1, length // 4), (2, length // 2 + 1)]
     for row, n in pads:
         if kind == "bert":
             mask[row, length - n:] = 0
@@ -128,11 +129,31 @@ def flashattn_ext_varlen(*args, **kwargs):
 def test_greedy_generation_left_padded(device, kind, cache):
     ids, mask, _ = _padded_batch(kind, device, length=8)
     options = dict(attention_mask=mask, max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0,
-                   cache_implementation=cache)
+                   cache_implementation=cache, disable_compile=True)
     with torch.no_grad():
         theirs = _model(kind, _same_dtype_implementation(kind), device).generate(ids, **options)
-        ours = _model(kind, NAME, device).generate(ids, **options)
-    assert ours.shape == (3, 28)
+        model = _model(kind, NAME, device)
+        ours = model.generate(ids, **options)
+        pads = int((mask[1] == 0).sum())
+        alone = model.generate(ids[1:2, pads:], **dict(options, attention_mask=mask[1:2, pads:]))
+    assert ours.shape == (3, 28) and len(set(ours[1, 8:].tolist())) > 5
+    assert torch.equal(ours, theirs)
+    assert torch.equal(ours[1, 8:], alone[0, 8 - pads:])  # left padding changes nothing
+
+
+def test_static_cache_generation_compiled(device):
+    """generate() compiles the decode step for static caches (on CUDA by default; forced here
+    on the CPU with a backend that needs no C++ compiler); the traced step reads the full mask."""
+    ids, mask, _ = _padded_batch("llama", device, length=8)
+    options = dict(attention_mask=mask, max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0,
+                   cache_implementation="static")
+    compile_config = transformers.CompileConfig(fullgraph=True)
+    if device == "cpu":
+        compile_config = transformers.CompileConfig(fullgraph=True, backend="aot_eager")
+        compile_config._compile_all_devices = True
+    with torch.no_grad():
+        theirs = _model("llama", "sdpa", device).generate(ids, disable_compile=True, **options)
+        ours = _model("llama", NAME, device).generate(ids, compile_config=compile_config, **options)
     assert torch.equal(ours, theirs)
 
 
