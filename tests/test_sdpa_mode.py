@@ -72,6 +72,17 @@ def test_unmodified_module_runs_ours(device, kind):
         assert_accurate(name, ours, ref, theirs, 1e-6)
 
 
+def test_compiled_module_under_the_mode(device):
+    """torch.compile(fullgraph=True) traces the mode: the compiled graph calls our op."""
+    torch.manual_seed(0)
+    block, x = Block(64, 4, 2).to(device), torch.randn(2, 9, 64, device=device)
+    expected = block(x, None, True)
+    with sdpa.enabled():
+        out, fwd, _ = _ran_ours(lambda: torch.compile(block, fullgraph=True, backend="aot_eager")(x, None, True))
+    assert fwd
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_enable_disable(device):
     q = torch.randn(1, 2, 8, 16, device=device)
     sdpa.enable()
