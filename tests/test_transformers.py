@@ -157,6 +157,21 @@ def test_static_cache_generation_compiled(device):
     assert torch.equal(ours, theirs)
 
 
+def test_packed_sequences_and_switching_implementation(device):
+    """Two sequences packed in one row (positions restart): transformers builds the full mask
+    for that pattern; each sequence's logits are those it gets alone. A model made with
+    another implementation switches to ours with set_attn_implementation."""
+    model = _model("llama", "sdpa", device)
+    model.set_attn_implementation(NAME)
+    assert model.config._attn_implementation == NAME
+    ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(2)).to(device)
+    positions = torch.tensor([list(range(5)) + list(range(7))], device=device)
+    with torch.no_grad():
+        packed = model(input_ids=ids, position_ids=positions, use_cache=False).logits[0]
+        first, second = model(input_ids=ids[:, :5]).logits[0], model(input_ids=ids[:, 5:]).logits[0]
+    torch.testing.assert_close(packed, torch.cat([first, second]), rtol=1e-5, atol=1e-5)
+
+
 def test_compile_fullgraph_traces(device):
     """The traced path reads no mask values: the padding mask becomes a key-padding bias."""
     ids, mask, _ = _padded_batch("qwen2", device)
