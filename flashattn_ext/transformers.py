@@ -16,8 +16,9 @@ reach the kernels:
   values of the mask cannot be read, so the same 2-D mask becomes a (batch, 1, 1, S)
   key-padding bias read through broadcast strides, again with no (L, S) mask.
 - anything else (static caches, whose keys run past the tokens seen; packed sequences;
-  custom and/or mask functions; chunked or bidirectional sliding patterns): transformers'
-  own boolean SDPA mask, (batch, 1, L, S), passed to the kernels as attn_bias.
+  custom and/or mask functions; chunked or bidirectional sliding patterns; sliding-window
+  patterns while tracing, whose closures the tracer does not show): transformers' own
+  boolean SDPA mask, (batch, 1, L, S), passed to the kernels as attn_bias.
 
 This module imports transformers only when register() is called."""
 import torch
