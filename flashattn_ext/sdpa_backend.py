@@ -16,13 +16,14 @@ backend (fp16/bf16 on sm80+, no attn_mask, head dim <= 256; torch decides) run h
 Contract notes: causal is aligned top-left in the SDPA ops and bottom-right in the
 _flash_attention ops (flash-attn 2's convention), window sizes and ALiBi slopes are passed on;
 paged KV (block_table), seqused_k, num_splits > 1 and return_debug_mask have no counterpart in
-our kernels and raise. Dropout draws [seed, offset] from torch's CPU generator (our Philox
-stream, not torch's flash stream) and hands it to the backward in the rng_state slot as an
-int64 CPU pair viewed as uint64."""
+our kernels and raise. Dropout draws [seed, offset] from torch's generator of the
+inputs' device (our Philox stream, not torch's flash stream) and hands it to the backward in
+the rng_state slot, an int64 pair on that device viewed as uint64 (the slot's dtype)."""
 import torch
 
-from ._checks import check_cu_seqlens_values, check_features, check_fwd_args
-from .ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, CAUSAL_TOP_LEFT, FEATURES, new_rng_state
+from . import ops
+from ._checks import check_features, check_fwd_args
+from .ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, CAUSAL_TOP_LEFT, new_rng_state
 
 NAME = "flashattn_ext"
 
@@ -45,41 +46,33 @@ def _refuse(what, value):
                        f"for such calls")
 
 
-def _features(**given):
-    return tuple(given.get(name, default) for name, default in FEATURES)
-
-
 def _forward(q, k, v, scale, causal, **features):
-    """flashattn::fwd on (batch, heads, len, dim) views, every argument checked in Python first."""
+    """The forward kernel on (batch, heads, len, dim) views, every argument checked in Python first."""
     q, k, v = _contiguous_last(q), _contiguous_last(k), _contiguous_last(v)
     check_fwd_args(q, k, v, causal)
     check_features(q, k, causal, **features)
-    if features.get("cu_seqlens_q") is not None:
-        check_cu_seqlens_values(features["cu_seqlens_q"], "cum_seq_q", q.shape[2], features["max_seqlen_q"], "max_q")
-        check_cu_seqlens_values(features["cu_seqlens_k"], "cum_seq_k", k.shape[2], features["max_seqlen_k"], "max_k")
-    return torch.ops.flashattn.fwd.default(q, k, v, scale, causal, torch.are_deterministic_algorithms_enabled(),
-                                           *_features(**features))
+    return ops._fwd_kernel(q, k, v, scale, causal, torch.are_deterministic_algorithms_enabled(), **features)
 
 
 def _backward(dout, q, k, v, out, lse, scale, causal, **features):
-    dq, dk, dv, _ = torch.ops.flashattn.bwd.default(
-        _contiguous_last(dout), _contiguous_last(q), _contiguous_last(k), _contiguous_last(v), out, lse, None, scale,
-        causal, torch.are_deterministic_algorithms_enabled(), *_features(**features), False)
+    dq, dk, dv, _ = ops._bwd_kernel(_contiguous_last(dout), _contiguous_last(q), _contiguous_last(k),
+                                    _contiguous_last(v), out, lse, None, scale, causal,
+                                    torch.are_deterministic_algorithms_enabled(), **features)
     return dq, dk, dv
 
 
 def _rng_state(dropout_p, device):
-    """(features for the op, the rng_state slot of the aten op's outputs)."""
+    """(features for the kernel, the rng_state slot of the aten op's outputs)."""
     if dropout_p <= 0.0:
         return {}, torch.zeros((2,), dtype=torch.uint64, device=device)
-    state = new_rng_state()
+    state = new_rng_state(device)
     return {"dropout_p": float(dropout_p), "rng_state": state}, state.view(torch.uint64)
 
 
 def _dropout_features(dropout_p, rng_state):
     if dropout_p <= 0.0:
         return {}
-    return {"dropout_p": float(dropout_p), "rng_state": rng_state.to("cpu").view(torch.int64).contiguous()}
+    return {"dropout_p": float(dropout_p), "rng_state": rng_state.view(torch.int64)}
 
 
 # ------------------------------------------------------------- SDPA: (batch, heads, len, dim)

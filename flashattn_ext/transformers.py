@@ -147,7 +147,7 @@ def _unpadded_attention(query, key, value, key_padding, causal, **options):
 def _dense_attention(query, key, value, scale, causal, bias, window, softcap, dropout):
     out, _ = checked_fwd(query, key, value, scale, causal, attn_bias=bias, window_left=window[0],
                          window_right=window[1], softcap=softcap, dropout_p=dropout,
-                         rng_state=new_rng_state() if dropout > 0.0 else None)
+                         rng_state=new_rng_state(query.device) if dropout > 0.0 else None)
     return out.transpose(1, 2).contiguous()
 
 

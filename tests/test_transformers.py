@@ -232,7 +232,7 @@ def test_dropout_matches_reference(device, mask_kind):
     torch.manual_seed(3)
     out, _ = fx.attention_forward(_Attention(), q, k, v, mask, dropout=0.25, scaling=0.3)
     torch.manual_seed(3)
-    rng = new_rng_state()
+    rng = new_rng_state(q.device)
     n = 7 if mask_kind == "padding" else 9
     keep = dropout_mask(rng, 1, 4, n, n, 0.25).to(device)
     kv = [t[:, :, 9 - n:].repeat_interleave(2, 1).double() for t in (k, v)]
