@@ -13,6 +13,7 @@ by no-ops: 1.0 = communication fully hidden). JSON on stdout or --out.
     python benchmarks/bench_ring.py --quick              # CPU, gloo, tiny sizes (checks the script)
 """
 import argparse
+import datetime
 import json
 import os
 import socket
@@ -96,6 +97,7 @@ def _context_parallel_rows(args, world, device, length, causal):
         return []
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._attention import _cp_options
     from torch.nn.attention import SDPBackend, sdpa_kernel
     global _mesh
     if _mesh is None:  # one per process: a mesh may create process groups
@@ -111,6 +113,8 @@ def _context_parallel_rows(args, world, device, length, causal):
     rows = []
     for name, backend, ours in variants:
         q, k, v, dout = _inputs((args.batch, args.heads, length, args.head_dim), device, seed=0)
+        # Its head-tail balancing (our zigzag) is on by default and refuses non-causal attention.
+        balanced, _cp_options.enable_load_balance = _cp_options.enable_load_balance, causal
         try:
             if ours:
                 torch.nn.attention.activate_flash_attention_impl("flashattn_ext")
@@ -127,6 +131,7 @@ def _context_parallel_rows(args, world, device, length, causal):
         except Exception as e:  # a backend that does not run here is reported, not fatal
             rows.append(dict(impl=name, error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"))
         finally:
+            _cp_options.enable_load_balance = balanced
             if ours:
                 torch.nn.attention.restore_flash_attention_impl()
         del q, k, v, dout
@@ -155,8 +160,10 @@ def _worker(rank, world, port, args, out_path):
     device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    # A rank that fails alone leaves the others waiting in a collective: the timeout ends the run instead.
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=world, device_id=device if device.type == "cuda" else None)
+                            rank=rank, world_size=world, device_id=device if device.type == "cuda" else None,
+                            timeout=datetime.timedelta(seconds=args.timeout))
     rows = []
     try:
         for length in args.lengths:
@@ -208,6 +215,7 @@ def main():
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--timeout", type=int, default=300, help="seconds a rank waits in one collective")
     p.add_argument("--quick", action="store_true", help="CPU with gloo, worlds 1,2,4, tiny sizes")
     p.add_argument("--out", default=None, help="JSON file (default: stdout)")
     args = p.parse_args()
