@@ -207,7 +207,7 @@ def _add_scaling(rows):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worlds", default=None, help="comma-separated process counts (default: 1,2,4 up to the GPUs)")
-    p.add_argument("--lengths", default="65536,131072,262144,524288,1048576")
+    p.add_argument("--lengths", default=None, help="comma-separated (default 64k ... 1M; --quick: 256,512)")
     p.add_argument("--single-max", type=int, default=262144, help="longest sequence timed on one GPU")
     p.add_argument("--causal", default="1,0", help="1 = causal (zigzag shards), 0 = not; comma-separated")
     p.add_argument("--batch", type=int, default=1)
@@ -220,11 +220,11 @@ def main():
     p.add_argument("--out", default=None, help="JSON file (default: stdout)")
     args = p.parse_args()
     if args.quick:
-        args.device, args.lengths, args.single_max = "cpu", "256,512", 512
+        args.device, args.lengths, args.single_max = "cpu", args.lengths or "256,512", 512
         args.heads, args.head_dim, args.repeats = 2, 32, 2
         args.worlds = args.worlds or "1,2,4"
     else:
-        args.device = "cuda"
+        args.device, args.lengths = "cuda", args.lengths or "65536,131072,262144,524288,1048576"
         if not torch.cuda.is_available():
             p.error("no GPU: use --quick to run on the CPU")
         gpus = torch.cuda.device_count()
