@@ -16,7 +16,7 @@ from torch.autograd.function import once_differentiable
 
 from ._checks import check_features, check_fwd_args
 from ._ring_plan import LAYOUTS, alibi_terms, block_calls, shard_chunks, zigzag_chunk_ids
-from .functional import _window
+from .functional import _check_tensors, _real, _window
 from .ops import FEATURES, autocast_inputs, run_bwd, run_fwd
 
 __all__ = ["ring_attention", "zigzag_shard", "zigzag_unshard"]
@@ -222,37 +222,50 @@ def _block_backward(plan, call, dout, q, kv, out, lse, dlse):
     return dq, dk, dv
 
 
-_DEVICE_TYPES = ("cpu", "cuda")
+_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+_DEVICE_TYPES = ("cpu", "cuda", "other")
+
+
+def _describe(name, values):
+    """A field of _check_shards_agree as the user gave it."""
+    values = [int(x) if x == int(x) else x for x in values]
+    if name == "dtype":
+        return str(_DTYPES[values[0]]).replace("torch.", "")
+    if name == "device type":
+        return _DEVICE_TYPES[values[0]]
+    return str(tuple(values)) if len(values) > 1 else str(values[0])
 
 
 def _check_shards_agree(group, rank, world, q, k, v, args):
     """One all_gather of a small description of every rank's shards and arguments; every rank
     raises the same error when they differ (so none is left waiting in the ring)."""
-    dtypes = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+    device_type = q.device.type if q.device.type in _DEVICE_TYPES else "other"
     fields = [("q shape", tuple(q.shape)), ("k shape", tuple(k.shape)), ("v shape", tuple(v.shape)),
-              ("dtype", (dtypes.index(q.dtype),)),
-              ("device type", (_DEVICE_TYPES.index(q.device.type) if q.device.type in _DEVICE_TYPES else -1,))]
+              ("dtype", (_DTYPES.index(q.dtype),)), ("device type", (_DEVICE_TYPES.index(device_type),))]
     fields += [(name, (float(value),)) for name, value in args]
-    mine = torch.tensor([x for _, values in fields for x in values], dtype=torch.float64)
+    mine = [float(x) for _, values in fields for x in values]
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
-    gathered = [torch.empty_like(mine, device=device) for _ in range(world)]
-    dist.all_gather(gathered, mine.to(device), group=group)
+    gathered = [torch.empty(len(mine), dtype=torch.float64, device=device) for _ in range(world)]
+    dist.all_gather(gathered, torch.tensor(mine, dtype=torch.float64, device=device), group=group)
     for other, theirs in enumerate(torch.stack(gathered).cpu().tolist()):
         pos = 0
         for name, values in fields:
-            if theirs[pos:pos + len(values)] != mine.tolist()[pos:pos + len(values)]:
-                def show(x):
-                    x = [int(e) if e == int(e) else e for e in x]
-                    if name == "dtype":
-                        return str(dtypes[x[0]]).replace("torch.", "")
-                    if name == "device type":
-                        return _DEVICE_TYPES[x[0]] if x[0] >= 0 else "other"
-                    return str(tuple(x)) if len(x) > 1 else str(x[0])
+            end = pos + len(values)
+            if theirs[pos:end] != mine[pos:end]:
                 raise ValueError(f"flashattn_ext.ring_attention: every rank must pass shards of the same shape, "
                                  f"dtype and device type and the same arguments, but {name} is "
-                                 f"{show(mine.tolist()[pos:pos + len(values)])} on rank {rank} and "
-                                 f"{show(theirs[pos:pos + len(values)])} on rank {other}")
-            pos += len(values)
+                                 f"{_describe(name, mine[pos:end])} on rank {rank} and "
+                                 f"{_describe(name, theirs[pos:end])} on rank {other}")
+            pos = end
+
+
+def _check_scale(scale, dtype):
+    """The op's rule (csrc/ops.cpp): scale * log2(e) must fit in the accumulation type. Checked
+    before the ring starts, so that no rank stops with transfers in flight."""
+    limit = (torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).max) / math.log2(math.e)
+    if not (math.isfinite(scale) and abs(scale) <= limit):
+        raise ValueError(f"flashattn_ext.ring_attention: softmax_scale must be finite with |softmax_scale| <= "
+                         f"{limit:.6g} (scale * log2(e) must fit in the accumulation type), got {scale}")
 
 
 def ring_attention(q, k, v, group=None, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
@@ -269,14 +282,11 @@ def ring_attention(q, k, v, group=None, causal=False, softmax_scale=None, window
     shard_len, heads, head_dim_v), and with return_lse=True also their log-sum-exp (batch,
     heads, shard_len) in float32 (float64 for float64 inputs). Differentiable in q, k, v."""
     def four_d(name, t):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"flashattn_ext.ring_attention: {name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             raise ValueError(f"flashattn_ext.ring_attention: {name} must have 4 dimensions (batch, shard_len, heads, "
                              f"head_dim), got shape {tuple(t.shape)}")
 
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        four_d(name, t)
+    _check_tensors((("q", q), ("k", k), ("v", v)), four_d)
     rank, world = _group_info(group)
     q, k, v, _ = autocast_inputs(q.device.type, q, k, v, None)  # in an autocast region, its dtype (as the ops)
     causal = bool(causal)
@@ -284,11 +294,12 @@ def ring_attention(q, k, v, group=None, causal=False, softmax_scale=None, window
     if layout not in LAYOUTS:
         raise ValueError(f"flashattn_ext.ring_attention: layout must be one of {LAYOUTS} (or None), got {layout!r}")
     window = _window(window_size)
-    softcap = float(softcap)
-    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    check_fwd_args(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0)
+    softcap = _real(softcap, "softcap", " >= 0 (0 = off)")
+    scale = _real(softmax_scale, "softmax_scale") if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    check_fwd_args(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0, layout="blhd")
     check_features(q.transpose(1, 2), k.transpose(1, 2), 0, window_left=window[0], window_right=window[1],
                    alibi_slopes=alibi_slopes, softcap=softcap)
+    _check_scale(scale, q.dtype)
     if q.shape[1] != k.shape[1]:
         raise ValueError(f"flashattn_ext.ring_attention: q and k must be shards of one sequence (the same shard_len), "
                          f"got {q.shape[1]} and {k.shape[1]}")

@@ -107,6 +107,12 @@ def _check_errors_and_helpers(rank, world, device):
         fd.ring_attention(q[:, :3], q[:, :3], q[:, :3], causal=True)
     with pytest.raises(ValueError, match=r"layout must be one of"):
         fd.ring_attention(q, q, q, layout="striped")
+    with pytest.raises(ValueError, match=r"softmax_scale must be finite .* got inf"):
+        fd.ring_attention(q, q, q, softmax_scale=float("inf"))
+    with pytest.raises(TypeError, match=r"softcap must be a real number >= 0 \(0 = off\), got 'x'"):
+        fd.ring_attention(q, q, q, softcap="x")
+    with pytest.raises(RuntimeError, match=r"'window_size' must be \(left, right\) with each >= 0, or -1"):
+        fd.ring_attention(q, q, q, window_size=(-2, 0))
     with pytest.raises(ValueError, match=r"\(6\) must be a multiple of 2 \* world_size = 4"):
         fd.zigzag_shard(longer, 1)
     x = torch.randn(1, 4, 2, 8, device=device, requires_grad=True)
