@@ -20,7 +20,9 @@ reach the kernels:
   patterns while tracing, whose closures the tracer does not show): transformers' own
   boolean SDPA mask, (batch, 1, L, S), passed to the kernels as attn_bias.
 
-This module imports transformers only when register() is called."""
+A packed row whose sequence boundaries the caller passes (cu_seq_lens_q/k, max_length_q/k,
+as transformers' DataCollatorWithFlattening gives them) runs through the variable-length
+path whatever the mask. This module imports transformers only when register() is called."""
 import torch
 
 from .functional import checked_fwd, flash_attn_varlen_func
@@ -144,6 +146,17 @@ def _unpadded_attention(query, key, value, key_padding, causal, **options):
     return padded.index_put((keep_q,), out)
 
 
+def _packed_sequences(query, kwargs):
+    """(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) when the caller passed the
+    sequence boundaries of a packed row (transformers' DataCollatorWithFlattening with
+    return_flash_attn_kwargs=True) and they can be read, else None (the mask then says it)."""
+    names = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+    if query.shape[0] != 1 or torch.compiler.is_compiling() or any(kwargs.get(n) is None for n in names):
+        return None
+    cu_q, cu_k, max_q, max_k = (kwargs[n] for n in names)
+    return cu_q.to(torch.int32), cu_k.to(torch.int32), int(max_q), int(max_k)
+
+
 def _dense_attention(query, key, value, scale, causal, bias, window, softcap, dropout):
     out, _ = checked_fwd(query, key, value, scale, causal, attn_bias=bias, window_left=window[0],
                          window_right=window[1], softcap=softcap, dropout_p=dropout,
@@ -158,16 +171,22 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     needs no copy); returns (out (batch, len_q, heads, dim_v), None)."""
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
     softcap, dropout = float(softcap or 0.0), float(dropout)
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    causal = bool(is_causal) and query.shape[2] > 1
+    window = _window(sliding_window, bool(is_causal))
+    packed = _packed_sequences(query, kwargs)
+    if packed is not None:  # the boundaries say what the mask would
+        out = flash_attn_varlen_func(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+                                     *packed, dropout_p=dropout, softmax_scale=scale, causal=causal,
+                                     window_size=window, softcap=softcap)
+        return out[None].contiguous(), None
     if attention_mask is not None and attention_mask.dim() == 4:
         # A full mask already holds the causal and window patterns.
         bias = attention_mask
         if bias.dtype not in (torch.bool, query.dtype, torch.float32):
             bias = bias.to(torch.float32)
         return _dense_attention(query, key, value, scale, CAUSAL_NONE, bias, (-1, -1), softcap, dropout), None
-    if is_causal is None:
-        is_causal = getattr(module, "is_causal", True)
-    causal = bool(is_causal) and query.shape[2] > 1
-    window = _window(sliding_window, bool(is_causal))
     flag = CAUSAL_BOTTOM_RIGHT if causal else CAUSAL_NONE
     if attention_mask is None:
         return _dense_attention(query, key, value, scale, flag, None, window, softcap, dropout), None

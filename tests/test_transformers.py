@@ -157,19 +157,30 @@ def test_static_cache_generation_compiled(device):
     assert torch.equal(ours, theirs)
 
 
-def test_packed_sequences_and_switching_implementation(device):
-    """Two sequences packed in one row (positions restart): transformers builds the full mask
-    for that pattern; each sequence's logits are those it gets alone. A model made with
+def test_packed_sequences_and_switching_implementation(device, monkeypatch):
+    """Two sequences packed in one row (positions restart): from the positions alone
+    transformers builds the full mask for that pattern; with the sequence boundaries
+    (DataCollatorWithFlattening's return_flash_attn_kwargs) the row runs through the
+    variable-length path. Each sequence's logits are those it gets alone. A model made with
     another implementation switches to ours with set_attn_implementation."""
     model = _model("llama", "sdpa", device)
     model.set_attn_implementation(NAME)
     assert model.config._attn_implementation == NAME
     ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(2)).to(device)
     positions = torch.tensor([list(range(5)) + list(range(7))], device=device)
+    boundaries = dict(cu_seq_lens_q=torch.tensor([0, 5, 12], device=device), max_length_q=7)
+    boundaries.update(cu_seq_lens_k=boundaries["cu_seq_lens_q"], max_length_k=7)
+    unpadded = []
+    monkeypatch.setattr(fx, "flash_attn_varlen_func",
+                        lambda *a, **k: unpadded.append(1) or flashattn_ext_varlen(*a, **k))
     with torch.no_grad():
-        packed = model(input_ids=ids, position_ids=positions, use_cache=False).logits[0]
-        first, second = model(input_ids=ids[:, :5]).logits[0], model(input_ids=ids[:, 5:]).logits[0]
-    torch.testing.assert_close(packed, torch.cat([first, second]), rtol=1e-5, atol=1e-5)
+        alone = torch.cat([model(input_ids=ids[:, :5]).logits[0], model(input_ids=ids[:, 5:]).logits[0]])
+        by_positions = model(input_ids=ids, position_ids=positions, use_cache=False).logits[0]
+        assert not unpadded
+        by_boundaries = model(input_ids=ids, position_ids=positions, use_cache=False, **boundaries).logits[0]
+        assert len(unpadded) == 2
+    torch.testing.assert_close(by_positions, alone, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(by_boundaries, alone, rtol=1e-5, atol=1e-5)
 
 
 def test_compile_fullgraph_traces(device):
