@@ -24,9 +24,9 @@ from reference import BOTTOM_RIGHT, NONE, assert_accurate, attention, attention_
 F64_TOL = 1e-12
 
 
-def _shard(x, dim, layout, rank, world):
+def _shard(x, dim, layout, rank, world, group=None):
     if layout == "zigzag":
-        return fd.zigzag_shard(x, dim)
+        return fd.zigzag_shard(x, dim, group)
     return x.chunk(world, dim)[rank]
 
 
@@ -48,8 +48,9 @@ def _grads(fn, q, k, v, dout, dlse):
 
 
 def _check_exact(rank, world, device, causal=False, layout=None, hq=2, hkv=2, n=6, window=(-1, -1), softcap=0.0,
-                 alibi=False, with_dlse=False, b=2, e=8, ev=None):
-    """float64: this rank's shard of ring_attention against the op on the whole sequence."""
+                 alibi=False, with_dlse=False, b=2, e=8, ev=None, group=None):
+    """float64: this rank's shard of ring_attention against the op on the whole sequence; rank
+    and world within `group` (default: the world)."""
     label = dict(world=world, causal=causal, layout=layout, hq=hq, hkv=hkv, n=n, window=window, softcap=softcap,
                  alibi=alibi, with_dlse=with_dlse, ev=ev)
     layout_used = layout or ("zigzag" if causal else "contiguous")
@@ -58,8 +59,8 @@ def _check_exact(rank, world, device, causal=False, layout=None, hq=2, hkv=2, n=
     slopes = torch.rand(b, hq, generator=torch.Generator().manual_seed(7)).to(device) if alibi else None
     options = dict(causal=causal, window_size=window, softcap=softcap, alibi_slopes=slopes, return_lse=True)
     ref = _grads(lambda *t: flashattn_ext.flash_attn_func(*t, **options), q, k, v, dout, dlse)
-    shard = lambda x, dim=1: _shard(x, dim, layout_used, rank, world)
-    got = _grads(lambda *t: fd.ring_attention(*t, layout=layout, **options), shard(q), shard(k), shard(v),
+    shard = lambda x, dim=1: _shard(x, dim, layout_used, rank, world, group)
+    got = _grads(lambda *t: fd.ring_attention(*t, group=group, layout=layout, **options), shard(q), shard(k), shard(v),
                  shard(dout), None if dlse is None else shard(dlse, 2))
     for name in ("out", "lse", "dq", "dk", "dv"):
         want = shard(ref[name], 2 if name == "lse" else 1)
@@ -149,6 +150,9 @@ def _worker(rank, world, port, device_type):
     try:
         for case in EXACT_CASES[world]:
             _check_exact(rank, world, device, **case)
+        if world == 4:  # two rings of two ranks side by side, each in its own group
+            pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+            _check_exact(rank % 2, 2, device, causal=True, n=6, window=(5, -1), group=pairs[rank // 2])
         if world == 2:
             _check_errors_and_helpers(rank, world, device)
             for dtype, causal in ((torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)):
