@@ -11,6 +11,7 @@ by no-ops: 1.0 = communication fully hidden). JSON on stdout or --out.
     python benchmarks/bench_ring.py                      # 1, 2 and 4 GPUs (those present)
     python benchmarks/bench_ring.py --worlds 2 --lengths 262144,1048576 --heads 32
     python benchmarks/bench_ring.py --quick              # CPU, gloo, tiny sizes (checks the script)
+    python benchmarks/bench_ring.py --worlds 2 --lengths 262144 --trace-dir traces   # + profiler traces
 """
 import argparse
 import datetime
@@ -84,7 +85,23 @@ def _ring_rows(args, rank, world, device, length, causal):
         fd._Ring.start = start
     rows[0]["attention_only_ms"] = compute_ms
     rows[0]["hidden_fraction"] = compute_ms / ms
+    if args.trace_dir:
+        _trace(run, device, os.path.join(args.trace_dir, f"ring_w{world}_L{length}_{'causal' if causal else 'full'}"
+                                                         f"_rank{rank}.json"))
     return rows + _context_parallel_rows(args, world, device, length, causal)
+
+
+def _trace(run, device, path):
+    """A chrome trace of one call (kernels and transfers on their streams: the overlap to see)."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    dist.barrier()
+    with profile(activities=activities) as prof:
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    prof.export_chrome_trace(path)
 
 
 _mesh = None
@@ -215,6 +232,7 @@ def main():
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--trace-dir", default=None, help="write a profiler trace of one ring call per rank and case here")
     p.add_argument("--timeout", type=int, default=300, help="seconds a rank waits in one collective")
     p.add_argument("--quick", action="store_true", help="CPU with gloo, worlds 1,2,4, tiny sizes")
     p.add_argument("--out", default=None, help="JSON file (default: stdout)")
