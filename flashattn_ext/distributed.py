@@ -48,12 +48,14 @@ class _Ring:
             if self.stream is None:
                 self.stream = _comm_streams[device] = torch.cuda.Stream(device)
 
-    def start(self, tensors):
+    def start(self, tensors, first_tag=0):
         """Sends `tensors` on and receives the previous rank's tensors of the same shapes; call
-        wait() on the result to get them. The tensors sent must stay untouched until then."""
+        wait() on the result to get them. The tensors sent must stay untouched until then.
+        Transfers in flight together take distinct tags (gloo matches messages by tag)."""
         received = [torch.empty_like(t) for t in tensors]
-        ops = [dist.P2POp(dist.isend, t, group=self.group, group_peer=self.next, tag=i) for i, t in enumerate(tensors)]
-        ops += [dist.P2POp(dist.irecv, t, group=self.group, group_peer=self.prev, tag=i)
+        ops = [dist.P2POp(dist.isend, t, group=self.group, group_peer=self.next, tag=first_tag + i)
+               for i, t in enumerate(tensors)]
+        ops += [dist.P2POp(dist.irecv, t, group=self.group, group_peer=self.prev, tag=first_tag + i)
                 for i, t in enumerate(received)]
         if self.stream is None:
             return _Transfer(dist.batch_isend_irecv(ops), tensors, received)
@@ -197,7 +199,7 @@ class _RingAttention(torch.autograd.Function):
                 dk_acc[:, call.k_start:call.k_end] += dk.transpose(1, 2)
                 dv_acc[:, call.k_start:call.k_end] += dv.transpose(1, 2)
             # The accumulators follow their key/value shard; after the last step they reach home.
-            dkv_transfer = ring.start((dk_acc, dv_acc)) if ring.world > 1 else None
+            dkv_transfer = ring.start((dk_acc, dv_acc), first_tag=2) if ring.world > 1 else None
             if kv_transfer is not None:
                 kv = kv_transfer.wait()
         if dkv_transfer is not None:
