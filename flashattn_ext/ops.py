@@ -275,14 +275,17 @@ torch.library.register_autograd("flashattn::fwd", _fwd_backward, setup_context=_
 torch.library.register_autograd("flashattn::bwd", _bwd_backward, setup_context=_bwd_setup_context)
 
 
-class _FwdWithGrad(torch.autograd.Function):
+class _FwdWithGradForTransforms(torch.autograd.Function):
     """flashattn::fwd with the formula registered above, applied directly. The registered path
     rebuilds the op's argument list from its schema on every call (torch/_library/autograd.py:
     fill_defaults reads schema.arguments once per argument), ~90 us of Python per call on a 2-core
     CPU with torch 2.13: longer than the whole kernel of a small call (bf16, L = 1024, causal:
     ~40 us on an H200), whose timing then measures the CPU. The arguments come as q, k, v,
     attn_bias (those that take gradients) and one tuple of the rest: apply() costs per argument.
-    forward and setup_context are separate, as torch.func transforms (grad, vjp) require."""
+
+    forward and setup_context apart, as torch.func transforms (grad, vjp) require; apply() then
+    binds the arguments through inspect.signature on every call (~30 us), so calls outside a
+    transform take _FwdWithGrad, the same steps in one forward."""
 
     @staticmethod
     def forward(q, k, v, attn_bias, rest):
@@ -297,6 +300,19 @@ class _FwdWithGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):  # gradients of q, k, v, attn_bias (apply's index 3); none for rest
         return *_gradients(ctx, dout, dlse, ctx.needs_input_grad[3]), None
+
+
+class _FwdWithGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = _FwdWithGradForTransforms.forward(*inputs)
+        _FwdWithGradForTransforms.setup_context(ctx, inputs, output)
+        return output
+
+    backward = _FwdWithGradForTransforms.backward
+
+
+_transforms_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: True)
 
 
 def fwd(q, k, v, scale, causal, deterministic=False, **features):
@@ -316,7 +332,8 @@ def fwd(q, k, v, scale, causal, deterministic=False, **features):
         _check_cu_seqlens_on_device(q, k, *values[7:11])
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (
             bias is not None and bias.requires_grad)):
-        return _FwdWithGrad.apply(q, k, v, bias, (scale, causal, deterministic) + values[1:])
+        function = _FwdWithGradForTransforms if _transforms_active() else _FwdWithGrad
+        return function.apply(q, k, v, bias, (scale, causal, deterministic) + values[1:])
     return run_fwd(q, k, v, scale, causal, deterministic, *values)
 
 
