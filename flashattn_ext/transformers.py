@@ -45,7 +45,7 @@ def register(name=IMPLEMENTATION):
     from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(name, attention_forward)
-    AttentionMaskInterface.register(name, attention_mask)
+    AttentionMaskInterface.register(name, mask_for_kernels)
     return name
 
 
@@ -80,8 +80,8 @@ def _is_plain_pattern(mask_function, local_size):
             or _is_sliding_causal(mask_function, local_size))
 
 
-def attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
-                   attention_mask=None, local_size=None, use_vmap=False, **kwargs):
+def mask_for_kernels(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
+                     attention_mask=None, local_size=None, use_vmap=False, **kwargs):
     """The AttentionMaskInterface function: None, a 2-D (batch, kv_length) padding mask, or a
     4-D boolean mask (see the module docstring for which, and what each means)."""
     from transformers import masking_utils as mu
