@@ -184,16 +184,23 @@ def test_packed_sequences_and_switching_implementation(device, monkeypatch):
 
 
 def test_compile_fullgraph_traces(device):
-    """The traced path reads no mask values: the padding mask becomes a key-padding bias."""
-    ids, mask, _ = _padded_batch("qwen2", device)
+    """The traced path reads no mask values: the padding mask becomes a key-padding bias (the
+    full-attention layer) or transformers' full mask (the sliding-window layer). Forward and
+    backward trace; logits, loss and gradients are those of the eager run."""
+    ids, mask, labels = _padded_batch("qwen2", device)
     model = _model("qwen2", NAME, device)
+    logits, loss, grads = _run(model, ids, mask, labels)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    traced_logits, traced_loss, traced_grads = _run(compiled, ids, mask, labels)
+    traced_grads = {name.removeprefix("_orig_mod."): g for name, g in traced_grads.items()}
+    close = dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(traced_logits, logits, **close)
+    torch.testing.assert_close(traced_loss, loss, **close)
+    assert traced_grads.keys() == grads.keys()
+    for name, g in grads.items():
+        torch.testing.assert_close(traced_grads[name], g, **close)
     with torch.no_grad():
-        eager = model(input_ids=ids, attention_mask=mask).logits[mask.bool()]
-        compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
-        traced = compiled(input_ids=ids, attention_mask=mask).logits[mask.bool()]
-        unpadded = compiled(input_ids=ids).logits
-    torch.testing.assert_close(traced, eager, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(unpadded, model(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(compiled(input_ids=ids).logits, model(input_ids=ids).logits, **close)
 
 
 class _Attention(torch.nn.Module):
