@@ -145,6 +145,17 @@ def block_calls(q_chunks, k_chunks, causal, window_left, window_right, alibi):
     return calls
 
 
+def ring_steps(world, shard_len, layout, causal, window_left, window_right):
+    """How many steps of the ring the ranks need: 1 + the largest t for which some rank r has a
+    call with the keys of rank r - t. The ring stops there: a causal sliding window shorter than
+    a contiguous shard needs 2 steps of any number of ranks (a window open to the right needs
+    the keys of the following ranks, which a ring passing keys forward reaches last)."""
+    chunks = [shard_chunks(r, world, shard_len, layout) for r in range(world)]
+    return 1 + max(t for t in range(world) for r in range(world)
+                   if t == 0 or block_calls(chunks[r], chunks[(r - t) % world], causal, window_left, window_right,
+                                            False))
+
+
 def alibi_terms(call):
     """For a call between disjoint position ranges: ((key_first, key_step), (query_first,
     query_step)) such that |gq - gk| = query_offset(i) + key_offset(j) >= 0 for local row i and

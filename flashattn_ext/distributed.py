@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from ._checks import check_features, check_fwd_args
-from ._ring_plan import LAYOUTS, alibi_terms, block_calls, shard_chunks, zigzag_chunk_ids
+from ._ring_plan import LAYOUTS, alibi_terms, block_calls, ring_steps, shard_chunks, zigzag_chunk_ids
 from .functional import _check_tensors, _real, _window
 from .ops import FEATURES, autocast_inputs, run_bwd, run_fwd
 
@@ -40,22 +40,23 @@ class _Ring:
     """Passing tensors to the next rank of the group while receiving from the previous one."""
 
     def __init__(self, group, rank, world, device):
-        self.group, self.world = group, world
-        self.next, self.prev = (rank + 1) % world, (rank - 1) % world
+        self.group, self.rank, self.world = group, rank, world
         self.stream = None
         if device.type == "cuda":
             self.stream = _comm_streams.get(device)
             if self.stream is None:
                 self.stream = _comm_streams[device] = torch.cuda.Stream(device)
 
-    def start(self, tensors, first_tag=0):
-        """Sends `tensors` on and receives the previous rank's tensors of the same shapes; call
-        wait() on the result to get them. The tensors sent must stay untouched until then.
-        Transfers in flight together take distinct tags (gloo matches messages by tag)."""
+    def start(self, tensors, first_tag=0, hops=1):
+        """Sends `tensors` `hops` ranks on (the next one by default) and receives the tensors of
+        the same shapes from as many ranks back; call wait() on the result to get them. The
+        tensors sent must stay untouched until then. Transfers in flight together take distinct
+        tags (gloo matches messages by tag)."""
         received = [torch.empty_like(t) for t in tensors]
-        ops = [dist.P2POp(dist.isend, t, group=self.group, group_peer=self.next, tag=first_tag + i)
+        to, source = (self.rank + hops) % self.world, (self.rank - hops) % self.world
+        ops = [dist.P2POp(dist.isend, t, group=self.group, group_peer=to, tag=first_tag + i)
                for i, t in enumerate(tensors)]
-        ops += [dist.P2POp(dist.irecv, t, group=self.group, group_peer=self.prev, tag=first_tag + i)
+        ops += [dist.P2POp(dist.irecv, t, group=self.group, group_peer=source, tag=first_tag + i)
                 for i, t in enumerate(received)]
         if self.stream is None:
             return _Transfer(dist.batch_isend_irecv(ops), tensors, received)
@@ -88,6 +89,7 @@ class _Plan:
         self.alibi_slopes, self.deterministic = alibi_slopes, deterministic
         world = ring.world
         self.chunks = [shard_chunks(r, world, shard_len, layout) for r in range(world)]
+        self.steps = ring_steps(world, shard_len, layout, causal, *window)
         self._calls = {}
 
     def calls(self, src):
@@ -156,9 +158,9 @@ class _RingAttention(torch.autograd.Function):
         out_acc = q.new_zeros((batch, length, heads, v.shape[3]), dtype=acc)
         lse_acc = q.new_full((batch, heads, length), float("-inf"), dtype=acc)
         kv = (k, v)
-        for step in range(ring.world):
+        for step in range(plan.steps):
             src = (plan.rank - step) % ring.world
-            transfer = ring.start(kv) if step < ring.world - 1 else None
+            transfer = ring.start(kv) if step < plan.steps - 1 else None
             for call in plan.calls(src):
                 features, lse_shift = plan.op_args(call, q.device, _acc_dtype(q.dtype))
                 out, lse = run_fwd(_heads_view(q, call), _heads_view(kv[0], call, "k"), _heads_view(kv[1], call, "k"),
@@ -186,9 +188,9 @@ class _RingAttention(torch.autograd.Function):
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()
         dq_acc = torch.zeros_like(q, dtype=acc)
         kv, dkv_transfer = (k, v), None
-        for step in range(ring.world):
+        for step in range(plan.steps):
             src = (plan.rank - step) % ring.world
-            kv_transfer = ring.start(kv) if step < ring.world - 1 else None
+            kv_transfer = ring.start(kv) if step < plan.steps - 1 else None
             grads = [(call, _block_backward(plan, call, dout, q, kv, out, lse, dlse)) for call in plan.calls(src)]
             if dkv_transfer is None:
                 dk_acc, dv_acc = torch.zeros_like(k, dtype=acc), torch.zeros_like(v, dtype=acc)
@@ -198,8 +200,10 @@ class _RingAttention(torch.autograd.Function):
                 dq_acc[:, call.q_start:call.q_end] += dq.transpose(1, 2)
                 dk_acc[:, call.k_start:call.k_end] += dk.transpose(1, 2)
                 dv_acc[:, call.k_start:call.k_end] += dv.transpose(1, 2)
-            # The accumulators follow their key/value shard; after the last step they reach home.
-            dkv_transfer = ring.start((dk_acc, dv_acc), first_tag=2) if ring.world > 1 else None
+            # The accumulators follow their key/value shard; after the last step they go home: one
+            # more hop after a whole ring, straight back `step` ranks after a ring stopped early.
+            hops = 1 if step < plan.steps - 1 else (ring.world - step) % ring.world
+            dkv_transfer = ring.start((dk_acc, dv_acc), first_tag=2, hops=hops) if hops else None
             if kv_transfer is not None:
                 kv = kv_transfer.wait()
         if dkv_transfer is not None:

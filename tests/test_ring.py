@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 import flashattn_ext
 from flashattn_ext import distributed as fd
 from flashattn_ext._measure import REL_ATOL, REL_ATOL_GRAD
-from flashattn_ext._ring_plan import LAYOUTS, alibi_terms, block_calls, shard_chunks
+from flashattn_ext._ring_plan import LAYOUTS, alibi_terms, block_calls, ring_steps, shard_chunks
 from flashattn_ext.ops import CAUSAL_BOTTOM_RIGHT
 from reference import BOTTOM_RIGHT, NONE, assert_accurate, attention, attention_composite, lse_dtype, \
     run_with_grads, same_dtype_backend
@@ -136,7 +136,10 @@ EXACT_CASES = {
         dict(causal=True, n=8, window=(2, 0), softcap=0.7), dict(n=5, alibi=True, with_dlse=True),
         dict(causal=True, alibi=True, window=(7, -1))],
     4: [dict(n=3, hq=4, hkv=2), dict(causal=True, n=4, hq=4, hkv=2, with_dlse=True), dict(causal=True, window=(5, 0)),
-        dict(n=4, window=(1, 6), alibi=True, softcap=0.5)],
+        dict(n=4, window=(1, 6), alibi=True, softcap=0.5),
+        # rings stopped early (2 steps, then 1): dK/dV go home in one direct transfer, or stay
+        dict(causal=True, layout="contiguous", n=5, window=(4, -1), with_dlse=True),
+        dict(causal=True, layout="contiguous", n=3, window=(0, 0))],
 }
 
 
@@ -236,3 +239,19 @@ def test_zigzag_plan_is_one_call_per_step():
         c = calls[0]
         assert (c.q_end - c.q_start) * (c.k_end - c.k_start) == (n * n if src == rank else n * n // 2)
         assert c.unmasked == (src != rank)
+
+
+def test_ring_stops_after_the_last_step_any_rank_needs():
+    world, n = 4, 6
+    assert ring_steps(world, n, "zigzag", True, -1, -1) == world
+    assert ring_steps(world, n, "contiguous", False, -1, -1) == world
+    assert ring_steps(world, n, "contiguous", True, 6, -1) == 2  # the previous shard only
+    assert ring_steps(world, n, "contiguous", True, 7, -1) == 3  # a shard's first query reaches two shards back
+    assert ring_steps(world, n, "contiguous", True, 0, -1) == 1
+    assert ring_steps(world, n, "contiguous", False, 2, 1) == world  # the next shard: the ring's last step
+    for steps, left in ((2, 6), (3, 7)):
+        last = [max(t for t in range(world) if block_calls(shard_chunks(rank, world, n, "contiguous"),
+                                                          shard_chunks((rank - t) % world, world, n, "contiguous"),
+                                                          True, left, -1, False))
+                for rank in range(world)]
+        assert max(last) == steps - 1
