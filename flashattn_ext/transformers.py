@@ -131,19 +131,26 @@ def _one_run(padding):
 
 
 def _unpadded_attention(query, key, value, key_padding, causal, **options):
-    """Attention over the tokens the 2-D key padding mask keeps, packed (no padding in the
-    kernels). The queries are the last len_q keys; padded query rows come out as zeros."""
+    """Attention over the keys the 2-D padding mask keeps, packed (no padding in the kernels).
+    Causal: the queries are the last len_q keys and are packed by the same mask (padded query
+    rows come out as zeros). Not causal (encoders, cross-attention): every query row runs,
+    against its row's kept keys."""
     batch, heads_q, len_q, _ = query.shape
-    keep_k = key_padding
-    keep_q = keep_k[:, -len_q:]
-    q, k, v = (t.transpose(1, 2)[m] for t, m in ((query, keep_q), (key, keep_k), (value, keep_k)))
-    lengths_q, lengths_k = keep_q.sum(1, dtype=torch.int32), keep_k.sum(1, dtype=torch.int32)
+    lengths_k = key_padding.sum(1, dtype=torch.int32)
+    k, v = (t.transpose(1, 2)[key_padding] for t in (key, value))
+    if causal:
+        keep_q = key_padding[:, -len_q:]
+        q, lengths_q = query.transpose(1, 2)[keep_q], keep_q.sum(1, dtype=torch.int32)
+    else:
+        q = query.transpose(1, 2).reshape(batch * len_q, heads_q, query.shape[-1])
+        lengths_q = torch.full((batch,), len_q, dtype=torch.int32, device=query.device)
     cu_q = torch.nn.functional.pad(lengths_q.cumsum(0, dtype=torch.int32), (1, 0))
     cu_k = torch.nn.functional.pad(lengths_k.cumsum(0, dtype=torch.int32), (1, 0))
     out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, int(lengths_q.max()), int(lengths_k.max()), causal=causal,
                                  **options)
-    padded = out.new_zeros((batch, len_q, heads_q, out.shape[-1]))
-    return padded.index_put((keep_q,), out)
+    if not causal:
+        return out.reshape(batch, len_q, heads_q, out.shape[-1])
+    return out.new_zeros((batch, len_q, heads_q, out.shape[-1])).index_put((keep_q,), out)
 
 
 def _packed_sequences(query, kwargs):
@@ -164,6 +171,21 @@ def _dense_attention(query, key, value, scale, causal, bias, window, softcap, dr
     return out.transpose(1, 2).contiguous()
 
 
+def _attention_with_position_bias(query, key, value, attention_mask, position_bias, scale, causal, window, softcap,
+                                  dropout):
+    """T5-style models: a float (batch or 1, heads, len_q, len_k) bias added to the scores
+    (learned: it gets its gradient), the mask folded into it as -inf."""
+    bias = position_bias if position_bias.dtype in (query.dtype, torch.float32) else position_bias.float()
+    flag = CAUSAL_BOTTOM_RIGHT if causal else CAUSAL_NONE
+    if attention_mask is not None and attention_mask.dim() == 4:
+        flag, window = CAUSAL_NONE, (-1, -1)  # the mask holds the pattern
+        keep = attention_mask if attention_mask.dtype == torch.bool else None
+        bias = bias + attention_mask.to(bias.dtype) if keep is None else bias.masked_fill(~keep, float("-inf"))
+    elif attention_mask is not None:
+        bias = bias.masked_fill(~attention_mask.to(torch.bool)[:, None, None, :], float("-inf"))
+    return _dense_attention(query, key, value, scale, flag, bias, window, softcap, dropout)
+
+
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
                       softcap=None, is_causal=None, **kwargs):
     """The AttentionInterface function: query (batch, heads, len_q, dim), key and value
@@ -175,6 +197,14 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         is_causal = getattr(module, "is_causal", True)
     causal = bool(is_causal) and query.shape[2] > 1
     window = _window(sliding_window, bool(is_causal))
+    for sink in ("s_aux", "sinks"):
+        if kwargs.get(sink) is not None:
+            raise ValueError(f"flashattn_ext: attention sinks ({sink}=..., one learned logit per head that takes "
+                             f"part in the softmax) are not supported by our kernels; use attn_implementation="
+                             f"'eager' for this model")
+    if kwargs.get("position_bias") is not None:
+        return _attention_with_position_bias(query, key, value, attention_mask, kwargs["position_bias"], scale,
+                                             causal, window, softcap, dropout), None
     packed = _packed_sequences(query, kwargs)
     if packed is not None:  # the boundaries say what the mask would
         out = flash_attn_varlen_func(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
@@ -197,7 +227,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                          f"queries are the last keys), got shape {tuple(attention_mask.shape)} and len_q "
                          f"{query.shape[2]}")
     padding = attention_mask.to(torch.bool)
-    if not torch.compiler.is_compiling() and (window == (-1, -1) or _one_run(padding)):
+    # A window over packed keys is one over positions only for causal rows of one run of tokens.
+    if not torch.compiler.is_compiling() and (window == (-1, -1) or (causal and _one_run(padding))):
         out = _unpadded_attention(query, key, value, padding, causal, dropout_p=dropout, softmax_scale=scale,
                                   window_size=window, softcap=softcap)
         return out, None

@@ -52,13 +52,16 @@ def _config(kind):
         return transformers.Gemma2Config(**SMALL, head_dim=16, query_pre_attn_scalar=16, sliding_window=4,
                                          attn_logit_softcapping=2.0, final_logit_softcapping=None,
                                          tie_word_embeddings=False)  # (tied, greedy decoding repeats one token)
+    if kind == "t5":  # learned relative position bias (position_bias), encoder-decoder
+        return transformers.T5Config(vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
+                                     relative_attention_num_buckets=8, dropout_rate=0.0, decoder_start_token_id=0)
     return transformers.BertConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, max_position_embeddings=64, initializer_range=0.2,
                                    hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 
 
 _MODEL_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "gemma2": "Gemma2ForCausalLM",
-                "bert": "BertForMaskedLM"}
+                "bert": "BertForMaskedLM", "t5": "T5ForConditionalGeneration"}
 
 
 def _model(kind, implementation, device, dtype=torch.float32):
@@ -79,7 +82,7 @@ def _padded_batch(kind, device, length=14):
     mask = torch.ones(3, length, dtype=torch.long)
     pads = [(1, length // 4), (2, length // 2 + 1)]
     for row, n in pads:
-        if kind == "bert":
+        if kind in ("bert", "t5"):
             mask[row, length - n:] = 0
         else:
             mask[row, :n] = 0
@@ -98,20 +101,25 @@ def _run(model, ids, mask, labels):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma2", "bert"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma2", "bert", "t5"])
 def test_logits_loss_and_gradients(device, kind, dtype, monkeypatch):
     """DESIGN.md's rule with transformers' own attention in the same dtype as "torch". The
     atol is relative to max(max|ref|, 0.1): values here are ~0.1, not ~1, and some gradients
     are exactly zero (a key bias does not change the softmax) but carry rounding."""
     ids, mask, labels = _padded_batch(kind, device)
-    ref_logits, ref_loss, ref_grads = _run(_model(kind, REFERENCE, device, torch.float64), ids, mask, labels)
+    # transformers' eager attention is the float64 reference where no row is fully masked (T5's
+    # right padding): it adds T5's position bias, which the plain reference here does not.
+    reference = "eager" if kind == "t5" else REFERENCE
+    ref_logits, ref_loss, ref_grads = _run(_model(kind, reference, device, torch.float64), ids, mask, labels)
     same_logits, same_loss, same_grads = _run(_model(kind, _same_dtype_implementation(kind), device, dtype), ids,
                                               mask, labels)
     unpadded = []
     monkeypatch.setattr(fx, "flash_attn_varlen_func",
                         lambda *a, **k: unpadded.append(1) or flashattn_ext_varlen(*a, **k))
     logits, loss, grads = _run(_model(kind, NAME, device, dtype), ids, mask, labels)
-    assert len(unpadded) == 2  # one padded batch per layer, through the variable-length path
+    # One padded batch per layer through the variable-length path; T5's position bias takes the
+    # dense path with the padding folded into the bias.
+    assert len(unpadded) == (0 if kind == "t5" else 2)
     assert_accurate("logits", logits, ref_logits, same_logits, REL_ATOL[dtype], atol_floor=0.1)
     assert_accurate("loss", loss, ref_loss, same_loss, REL_ATOL[dtype], atol_floor=0.1)
     assert grads.keys() == ref_grads.keys() and len(grads) > 10
@@ -207,13 +215,19 @@ class _Attention(torch.nn.Module):
     is_causal = True
 
 
+class _Encoder(torch.nn.Module):
+    is_causal = False
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
 @pytest.mark.parametrize("window", [None, 3])
 @pytest.mark.parametrize("padding", ["none", "left", "gap", "full_mask"])
-def test_attention_paths_match_reference(device, padding, window, monkeypatch):
+def test_attention_paths_match_reference(device, padding, window, causal, monkeypatch):
     """Each path of the attention function (no mask; padding mask unpadded to the
     variable-length path; padding with a gap under a window, as a key-padding bias; a full
     mask) against plain attention on the same pattern, with softcap and grouped-query heads,
-    decoding 4 queries after 7 cached keys."""
+    4 queries after 7 cached keys (causal) or 4 queries on 11 keys (bidirectional, as an
+    encoder's cross-attention: every query row runs)."""
     torch.manual_seed(0)
     q = torch.randn(2, 4, 4, 16, device=device, dtype=torch.float64)
     k, v = (torch.randn(2, 2, 11, 16, device=device, dtype=torch.float64) for _ in range(2))
@@ -222,16 +236,22 @@ def test_attention_paths_match_reference(device, padding, window, monkeypatch):
         keep[1, :5] = False
     elif padding in ("gap", "full_mask"):
         keep[1, 3:6] = False
-    left = -1 if window is None else window - 1
-    visible = keep[:, None, None, :] & feature_visible(4, 11, BOTTOM_RIGHT, (left, -1), device)
+    if causal:
+        pattern = feature_visible(4, 11, BOTTOM_RIGHT, (-1 if window is None else window - 1, -1), device)
+    else:
+        pattern = feature_visible(4, 11, NONE, (-1, -1) if window is None else (window, window), device)
+    visible = keep[:, None, None, :] & pattern
     mask = {"none": None, "left": keep, "gap": keep, "full_mask": visible}[padding]
     unpadded = []
     monkeypatch.setattr(fx, "flash_attn_varlen_func",
                         lambda *a, **k: unpadded.append(1) or flashattn_ext_varlen(*a, **k))
-    out, _ = fx.attention_forward(_Attention(), q, k, v, mask, scaling=0.3, sliding_window=window, softcap=2.0)
-    assert len(unpadded) == (padding == "left" or (padding == "gap" and window is None))
+    module = _Attention() if causal else _Encoder()
+    out, _ = fx.attention_forward(module, q, k, v, mask, scaling=0.3, sliding_window=window, softcap=2.0)
+    expect_unpadded = padding in ("left", "gap") and (window is None or (causal and padding == "left"))
+    assert len(unpadded) == expect_unpadded
     ref, _ = attention_ref(q, k, v, 0.3, NONE, bias=visible, softcap=2.0)
-    rows = keep[:, -4:]  # padded query rows are not compared (the unpadded path gives them 0)
+    # Causal padded query rows are not compared (the unpadded path gives them 0).
+    rows = keep[:, -4:] if causal else torch.ones(2, 4, dtype=torch.bool, device=device)
     torch.testing.assert_close(out[rows], ref.transpose(1, 2)[rows], rtol=1e-10, atol=1e-10)
 
 
@@ -284,7 +304,10 @@ def test_names_transformers_reserves_are_refused():
     assert "flash" not in NAME
 
 
-def test_attention_mask_of_the_wrong_shape_is_refused(device):
+def test_what_the_kernels_cannot_do_is_refused(device):
     q = torch.randn(2, 4, 5, 8, device=device)
     with pytest.raises(ValueError, match="attention_mask"):
         fx.attention_forward(_Attention(), q, q, q, torch.ones(2, 7, dtype=torch.bool, device=device))
+    for sink in ("s_aux", "sinks"):
+        with pytest.raises(ValueError, match=f"attention sinks \\({sink}"):
+            fx.attention_forward(_Attention(), q, q, q, None, **{sink: torch.zeros(4, device=device)})
