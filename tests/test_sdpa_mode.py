@@ -11,6 +11,7 @@ from torch.nn.attention.bias import causal_lower_right
 import flashattn_ext
 from flashattn_ext import sdpa, sdpa_backend
 
+from flashattn_ext._measure import REL_ATOL, REL_ATOL_GRAD
 from reference import assert_accurate
 
 FP64 = {"rtol": 1e-10, "atol": 1e-10}
@@ -277,37 +278,36 @@ def test_flash_layout_refuses_what_it_cannot_do(device, argument):
 
 
 def test_activated_hook_runs_sdpa_flash_on_ours(device):
-    """On CUDA: with our implementation active, SDPA's flash backend runs our kernels (seen in
-    the profiler), with torch's own results and gradients; restoring gives torch's back."""
+    """On CUDA: with our implementation active, an unmodified module's SDPA call goes to torch's
+    flash backend, which runs our kernels (seen in the profiler: our ops and CUDA kernels, none of
+    torch's flash kernels), with the accuracy of torch's own flash kernels for the output and
+    every parameter's gradient; restoring gives torch's kernels back."""
     attention = torch.nn.attention
     if device != "cuda" or not hasattr(attention, "register_flash_attention_impl"):
         pytest.skip("the flash attention hook serves CUDA tensors on torch >= 2.11")
     if not torch.backends.cuda.is_flash_attention_available() or torch.cuda.get_device_capability() < (8, 0):
         pytest.skip("torch's flash backend is not available on this GPU")
     torch.manual_seed(0)
-    q, k, v = _leaves(device, torch.bfloat16, [(2, 8, 300, 64)] * 3)
-    dout = torch.randn_like(q)
-    ref64 = F.scaled_dot_product_attention(*(t.double() for t in (q, k, v)), is_causal=True)
-    ref64_grads = torch.autograd.grad(ref64, (q, k, v), dout.double())
+    block, x = Block(256, 4, 4).to(device), torch.randn(2, 300, 256, device=device)
+    ref_out, ref_grads = _forward_backward(block.double(), x.double(), None, True)
+    block.bfloat16()
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
-        theirs = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        their_grads = torch.autograd.grad(theirs, (q, k, v), dout)
+        torch_out, torch_grads = _forward_backward(block, x.bfloat16(), None, True)
         attention.activate_flash_attention_impl(sdpa_backend.NAME)
         try:
             assert attention.current_flash_attention_impl() == sdpa_backend.NAME
             activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
             with torch.profiler.profile(activities=activities) as prof:
-                ours = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-                our_grads = torch.autograd.grad(ours, (q, k, v), dout)
+                out, grads = _forward_backward(block, x.bfloat16(), None, True)
                 torch.cuda.synchronize()
         finally:
             attention.restore_flash_attention_impl()
-        _, fwd, _ = _ran_ours(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        _, fwd, _ = _ran_ours(lambda: _forward_backward(block, x.bfloat16(), None, True))
     names = {e.name for e in prof.events()}
     kernels = {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
     assert names & OUR_FWD and names & OUR_BWD and not fwd
     assert any("flashattn::cuda" in k for k in kernels), sorted(kernels)
     assert not any("pytorch_flash" in k for k in kernels), sorted(kernels)
-    for name, o, t, r in zip(("out", "dq", "dk", "dv"), (ours,) + our_grads, (theirs,) + their_grads,
-                             (ref64,) + ref64_grads):
-        assert_accurate(name, o, r, t, 1e-3)
+    assert_accurate("out", out, ref_out, torch_out, REL_ATOL[torch.bfloat16])
+    for (name, _), g, t, r in zip(block.named_parameters(), grads, torch_grads, ref_grads):
+        assert_accurate(name, g, r, t, REL_ATOL_GRAD[torch.bfloat16])
