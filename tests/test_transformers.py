@@ -191,6 +191,25 @@ def test_packed_sequences_and_switching_implementation(device, monkeypatch):
     torch.testing.assert_close(by_boundaries, alone, rtol=1e-5, atol=1e-5)
 
 
+def test_sdpa_models_run_ours_under_the_sdpa_mode(device):
+    """transformers' own sdpa implementation, unmodified, inside flashattn_ext.sdpa.enabled():
+    its F.scaled_dot_product_attention calls (4-D boolean masks, grouped-query heads) run
+    our kernels, with transformers' results."""
+    from flashattn_ext import sdpa
+    ids, mask, labels = _padded_batch("llama", device)
+    ref_logits, ref_loss, ref_grads = _run(_model("llama", REFERENCE, device, torch.float64), ids, mask, labels)
+    model = _model("llama", "sdpa", device)
+    same_logits, same_loss, same_grads = _run(model, ids, mask, labels)
+    with sdpa.enabled(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        logits, loss, grads = _run(model, ids, mask, labels)
+    names = {e.name for e in prof.events()}
+    assert names & {"flashattn::fwd", "flashattn::_fwd"} and names & {"flashattn::bwd", "flashattn::_bwd"}
+    assert_accurate("logits", logits, ref_logits, same_logits, REL_ATOL[torch.float32], atol_floor=0.1)
+    assert_accurate("loss", loss, ref_loss, same_loss, REL_ATOL[torch.float32], atol_floor=0.1)
+    for name, grad in grads.items():
+        assert_accurate(name, grad, ref_grads[name], same_grads[name], REL_ATOL_GRAD[torch.float32], atol_floor=0.1)
+
+
 def test_compile_fullgraph_traces(device):
     """The traced path reads no mask values: the padding mask becomes a key-padding bias (the
     full-attention layer) or transformers' full mask (the sliding-window layer). Forward and
