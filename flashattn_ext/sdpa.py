@@ -152,6 +152,7 @@ def disable():
 
 
 def is_enabled():
+    """Whether an enable() is in force (the enabled() context manager is not counted)."""
     return bool(_enabled)
 
 
