@@ -10,9 +10,9 @@
 
 #include <algorithm>
 #include <cmath>
-#include <stdexcept>
 #include <limits>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -29,6 +29,34 @@ namespace {
 
 using torch::stable::Tensor;
 using torch::headeronly::ScalarType;
+
+// Nothing in this file throws: on torch 2.11 a C++ exception thrown inside a stable-ABI kernel's
+// library kills the process (even one caught there). A check that fails returns an Error, which
+// the registered kernels hand to Python as a string ("<Python exception type>|<message>"), and
+// flashattn_ext/ops.py raises it.
+struct [[nodiscard]] Error {
+  std::string message;  // empty: no error
+  explicit operator bool() const { return !message.empty(); }
+};
+
+template <class... Args>
+Error error_of(const char* kind, const Args&... args) {
+  std::ostringstream out;
+  out << kind << "|";
+  (out << ... << args);
+  return Error{out.str()};
+}
+
+// Returns the error (a RuntimeError in Python) from the enclosing function when cond is false.
+#define FA_CHECK(cond, ...) \
+  do {                      \
+    if (!(cond)) return error_of("RuntimeError", __VA_ARGS__); \
+  } while (0)
+// Returns from the enclosing function the error of a call that failed.
+#define FA_TRY(call)             \
+  do {                           \
+    if (Error e_ = (call)) return e_; \
+  } while (0)
 
 constexpr int64_t kMaxHeadDim = 256;
 
@@ -56,86 +84,83 @@ const char* dtype_name(ScalarType t) {
   }
 }
 
-DType to_dtype(ScalarType t, const char* name) {
+Error to_dtype(ScalarType t, const char* name, DType& dtype) {
   switch (t) {
-    case ScalarType::Double: return DType::kFloat64;
-    case ScalarType::Float: return DType::kFloat32;
-    case ScalarType::BFloat16: return DType::kBFloat16;
-    case ScalarType::Half: return DType::kFloat16;
+    case ScalarType::Double: dtype = DType::kFloat64; return {};
+    case ScalarType::Float: dtype = DType::kFloat32; return {};
+    case ScalarType::BFloat16: dtype = DType::kBFloat16; return {};
+    case ScalarType::Half: dtype = DType::kFloat16; return {};
     default:
-      STD_TORCH_CHECK(false, "flashattn: argument '", name, "' has dtype ", dtype_name(t),
+      return error_of("RuntimeError", "flashattn: argument '", name, "' has dtype ", dtype_name(t),
                       "; supported dtypes are float64, float32, bfloat16 and float16");
   }
-  return DType::kFloat32;
 }
 
 // lse is kept in fp64 for fp64 inputs and in fp32 otherwise.
 ScalarType lse_type(ScalarType t) { return t == ScalarType::Double ? ScalarType::Double : ScalarType::Float; }
 
-void check_attn_tensor(const Tensor& t, const char* name) {
-  STD_TORCH_CHECK(t.dim() == 4, "flashattn: argument '", name,
+Error check_attn_tensor(const Tensor& t, const char* name) {
+  FA_CHECK(t.dim() == 4, "flashattn: argument '", name,
                   "' must have 4 dimensions (batch, heads, seq_len, head_dim), got shape ", shape_str(t));
-  STD_TORCH_CHECK(t.is_cpu() || t.is_cuda(), "flashattn: argument '", name,
+  FA_CHECK(t.is_cpu() || t.is_cuda(), "flashattn: argument '", name,
                   "' must be on a CPU or CUDA device");
-  STD_TORCH_CHECK(t.size(3) <= 1 || t.numel() == 0 || t.stride(3) == 1, "flashattn: argument '", name,
+  FA_CHECK(t.size(3) <= 1 || t.numel() == 0 || t.stride(3) == 1, "flashattn: argument '", name,
                   "' must have a contiguous last dimension (stride 1), got stride ", t.stride(3),
                   " for shape ", shape_str(t), "; call .contiguous() on it first");
-  to_dtype(t.scalar_type(), name);
+  DType dtype;
+  return to_dtype(t.scalar_type(), name, dtype);
 }
 
 std::string device_str(const Tensor& t) {
   return t.is_cuda() ? "cuda:" + std::to_string(t.get_device_index()) : std::string("cpu");
 }
 
-void check_same_device_dtype(const Tensor& ref, const char* ref_name, const Tensor& t, const char* name) {
-  STD_TORCH_CHECK(t.scalar_type() == ref.scalar_type(), "flashattn: argument '", name, "' has dtype ",
+Error check_same_device_dtype(const Tensor& ref, const char* ref_name, const Tensor& t, const char* name) {
+  FA_CHECK(t.scalar_type() == ref.scalar_type(), "flashattn: argument '", name, "' has dtype ",
                   dtype_name(t.scalar_type()), " but '", ref_name, "' has dtype ",
                   dtype_name(ref.scalar_type()), "; they must match");
-  STD_TORCH_CHECK(t.is_cuda() == ref.is_cuda() && t.get_device_index() == ref.get_device_index(),
+  FA_CHECK(t.is_cuda() == ref.is_cuda() && t.get_device_index() == ref.get_device_index(),
                   "flashattn: argument '", name, "' is on device ", device_str(t), " but '", ref_name, "' is on ",
                   device_str(ref), "; they must be on the same device");
+  return {};
 }
 
-void check_size(const Tensor& t, const char* name, int64_t dim, int64_t expected, const char* what) {
-  STD_TORCH_CHECK(t.size(dim) == expected, "flashattn: argument '", name, "' has ", what, " ",
-                  t.size(dim), " (shape ", shape_str(t), ") but ", expected, " was expected");
+Error check_size(const Tensor& t, const char* name, int64_t dim, int64_t expected, const char* what) {
+  FA_CHECK(t.size(dim) == expected, "flashattn: argument '", name, "' has ", what, " ",
+           t.size(dim), " (shape ", shape_str(t), ") but ", expected, " was expected");
+  return {};
 }
 
 struct Dims {
   int64_t batch, heads_q, heads_kv, len_q, len_k, head_dim, head_dim_v;
 };
 
-Dims check_qkv(const Tensor& q, const Tensor& k, const Tensor& v, int64_t causal) {
-  check_attn_tensor(q, "q");
-  check_attn_tensor(k, "k");
-  check_attn_tensor(v, "v");
-  check_same_device_dtype(q, "q", k, "k");
-  check_same_device_dtype(q, "q", v, "v");
-  Dims d{q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3), v.size(3)};
-  check_size(k, "k", 0, d.batch, "batch size");
-  check_size(v, "v", 0, d.batch, "batch size");
-  check_size(v, "v", 1, d.heads_kv, "number of heads (must equal k's)");
-  check_size(v, "v", 2, d.len_k, "sequence length (must equal k's)");
-  check_size(k, "k", 3, d.head_dim, "head_dim (must equal q's)");
-  STD_TORCH_CHECK(d.head_dim >= 1 && d.head_dim <= kMaxHeadDim,
+Error check_qkv(const Tensor& q, const Tensor& k, const Tensor& v, int64_t causal, Dims& d) {
+  FA_TRY(check_attn_tensor(q, "q"));
+  FA_TRY(check_attn_tensor(k, "k"));
+  FA_TRY(check_attn_tensor(v, "v"));
+  FA_TRY(check_same_device_dtype(q, "q", k, "k"));
+  FA_TRY(check_same_device_dtype(q, "q", v, "v"));
+  d = Dims{q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3), v.size(3)};
+  FA_TRY(check_size(k, "k", 0, d.batch, "batch size"));
+  FA_TRY(check_size(v, "v", 0, d.batch, "batch size"));
+  FA_TRY(check_size(v, "v", 1, d.heads_kv, "number of heads (must equal k's)"));
+  FA_TRY(check_size(v, "v", 2, d.len_k, "sequence length (must equal k's)"));
+  FA_TRY(check_size(k, "k", 3, d.head_dim, "head_dim (must equal q's)"));
+  FA_CHECK(d.head_dim >= 1 && d.head_dim <= kMaxHeadDim,
                   "flashattn: head_dim of q and k must be between 1 and ", kMaxHeadDim, ", got ", d.head_dim);
-  STD_TORCH_CHECK(d.head_dim_v >= 1 && d.head_dim_v <= kMaxHeadDim,
+  FA_CHECK(d.head_dim_v >= 1 && d.head_dim_v <= kMaxHeadDim,
                   "flashattn: head_dim of v must be between 1 and ", kMaxHeadDim, ", got ", d.head_dim_v);
-  STD_TORCH_CHECK((d.heads_kv == 0 && d.heads_q == 0) || (d.heads_kv > 0 && d.heads_q % d.heads_kv == 0),
+  FA_CHECK((d.heads_kv == 0 && d.heads_q == 0) || (d.heads_kv > 0 && d.heads_q % d.heads_kv == 0),
                   "flashattn: the number of query heads (", d.heads_q,
                   ") must be a multiple of the number of key/value heads (", d.heads_kv, ")");
-  STD_TORCH_CHECK(causal == kCausalNone || causal == kCausalTopLeft || causal == kCausalBottomRight,
+  FA_CHECK(causal == kCausalNone || causal == kCausalTopLeft || causal == kCausalBottomRight,
                   "flashattn: argument 'causal' must be 0 (none), 1 (top-left) or 2 (bottom-right), got ",
                   causal);
-  return d;
+  return {};
 }
 
 Strides strides_of(const Tensor& t) { return Strides{t.stride(0), t.stride(1), t.stride(2)}; }
-
-// A failed allocation: reported to Python as torch.OutOfMemoryError (see guarded()).
-struct OutOfMemory : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
 
 std::string shape_str(const std::vector<int64_t>& shape) {
   std::string s = "[";
@@ -143,32 +168,40 @@ std::string shape_str(const std::vector<int64_t>& shape) {
   return s + "]";
 }
 
-// torch::stable::empty, with a failure (the only cause once the arguments are checked: no memory
-// left on the device) raised as OutOfMemory naming what was being allocated.
-Tensor allocate(const std::vector<int64_t>& shape, ScalarType dtype, const Tensor& like, const char* what) {
-  try {
-    return torch::stable::empty(shape, dtype, std::nullopt, like.device());
-  } catch (const std::exception&) {
-    throw OutOfMemory(std::string("flashattn: out of memory allocating ") + what + " of shape " + shape_str(shape) +
-                      " on " + (like.is_cuda() ? "cuda:" + std::to_string(like.get_device_index()) : "cpu"));
+// torch::stable::empty on like's device, its failure (the only cause once the arguments are
+// checked: no memory left) returned as an OutOfMemoryError naming what was being allocated.
+Error allocate(const std::vector<int64_t>& shape, ScalarType dtype, const Tensor& like, const char* what, Tensor& t) {
+  std::array<StableIValue, 6> stack{
+      torch::stable::detail::from(torch::headeronly::IntHeaderOnlyArrayRef(shape)),
+      torch::stable::detail::from(std::optional<ScalarType>(dtype)),
+      torch::stable::detail::from(std::nullopt),
+      torch::stable::detail::from(std::optional<torch::stable::Device>(like.device())),
+      torch::stable::detail::from(std::nullopt),
+      torch::stable::detail::from(std::nullopt)};
+  if (torch_call_dispatcher("aten::empty", "memory_format", stack.data(), TORCH_ABI_VERSION) != AOTI_TORCH_SUCCESS) {
+    return error_of("OutOfMemoryError", "flashattn: out of memory allocating ", what, " of shape ", shape_str(shape),
+                    " on ", device_str(like));
   }
+  t = torch::stable::detail::to<Tensor>(stack[0]);
+  return {};
 }
 
 // New (batch, heads, len, dim) tensor laid out in memory like `like`: (batch, len, heads, dim)
 // order when `like` keeps heads inside rows (a transposed flash-attn view), else contiguous.
 // The fake kernels in flashattn_ext/ops.py follow the same rule.
-Tensor empty_like_layout(const Tensor& like, int64_t heads, int64_t len, int64_t dim, ScalarType dtype,
-                         const char* what) {
+Error empty_like_layout(const Tensor& like, int64_t heads, int64_t len, int64_t dim, ScalarType dtype,
+                        const char* what, Tensor& t) {
   bool heads_inner = like.size(1) > 1 && like.size(2) > 1 && like.stride(1) < like.stride(2);
   std::vector<int64_t> shape = heads_inner ? std::vector<int64_t>{like.size(0), len, heads, dim}
                                            : std::vector<int64_t>{like.size(0), heads, len, dim};
-  Tensor t = allocate(shape, dtype, like, what);
-  return heads_inner ? torch::stable::transpose(t, 1, 2) : t;
+  FA_TRY(allocate(shape, dtype, like, what, t));
+  if (heads_inner) t = torch::stable::transpose(t, 1, 2);
+  return {};
 }
 
-void fill_common(FwdParams& p, const Tensor& q, const Tensor& k, const Tensor& v, const Dims& d, double scale,
-                 int64_t causal) {
-  p.dtype = to_dtype(q.scalar_type(), "q");
+Error fill_common(FwdParams& p, const Tensor& q, const Tensor& k, const Tensor& v, const Dims& d, double scale,
+                  int64_t causal) {
+  FA_TRY(to_dtype(q.scalar_type(), "q", p.dtype));
   p.q = q.const_data_ptr();
   p.k = k.const_data_ptr();
   p.v = v.const_data_ptr();
@@ -186,11 +219,12 @@ void fill_common(FwdParams& p, const Tensor& q, const Tensor& k, const Tensor& v
   // else fp32): a scale that overflows there would turn every score into +-inf or NaN.
   const double max_scale = (p.dtype == DType::kFloat64 ? std::numeric_limits<double>::max()
                                                        : double(std::numeric_limits<float>::max())) / 1.4426950408889634;
-  STD_TORCH_CHECK(std::isfinite(scale) && std::fabs(scale) <= max_scale, "flashattn: argument 'scale' must be finite "
+  FA_CHECK(std::isfinite(scale) && std::fabs(scale) <= max_scale, "flashattn: argument 'scale' must be finite "
                   "with |scale| <= ", max_scale, " (scale * log2(e) must fit in the accumulation type), got ", scale);
   p.scale = scale;
   p.causal = causal != kCausalNone;
   p.causal_offset = causal == kCausalBottomRight ? d.len_k - d.len_q : 0;
+  return {};
 }
 
 // The optional features of one call, as the ops receive them (flashattn_ext/ops.py passes
@@ -217,41 +251,42 @@ bool same_device(const Tensor& a, const Tensor& b) {
 // and that max_seqlen covers its longest sequence. A CUDA one is not read here (no copy to the
 // host, so the op can be captured in a CUDA graph): the Python layer checks its values outside
 // capture, and the kernels clamp every offset into the tensors (common/sequence.h).
-void check_cu_seqlens(const Tensor& cu, const char* name, const Tensor& q, int64_t batch_plus_one, int64_t total,
-                         int64_t max_seqlen, const char* max_name) {
-  STD_TORCH_CHECK(cu.scalar_type() == ScalarType::Int, "flashattn: argument '", name, "' must have dtype int32, got ",
+Error check_cu_seqlens(const Tensor& cu, const char* name, const Tensor& q, int64_t batch_plus_one, int64_t total,
+                       int64_t max_seqlen, const char* max_name) {
+  FA_CHECK(cu.scalar_type() == ScalarType::Int, "flashattn: argument '", name, "' must have dtype int32, got ",
                   dtype_name(cu.scalar_type()));
-  STD_TORCH_CHECK(cu.dim() == 1 && cu.size(0) >= 1 && cu.is_contiguous(), "flashattn: argument '", name,
+  FA_CHECK(cu.dim() == 1 && cu.size(0) >= 1 && cu.is_contiguous(), "flashattn: argument '", name,
                   "' must be a contiguous 1-D tensor of batch + 1 >= 1 offsets, got shape ", shape_str(cu));
-  STD_TORCH_CHECK(cu.size(0) == batch_plus_one, "flashattn: arguments 'cu_seqlens_q' and 'cu_seqlens_k' must have "
+  FA_CHECK(cu.size(0) == batch_plus_one, "flashattn: arguments 'cu_seqlens_q' and 'cu_seqlens_k' must have "
                   "the same length (batch + 1), got ", batch_plus_one, " and ", cu.size(0));
-  STD_TORCH_CHECK(same_device(cu, q), "flashattn: argument '", name, "' is on device ", device_str(cu),
+  FA_CHECK(same_device(cu, q), "flashattn: argument '", name, "' is on device ", device_str(cu),
                   " but 'q' is on ", device_str(q), "; they must be on the same device");
-  if (!cu.is_cpu()) return;
+  if (!cu.is_cpu()) return {};
   const int32_t* c = static_cast<const int32_t*>(cu.const_data_ptr());
-  STD_TORCH_CHECK(c[0] == 0, "flashattn: argument '", name, "' must start at 0, got ", c[0]);
+  FA_CHECK(c[0] == 0, "flashattn: argument '", name, "' must start at 0, got ", c[0]);
   int64_t longest = 0;
   for (int64_t i = 0; i + 1 < cu.size(0); ++i) {
-    STD_TORCH_CHECK(c[i + 1] >= c[i], "flashattn: argument '", name, "' must be non-decreasing, got ", c[i],
+    FA_CHECK(c[i + 1] >= c[i], "flashattn: argument '", name, "' must be non-decreasing, got ", c[i],
                     " then ", c[i + 1], " at index ", i + 1);
     longest = std::max<int64_t>(longest, c[i + 1] - c[i]);
   }
-  STD_TORCH_CHECK(c[cu.size(0) - 1] == total, "flashattn: argument '", name, "' must end at the total number of rows ",
+  FA_CHECK(c[cu.size(0) - 1] == total, "flashattn: argument '", name, "' must end at the total number of rows ",
                   total, ", got ", c[cu.size(0) - 1]);
-  STD_TORCH_CHECK(max_seqlen >= longest, "flashattn: argument '", max_name, "' (", max_seqlen,
+  FA_CHECK(max_seqlen >= longest, "flashattn: argument '", max_name, "' (", max_seqlen,
                   ") is smaller than the longest sequence in '", name, "' (", longest, ")");
+  return {};
 }
 
 // Checks the features against q's shape and device and fills them into p. A variable-length
 // batch turns p's batch into the number of sequences and its lengths into the longest ones.
-void check_and_fill_features(FwdParams& p, const Features& f, const Tensor& q, const Dims& d,
-                             int64_t causal) {
-  STD_TORCH_CHECK(f.window_left >= -1 && f.window_right >= -1, "flashattn: argument 'window_size' must be (left, "
+Error check_and_fill_features(FwdParams& p, const Features& f, const Tensor& q, const Dims& d,
+                              int64_t causal) {
+  FA_CHECK(f.window_left >= -1 && f.window_right >= -1, "flashattn: argument 'window_size' must be (left, "
                   "right) with each >= 0, or -1 for unbounded, got (", f.window_left, ", ", f.window_right, ")");
-  STD_TORCH_CHECK(f.softcap >= 0.0, "flashattn: argument 'softcap' must be >= 0 (0 = off), got ", f.softcap);
-  STD_TORCH_CHECK(f.max_seqlen_q >= 0 && f.max_seqlen_k >= 0, "flashattn: arguments 'max_seqlen_q' and 'max_seqlen_k' "
+  FA_CHECK(f.softcap >= 0.0, "flashattn: argument 'softcap' must be >= 0 (0 = off), got ", f.softcap);
+  FA_CHECK(f.max_seqlen_q >= 0 && f.max_seqlen_k >= 0, "flashattn: arguments 'max_seqlen_q' and 'max_seqlen_k' "
                   "must be >= 0, got ", f.max_seqlen_q, " and ", f.max_seqlen_k);
-  STD_TORCH_CHECK(f.dropout_p >= 0.0 && f.dropout_p < 1.0, "flashattn: argument 'dropout_p' must be in [0, 1), got ",
+  FA_CHECK(f.dropout_p >= 0.0 && f.dropout_p < 1.0, "flashattn: argument 'dropout_p' must be in [0, 1), got ",
                   f.dropout_p);
   // A window reaching past every row and key (wider than len_q + len_k) is unbounded: -1 keeps the
   // band arithmetic (positions +- window) far from int64 overflow.
@@ -264,15 +299,15 @@ void check_and_fill_features(FwdParams& p, const Features& f, const Tensor& q, c
   p.dropout_p = f.dropout_p;
 
   if (f.varlen()) {
-    STD_TORCH_CHECK(f.cu_seqlens_q.has_value() && f.cu_seqlens_k.has_value(),
+    FA_CHECK(f.cu_seqlens_q.has_value() && f.cu_seqlens_k.has_value(),
                     "flashattn: 'cu_seqlens_q' and 'cu_seqlens_k' must be given together");
-    STD_TORCH_CHECK(d.batch == 1, "flashattn: with cu_seqlens, q, k and v must be (1, heads, total, head_dim) views "
+    FA_CHECK(d.batch == 1, "flashattn: with cu_seqlens, q, k and v must be (1, heads, total, head_dim) views "
                     "of packed (total, heads, head_dim) tensors, got batch size ", d.batch);
-    STD_TORCH_CHECK(!f.attn_bias.has_value(), "flashattn: the combination attn_bias + cu_seqlens (variable-length "
+    FA_CHECK(!f.attn_bias.has_value(), "flashattn: the combination attn_bias + cu_seqlens (variable-length "
                     "batches) is not supported; give a padded batch to use a mask");
     const int64_t n = f.cu_seqlens_q->dim() == 1 ? f.cu_seqlens_q->size(0) : 0;
-    check_cu_seqlens(*f.cu_seqlens_q, "cu_seqlens_q", q, n, d.len_q, f.max_seqlen_q, "max_seqlen_q");
-    check_cu_seqlens(*f.cu_seqlens_k, "cu_seqlens_k", q, n, d.len_k, f.max_seqlen_k, "max_seqlen_k");
+    FA_TRY(check_cu_seqlens(*f.cu_seqlens_q, "cu_seqlens_q", q, n, d.len_q, f.max_seqlen_q, "max_seqlen_q"));
+    FA_TRY(check_cu_seqlens(*f.cu_seqlens_k, "cu_seqlens_k", q, n, d.len_k, f.max_seqlen_k, "max_seqlen_k"));
     p.cu_seqlens_q = static_cast<const int32_t*>(f.cu_seqlens_q->const_data_ptr());
     p.cu_seqlens_k = static_cast<const int32_t*>(f.cu_seqlens_k->const_data_ptr());
     p.batch = n - 1;
@@ -288,13 +323,13 @@ void check_and_fill_features(FwdParams& p, const Features& f, const Tensor& q, c
     const Tensor& a = *f.alibi_slopes;
     const bool shape_ok = (a.dim() == 1 && a.size(0) == d.heads_q) ||
                           (a.dim() == 2 && a.size(0) == p.batch && a.size(1) == d.heads_q);
-    STD_TORCH_CHECK(shape_ok, "flashattn: argument 'alibi_slopes' must have shape [", d.heads_q, "] (heads) or [",
+    FA_CHECK(shape_ok, "flashattn: argument 'alibi_slopes' must have shape [", d.heads_q, "] (heads) or [",
                     p.batch, ", ", d.heads_q, "] (batch, heads), got ", shape_str(a));
-    STD_TORCH_CHECK(a.scalar_type() == ScalarType::Float, "flashattn: argument 'alibi_slopes' must have dtype "
+    FA_CHECK(a.scalar_type() == ScalarType::Float, "flashattn: argument 'alibi_slopes' must have dtype "
                     "float32, got ", dtype_name(a.scalar_type()));
-    STD_TORCH_CHECK(a.numel() == 0 || a.stride(a.dim() - 1) == 1, "flashattn: argument 'alibi_slopes' must have a "
+    FA_CHECK(a.numel() == 0 || a.stride(a.dim() - 1) == 1, "flashattn: argument 'alibi_slopes' must have a "
                     "contiguous last dimension (stride 1)");
-    STD_TORCH_CHECK(same_device(a, q), "flashattn: argument 'alibi_slopes' is on device ", device_str(a),
+    FA_CHECK(same_device(a, q), "flashattn: argument 'alibi_slopes' is on device ", device_str(a),
                     " but 'q' is on ", device_str(q), "; they must be on the same device");
     p.alibi_slopes = static_cast<const float*>(a.const_data_ptr());
     p.alibi_batch_stride = a.dim() == 2 ? a.stride(0) : 0;
@@ -305,26 +340,26 @@ void check_and_fill_features(FwdParams& p, const Features& f, const Tensor& q, c
     const int64_t full[4] = {d.batch, d.heads_q, d.len_q, d.len_k};
     bool shape_ok = m.dim() == 4;
     for (int64_t i = 0; shape_ok && i < 4; ++i) shape_ok = m.size(i) == full[i] || m.size(i) == 1;
-    STD_TORCH_CHECK(shape_ok, "flashattn: argument 'attn_bias' must have shape [", d.batch, ", ", d.heads_q, ", ",
+    FA_CHECK(shape_ok, "flashattn: argument 'attn_bias' must have shape [", d.batch, ", ", d.heads_q, ", ",
                     d.len_q, ", ", d.len_k, "] (batch, heads, len_q, len_k), each dimension possibly 1 "
                     "(broadcast), got ", shape_str(m));
     const ScalarType t = m.scalar_type();
-    STD_TORCH_CHECK(t == ScalarType::Bool || t == q.scalar_type() || t == ScalarType::Float,
+    FA_CHECK(t == ScalarType::Bool || t == q.scalar_type() || t == ScalarType::Float,
                     "flashattn: argument 'attn_bias' has dtype ", dtype_name(t), "; it must be bool (True = take "
                     "part), or float in the query's dtype (", dtype_name(q.scalar_type()), ") or float32");
-    STD_TORCH_CHECK(same_device(m, q), "flashattn: argument 'attn_bias' is on device ", device_str(m),
+    FA_CHECK(same_device(m, q), "flashattn: argument 'attn_bias' is on device ", device_str(m),
                     " but 'q' is on ", device_str(q), "; they must be on the same device");
     p.bias_kind = t == ScalarType::Bool ? BiasKind::kBool : BiasKind::kFloat;
-    if (t != ScalarType::Bool) p.bias_dtype = to_dtype(t, "attn_bias");
+    if (t != ScalarType::Bool) FA_TRY(to_dtype(t, "attn_bias", p.bias_dtype));
     p.bias = m.const_data_ptr();
     for (int64_t i = 0; i < 4; ++i) p.bias_stride[i] = m.size(i) == 1 ? 0 : m.stride(i);
   }
 
   if (f.dropout_p > 0.0) {
-    STD_TORCH_CHECK(f.rng_state.has_value(), "flashattn: dropout_p > 0 needs argument 'rng_state' (int64 [seed, "
+    FA_CHECK(f.rng_state.has_value(), "flashattn: dropout_p > 0 needs argument 'rng_state' (int64 [seed, "
                     "offset], on the CPU or on q's device)");
     const Tensor& r = *f.rng_state;
-    STD_TORCH_CHECK((r.is_cpu() || same_device(r, q)) && r.scalar_type() == ScalarType::Long && r.dim() == 1 &&
+    FA_CHECK((r.is_cpu() || same_device(r, q)) && r.scalar_type() == ScalarType::Long && r.dim() == 1 &&
                         r.size(0) == 2 && r.is_contiguous(),
                     "flashattn: argument 'rng_state' must be a contiguous int64 tensor [seed, offset] on the CPU or on "
                     "q's device, got shape ", shape_str(r), " and dtype ", dtype_name(r.scalar_type()), " on ",
@@ -337,116 +372,127 @@ void check_and_fill_features(FwdParams& p, const Features& f, const Tensor& q, c
       p.dropout_state = st;
     }
   }
+  return {};
 }
 
 #ifdef FLASHATTN_WITH_CUDA
-void* current_cuda_stream(const Tensor& t) {
-  void* stream = nullptr;
-  STD_TORCH_CHECK(aoti_torch_get_current_cuda_stream(t.get_device_index(), &stream) == AOTI_TORCH_SUCCESS,
-                  "flashattn: could not get the current CUDA stream of device ", t.get_device_index());
-  return stream;
+Error current_cuda_stream(const Tensor& t, void*& stream) {
+  FA_CHECK(aoti_torch_get_current_cuda_stream(t.get_device_index(), &stream) == AOTI_TORCH_SUCCESS,
+           "flashattn: could not get the current CUDA stream of device ", t.get_device_index());
+  return {};
 }
+#endif
+
+// The backend of q's device runs p, with the workspace it asks for allocated here.
+template <class Params, class CpuBytes, class RunCpu, class CudaBytes, class RunCuda>
+Error run_backend(Params& p, const Tensor& q, CpuBytes cpu_bytes, RunCpu run_cpu, CudaBytes cuda_bytes,
+                  RunCuda run_cuda) {
+  Tensor ws;  // held until the kernels are queued: the allocator's stream order covers them
+  const auto take_workspace = [&](size_t bytes) -> Error {
+    p.workspace_bytes = bytes;
+    if (bytes == 0) return {};
+    FA_TRY(allocate({static_cast<int64_t>(bytes)}, ScalarType::Byte, q, "the workspace", ws));
+    p.workspace = ws.mutable_data_ptr();
+    return {};
+  };
+  if (q.is_cpu()) {
+    FA_TRY(take_workspace(cpu_bytes(p)));
+    run_cpu(p);
+    return {};
+  }
+#ifdef FLASHATTN_WITH_CUDA
+  torch::stable::accelerator::DeviceGuard guard(q.get_device_index());
+  FA_TRY(take_workspace(cuda_bytes(p)));
+  void* stream = nullptr;
+  FA_TRY(current_cuda_stream(q, stream));
+  run_cuda(p, stream);
+  return {};
+#else
+  (void)cuda_bytes;
+  (void)run_cuda;
+  return error_of("RuntimeError", "flashattn: this build of flashattn_ext has no CUDA kernels; reinstall it with nvcc "
+                  "and a CUDA build of torch present");
+#endif
+}
+
+#ifdef FLASHATTN_WITH_CUDA
+#define FLASHATTN_CUDA_FWD cuda::fwd_workspace_bytes, cuda::run_fwd
+#define FLASHATTN_CUDA_BWD cuda::bwd_workspace_bytes, cuda::run_bwd
+#else
+#define FLASHATTN_CUDA_FWD [](const FwdParams&) { return size_t(0); }, [](const FwdParams&, void*) {}
+#define FLASHATTN_CUDA_BWD [](const BwdParams&) { return size_t(0); }, [](const BwdParams&, void*) {}
 #endif
 
 // `deterministic` is kept for the backward (autograd passes it on); the forward has no
 // order-dependent reductions.
-std::tuple<Tensor, Tensor> fwd(Tensor q, Tensor k, Tensor v, double scale, int64_t causal, bool deterministic,
-                               std::optional<Tensor> attn_bias, int64_t window_left, int64_t window_right,
-                               std::optional<Tensor> alibi_slopes, double softcap, double dropout_p,
-                               std::optional<Tensor> rng_state, std::optional<Tensor> cu_seqlens_q,
-                               std::optional<Tensor> cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k) {
-  (void)deterministic;
-  const Features f{attn_bias, window_left, window_right, alibi_slopes, softcap, dropout_p, rng_state,
-                   cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k};
-  const Dims d = check_qkv(q, k, v, causal);
+Error fwd(Tensor q, Tensor k, Tensor v, double scale, int64_t causal, const Features& f, Tensor& out, Tensor& lse) {
+  Dims d;
+  FA_TRY(check_qkv(q, k, v, causal, d));
   FwdParams p;
-  fill_common(p, q, k, v, d, scale, causal);
-  check_and_fill_features(p, f, q, d, causal);
-  Tensor out = empty_like_layout(q, d.heads_q, d.len_q, d.head_dim_v, q.scalar_type(), "out");
-  Tensor lse = allocate({d.batch, d.heads_q, d.len_q}, lse_type(q.scalar_type()), q, "lse");
-  if (out.numel() == 0) return {out, lse};
+  FA_TRY(fill_common(p, q, k, v, d, scale, causal));
+  FA_TRY(check_and_fill_features(p, f, q, d, causal));
+  FA_TRY(empty_like_layout(q, d.heads_q, d.len_q, d.head_dim_v, q.scalar_type(), "out", out));
+  FA_TRY(allocate({d.batch, d.heads_q, d.len_q}, lse_type(q.scalar_type()), q, "lse", lse));
+  if (out.numel() == 0) return {};
   if (d.len_k == 0) {  // every row is fully masked
     torch::stable::zero_(out);
     torch::stable::fill_(lse, -std::numeric_limits<double>::infinity());
-    return {out, lse};
+    return {};
   }
   p.out = out.mutable_data_ptr();
   p.out_stride = strides_of(out);
   p.lse = lse.mutable_data_ptr();
-  if (q.is_cpu()) {
-    cpu::run_fwd(p);
-  } else {
-#ifdef FLASHATTN_WITH_CUDA
-    torch::stable::accelerator::DeviceGuard guard(q.get_device_index());
-    p.workspace_bytes = cuda::fwd_workspace_bytes(p);
-    Tensor ws;  // (held until the kernels are queued: the allocator's stream order covers them)
-    if (p.workspace_bytes > 0) {
-      ws = allocate({static_cast<int64_t>(p.workspace_bytes)}, ScalarType::Byte, q, "the workspace");
-      p.workspace = ws.mutable_data_ptr();
-    }
-    cuda::run_fwd(p, current_cuda_stream(q));
-#else
-    STD_TORCH_CHECK(false, "flashattn: this build of flashattn_ext has no CUDA kernels; reinstall it with "
-                           "nvcc and a CUDA build of torch present");
-#endif
-  }
-  return {out, lse};
+  return run_backend(p, q, [](const FwdParams&) { return size_t(0); }, cpu::run_fwd, FLASHATTN_CUDA_FWD);
 }
 
-// Returns dq, dk, dv and the gradient of a float attn_bias: (batch, heads_q, len_q, len_k) in
-// lse's dtype when bias_requires_grad (the caller sums it over the bias's broadcast
-// dimensions), else an empty tensor.
-std::tuple<Tensor, Tensor, Tensor, Tensor> bwd(
-    Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, std::optional<Tensor> dlse, double scale,
-    int64_t causal, bool deterministic, std::optional<Tensor> attn_bias, int64_t window_left, int64_t window_right,
-    std::optional<Tensor> alibi_slopes, double softcap, double dropout_p, std::optional<Tensor> rng_state,
-    std::optional<Tensor> cu_seqlens_q, std::optional<Tensor> cu_seqlens_k, int64_t max_seqlen_q,
-    int64_t max_seqlen_k, bool bias_requires_grad) {
-  const Features f{attn_bias, window_left, window_right, alibi_slopes, softcap, dropout_p, rng_state,
-                   cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k};
-  const Dims d = check_qkv(q, k, v, causal);
+// dq, dk, dv and the gradient of a float attn_bias: (batch, heads_q, len_q, len_k) in lse's
+// dtype when bias_requires_grad (the caller sums it over the bias's broadcast dimensions), else
+// an empty tensor.
+Error bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, std::optional<Tensor> dlse, double scale,
+          int64_t causal, bool deterministic, const Features& f, bool bias_requires_grad, Tensor& dq, Tensor& dk,
+          Tensor& dv, Tensor& dbias) {
+  Dims d;
+  FA_TRY(check_qkv(q, k, v, causal, d));
   BwdParams p;
-  fill_common(p, q, k, v, d, scale, causal);
-  check_and_fill_features(p, f, q, d, causal);
-  STD_TORCH_CHECK(!bias_requires_grad || p.bias_kind == BiasKind::kFloat, "flashattn: bias_requires_grad needs a "
-                  "float 'attn_bias'");
-  check_attn_tensor(dout, "dout");
-  check_attn_tensor(out, "out");
-  check_same_device_dtype(q, "q", dout, "dout");
-  check_same_device_dtype(q, "q", out, "out");
+  FA_TRY(fill_common(p, q, k, v, d, scale, causal));
+  FA_TRY(check_and_fill_features(p, f, q, d, causal));
+  FA_CHECK(!bias_requires_grad || p.bias_kind == BiasKind::kFloat, "flashattn: bias_requires_grad needs a "
+           "float 'attn_bias'");
+  FA_TRY(check_attn_tensor(dout, "dout"));
+  FA_TRY(check_attn_tensor(out, "out"));
+  FA_TRY(check_same_device_dtype(q, "q", dout, "dout"));
+  FA_TRY(check_same_device_dtype(q, "q", out, "out"));
   const int64_t out_shape[4] = {d.batch, d.heads_q, d.len_q, d.head_dim_v};
   for (int64_t i = 0; i < 4; ++i) {
-    check_size(out, "out", i, out_shape[i], "dimension size");
-    check_size(dout, "dout", i, out_shape[i], "dimension size");
+    FA_TRY(check_size(out, "out", i, out_shape[i], "dimension size"));
+    FA_TRY(check_size(dout, "dout", i, out_shape[i], "dimension size"));
   }
-  STD_TORCH_CHECK(lse.dim() == 3 && lse.size(0) == d.batch && lse.size(1) == d.heads_q && lse.size(2) == d.len_q,
-                  "flashattn: argument 'lse' must have shape [", d.batch, ", ", d.heads_q, ", ", d.len_q,
-                  "], got ", shape_str(lse));
-  STD_TORCH_CHECK(lse.scalar_type() == lse_type(q.scalar_type()), "flashattn: argument 'lse' must have dtype ",
-                  dtype_name(lse_type(q.scalar_type())), ", got ", dtype_name(lse.scalar_type()));
-  STD_TORCH_CHECK(lse.is_contiguous(), "flashattn: argument 'lse' must be contiguous");
-  STD_TORCH_CHECK(lse.is_cuda() == q.is_cuda() && lse.get_device_index() == q.get_device_index(),
-                  "flashattn: argument 'lse' must be on the same device as 'q'");
+  FA_CHECK(lse.dim() == 3 && lse.size(0) == d.batch && lse.size(1) == d.heads_q && lse.size(2) == d.len_q,
+           "flashattn: argument 'lse' must have shape [", d.batch, ", ", d.heads_q, ", ", d.len_q, "], got ",
+           shape_str(lse));
+  FA_CHECK(lse.scalar_type() == lse_type(q.scalar_type()), "flashattn: argument 'lse' must have dtype ",
+           dtype_name(lse_type(q.scalar_type())), ", got ", dtype_name(lse.scalar_type()));
+  FA_CHECK(lse.is_contiguous(), "flashattn: argument 'lse' must be contiguous");
+  FA_CHECK(same_device(lse, q), "flashattn: argument 'lse' must be on the same device as 'q'");
   if (dlse.has_value()) {
     const Tensor& g = *dlse;
-    STD_TORCH_CHECK(g.dim() == 3 && g.size(0) == d.batch && g.size(1) == d.heads_q && g.size(2) == d.len_q &&
-                        g.scalar_type() == lse.scalar_type() && g.is_contiguous() && g.is_cuda() == q.is_cuda() &&
-                        g.get_device_index() == q.get_device_index(),
-                    "flashattn: argument 'dlse' must be a contiguous tensor shaped, typed and placed like 'lse' ",
-                    shape_str(lse), ", got shape ", shape_str(g), " and dtype ", dtype_name(g.scalar_type()));
+    FA_CHECK(g.dim() == 3 && g.size(0) == d.batch && g.size(1) == d.heads_q && g.size(2) == d.len_q &&
+                 g.scalar_type() == lse.scalar_type() && g.is_contiguous() && same_device(g, q),
+             "flashattn: argument 'dlse' must be a contiguous tensor shaped, typed and placed like 'lse' ",
+             shape_str(lse), ", got shape ", shape_str(g), " and dtype ", dtype_name(g.scalar_type()));
   }
 
-  Tensor dq = empty_like_layout(q, d.heads_q, d.len_q, d.head_dim, q.scalar_type(), "dq");
-  Tensor dk = empty_like_layout(k, d.heads_kv, d.len_k, d.head_dim, q.scalar_type(), "dk");
-  Tensor dv = empty_like_layout(v, d.heads_kv, d.len_k, d.head_dim_v, q.scalar_type(), "dv");
-  Tensor dbias = allocate({bias_requires_grad ? d.batch : 0, d.heads_q, d.len_q, d.len_k}, lse_type(q.scalar_type()),
-                          q, "the attn_bias gradient");
+  FA_TRY(empty_like_layout(q, d.heads_q, d.len_q, d.head_dim, q.scalar_type(), "dq", dq));
+  FA_TRY(empty_like_layout(k, d.heads_kv, d.len_k, d.head_dim, q.scalar_type(), "dk", dk));
+  FA_TRY(empty_like_layout(v, d.heads_kv, d.len_k, d.head_dim_v, q.scalar_type(), "dv", dv));
+  FA_TRY(allocate({bias_requires_grad ? d.batch : 0, d.heads_q, d.len_q, d.len_k}, lse_type(q.scalar_type()), q,
+                  "the attn_bias gradient", dbias));
   torch::stable::zero_(dbias);  // the backend writes only the scores it visits
   if (d.batch * d.heads_q * d.len_q * d.len_k == 0) {  // nothing attends to anything
     torch::stable::zero_(dq);
     torch::stable::zero_(dk);
     torch::stable::zero_(dv);
-    return {dq, dk, dv, dbias};
+    return {};
   }
   p.dbias = bias_requires_grad ? dbias.mutable_data_ptr() : nullptr;
   p.out = const_cast<void*>(out.const_data_ptr());
@@ -464,105 +510,82 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> bwd(
   // fp64 is the dtype of checking (gradcheck runs the backward twice and compares): keep it
   // bitwise reproducible whatever the caller asked.
   p.deterministic = deterministic || p.dtype == DType::kFloat64;
-  if (q.is_cpu()) {
-    p.workspace_bytes = cpu::bwd_workspace_bytes(p);
-    Tensor ws = allocate({static_cast<int64_t>(p.workspace_bytes)}, ScalarType::Byte, q, "the workspace");
-    p.workspace = ws.mutable_data_ptr();
-    cpu::run_bwd(p);
-  } else {
-#ifdef FLASHATTN_WITH_CUDA
-    torch::stable::accelerator::DeviceGuard guard(q.get_device_index());
-    p.workspace_bytes = cuda::bwd_workspace_bytes(p);
-    Tensor ws = allocate({static_cast<int64_t>(p.workspace_bytes)}, ScalarType::Byte, q, "the workspace");
-    p.workspace = ws.mutable_data_ptr();
-    cuda::run_bwd(p, current_cuda_stream(q));
-#else
-    STD_TORCH_CHECK(false, "flashattn: this build of flashattn_ext has no CUDA kernels; reinstall it with "
-                           "nvcc and a CUDA build of torch present");
-#endif
-  }
-  return {dq, dk, dv, dbias};
+  return run_backend(p, q, cpu::bwd_workspace_bytes, cpu::run_bwd, FLASHATTN_CUDA_BWD);
 }
 
 // Test helper: the dropout keep mask (true = kept) that fwd and bwd apply to a padded batch
 // of this shape, (batch, heads, len_q, len_k) bool on the CPU; sequence b of a variable-length
 // batch uses [b, :, :len_q_b, :len_k_b] of it.
-Tensor dropout_mask(Tensor rng_state, int64_t batch, int64_t heads, int64_t len_q, int64_t len_k, double dropout_p) {
-  STD_TORCH_CHECK(batch >= 0 && heads >= 0 && len_q >= 0 && len_k >= 0 &&
-                      double(batch) * double(heads) * double(len_q) * double(len_k) <= double(1 << 28),
-                  "flashattn: dropout_mask is a test helper for small shapes; got ", batch, " x ", heads, " x ",
-                  len_q, " x ", len_k);
-  STD_TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "flashattn: argument 'dropout_p' must be in [0, 1), got ",
-                  dropout_p);
-  STD_TORCH_CHECK(rng_state.is_cpu() && rng_state.scalar_type() == ScalarType::Long && rng_state.dim() == 1 &&
-                      rng_state.size(0) == 2 && rng_state.is_contiguous(),
-                  "flashattn: argument 'rng_state' must be a contiguous int64 CPU tensor [seed, offset], got shape ",
-                  shape_str(rng_state), " and dtype ", dtype_name(rng_state.scalar_type()));
+Error dropout_mask(Tensor rng_state, int64_t batch, int64_t heads, int64_t len_q, int64_t len_k, double dropout_p,
+                   Tensor& mask) {
+  FA_CHECK(batch >= 0 && heads >= 0 && len_q >= 0 && len_k >= 0 &&
+               double(batch) * double(heads) * double(len_q) * double(len_k) <= double(1 << 28),
+           "flashattn: dropout_mask is a test helper for small shapes; got ", batch, " x ", heads, " x ", len_q,
+           " x ", len_k);
+  FA_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "flashattn: argument 'dropout_p' must be in [0, 1), got ", dropout_p);
+  FA_CHECK(rng_state.is_cpu() && rng_state.scalar_type() == ScalarType::Long && rng_state.dim() == 1 &&
+               rng_state.size(0) == 2 && rng_state.is_contiguous(),
+           "flashattn: argument 'rng_state' must be a contiguous int64 CPU tensor [seed, offset], got shape ",
+           shape_str(rng_state), " and dtype ", dtype_name(rng_state.scalar_type()));
   const int64_t* st = static_cast<const int64_t*>(rng_state.const_data_ptr());
   const uint64_t seed = uint64_t(st[0]);
   const uint32_t offset = uint32_t(uint64_t(st[1]));
   const uint32_t threshold = dropout_threshold(dropout_p);
-  Tensor mask = allocate({batch, heads, len_q, len_k}, ScalarType::Bool, rng_state, "the dropout mask");
+  FA_TRY(allocate({batch, heads, len_q, len_k}, ScalarType::Bool, rng_state, "the dropout mask", mask));
   bool* m = static_cast<bool*>(mask.mutable_data_ptr());
   for (int64_t bh = 0; bh < batch * heads; ++bh)
     for (int64_t i = 0; i < len_q; ++i)
       for (int64_t j = 0; j < len_k; ++j)
         *m++ = dropout_bits(seed, offset, bh, i, j / 4).x[j % 4] >= threshold;
-  return mask;
+  return {};
 }
 
-// Runs `body`, turning any exception into "<Python exception type>|<message>" (empty: no error).
-// On torch < 2.13 an exception leaving a stable-ABI kernel kills the process, so the registered
-// kernels below throw nothing: flashattn_ext/ops.py raises the error in Python.
+// The kernels registered as flashattn::_fwd, _bwd and _dropout_mask: the tensors and an error
+// string, empty on success. With an error, the tensors returned are placeholders (an input).
+// The backends throw only on a CUDA runtime failure (common/check.h); where torch carries
+// exceptions (2.13 on) that failure comes back as a RuntimeError too.
 template <class Body>
 std::string guarded(Body&& body) {
   try {
-    body();
-    return {};
-  } catch (const OutOfMemory& e) {
-    return std::string("OutOfMemoryError|") + e.what();
+    return body().message;
   } catch (const std::exception& e) {
     return std::string("RuntimeError|") + e.what();
-  } catch (...) {
-    return "RuntimeError|flashattn: unknown C++ exception";
   }
 }
 
-// The kernels registered as flashattn::_fwd, _bwd and _dropout_mask: fwd, bwd and dropout_mask
-// plus an error string. With an error, the tensors returned are placeholders (an input).
-std::tuple<Tensor, Tensor, std::string> fwd_guarded(
+std::tuple<Tensor, Tensor, std::string> fwd_op(
     Tensor q, Tensor k, Tensor v, double scale, int64_t causal, bool deterministic, std::optional<Tensor> attn_bias,
     int64_t window_left, int64_t window_right, std::optional<Tensor> alibi_slopes, double softcap, double dropout_p,
     std::optional<Tensor> rng_state, std::optional<Tensor> cu_seqlens_q, std::optional<Tensor> cu_seqlens_k,
     int64_t max_seqlen_q, int64_t max_seqlen_k) {
-  std::tuple<Tensor, Tensor> r{q, q};
-  std::string err = guarded([&] {
-    r = fwd(q, k, v, scale, causal, deterministic, attn_bias, window_left, window_right, alibi_slopes, softcap,
-            dropout_p, rng_state, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
-  });
-  return {std::get<0>(r), std::get<1>(r), err};
+  (void)deterministic;
+  const Features f{attn_bias, window_left, window_right, alibi_slopes, softcap, dropout_p, rng_state,
+                   cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k};
+  Tensor out = q, lse = q;
+  std::string error = guarded([&] { return fwd(q, k, v, scale, causal, f, out, lse); });
+  return {out, lse, error};
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor, std::string> bwd_guarded(
+std::tuple<Tensor, Tensor, Tensor, Tensor, std::string> bwd_op(
     Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, std::optional<Tensor> dlse, double scale,
     int64_t causal, bool deterministic, std::optional<Tensor> attn_bias, int64_t window_left, int64_t window_right,
     std::optional<Tensor> alibi_slopes, double softcap, double dropout_p, std::optional<Tensor> rng_state,
     std::optional<Tensor> cu_seqlens_q, std::optional<Tensor> cu_seqlens_k, int64_t max_seqlen_q,
     int64_t max_seqlen_k, bool bias_requires_grad) {
-  std::tuple<Tensor, Tensor, Tensor, Tensor> r{q, q, q, q};
-  std::string err = guarded([&] {
-    r = bwd(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, attn_bias, window_left, window_right,
-            alibi_slopes, softcap, dropout_p, rng_state, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-            bias_requires_grad);
+  const Features f{attn_bias, window_left, window_right, alibi_slopes, softcap, dropout_p, rng_state,
+                   cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k};
+  Tensor dq = q, dk = q, dv = q, dbias = q;
+  std::string error = guarded([&] {
+    return bwd(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, f, bias_requires_grad, dq, dk, dv, dbias);
   });
-  return {std::get<0>(r), std::get<1>(r), std::get<2>(r), std::get<3>(r), err};
+  return {dq, dk, dv, dbias, error};
 }
 
-std::tuple<Tensor, std::string> dropout_mask_guarded(Tensor rng_state, int64_t batch, int64_t heads, int64_t len_q,
-                                                     int64_t len_k, double dropout_p) {
+std::tuple<Tensor, std::string> dropout_mask_op(Tensor rng_state, int64_t batch, int64_t heads, int64_t len_q,
+                                                int64_t len_k, double dropout_p) {
   Tensor mask = rng_state;
-  std::string err = guarded([&] { mask = dropout_mask(rng_state, batch, heads, len_q, len_k, dropout_p); });
-  return {mask, err};
+  std::string error = guarded([&] { return dropout_mask(rng_state, batch, heads, len_q, len_k, dropout_p, mask); });
+  return {mask, error};
 }
 
 }  // namespace
@@ -594,14 +617,14 @@ STABLE_TORCH_LIBRARY(flashattn, m) {
 }
 
 STABLE_TORCH_LIBRARY_IMPL(flashattn, CPU, m) {
-  m.impl("_fwd", TORCH_BOX(&flashattn::fwd_guarded));
-  m.impl("_bwd", TORCH_BOX(&flashattn::bwd_guarded));
-  m.impl("_dropout_mask", TORCH_BOX(&flashattn::dropout_mask_guarded));
+  m.impl("_fwd", TORCH_BOX(&flashattn::fwd_op));
+  m.impl("_bwd", TORCH_BOX(&flashattn::bwd_op));
+  m.impl("_dropout_mask", TORCH_BOX(&flashattn::dropout_mask_op));
 }
 
 #ifdef FLASHATTN_WITH_CUDA
 STABLE_TORCH_LIBRARY_IMPL(flashattn, CUDA, m) {
-  m.impl("_fwd", TORCH_BOX(&flashattn::fwd_guarded));
-  m.impl("_bwd", TORCH_BOX(&flashattn::bwd_guarded));
+  m.impl("_fwd", TORCH_BOX(&flashattn::fwd_op));
+  m.impl("_bwd", TORCH_BOX(&flashattn::bwd_op));
 }
 #endif

@@ -18,5 +18,4 @@ __version__ = "0.1.0"
 
 def has_cuda_kernels():
     """True when this build carries the CUDA kernels."""
-    import torch
-    return torch._C._dispatch_has_kernel_for_dispatch_key("flashattn::_fwd", "CUDA")
+    return ops.HAS_CUDA_KERNELS

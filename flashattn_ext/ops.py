@@ -144,8 +144,11 @@ def _autocast_fwd(device_type):
     return kernel
 
 
+# Whether this build carries the CUDA kernels (a constant, which torch.compile can trace).
+HAS_CUDA_KERNELS = torch._C._dispatch_has_kernel_for_dispatch_key("flashattn::_fwd", "CUDA")
+
 _lib = torch.library.Library("flashattn", "IMPL")
-for _key in ("CPU", "CUDA") if torch._C._dispatch_has_kernel_for_dispatch_key("flashattn::_fwd", "CUDA") else ("CPU",):
+for _key in ("CPU", "CUDA") if HAS_CUDA_KERNELS else ("CPU",):
     _lib.impl("fwd", _fwd_kernel, _key)
     _lib.impl("bwd", _bwd_kernel, _key)
 _lib.impl("dropout_mask", _dropout_mask_kernel, "CPU")

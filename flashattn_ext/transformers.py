@@ -33,6 +33,19 @@ from .ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, new_rng_state
 IMPLEMENTATION = "tiled_exact"
 
 
+_mu = None  # transformers.masking_utils, imported once (register() does it)
+
+
+def _masking_utils():
+    """transformers.masking_utils, imported on first use and kept: torch.compile cannot trace an
+    import from transformers' lazy top-level module, so traced code only reads the global."""
+    global _mu
+    if _mu is None:
+        import transformers.masking_utils
+        _mu = transformers.masking_utils
+    return _mu
+
+
 def register(name=IMPLEMENTATION):
     """Register the attention and mask functions with transformers under `name` and return
     it, to pass as `attn_implementation=` (from_pretrained, from_config, or
@@ -42,10 +55,9 @@ def register(name=IMPLEMENTATION):
             raise ValueError(f"flashattn_ext: implementation name {name!r} contains {word!r}, which transformers "
                              f"reserves for its own backends; choose a name without it")
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(name, attention_forward)
-    AttentionMaskInterface.register(name, mask_for_kernels)
+    _masking_utils().AttentionMaskInterface.register(name, mask_for_kernels)
     return name
 
 
@@ -59,7 +71,7 @@ def _is_sliding_causal(mask_function, window):
     """True when mask_function is transformers' sliding_window_causal_mask_function(window):
     and_masks(sliding_window_overlay(window), causal_mask_function). Read from the closures;
     any other structure answers False (and the mask is then built in full)."""
-    from transformers import masking_utils as mu
+    mu = _masking_utils()
 
     if torch.compiler.is_compiling():
         return False  # functions made while tracing do not show their names and closures to the tracer
@@ -74,7 +86,7 @@ def _is_sliding_causal(mask_function, window):
 
 
 def _is_plain_pattern(mask_function, local_size):
-    from transformers import masking_utils as mu
+    mu = _masking_utils()
 
     return (mask_function is mu.causal_mask_function or mask_function is mu.bidirectional_mask_function
             or _is_sliding_causal(mask_function, local_size))
@@ -84,7 +96,7 @@ def mask_for_kernels(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, m
                      attention_mask=None, local_size=None, use_vmap=False, **kwargs):
     """The AttentionMaskInterface function: None, a 2-D (batch, kv_length) padding mask, or a
     4-D boolean mask (see the module docstring for which, and what each means)."""
-    from transformers import masking_utils as mu
+    mu = _masking_utils()
 
     if mask_function is None:
         mask_function = mu.causal_mask_function
