@@ -12,7 +12,8 @@
 #include <cmath>
 #include <limits>
 #include <optional>
-#include <sstream>
+#include <cstdio>
+#include <type_traits>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -39,12 +40,26 @@ struct [[nodiscard]] Error {
   explicit operator bool() const { return !message.empty(); }
 };
 
+// Message pieces as text. Numbers go through std::to_string and snprintf, not iostreams: on
+// the torch 2.11 builds whose processes crash on an exception, formatting a number through a
+// std::ostream crashed as well.
+inline std::string to_text(const char* s) { return s; }
+inline std::string to_text(const std::string& s) { return s; }
+inline std::string to_text(double x) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%g", x);
+  return text;
+}
+template <class T, class = std::enable_if_t<std::is_integral_v<T>>>
+std::string to_text(T x) {
+  return std::to_string(x);
+}
+
 template <class... Args>
 Error error_of(const char* kind, const Args&... args) {
-  std::ostringstream out;
-  out << kind << "|";
-  (out << ... << args);
-  return Error{out.str()};
+  std::string message = std::string(kind) + "|";
+  ((message += to_text(args)), ...);
+  return Error{message};
 }
 
 // Returns the error (a RuntimeError in Python) from the enclosing function when cond is false.
