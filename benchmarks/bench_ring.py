@@ -78,7 +78,7 @@ def _ring_rows(args, rank, world, device, length, causal):
     ms, peak = _measure(run, device, args)
     rows = [dict(impl="ring", ms=ms, peak_bytes=peak)]
     start = fd._Ring.start
-    fd._Ring.start = lambda ring, tensors, first_tag=0: _NoTransfer(tensors)  # the same op calls and merges, no communication
+    fd._Ring.start = lambda ring, tensors, first_tag=0, hops=1: _NoTransfer(tensors)  # the same calls and merges, no communication
     try:
         compute_ms, _ = _measure(run, device, args)
     finally:
