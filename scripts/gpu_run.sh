@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One command for the lent GPU machine: build the extension with its CUDA kernels, run the
+# One command for a GPU machine: build the extension with its CUDA kernels, run the
 # CUDA tests (CI runs the CPU ones), compute-sanitizer on a few calls, and the GPU benchmark.
 # Logs and JSON go to $OUT when it is set (else gpu_out/). Steps: STEPS="build test sanitize bench".
 set -uo pipefail
@@ -80,7 +80,7 @@ if [[ " $STEPS " == *" bench "* ]]; then
   python3 benchmarks/bench_gpu.py --out-dir "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -80
   status=$(( status | ${PIPESTATUS[0]} ))
 fi
-# The device tool brings back at most 8 files: plots travel as one tar.
+# Plots travel as one tar (fewer files to copy back from a remote machine).
 if ls "$OUT"/*.png > /dev/null 2>&1; then
   (cd "$OUT" && tar cf plots.tar ./*.png && rm -f ./*.png)
 fi

@@ -1,6 +1,6 @@
 """Per-kernel GPU time of one forward and one backward call, ours beside SDPA backends, from
 torch.profiler: shows what the small kernels around the main ones (D = rowsum(dO * O), the
-dQ conversion, memsets) cost next to it. On the lent GPU:
+dQ conversion, memsets) cost next to it. On a GPU machine:
 
     python3 scripts/kernel_breakdown.py --head-dims 64,128 --lens 1024,4096 --impls ours,sdpa-flash
 """

@@ -1,4 +1,4 @@
-"""One forward and one backward call per case, for Nsight Compute on the lent GPU:
+"""One forward and one backward call per case, for Nsight Compute on a GPU machine:
 
     ncu --kernel-name regex:"fwd_kernel|bwd_dkdv_kernel" --launch-skip 2 --launch-count 2 \
         --section WarpStateStats --section ComputeWorkloadAnalysis python3 scripts/profile_sm80.py [--mask padding]
