@@ -197,12 +197,8 @@ def run_grid(args):
 
 def plot(rows, impls, out_dir):
     """K/V bandwidth against cache length: one PNG per (head dim, kind), one panel per batch."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not importable: no plots")
+    plt = M.pyplot()
+    if plt is None:
         return []
     paths = []
     measured = [r for r in rows if "skipped" not in r]

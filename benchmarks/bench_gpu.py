@@ -220,12 +220,8 @@ def memory_check(args):
 def plot(rows, impls, out_dir):
     """Grouped bars of TFLOP/s vs L, one PNG per (dtype, head dim, causal, pass), as the charts of
     FlashAttention's README."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not importable: no plots")
+    plt = M.pyplot()
+    if plt is None:
         return []
     paths = []
     groups = sorted({(r["dtype"], r["head_dim"], r["causal"]) for r in rows})

@@ -119,6 +119,18 @@ def bwd_only_fn(attn, q, k, v, dout, causal):
 
 
 # ------------------------------------------------------------------------------------------ timing
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, or None (saying so) where matplotlib is missing."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not importable: no plots")
+        return None
+    return plt
+
+
 def _sync(device):
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
