@@ -59,11 +59,8 @@ def new_rng_state(device=None):
 
 
 def _raise(error):
-    """Raises the error string of a guarded C++ kernel ("<type>|<message>"): the message from
-    'flashattn' on (STD_TORCH_CHECK puts the C++ function, file and line before it)."""
+    """Raises the error string of an underscored C++ kernel: "<Python exception type>|<message>"."""
     kind, _, message = error.partition("|")
-    start = message.find("flashattn")
-    message = message[start:] if start > 0 else message
     raise (torch.OutOfMemoryError if kind == "OutOfMemoryError" else RuntimeError)(message)
 
 
