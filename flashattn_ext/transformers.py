@@ -22,15 +22,23 @@ reach the kernels:
 
 A packed row whose sequence boundaries the caller passes (cu_seq_lens_q/k, max_length_q/k,
 as transformers' DataCollatorWithFlattening gives them) runs through the variable-length
-path whatever the mask. This module imports transformers only when register() is called."""
+path whatever the mask. A decode step of generate() with a dynamic cache (a few causal query
+rows after the cached keys, no padding or left padding, no gradient) runs through
+flash_attn_with_kvcache on the cache transformers has just updated, read in place. This
+module imports transformers only when register() is called."""
 import torch
 
 from .functional import checked_fwd, flash_attn_varlen_func
+from .kvcache import flash_attn_with_kvcache
 from .ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, new_rng_state
 
 # transformers treats any implementation name containing "flash" as a kernel to fetch from
 # its hub, and names containing "sdpa" or "flex" as its own backends: this one has none.
 IMPLEMENTATION = "tiled_exact"
+
+# A causal call with at most this many query rows and more keys than queries is a decode step
+# (or a speculative / assisted one): the queries are the newest tokens of a cache.
+DECODE_ROWS = 16
 
 
 _mu = None  # transformers.masking_utils, imported once (register() does it)
@@ -198,6 +206,37 @@ def _attention_with_position_bias(query, key, value, attention_mask, position_bi
     return _dense_attention(query, key, value, scale, flag, bias, window, softcap, dropout)
 
 
+def _left_padding(padding):
+    """(batch,) int32 count of leading pad tokens when every row of the 2-D mask is pad tokens
+    then real ones (a left-padded batch), else None (right padding, holes)."""
+    ordered = (padding[:, 1:] >= padding[:, :-1]).all() & padding[:, -1].all()
+    return (~padding).sum(1, dtype=torch.int32) if bool(ordered) else None
+
+
+def _decode_step(query, key, value, attention_mask, causal, dropout, scale, window, softcap):
+    """A decode step through flash_attn_with_kvcache, or None when the call is not one. The keys
+    and values are the cache transformers has just updated (the new tokens appended), read in
+    place as (batch, keys, kv_heads, dim) views: no new k/v, every row's cache full, the left
+    padding as cache_leftpad. Not while tracing (the padding must be read), with gradients
+    (flash_attn_with_kvcache is forward only) or dropout."""
+    len_q, len_k = query.shape[2], key.shape[2]
+    if (not causal or dropout > 0.0 or not 0 < len_q <= DECODE_ROWS or len_k <= len_q
+            or torch.compiler.is_compiling()
+            or (torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)))):
+        return None
+    leftpad = None
+    if attention_mask is not None:
+        if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (key.shape[0], len_k):
+            return None
+        leftpad = _left_padding(attention_mask.to(torch.bool))
+        if leftpad is None:
+            return None
+    out = flash_attn_with_kvcache(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                                  cache_seqlens=len_k, cache_leftpad=leftpad, softmax_scale=scale, causal=True,
+                                  window_size=window, softcap=softcap)
+    return out.contiguous()
+
+
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
                       softcap=None, is_causal=None, **kwargs):
     """The AttentionInterface function: query (batch, heads, len_q, dim), key and value
@@ -229,6 +268,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         if bias.dtype not in (torch.bool, query.dtype, torch.float32):
             bias = bias.to(torch.float32)
         return _dense_attention(query, key, value, scale, CAUSAL_NONE, bias, (-1, -1), softcap, dropout), None
+    decoded = _decode_step(query, key, value, attention_mask, bool(is_causal), dropout, scale, window, softcap)
+    if decoded is not None:
+        return decoded, None
     flag = CAUSAL_BOTTOM_RIGHT if causal else CAUSAL_NONE
     if attention_mask is None:
         return _dense_attention(query, key, value, scale, flag, None, window, softcap, dropout), None

@@ -149,6 +149,41 @@ def test_greedy_generation_left_padded(device, kind, cache):
     assert torch.equal(ours[1, 8:], alone[0, 8 - pads:])  # left padding changes nothing
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_decode_steps_run_through_the_kvcache_function(device, kind, monkeypatch):
+    """20 greedy tokens on a left-padded batch, dynamic cache: the prefill runs unpadded, every
+    decode step through flash_attn_with_kvcache on transformers' cache (one call per layer and
+    step). Each step's logits are checked with DESIGN.md's rule against a float64 prefill-only
+    run (the whole prefix through the model without a cache, last position), with transformers'
+    sdpa generate() as "torch"; the tokens are sdpa's and the float64 run's greedy choices."""
+    ids, mask, _ = _padded_batch(kind, device, length=8)
+    options = dict(attention_mask=mask, max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0,
+                   cache_implementation="dynamic", disable_compile=True, output_logits=True,
+                   return_dict_in_generate=True)
+    calls = {"kvcache": 0, "varlen": 0}
+
+    def counted(name, fn):
+        return lambda *a, **k: calls.__setitem__(name, calls[name] + 1) or fn(*a, **k)
+
+    monkeypatch.setattr(fx, "flash_attn_with_kvcache", counted("kvcache", fx.flash_attn_with_kvcache))
+    monkeypatch.setattr(fx, "flash_attn_varlen_func", counted("varlen", fx.flash_attn_varlen_func))
+    with torch.no_grad():
+        theirs = _model(kind, "sdpa", device).generate(ids, **options)
+        ours = _model(kind, NAME, device).generate(ids, **options)
+        layers = _config(kind).num_hidden_layers
+        assert calls == {"kvcache": 19 * layers, "varlen": layers}  # 19 decode steps, one padded prefill
+        assert torch.equal(ours.sequences, theirs.sequences)
+        reference = _model(kind, REFERENCE, device, torch.float64)
+        for step, (logits, same) in enumerate(zip(ours.logits, theirs.logits)):
+            prefix = ours.sequences[:, :8 + step]
+            prefix_mask = torch.cat([mask, mask.new_ones(3, step)], 1)
+            positions = (prefix_mask.cumsum(1) - 1).masked_fill(prefix_mask == 0, 1)
+            ref = reference(input_ids=prefix, attention_mask=prefix_mask, position_ids=positions,
+                            use_cache=False).logits[:, -1]
+            assert torch.equal(ref.argmax(-1), ours.sequences[:, 8 + step])
+            assert_accurate(f"step {step} logits", logits, ref, same, REL_ATOL[torch.float32], atol_floor=0.1)
+
+
 def test_static_cache_generation_compiled(device):
     """generate() compiles the decode step for static caches (on CUDA by default; forced here
     on the CPU with a backend that needs no C++ compiler); the traced step reads the full mask."""
