@@ -149,6 +149,22 @@ def test_greedy_generation_left_padded(device, kind, cache):
     assert torch.equal(ours[1, 8:], alone[0, 8 - pads:])  # left padding changes nothing
 
 
+def _count_calls(monkeypatch, *names):
+    """Wraps the named functions of flashattn_ext.transformers to count their calls; returns
+    the counts by name (the dict the wrappers update)."""
+    calls = dict.fromkeys(names, 0)
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    for name in names:
+        monkeypatch.setattr(fx, name, counted(name, getattr(fx, name)))
+    return calls
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_decode_steps_run_through_the_kvcache_function(device, kind, monkeypatch):
     """20 greedy tokens on a left-padded batch, dynamic cache: the prefill runs unpadded, every
@@ -160,18 +176,13 @@ def test_decode_steps_run_through_the_kvcache_function(device, kind, monkeypatch
     options = dict(attention_mask=mask, max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0,
                    cache_implementation="dynamic", disable_compile=True, output_logits=True,
                    return_dict_in_generate=True)
-    calls = {"kvcache": 0, "varlen": 0}
-
-    def counted(name, fn):
-        return lambda *a, **k: calls.__setitem__(name, calls[name] + 1) or fn(*a, **k)
-
-    monkeypatch.setattr(fx, "flash_attn_with_kvcache", counted("kvcache", fx.flash_attn_with_kvcache))
-    monkeypatch.setattr(fx, "flash_attn_varlen_func", counted("varlen", fx.flash_attn_varlen_func))
+    calls = _count_calls(monkeypatch, "flash_attn_with_kvcache", "flash_attn_varlen_func")
     with torch.no_grad():
         theirs = _model(kind, "sdpa", device).generate(ids, **options)
         ours = _model(kind, NAME, device).generate(ids, **options)
         layers = _config(kind).num_hidden_layers
-        assert calls == {"kvcache": 19 * layers, "varlen": layers}  # 19 decode steps, one padded prefill
+        # 19 decode steps, one padded prefill
+        assert calls == {"flash_attn_with_kvcache": 19 * layers, "flash_attn_varlen_func": layers}
         assert torch.equal(ours.sequences, theirs.sequences)
         reference = _model(kind, REFERENCE, device, torch.float64)
         for step, (logits, same) in enumerate(zip(ours.logits, theirs.logits)):
@@ -279,8 +290,9 @@ class _Encoder(torch.nn.Module):
 def test_attention_paths_match_reference(device, padding, window, causal, monkeypatch):
     """Each path of the attention function (no mask; padding mask unpadded to the
     variable-length path; padding with a gap under a window, as a key-padding bias; a full
-    mask) against plain attention on the same pattern, with softcap and grouped-query heads,
-    4 queries after 7 cached keys (causal) or 4 queries on 11 keys (bidirectional, as an
+    mask; causal rows after cached keys as a decode step through flash_attn_with_kvcache)
+    against plain attention on the same pattern, with softcap and grouped-query heads, 4
+    queries after 7 cached keys (causal) or 4 queries on 11 keys (bidirectional, as an
     encoder's cross-attention: every query row runs)."""
     torch.manual_seed(0)
     q = torch.randn(2, 4, 4, 16, device=device, dtype=torch.float64)
@@ -296,17 +308,31 @@ def test_attention_paths_match_reference(device, padding, window, causal, monkey
         pattern = feature_visible(4, 11, NONE, (-1, -1) if window is None else (window, window), device)
     visible = keep[:, None, None, :] & pattern
     mask = {"none": None, "left": keep, "gap": keep, "full_mask": visible}[padding]
-    unpadded = []
-    monkeypatch.setattr(fx, "flash_attn_varlen_func",
-                        lambda *a, **k: unpadded.append(1) or flashattn_ext_varlen(*a, **k))
+    calls = _count_calls(monkeypatch, "flash_attn_varlen_func", "flash_attn_with_kvcache")
     module = _Attention() if causal else _Encoder()
-    out, _ = fx.attention_forward(module, q, k, v, mask, scaling=0.3, sliding_window=window, softcap=2.0)
-    expect_unpadded = padding in ("left", "gap") and (window is None or (causal and padding == "left"))
-    assert len(unpadded) == expect_unpadded
+
+    def run(query):
+        calls.update(dict.fromkeys(calls, 0))
+        out, _ = fx.attention_forward(module, query, k, v, mask, scaling=0.3, sliding_window=window, softcap=2.0)
+        return out.detach(), calls["flash_attn_with_kvcache"], calls["flash_attn_varlen_func"]
+
+    # Causal queries after cached keys, no padding or left padding: a decode step. With
+    # gradients the same call takes the other paths.
+    decode = causal and padding in ("none", "left")
+    unpadded = padding in ("left", "gap") and (window is None or (causal and padding == "left"))
+    out, kvcache_calls, varlen_calls = run(q)
+    assert (kvcache_calls, varlen_calls) == (int(decode), int(unpadded and not decode))
+    outs = [out]
+    if decode:
+        with torch.enable_grad():
+            out, kvcache_calls, varlen_calls = run(q.clone().requires_grad_())
+        assert (kvcache_calls, varlen_calls) == (0, int(unpadded))
+        outs.append(out)
     ref, _ = attention_ref(q, k, v, 0.3, NONE, bias=visible, softcap=2.0)
     # Causal padded query rows are not compared (the unpadded path gives them 0).
     rows = keep[:, -4:] if causal else torch.ones(2, 4, dtype=torch.bool, device=device)
-    torch.testing.assert_close(out[rows], ref.transpose(1, 2)[rows], rtol=1e-10, atol=1e-10)
+    for out in outs:
+        torch.testing.assert_close(out[rows], ref.transpose(1, 2)[rows], rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("mask_kind", ["none", "padding", "full"])
