@@ -10,12 +10,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <limits>
 #include <optional>
-#include <cstdio>
-#include <type_traits>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "common/dropout.h"
@@ -63,14 +63,14 @@ Error error_of(const char* kind, const Args&... args) {
 }
 
 // Returns the error (a RuntimeError in Python) from the enclosing function when cond is false.
-#define FA_CHECK(cond, ...) \
-  do {                      \
-    if (!(cond)) return error_of("RuntimeError", __VA_ARGS__); \
+#define FA_CHECK(cond, ...)                                       \
+  do {                                                            \
+    if (!(cond)) return error_of("RuntimeError", __VA_ARGS__);    \
   } while (0)
 // Returns from the enclosing function the error of a call that failed.
-#define FA_TRY(call)             \
-  do {                           \
-    if (Error e_ = (call)) return e_; \
+#define FA_TRY(call)                    \
+  do {                                  \
+    if (Error e_ = (call)) return e_;   \
   } while (0)
 
 constexpr int64_t kMaxHeadDim = 256;
@@ -79,7 +79,6 @@ constexpr int64_t kMaxHeadDim = 256;
 // 2 = bottom-right (flash-attn causal).
 constexpr int64_t kCausalNone = 0, kCausalTopLeft = 1, kCausalBottomRight = 2;
 
-std::string shape_str(const Tensor& t);
 std::string shape_str(const Tensor& t) {
   std::string s = "[";
   for (int64_t d = 0; d < t.dim(); ++d) s += (d ? ", " : "") + std::to_string(t.size(d));
@@ -116,12 +115,12 @@ ScalarType lse_type(ScalarType t) { return t == ScalarType::Double ? ScalarType:
 
 Error check_attn_tensor(const Tensor& t, const char* name) {
   FA_CHECK(t.dim() == 4, "flashattn: argument '", name,
-                  "' must have 4 dimensions (batch, heads, seq_len, head_dim), got shape ", shape_str(t));
+           "' must have 4 dimensions (batch, heads, seq_len, head_dim), got shape ", shape_str(t));
   FA_CHECK(t.is_cpu() || t.is_cuda(), "flashattn: argument '", name,
-                  "' must be on a CPU or CUDA device");
+           "' must be on a CPU or CUDA device");
   FA_CHECK(t.size(3) <= 1 || t.numel() == 0 || t.stride(3) == 1, "flashattn: argument '", name,
-                  "' must have a contiguous last dimension (stride 1), got stride ", t.stride(3),
-                  " for shape ", shape_str(t), "; call .contiguous() on it first");
+           "' must have a contiguous last dimension (stride 1), got stride ", t.stride(3),
+           " for shape ", shape_str(t), "; call .contiguous() on it first");
   DType dtype;
   return to_dtype(t.scalar_type(), name, dtype);
 }
@@ -132,11 +131,11 @@ std::string device_str(const Tensor& t) {
 
 Error check_same_device_dtype(const Tensor& ref, const char* ref_name, const Tensor& t, const char* name) {
   FA_CHECK(t.scalar_type() == ref.scalar_type(), "flashattn: argument '", name, "' has dtype ",
-                  dtype_name(t.scalar_type()), " but '", ref_name, "' has dtype ",
-                  dtype_name(ref.scalar_type()), "; they must match");
+           dtype_name(t.scalar_type()), " but '", ref_name, "' has dtype ",
+           dtype_name(ref.scalar_type()), "; they must match");
   FA_CHECK(t.is_cuda() == ref.is_cuda() && t.get_device_index() == ref.get_device_index(),
-                  "flashattn: argument '", name, "' is on device ", device_str(t), " but '", ref_name, "' is on ",
-                  device_str(ref), "; they must be on the same device");
+           "flashattn: argument '", name, "' is on device ", device_str(t), " but '", ref_name, "' is on ",
+           device_str(ref), "; they must be on the same device");
   return {};
 }
 
@@ -163,15 +162,15 @@ Error check_qkv(const Tensor& q, const Tensor& k, const Tensor& v, int64_t causa
   FA_TRY(check_size(v, "v", 2, d.len_k, "sequence length (must equal k's)"));
   FA_TRY(check_size(k, "k", 3, d.head_dim, "head_dim (must equal q's)"));
   FA_CHECK(d.head_dim >= 1 && d.head_dim <= kMaxHeadDim,
-                  "flashattn: head_dim of q and k must be between 1 and ", kMaxHeadDim, ", got ", d.head_dim);
+           "flashattn: head_dim of q and k must be between 1 and ", kMaxHeadDim, ", got ", d.head_dim);
   FA_CHECK(d.head_dim_v >= 1 && d.head_dim_v <= kMaxHeadDim,
-                  "flashattn: head_dim of v must be between 1 and ", kMaxHeadDim, ", got ", d.head_dim_v);
+           "flashattn: head_dim of v must be between 1 and ", kMaxHeadDim, ", got ", d.head_dim_v);
   FA_CHECK((d.heads_kv == 0 && d.heads_q == 0) || (d.heads_kv > 0 && d.heads_q % d.heads_kv == 0),
-                  "flashattn: the number of query heads (", d.heads_q,
-                  ") must be a multiple of the number of key/value heads (", d.heads_kv, ")");
+           "flashattn: the number of query heads (", d.heads_q,
+           ") must be a multiple of the number of key/value heads (", d.heads_kv, ")");
   FA_CHECK(causal == kCausalNone || causal == kCausalTopLeft || causal == kCausalBottomRight,
-                  "flashattn: argument 'causal' must be 0 (none), 1 (top-left) or 2 (bottom-right), got ",
-                  causal);
+           "flashattn: argument 'causal' must be 0 (none), 1 (top-left) or 2 (bottom-right), got ",
+           causal);
   return {};
 }
 
@@ -235,7 +234,7 @@ Error fill_common(FwdParams& p, const Tensor& q, const Tensor& k, const Tensor& 
   const double max_scale = (p.dtype == DType::kFloat64 ? std::numeric_limits<double>::max()
                                                        : double(std::numeric_limits<float>::max())) / 1.4426950408889634;
   FA_CHECK(std::isfinite(scale) && std::fabs(scale) <= max_scale, "flashattn: argument 'scale' must be finite "
-                  "with |scale| <= ", max_scale, " (scale * log2(e) must fit in the accumulation type), got ", scale);
+           "with |scale| <= ", max_scale, " (scale * log2(e) must fit in the accumulation type), got ", scale);
   p.scale = scale;
   p.causal = causal != kCausalNone;
   p.causal_offset = causal == kCausalBottomRight ? d.len_k - d.len_q : 0;
@@ -269,26 +268,26 @@ bool same_device(const Tensor& a, const Tensor& b) {
 Error check_cu_seqlens(const Tensor& cu, const char* name, const Tensor& q, int64_t batch_plus_one, int64_t total,
                        int64_t max_seqlen, const char* max_name) {
   FA_CHECK(cu.scalar_type() == ScalarType::Int, "flashattn: argument '", name, "' must have dtype int32, got ",
-                  dtype_name(cu.scalar_type()));
+           dtype_name(cu.scalar_type()));
   FA_CHECK(cu.dim() == 1 && cu.size(0) >= 1 && cu.is_contiguous(), "flashattn: argument '", name,
-                  "' must be a contiguous 1-D tensor of batch + 1 >= 1 offsets, got shape ", shape_str(cu));
+           "' must be a contiguous 1-D tensor of batch + 1 >= 1 offsets, got shape ", shape_str(cu));
   FA_CHECK(cu.size(0) == batch_plus_one, "flashattn: arguments 'cu_seqlens_q' and 'cu_seqlens_k' must have "
-                  "the same length (batch + 1), got ", batch_plus_one, " and ", cu.size(0));
+           "the same length (batch + 1), got ", batch_plus_one, " and ", cu.size(0));
   FA_CHECK(same_device(cu, q), "flashattn: argument '", name, "' is on device ", device_str(cu),
-                  " but 'q' is on ", device_str(q), "; they must be on the same device");
+           " but 'q' is on ", device_str(q), "; they must be on the same device");
   if (!cu.is_cpu()) return {};
   const int32_t* c = static_cast<const int32_t*>(cu.const_data_ptr());
   FA_CHECK(c[0] == 0, "flashattn: argument '", name, "' must start at 0, got ", c[0]);
   int64_t longest = 0;
   for (int64_t i = 0; i + 1 < cu.size(0); ++i) {
     FA_CHECK(c[i + 1] >= c[i], "flashattn: argument '", name, "' must be non-decreasing, got ", c[i],
-                    " then ", c[i + 1], " at index ", i + 1);
+             " then ", c[i + 1], " at index ", i + 1);
     longest = std::max<int64_t>(longest, c[i + 1] - c[i]);
   }
   FA_CHECK(c[cu.size(0) - 1] == total, "flashattn: argument '", name, "' must end at the total number of rows ",
-                  total, ", got ", c[cu.size(0) - 1]);
+           total, ", got ", c[cu.size(0) - 1]);
   FA_CHECK(max_seqlen >= longest, "flashattn: argument '", max_name, "' (", max_seqlen,
-                  ") is smaller than the longest sequence in '", name, "' (", longest, ")");
+           ") is smaller than the longest sequence in '", name, "' (", longest, ")");
   return {};
 }
 
@@ -297,12 +296,12 @@ Error check_cu_seqlens(const Tensor& cu, const char* name, const Tensor& q, int6
 Error check_and_fill_features(FwdParams& p, const Features& f, const Tensor& q, const Dims& d,
                               int64_t causal) {
   FA_CHECK(f.window_left >= -1 && f.window_right >= -1, "flashattn: argument 'window_size' must be (left, "
-                  "right) with each >= 0, or -1 for unbounded, got (", f.window_left, ", ", f.window_right, ")");
+           "right) with each >= 0, or -1 for unbounded, got (", f.window_left, ", ", f.window_right, ")");
   FA_CHECK(f.softcap >= 0.0, "flashattn: argument 'softcap' must be >= 0 (0 = off), got ", f.softcap);
   FA_CHECK(f.max_seqlen_q >= 0 && f.max_seqlen_k >= 0, "flashattn: arguments 'max_seqlen_q' and 'max_seqlen_k' "
-                  "must be >= 0, got ", f.max_seqlen_q, " and ", f.max_seqlen_k);
+           "must be >= 0, got ", f.max_seqlen_q, " and ", f.max_seqlen_k);
   FA_CHECK(f.dropout_p >= 0.0 && f.dropout_p < 1.0, "flashattn: argument 'dropout_p' must be in [0, 1), got ",
-                  f.dropout_p);
+           f.dropout_p);
   // A window reaching past every row and key (wider than len_q + len_k) is unbounded: -1 keeps the
   // band arithmetic (positions +- window) far from int64 overflow.
   const auto bounded = [&](int64_t w) { return w > d.len_q + d.len_k ? -1 : w; };
@@ -315,11 +314,11 @@ Error check_and_fill_features(FwdParams& p, const Features& f, const Tensor& q, 
 
   if (f.varlen()) {
     FA_CHECK(f.cu_seqlens_q.has_value() && f.cu_seqlens_k.has_value(),
-                    "flashattn: 'cu_seqlens_q' and 'cu_seqlens_k' must be given together");
+             "flashattn: 'cu_seqlens_q' and 'cu_seqlens_k' must be given together");
     FA_CHECK(d.batch == 1, "flashattn: with cu_seqlens, q, k and v must be (1, heads, total, head_dim) views "
-                    "of packed (total, heads, head_dim) tensors, got batch size ", d.batch);
+             "of packed (total, heads, head_dim) tensors, got batch size ", d.batch);
     FA_CHECK(!f.attn_bias.has_value(), "flashattn: the combination attn_bias + cu_seqlens (variable-length "
-                    "batches) is not supported; give a padded batch to use a mask");
+             "batches) is not supported; give a padded batch to use a mask");
     const int64_t n = f.cu_seqlens_q->dim() == 1 ? f.cu_seqlens_q->size(0) : 0;
     FA_TRY(check_cu_seqlens(*f.cu_seqlens_q, "cu_seqlens_q", q, n, d.len_q, f.max_seqlen_q, "max_seqlen_q"));
     FA_TRY(check_cu_seqlens(*f.cu_seqlens_k, "cu_seqlens_k", q, n, d.len_k, f.max_seqlen_k, "max_seqlen_k"));
@@ -339,13 +338,13 @@ Error check_and_fill_features(FwdParams& p, const Features& f, const Tensor& q, 
     const bool shape_ok = (a.dim() == 1 && a.size(0) == d.heads_q) ||
                           (a.dim() == 2 && a.size(0) == p.batch && a.size(1) == d.heads_q);
     FA_CHECK(shape_ok, "flashattn: argument 'alibi_slopes' must have shape [", d.heads_q, "] (heads) or [",
-                    p.batch, ", ", d.heads_q, "] (batch, heads), got ", shape_str(a));
+             p.batch, ", ", d.heads_q, "] (batch, heads), got ", shape_str(a));
     FA_CHECK(a.scalar_type() == ScalarType::Float, "flashattn: argument 'alibi_slopes' must have dtype "
-                    "float32, got ", dtype_name(a.scalar_type()));
+             "float32, got ", dtype_name(a.scalar_type()));
     FA_CHECK(a.numel() == 0 || a.stride(a.dim() - 1) == 1, "flashattn: argument 'alibi_slopes' must have a "
-                    "contiguous last dimension (stride 1)");
+             "contiguous last dimension (stride 1)");
     FA_CHECK(same_device(a, q), "flashattn: argument 'alibi_slopes' is on device ", device_str(a),
-                    " but 'q' is on ", device_str(q), "; they must be on the same device");
+             " but 'q' is on ", device_str(q), "; they must be on the same device");
     p.alibi_slopes = static_cast<const float*>(a.const_data_ptr());
     p.alibi_batch_stride = a.dim() == 2 ? a.stride(0) : 0;
   }
@@ -356,14 +355,14 @@ Error check_and_fill_features(FwdParams& p, const Features& f, const Tensor& q, 
     bool shape_ok = m.dim() == 4;
     for (int64_t i = 0; shape_ok && i < 4; ++i) shape_ok = m.size(i) == full[i] || m.size(i) == 1;
     FA_CHECK(shape_ok, "flashattn: argument 'attn_bias' must have shape [", d.batch, ", ", d.heads_q, ", ",
-                    d.len_q, ", ", d.len_k, "] (batch, heads, len_q, len_k), each dimension possibly 1 "
-                    "(broadcast), got ", shape_str(m));
+             d.len_q, ", ", d.len_k, "] (batch, heads, len_q, len_k), each dimension possibly 1 "
+             "(broadcast), got ", shape_str(m));
     const ScalarType t = m.scalar_type();
     FA_CHECK(t == ScalarType::Bool || t == q.scalar_type() || t == ScalarType::Float,
-                    "flashattn: argument 'attn_bias' has dtype ", dtype_name(t), "; it must be bool (True = take "
-                    "part), or float in the query's dtype (", dtype_name(q.scalar_type()), ") or float32");
+             "flashattn: argument 'attn_bias' has dtype ", dtype_name(t), "; it must be bool (True = take "
+             "part), or float in the query's dtype (", dtype_name(q.scalar_type()), ") or float32");
     FA_CHECK(same_device(m, q), "flashattn: argument 'attn_bias' is on device ", device_str(m),
-                    " but 'q' is on ", device_str(q), "; they must be on the same device");
+             " but 'q' is on ", device_str(q), "; they must be on the same device");
     p.bias_kind = t == ScalarType::Bool ? BiasKind::kBool : BiasKind::kFloat;
     if (t != ScalarType::Bool) FA_TRY(to_dtype(t, "attn_bias", p.bias_dtype));
     p.bias = m.const_data_ptr();
@@ -372,13 +371,13 @@ Error check_and_fill_features(FwdParams& p, const Features& f, const Tensor& q, 
 
   if (f.dropout_p > 0.0) {
     FA_CHECK(f.rng_state.has_value(), "flashattn: dropout_p > 0 needs argument 'rng_state' (int64 [seed, "
-                    "offset], on the CPU or on q's device)");
+             "offset], on the CPU or on q's device)");
     const Tensor& r = *f.rng_state;
     FA_CHECK((r.is_cpu() || same_device(r, q)) && r.scalar_type() == ScalarType::Long && r.dim() == 1 &&
-                        r.size(0) == 2 && r.is_contiguous(),
-                    "flashattn: argument 'rng_state' must be a contiguous int64 tensor [seed, offset] on the CPU or on "
-                    "q's device, got shape ", shape_str(r), " and dtype ", dtype_name(r.scalar_type()), " on ",
-                    device_str(r));
+                 r.size(0) == 2 && r.is_contiguous(),
+             "flashattn: argument 'rng_state' must be a contiguous int64 tensor [seed, offset] on the CPU or on "
+             "q's device, got shape ", shape_str(r), " and dtype ", dtype_name(r.scalar_type()), " on ",
+             device_str(r));
     const int64_t* st = static_cast<const int64_t*>(r.const_data_ptr());
     if (r.is_cpu()) {
       p.dropout_seed = uint64_t(st[0]);
