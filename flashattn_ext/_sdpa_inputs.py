@@ -2,8 +2,9 @@
 the inputs of torch's SDPA that are not plain tensors: torch.nn.attention.bias.CausalBias
 masks (a causal flag with its alignment) and jagged nested tensors (a variable-length batch,
 run through the ops' cu_seqlens path with no padding)."""
+import sys
+
 import torch
-from torch.nn.attention.bias import CausalBias, CausalVariant
 
 from . import functional
 from .attention_fn import attention
@@ -29,10 +30,17 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     is a nested tensor like query, differentiable."""
     if getattr(query, "is_nested", False) or getattr(key, "is_nested", False) or getattr(value, "is_nested", False):
         return nested_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    if isinstance(attn_mask, CausalBias):
+    if is_causal_bias(attn_mask):
         return _causal_bias_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     return functional.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                                    enable_gqa)
+
+
+def is_causal_bias(mask):
+    """Whether mask is a torch.nn.attention.bias.CausalBias. Read from the loaded modules: that
+    module imports torch._dynamo (~1.2 s), and a CausalBias exists only once it is imported."""
+    module = sys.modules.get("torch.nn.attention.bias")
+    return module is not None and isinstance(mask, module.CausalBias)
 
 
 def _causal_bias_sdpa(query, key, value, bias, dropout_p, is_causal, scale, enable_gqa):
@@ -67,9 +75,10 @@ def causal_bias_mode(bias, len_q, len_k):
     if (bias.seq_len_q, bias.seq_len_kv) != (len_q, len_k):
         raise ValueError(f"flashattn_ext: attn_mask is a CausalBias for (seq_len_q, seq_len_kv) = ({bias.seq_len_q}, "
                          f"{bias.seq_len_kv}) but query and key have lengths ({len_q}, {len_k}); they must be equal")
-    if bias.variant == CausalVariant.UPPER_LEFT:
+    variants = sys.modules["torch.nn.attention.bias"].CausalVariant
+    if bias.variant == variants.UPPER_LEFT:
         return CAUSAL_TOP_LEFT
-    if bias.variant == CausalVariant.LOWER_RIGHT:
+    if bias.variant == variants.LOWER_RIGHT:
         return CAUSAL_BOTTOM_RIGHT
     raise ValueError(f"flashattn_ext: attn_mask is a CausalBias of unknown variant {bias.variant!r}")
 

@@ -19,14 +19,14 @@ the name "flashattn_ext" with torch.nn.attention, and
 torch.nn.attention.activate_flash_attention_impl("flashattn_ext") makes SDPA's flash backend
 run our kernels (see sdpa_backend.py)."""
 import contextlib
+import sys
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import CausalBias, CausalVariant
 from torch.overrides import TorchFunctionMode
 
 from ._checks import DTYPE_NAMES, MAX_HEAD_DIM
-from ._sdpa_inputs import scaled_dot_product_attention
+from ._sdpa_inputs import is_causal_bias, scaled_dot_product_attention
 from .sdpa_backend import register_with_torch
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -89,9 +89,10 @@ def _mask_taken(attn_mask, query, key, is_causal):
         return True
     if is_causal:
         return False
-    if isinstance(attn_mask, CausalBias):
+    if is_causal_bias(attn_mask):
+        variants = sys.modules["torch.nn.attention.bias"].CausalVariant
         return (attn_mask.seq_len_q, attn_mask.seq_len_kv) == (query.shape[-2], key.shape[-2]) and \
-            attn_mask.variant in (CausalVariant.UPPER_LEFT, CausalVariant.LOWER_RIGHT)
+            attn_mask.variant in (variants.UPPER_LEFT, variants.LOWER_RIGHT)
     if not (isinstance(attn_mask, torch.Tensor) and _plain(attn_mask)) or attn_mask.is_nested:
         return False
     if attn_mask.device != query.device or attn_mask.dtype not in (torch.bool, query.dtype, torch.float32):
