@@ -231,8 +231,9 @@ Error fill_common(FwdParams& p, const Tensor& q, const Tensor& k, const Tensor& 
   p.head_dim_v = d.head_dim_v;
   // The kernels fold log2(e) into the scale in the accumulation type (fp64 for fp64 inputs,
   // else fp32): a scale that overflows there would turn every score into +-inf or NaN.
-  const double max_scale = (p.dtype == DType::kFloat64 ? std::numeric_limits<double>::max()
-                                                       : double(std::numeric_limits<float>::max())) / 1.4426950408889634;
+  const double largest = p.dtype == DType::kFloat64 ? std::numeric_limits<double>::max()
+                                                    : double(std::numeric_limits<float>::max());
+  const double max_scale = largest / 1.4426950408889634;
   FA_CHECK(std::isfinite(scale) && std::fabs(scale) <= max_scale, "flashattn: argument 'scale' must be finite "
            "with |scale| <= ", max_scale, " (scale * log2(e) must fit in the accumulation type), got ", scale);
   p.scale = scale;

@@ -198,6 +198,6 @@ def check_features(q, k, causal, attn_bias=None, window_left=-1, window_right=-1
         r = rng_state
         if ((r.device.type != "cpu" and not _same_device(r, q)) or r.dtype != torch.int64 or r.dim() != 1
                 or r.shape[0] != 2 or not r.is_contiguous()):
-            raise RuntimeError(f"flashattn: argument 'rng_state' must be a contiguous int64 tensor [seed, offset] on the "
-                               f"CPU or on q's device, got shape {_shape(r)} and dtype {_dtype_name(r.dtype)} on "
-                               f"{r.device}")
+            raise RuntimeError(f"flashattn: argument 'rng_state' must be a contiguous int64 tensor [seed, offset] on "
+                               f"the CPU or on q's device, got shape {_shape(r)} and dtype {_dtype_name(r.dtype)} "
+                               f"on {r.device}")

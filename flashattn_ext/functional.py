@@ -105,7 +105,8 @@ def _sdpa_mask(attn_mask, target, query_dtype):
                          f"in the query's dtype ({query_dtype}) or float32, got dtype {attn_mask.dtype}")
     mask = attn_mask.reshape((1,) * (len(target) - len(shape)) + shape)
     lead = len(target) - 3
-    if lead > 1 and any(mask.shape[i] != target[i] for i in range(lead)) and any(mask.shape[i] != 1 for i in range(lead)):
+    batch_dims = range(lead)
+    if lead > 1 and any(mask.shape[i] != target[i] for i in batch_dims) and any(mask.shape[i] != 1 for i in batch_dims):
         mask = mask.expand(tuple(target[:lead]) + tuple(mask.shape[lead:]))
     return mask
 

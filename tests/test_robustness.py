@@ -187,7 +187,8 @@ def test_varlen_on_meta_tensors_gives_shapes():
 def test_messages_show_the_shapes_the_user_passed(device):
     q = torch.randn(2, 7, 3, 16, device=device)
     k = torch.randn(2, 7, 4, 16, device=device)
-    with pytest.raises(RuntimeError, match=r"argument 'v' has number of heads \(must equal k's\) 3 \(shape \[2, 7, 3, 16\]\) "):
+    with pytest.raises(RuntimeError,
+                       match=r"argument 'v' has number of heads \(must equal k's\) 3 \(shape \[2, 7, 3, 16\]\) "):
         flash_attn_func(q, k, q)
     x = torch.randn(30, 2, 16, device=device)
     cu = torch.tensor([0, 30], dtype=torch.int32, device=device)
