@@ -220,11 +220,8 @@ def plot(rows, impls, out_dir):
         heads_kv = sel[0]["heads_kv"]
         fig.suptitle(f"Decode step, {sel[0]['dtype']}, E={dim}, H={sel[0]['heads']}, Hkv={heads_kv} ({kind})",
                      fontsize=11)
-        fig.tight_layout()
-        path = os.path.join(out_dir, f"decode_{sel[0]['dtype']}_hdim{dim}_{kind}.png")
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(M.save_plot(plt, fig, os.path.join(out_dir, f"decode_{sel[0]['dtype']}_hdim{dim}_{kind}.png"),
+                                 110))
     return paths
 
 

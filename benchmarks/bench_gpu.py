@@ -247,11 +247,8 @@ def plot(rows, impls, out_dir):
                      fontsize=11)
         ax.margins(y=0.12)
         ax.legend(fontsize=8, loc="upper left")
-        fig.tight_layout()
-        path = os.path.join(out_dir, f"gpu_{dtype}_hdim{head_dim}_{'causal' if causal else 'full'}_{ps}.png")
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        paths.append(path)
+        png = f"gpu_{dtype}_hdim{head_dim}_{'causal' if causal else 'full'}_{ps}.png"
+        paths.append(M.save_plot(plt, fig, os.path.join(out_dir, png), 120))
     return paths
 
 

@@ -131,6 +131,14 @@ def pyplot():
     return plt
 
 
+def save_plot(plt, fig, path, dpi):
+    """Lays out, writes and closes fig; returns path."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
 def _sync(device):
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
