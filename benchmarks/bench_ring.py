@@ -77,6 +77,8 @@ def _ring_rows(args, rank, world, device, length, causal):
 
     ms, peak = _measure(run, device, args)
     rows = [dict(impl="ring", ms=ms, peak_bytes=peak)]
+    if args.ring_only:
+        return rows
     start = fd._Ring.start
     fd._Ring.start = lambda ring, tensors, first_tag=0, hops=1: _NoTransfer(tensors)  # the same calls and merges, no communication
     try:
@@ -232,6 +234,8 @@ def main():
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--ring-only", action="store_true",
+                   help="time the ring alone (no communication-free rerun, no torch context_parallel rows)")
     p.add_argument("--trace-dir", default=None, help="write a profiler trace of one ring call per rank and case here")
     p.add_argument("--timeout", type=int, default=300, help="seconds a rank waits in one collective")
     p.add_argument("--quick", action="store_true", help="CPU with gloo, worlds 1,2,4, tiny sizes")
