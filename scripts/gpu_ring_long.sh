@@ -12,3 +12,5 @@ heads=$(( mib > 100000 ? 64 : 40 ))
 common="--lengths 1048576 --heads $heads --causal 1 --single-max 1048576 --warmup 1 --repeats 2 --ring-only"
 python3 benchmarks/bench_ring.py --worlds 4 $common --out "$OUT/ring_1m_w4.json" 2>&1 | tail -5
 timeout 300 python3 benchmarks/bench_ring.py --worlds 1 $common --out "$OUT/ring_1m_w1.json" 2>&1 | tail -5
+# While the build is here: the fp16 tiny-length dK probe (one GPU).
+CUDA_VISIBLE_DEVICES=0 python3 scripts/probe_tiny_fp16.py 300 2>&1 | tee "$OUT/probe_tiny_fp16.txt"
