@@ -420,7 +420,8 @@ Error run_backend(Params& p, const Tensor& q, CpuBytes cpu_bytes, RunCpu run_cpu
   FA_TRY(take_workspace(cuda_bytes(p)));
   void* stream = nullptr;
   FA_TRY(current_cuda_stream(q, stream));
-  run_cuda(p, stream);
+  const std::string failure = run_cuda(p, stream);
+  FA_CHECK(failure.empty(), failure);
   return {};
 #else
   (void)cuda_bytes;
@@ -434,8 +435,8 @@ Error run_backend(Params& p, const Tensor& q, CpuBytes cpu_bytes, RunCpu run_cpu
 #define FLASHATTN_CUDA_FWD cuda::fwd_workspace_bytes, cuda::run_fwd
 #define FLASHATTN_CUDA_BWD cuda::bwd_workspace_bytes, cuda::run_bwd
 #else
-#define FLASHATTN_CUDA_FWD [](const FwdParams&) { return size_t(0); }, [](const FwdParams&, void*) {}
-#define FLASHATTN_CUDA_BWD [](const BwdParams&) { return size_t(0); }, [](const BwdParams&, void*) {}
+#define FLASHATTN_CUDA_FWD [](const FwdParams&) { return size_t(0); }, [](const FwdParams&, void*) { return std::string(); }
+#define FLASHATTN_CUDA_BWD [](const BwdParams&) { return size_t(0); }, [](const BwdParams&, void*) { return std::string(); }
 #endif
 
 // `deterministic` is kept for the backward (autograd passes it on); the forward has no

@@ -1,13 +1,17 @@
 // Entry points of the CUDA backend. Plain C++: included by ops.cpp, which knows no CUDA types.
 #pragma once
+#include <string>
+
 #include "../params.h"
 
 namespace flashattn::cuda {
 
-// `stream` is a cudaStream_t; kernels run on the caller's current device.
+// `stream` is a cudaStream_t; kernels run on the caller's current device. A call is
+// fwd_workspace_bytes then run_fwd (bwd_...: the same); run_* return "" or the first CUDA
+// failure of the call (nothing here throws: see common/check.h).
 size_t fwd_workspace_bytes(const FwdParams& p);
-void run_fwd(const FwdParams& p, void* stream);
+std::string run_fwd(const FwdParams& p, void* stream);
 size_t bwd_workspace_bytes(const BwdParams& p);
-void run_bwd(const BwdParams& p, void* stream);
+std::string run_bwd(const BwdParams& p, void* stream);
 
 }  // namespace flashattn::cuda

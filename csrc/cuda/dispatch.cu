@@ -15,7 +15,6 @@
 
 #include <cstdlib>
 #include <cstring>
-#include <stdexcept>
 #include <string>
 #include <type_traits>
 
@@ -55,14 +54,18 @@ size_t dq_accum_bytes(const BwdParams& p) {
   return size_t(row_major > blocked ? row_major : blocked) * acc_size(p.dtype);
 }
 
-void check_dims(const FwdParams& p) {
-  if (p.head_dim < 1 || p.head_dim > 256 || p.head_dim_v < 1 || p.head_dim_v > 256)
-    throw std::runtime_error("flashattn_ext CUDA backend: head_dim " + std::to_string(p.head_dim) +
-                             " / head_dim_v " + std::to_string(p.head_dim_v) +
-                             " outside the supported 1..256");
-  if (p.heads_kv < 1 || p.heads_q % p.heads_kv != 0)
-    throw std::runtime_error("flashattn_ext CUDA backend: heads_q " + std::to_string(p.heads_q) +
-                             " not a multiple of heads_kv " + std::to_string(p.heads_kv));
+// (ops.cpp checks these first: a failure here is a bug between the layers.)
+bool check_dims(const FwdParams& p) {
+  if (p.head_dim < 1 || p.head_dim > 256 || p.head_dim_v < 1 || p.head_dim_v > 256) {
+    fail("head_dim " + std::to_string(p.head_dim) + " / head_dim_v " + std::to_string(p.head_dim_v) +
+         " outside the supported 1..256");
+    return false;
+  }
+  if (p.heads_kv < 1 || p.heads_q % p.heads_kv != 0) {
+    fail("heads_q " + std::to_string(p.heads_q) + " not a multiple of heads_kv " + std::to_string(p.heads_kv));
+    return false;
+  }
+  return true;
 }
 
 // FLASHATTN_CUDA_KERNELS=simt keeps every dtype on the portable kernels, FMA products only (to
@@ -230,7 +233,8 @@ void bwd_typed(const BwdParams& p, cudaStream_t stream) {
 }  // namespace
 
 size_t fwd_workspace_bytes(const FwdParams& p) {
-  check_dims(p);
+  take_error();  // a new call: nothing recorded yet
+  if (!check_dims(p)) return 0;
   const int64_t e_max = p.head_dim > p.head_dim_v ? p.head_dim : p.head_dim_v;
   size_t bytes = 0;
   auto sm80_bytes = [&](auto elem) {
@@ -246,8 +250,8 @@ size_t fwd_workspace_bytes(const FwdParams& p) {
   return bytes;
 }
 
-void run_fwd(const FwdParams& p, void* stream) {
-  check_dims(p);
+std::string run_fwd(const FwdParams& p, void* stream) {
+  if (failed() || !check_dims(p)) return take_error();
   auto s = static_cast<cudaStream_t>(stream);
   switch (p.dtype) {
     case DType::kFloat64: fwd_typed<double>(p, s); break;
@@ -255,16 +259,21 @@ void run_fwd(const FwdParams& p, void* stream) {
     case DType::kBFloat16: fwd_typed<__nv_bfloat16>(p, s); break;
     case DType::kFloat16: fwd_typed<__half>(p, s); break;
   }
+  return take_error();
 }
 
-size_t bwd_workspace_bytes(const BwdParams& p) { return dkdv_tail_offset(p) + align_up(dkdv_tail_bytes(p)); }
+size_t bwd_workspace_bytes(const BwdParams& p) {
+  take_error();  // a new call: nothing recorded yet
+  return dkdv_tail_offset(p) + align_up(dkdv_tail_bytes(p));
+}
 
-void run_bwd(const BwdParams& p, void* stream) {
-  check_dims(p);
-  if (p.workspace_bytes < bwd_workspace_bytes(p) || p.workspace == nullptr)
-    throw std::runtime_error("flashattn_ext CUDA backend: backward workspace of " +
-                             std::to_string(p.workspace_bytes) + " bytes, needs " +
-                             std::to_string(bwd_workspace_bytes(p)));
+std::string run_bwd(const BwdParams& p, void* stream) {
+  if (failed() || !check_dims(p)) return take_error();
+  if (p.workspace_bytes < bwd_workspace_bytes(p) || p.workspace == nullptr) {
+    fail("backward workspace of " + std::to_string(p.workspace_bytes) + " bytes, needs " +
+         std::to_string(bwd_workspace_bytes(p)));
+    return take_error();
+  }
   auto s = static_cast<cudaStream_t>(stream);
   switch (p.dtype) {
     case DType::kFloat64: bwd_typed<double>(p, s); break;
@@ -272,6 +281,7 @@ void run_bwd(const BwdParams& p, void* stream) {
     case DType::kBFloat16: bwd_typed<__nv_bfloat16>(p, s); break;
     case DType::kFloat16: bwd_typed<__half>(p, s); break;
   }
+  return take_error();
 }
 
 }  // namespace flashattn::cuda

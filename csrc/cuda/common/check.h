@@ -1,23 +1,47 @@
-// Host-side CUDA error checks that throw with a message naming the failing step.
+// Host-side CUDA error checks. A failure is recorded, not thrown: a C++ exception crossing the
+// stable-ABI library kills the process on torch 2.11 (docs/architecture.md). The first failure of
+// a call is kept per thread; run_fwd / run_bwd hand it back to ops.cpp, which raises it in Python.
+// Launchers that meet a failure stop launching where they can; whatever ran after it is discarded
+// with the call.
 #pragma once
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <cstdlib>
-#include <stdexcept>
 #include <string>
+#include <utility>
 
 namespace flashattn::cuda {
 
-inline void check_cuda(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) {
-    throw std::runtime_error(std::string("flashattn_ext CUDA backend: ") + what + " failed: " +
-                             cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")");
-  }
+inline std::string& pending_error() {
+  thread_local std::string error;
+  return error;
+}
+// Records `message` unless an earlier failure of this call is recorded already.
+inline void fail(std::string message) {
+  if (pending_error().empty()) pending_error() = "flashattn_ext CUDA backend: " + std::move(message);
+}
+inline bool failed() { return !pending_error().empty(); }
+// The recorded failure ("" when none), cleared.
+inline std::string take_error() { return std::exchange(pending_error(), std::string()); }
+
+// False (and the failure recorded) when err is not cudaSuccess.
+inline bool check_cuda(cudaError_t err, const char* what) {
+  if (err == cudaSuccess) return true;
+  fail(std::string(what) + " failed: " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")");
+  return false;
+}
+
+// True (and the failure recorded) when a grid of `blocks` blocks is more than CUDA launches.
+inline bool grid_too_large(int64_t blocks, const char* kernel) {
+  if (blocks <= 0x7fffffff) return false;
+  fail(std::string(kernel) + ": a grid of " + std::to_string(blocks) + " blocks, more than 2^31 - 1");
+  return true;
 }
 
 // Launch-time errors (bad configuration, too much shared memory, no kernel image for the arch).
-inline void check_launch(const char* kernel) {
-  check_cuda(cudaGetLastError(), (std::string("launching ") + kernel).c_str());
+inline bool check_launch(const char* kernel) {
+  return check_cuda(cudaGetLastError(), (std::string("launching ") + kernel).c_str());
 }
 
 // The current device and what it offers a block: shared memory (opt-in maximum) and compute
@@ -32,16 +56,18 @@ inline DeviceLimits device_limits() {
   constexpr int kMaxDevices = 64;
   thread_local DeviceLimits cache[kMaxDevices];  // per thread: no locking, no races
   int dev = 0;
-  check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
+  // On a failure: limits that launch nothing big and divide by nothing (the call is failed anyway).
+  if (!check_cuda(cudaGetDevice(&dev), "cudaGetDevice")) return DeviceLimits{0, 0, 0, 1};
   DeviceLimits& d = cache[dev < kMaxDevices ? dev : 0];
   if (d.major == 0 || d.device != dev) {
     int smem = 0, major = 0, sms = 0;
-    check_cuda(cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev),
-               "cudaDeviceGetAttribute(MaxSharedMemoryPerBlockOptin)");
-    check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev),
-               "cudaDeviceGetAttribute(ComputeCapabilityMajor)");
-    check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev),
-               "cudaDeviceGetAttribute(MultiProcessorCount)");
+    const bool ok = check_cuda(cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev),
+                               "cudaDeviceGetAttribute(MaxSharedMemoryPerBlockOptin)") &&
+                    check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev),
+                               "cudaDeviceGetAttribute(ComputeCapabilityMajor)") &&
+                    check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev),
+                               "cudaDeviceGetAttribute(MultiProcessorCount)");
+    if (!ok) return DeviceLimits{dev, 0, 0, 1};  // (not cached: asked again next call)
     // FLASHATTN_CUDA_SMEM_LIMIT caps the shared memory per block the kernels may take, to test
     // on one GPU what runs on GPUs with less (99 KB = 101376 on sm_86/89/120, 163 KB = 166912
     // on sm_80/87).
@@ -63,21 +89,19 @@ int blocks_per_sm(Kernel kernel, int threads, size_t smem) {
   return blocks;
 }
 
-// Opt a kernel into more than 48 KB of dynamic shared memory, with a clear error when the
-// device cannot provide it.
+// Opt a kernel into more than 48 KB of dynamic shared memory; false (a clear failure recorded)
+// when the device cannot provide it.
 template <class Kernel>
-void set_smem(Kernel kernel, size_t bytes, const char* name) {
-  if (bytes <= 48 * 1024) return;
+bool set_smem(Kernel kernel, size_t bytes, const char* name) {
+  if (bytes <= 48 * 1024) return true;
   const DeviceLimits lim = device_limits();
-  const int dev = lim.device;
-  const size_t max_optin = lim.smem_optin;
-  if (bytes > max_optin) {
-    throw std::runtime_error(std::string("flashattn_ext CUDA backend: ") + name + " needs " +
-                             std::to_string(bytes) + " bytes of shared memory per block, device " +
-                             std::to_string(dev) + " allows " + std::to_string(max_optin));
+  if (bytes > lim.smem_optin) {
+    fail(std::string(name) + " needs " + std::to_string(bytes) + " bytes of shared memory per block, device " +
+         std::to_string(lim.device) + " allows " + std::to_string(lim.smem_optin));
+    return false;
   }
-  check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)),
-             (std::string("cudaFuncSetAttribute(") + name + ")").c_str());
+  return check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)),
+                    (std::string("cudaFuncSetAttribute(") + name + ")").c_str());
 }
 
 // blocks_per_sm of kernel `kKernel`, its smem limit set first (set_smem), asked once per device and
@@ -89,7 +113,7 @@ int blocks_per_sm_cached(int threads, size_t smem, const char* name) {
   const int dev = device_limits().device;
   int& n = cache[dev < kMaxDevices ? dev : 0];
   if (n == 0 || dev >= kMaxDevices) {
-    set_smem(kKernel, smem, name);
+    if (!set_smem(kKernel, smem, name)) return 0;
     n = blocks_per_sm(kKernel, threads, smem);
   }
   return n;

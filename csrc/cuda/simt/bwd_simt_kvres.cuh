@@ -387,8 +387,7 @@ bool bwd_dkdv_kvres(const BwdParams& p, const void* dsum, void* dq_accum, cudaSt
   if (Tr::kSmemBytes > device_limits().smem_optin) return false;
   const int64_t num_n_tiles = (p.len_k + Tr::kBlockN - 1) / Tr::kBlockN;
   const int64_t blocks = num_n_tiles * p.heads_kv * p.batch;
-  if (blocks > 0x7fffffff)
-    throw std::runtime_error("flashattn_ext CUDA backend: bwd_dkdv_kvres_kernel grid too large");
+  if (grid_too_large(blocks, "bwd_dkdv_kvres_kernel")) return true;
   const bool vec =
       rows_aligned_x4<T>(p.q, p.q_stride.batch, p.q_stride.head, p.q_stride.row) &&
       rows_aligned_x4<T>(p.k, p.k_stride.batch, p.k_stride.head, p.k_stride.row) &&

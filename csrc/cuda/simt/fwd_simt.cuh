@@ -168,7 +168,7 @@ void fwd(const FwdParams& p, int num_splits, cudaStream_t stream) {
   using Tr = FwdTraits<T, kTier>;
   const int64_t num_m_tiles = (p.len_q + Tr::kBlock - 1) / Tr::kBlock;
   const int64_t blocks = num_m_tiles * num_splits * p.heads_q * p.batch;
-  if (blocks > 0x7fffffff) throw std::runtime_error("flashattn_ext CUDA backend: forward grid too large");
+  if (grid_too_large(blocks, "fwd_simt_kernel")) return;
   auto kernel = p.has_features() ? fwd_simt_kernel<T, kTier, true> : fwd_simt_kernel<T, kTier, false>;
   set_smem(kernel, Tr::kSmemBytes, "fwd_simt_kernel");
   kernel<<<unsigned(blocks), Tr::kThreads, Tr::kSmemBytes, stream>>>(p, int(num_m_tiles), num_splits);

@@ -235,7 +235,7 @@ bool launch_fwd_qres(const FwdParams& p, cudaStream_t stream) {
   if (Tr::kSmemBytes > device_limits().smem_optin) return false;
   const int64_t num_m_tiles = (p.len_q + Tr::kBlockM - 1) / Tr::kBlockM;
   const int64_t blocks = num_m_tiles * p.heads_q * p.batch;
-  if (blocks > 0x7fffffff) throw std::runtime_error("flashattn_ext CUDA backend: forward grid too large");
+  if (grid_too_large(blocks, "fwd_simt_qres_kernel")) return true;
   const bool vec = rows_aligned_x4<T>(p.q, p.q_stride.batch, p.q_stride.head, p.q_stride.row) &&
                    rows_aligned_x4<T>(p.k, p.k_stride.batch, p.k_stride.head, p.k_stride.row) &&
                    rows_aligned_x4<T>(p.v, p.v_stride.batch, p.v_stride.head, p.v_stride.row);

@@ -240,7 +240,7 @@ bool launch_fwd_ws(const FwdParams& p, cudaStream_t stream) {
   // Pairs of query tiles per block where there are blocks for at least two waves even so.
   const bool paired = num_m_tiles * p.heads_q * p.batch >= 4 * int64_t(device_limits().sms);
   const int64_t blocks = (paired ? (num_m_tiles + 1) / 2 : num_m_tiles) * p.heads_q * p.batch;
-  if (blocks > 0x7fffffff) throw std::runtime_error("flashattn_ext CUDA backend: forward grid too large");
+  if (grid_too_large(blocks, "fwd_simt_ws_kernel")) return true;
   const bool vec = rows_aligned_x4<float>(p.q, p.q_stride.batch, p.q_stride.head, p.q_stride.row) &&
                    rows_aligned_x4<float>(p.k, p.k_stride.batch, p.k_stride.head, p.k_stride.row) &&
                    rows_aligned_x4<float>(p.v, p.v_stride.batch, p.v_stride.head, p.v_stride.row);

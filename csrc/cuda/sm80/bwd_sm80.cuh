@@ -22,7 +22,6 @@
 
 #include <cstdint>
 #include <type_traits>
-#include <stdexcept>
 
 #include "../../params.h"
 #include "../common/check.h"

@@ -19,7 +19,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <stdexcept>
 #include <type_traits>
 
 #include "../../common/sequence.h"

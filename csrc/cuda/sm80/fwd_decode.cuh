@@ -16,7 +16,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <stdexcept>
 
 #include "../../common/sequence.h"
 #include "../../params.h"
@@ -370,7 +369,8 @@ struct DecodeLaunch {
     parts = parts < tiles / kDecodeMinPartTiles ? parts : tiles / kDecodeMinPartTiles;
     parts = parts < kDecodeMaxParts ? parts : kDecodeMaxParts;
     grid.parts = parts > 1 ? int(parts) : 1;
-    if (walks * grid.parts > 0x7fffffff) throw std::runtime_error("flashattn_ext CUDA backend: decode grid too large");
+    if (walks * grid.parts > 0x7fffffff) grid.parts = 1;
+    if (walks > 0x7fffffff) usable = false;  // (the kernels that take the call then check their own grids)
   }
   size_t counter_bytes() const { return (size_t(walks) * sizeof(unsigned) + 255) / 256 * 256; }
   size_t workspace_bytes() const {

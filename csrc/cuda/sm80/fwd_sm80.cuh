@@ -17,7 +17,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <stdexcept>
 
 #include "../../params.h"
 #include "../common/band_mask.cuh"
@@ -554,10 +553,10 @@ struct FwdLaunch {
     // not fit (fp64 at dim 128), the portable kernel serves the call.
     smem = Cfg::kSmemBytes + 2 * size_t(bias_tile_layout<Cfg::kBM, Cfg::kBN>(p).buffer_bytes());
     if (!tensor_cores_usable(smem)) return;
-    usable = true;
     num_m_tiles = (p.len_q + Cfg::kBM - 1) / Cfg::kBM;
     blocks = num_m_tiles * p.heads_q * p.batch;
-    if (blocks > 0x7fffffff) throw std::runtime_error("flashattn_ext CUDA backend: forward grid too large");
+    if (grid_too_large(blocks, "sm80::fwd_kernel")) return;
+    usable = true;
     set_smem(kernel, smem, "sm80::fwd_kernel");
     constexpr bool kSplits = Cfg::kKeySplit || Cfg::kSplitKernel;
     if (!kFeatures && (p.causal || kSplits)) per_sm = plain_blocks_per_sm();

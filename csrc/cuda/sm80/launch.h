@@ -7,7 +7,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <stdexcept>
 
 #include "../../params.h"
 
@@ -102,7 +101,7 @@ void for_key_tile_rounds(const BwdParams& p, int kBN, const DqAccum& accum, Laun
   const int64_t tiles = (p.len_k + kBN - 1) / kBN;
   const int64_t groups = accum.slices > 0 && accum.slices < tiles ? accum.slices : tiles;
   const int64_t blocks = groups * p.heads_kv * p.batch;
-  if (blocks > 0x7fffffff) throw std::runtime_error("flashattn_ext CUDA backend: backward grid too large");
+  if (grid_too_large(blocks, "sm80 backward")) return;
   for (int64_t first = 0; first < tiles; first += groups) launch(unsigned(blocks), KeyTileRound{int(groups), int(first)});
 }
 

@@ -13,7 +13,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <stdexcept>
 
 #include "../sm80/causal_order.cuh"
 #include "../sm80/dq_atomics.cuh"

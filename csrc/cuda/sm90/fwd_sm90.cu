@@ -138,7 +138,10 @@ FwdGrid fwd_grid(const FwdParams& p) {
   FwdGrid g{};
   const int64_t num_m_tiles = (p.len_q + Cfg::kBM - 1) / Cfg::kBM;
   g.blocks = num_m_tiles * p.heads_q * p.batch;
-  if (g.blocks > 0x7fffffff) throw std::runtime_error("flashattn_ext CUDA backend: forward grid too large");
+  if (grid_too_large(g.blocks, "sm90 forward")) {
+    g.blocks = 0;  // (an empty grid fails to launch: the failure above is the one reported)
+    return g;
+  }
   g.num_m_tiles = int(num_m_tiles);
   g.per_sm = blocks_per_sm_cached<kKernel>(Cfg::kThreads, Cfg::kSmemBytes, "sm90 forward");
   if (p.causal) g.order = sm80::plan_heavy_last(g.blocks, num_m_tiles, g.per_sm);

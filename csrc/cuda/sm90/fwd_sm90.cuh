@@ -15,7 +15,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <stdexcept>
 
 #include "../../common/sequence.h"
 #include "../../params.h"
