@@ -253,8 +253,10 @@ struct Features {
   std::optional<Tensor> rng_state;
   std::optional<Tensor> cu_seqlens_q, cu_seqlens_k;
   int64_t max_seqlen_q = 0, max_seqlen_k = 0;
+  std::optional<Tensor> seqused_k, leftpad_k;
 
   bool varlen() const { return cu_seqlens_q.has_value() || cu_seqlens_k.has_value(); }
+  bool key_ranges() const { return seqused_k.has_value() || leftpad_k.has_value(); }
 };
 
 // Both on the CPU, or both on one CUDA device (a meta tensor is on neither).
@@ -289,6 +291,46 @@ Error check_cu_seqlens(const Tensor& cu, const char* name, const Tensor& q, int6
            total, ", got ", c[cu.size(0) - 1]);
   FA_CHECK(max_seqlen >= longest, "flashattn: argument '", max_name, "' (", max_seqlen,
            ") is smaller than the longest sequence in '", name, "' (", longest, ")");
+  return {};
+}
+
+// Checks seqused_k or leftpad_k: int32 (batch,) on q's device.
+Error check_key_range_tensor(const Tensor& t, const char* name, const Tensor& q, int64_t batch) {
+  FA_CHECK(t.scalar_type() == ScalarType::Int, "flashattn: argument '", name, "' must have dtype int32, got ",
+           dtype_name(t.scalar_type()));
+  FA_CHECK(t.dim() == 1 && t.size(0) == batch && t.is_contiguous(), "flashattn: argument '", name,
+           "' must be a contiguous 1-D tensor of shape [", batch, "] (batch), got shape ", shape_str(t));
+  FA_CHECK(same_device(t, q), "flashattn: argument '", name, "' is on device ", device_str(t), " but 'q' is on ",
+           device_str(q), "; they must be on the same device");
+  return {};
+}
+
+// Per-sequence key ranges of a padded batch: sequence b's keys are rows [leftpad_k[b], seqused_k[b])
+// of k / v. CPU values are checked here (0 <= leftpad_k[b] <= seqused_k[b] <= len_k); CUDA ones
+// are never read on the host (a decode step never waits for the device, and a CUDA graph can
+// capture it): sequence() clamps them into that range where the kernels read them.
+Error check_and_fill_key_ranges(FwdParams& p, const Features& f, const Tensor& q, const Dims& d, int64_t causal) {
+  FA_CHECK(f.seqused_k.has_value(), "flashattn: argument 'leftpad_k' needs 'seqused_k' (the end of each "
+           "sequence's keys)");
+  FA_CHECK(!f.varlen(), "flashattn: 'seqused_k' / 'leftpad_k' describe a padded batch; they cannot be combined "
+           "with cu_seqlens (a variable-length batch)");
+  FA_CHECK(!f.attn_bias.has_value(), "flashattn: the combination attn_bias + seqused_k (per-sequence key ranges) "
+           "is not supported; mask the keys in the bias instead");
+  FA_TRY(check_key_range_tensor(*f.seqused_k, "seqused_k", q, d.batch));
+  if (f.leftpad_k.has_value()) FA_TRY(check_key_range_tensor(*f.leftpad_k, "leftpad_k", q, d.batch));
+  const int32_t* used = static_cast<const int32_t*>(f.seqused_k->const_data_ptr());
+  const int32_t* pad = f.leftpad_k.has_value() ? static_cast<const int32_t*>(f.leftpad_k->const_data_ptr()) : nullptr;
+  if (q.is_cpu()) {
+    for (int64_t b = 0; b < d.batch; ++b) {
+      const int64_t lo = pad ? pad[b] : 0;
+      FA_CHECK(0 <= lo && lo <= used[b] && used[b] <= d.len_k, "flashattn: sequence ", b, " has leftpad_k = ", lo,
+               " and seqused_k = ", used[b], "; they must satisfy 0 <= leftpad_k <= seqused_k <= the keys of k (",
+               d.len_k, ")");
+    }
+  }
+  p.seqused_k = used;
+  p.leftpad_k = pad;
+  p.causal_bottom_right = causal == kCausalBottomRight;
   return {};
 }
 
@@ -333,6 +375,7 @@ Error check_and_fill_features(FwdParams& p, const Features& f, const Tensor& q, 
     p.len_k = std::min(f.max_seqlen_k, d.len_k);
     p.causal_bottom_right = causal == kCausalBottomRight;
   }
+  if (f.key_ranges()) FA_TRY(check_and_fill_key_ranges(p, f, q, d, causal));
 
   if (f.alibi_slopes.has_value()) {
     const Tensor& a = *f.alibi_slopes;
@@ -474,6 +517,8 @@ Error bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, std
   FA_TRY(check_and_fill_features(p, f, q, d, causal));
   FA_CHECK(!bias_requires_grad || p.bias_kind == BiasKind::kFloat, "flashattn: bias_requires_grad needs a "
            "float 'attn_bias'");
+  FA_CHECK(!p.has_key_ranges(), "flashattn: the backward of a call with 'seqused_k' / 'leftpad_k' (per-sequence "
+           "key ranges) is not supported: such calls are forward only (decode steps)");
   FA_TRY(check_attn_tensor(dout, "dout"));
   FA_TRY(check_attn_tensor(out, "out"));
   FA_TRY(check_same_device_dtype(q, "q", dout, "dout"));
@@ -573,10 +618,10 @@ std::tuple<Tensor, Tensor, std::string> fwd_op(
     Tensor q, Tensor k, Tensor v, double scale, int64_t causal, bool deterministic, std::optional<Tensor> attn_bias,
     int64_t window_left, int64_t window_right, std::optional<Tensor> alibi_slopes, double softcap, double dropout_p,
     std::optional<Tensor> rng_state, std::optional<Tensor> cu_seqlens_q, std::optional<Tensor> cu_seqlens_k,
-    int64_t max_seqlen_q, int64_t max_seqlen_k) {
+    int64_t max_seqlen_q, int64_t max_seqlen_k, std::optional<Tensor> seqused_k, std::optional<Tensor> leftpad_k) {
   (void)deterministic;
   const Features f{attn_bias, window_left, window_right, alibi_slopes, softcap, dropout_p, rng_state,
-                   cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k};
+                   cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, leftpad_k};
   Tensor out = q, lse = q;
   std::string error = guarded([&] { return fwd(q, k, v, scale, causal, f, out, lse); });
   return {out, lse, error};
@@ -587,9 +632,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, std::string> bwd_op(
     int64_t causal, bool deterministic, std::optional<Tensor> attn_bias, int64_t window_left, int64_t window_right,
     std::optional<Tensor> alibi_slopes, double softcap, double dropout_p, std::optional<Tensor> rng_state,
     std::optional<Tensor> cu_seqlens_q, std::optional<Tensor> cu_seqlens_k, int64_t max_seqlen_q,
-    int64_t max_seqlen_k, bool bias_requires_grad) {
+    int64_t max_seqlen_k, std::optional<Tensor> seqused_k, std::optional<Tensor> leftpad_k, bool bias_requires_grad) {
   const Features f{attn_bias, window_left, window_right, alibi_slopes, softcap, dropout_p, rng_state,
-                   cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k};
+                   cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, leftpad_k};
   Tensor dq = q, dk = q, dv = q, dbias = q;
   std::string error = guarded([&] {
     return bwd(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, f, bias_requires_grad, dq, dk, dv, dbias);
@@ -611,13 +656,13 @@ std::tuple<Tensor, std::string> dropout_mask_op(Tensor rng_state, int64_t batch,
   "Tensor q, Tensor k, Tensor v, float scale, int causal, bool deterministic=False, Tensor? attn_bias=None, "   \
   "int window_left=-1, int window_right=-1, Tensor? alibi_slopes=None, float softcap=0.0, float dropout_p=0.0, " \
   "Tensor? rng_state=None, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, int max_seqlen_q=0, "          \
-  "int max_seqlen_k=0"
+  "int max_seqlen_k=0, Tensor? seqused_k=None, Tensor? leftpad_k=None"
 #define FLASHATTN_BWD_ARGS                                                                                        \
   "Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, float scale, int causal, "   \
   "bool deterministic, Tensor? attn_bias=None, int window_left=-1, int window_right=-1, "                        \
   "Tensor? alibi_slopes=None, float softcap=0.0, float dropout_p=0.0, Tensor? rng_state=None, "                  \
   "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, int max_seqlen_q=0, int max_seqlen_k=0, "              \
-  "bool bias_requires_grad=False"
+  "Tensor? seqused_k=None, Tensor? leftpad_k=None, bool bias_requires_grad=False"
 
 // fwd, bwd and dropout_mask are the public ops; their CPU and CUDA kernels are registered in
 // flashattn_ext/ops.py, which calls the underscored kernels below and raises their errors.

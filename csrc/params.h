@@ -91,6 +91,16 @@ struct FwdParams {
   int64_t total_q = 0, total_k = 0;
   bool causal_bottom_right = false;
 
+  // Per-sequence key ranges of a padded batch (seqused_k != null; int32 (batch,), on the tensors'
+  // device), flash-attn's seqused_k / leftpad_k: sequence b's keys are rows
+  // [leftpad_k[b], seqused_k[b]) of k / v (from row 0 when leftpad_k is null), so its own key
+  // length is seqused_k[b] - leftpad_k[b], and causal (bottom-right when causal_bottom_right),
+  // window and ALiBi are aligned against that length. `len_k` stays the rows of k / v (the longest
+  // possible sequence, which sizes grids and splits: the values are never read on the host).
+  // Clamped where read (sequence()) to 0 <= leftpad_k <= seqused_k <= len_k.
+  const int32_t* seqused_k = nullptr;
+  const int32_t* leftpad_k = nullptr;
+
   // Scratch of `workspace_bytes` bytes, as the backend's fwd_workspace_bytes / bwd_workspace_bytes
   // asked for (none: null); its contents on entry are undefined.
   void* workspace = nullptr;
@@ -99,11 +109,14 @@ struct FwdParams {
   int64_t group() const { return heads_q / heads_kv; }  // query heads per kv head (GQA)
   bool has_window() const { return window_left >= 0 || window_right >= 0; }
   bool is_varlen() const { return cu_seqlens_q != nullptr; }
-  // True when any optional feature is on (backends without them take this as "not mine").
-  bool has_features() const {
+  bool has_key_ranges() const { return seqused_k != nullptr; }
+  // Any optional feature but the per-sequence key ranges (the decode kernel takes those alone).
+  bool has_features_beyond_key_ranges() const {
     return bias_kind != BiasKind::kNone || has_window() || alibi_slopes != nullptr || softcap > 0.0 ||
            dropout_p > 0.0 || is_varlen();
   }
+  // True when any optional feature is on (backends without them take this as "not mine").
+  bool has_features() const { return has_features_beyond_key_ranges() || has_key_ranges(); }
 };
 
 // The backends are only called with batch, heads, len_q and len_k all >= 1;

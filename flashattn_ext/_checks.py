@@ -138,9 +138,40 @@ def check_cu_seqlens_values(cu, name, total, max_seqlen, max_name):
                            f"in '{name}' ({longest})")
 
 
+def refuse_key_ranges_in_backward(seqused_k, leftpad_k):
+    if seqused_k is not None or leftpad_k is not None:
+        raise RuntimeError("flashattn: the backward of a call with 'seqused_k' / 'leftpad_k' (per-sequence key "
+                           "ranges) is not supported: such calls are forward only (decode steps)")
+
+
+def _check_key_range_meta(t, name, q, batch):
+    if t.dtype != torch.int32:
+        raise RuntimeError(f"flashattn: argument '{name}' must have dtype int32, got {_dtype_name(t.dtype)}")
+    if t.dim() != 1 or t.shape[0] != batch or not t.is_contiguous():
+        raise RuntimeError(f"flashattn: argument '{name}' must be a contiguous 1-D tensor of shape [{batch}] (batch), "
+                           f"got shape {_shape(t)}")
+    if not _same_device(t, q):
+        raise RuntimeError(f"flashattn: argument '{name}' is on device {t.device} but 'q' is on {q.device}; they "
+                           f"must be on the same device")
+
+
+def _check_key_ranges(q, seqused_k, leftpad_k, attn_bias, varlen):
+    if seqused_k is None:
+        raise RuntimeError("flashattn: argument 'leftpad_k' needs 'seqused_k' (the end of each sequence's keys)")
+    if varlen:
+        raise RuntimeError("flashattn: 'seqused_k' / 'leftpad_k' describe a padded batch; they cannot be combined "
+                           "with cu_seqlens (a variable-length batch)")
+    if attn_bias is not None:
+        raise RuntimeError("flashattn: the combination attn_bias + seqused_k (per-sequence key ranges) is not "
+                           "supported; mask the keys in the bias instead")
+    _check_key_range_meta(seqused_k, "seqused_k", q, q.shape[0])
+    if leftpad_k is not None:
+        _check_key_range_meta(leftpad_k, "leftpad_k", q, q.shape[0])
+
+
 def check_features(q, k, causal, attn_bias=None, window_left=-1, window_right=-1, alibi_slopes=None, softcap=0.0,
                    dropout_p=0.0, rng_state=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0,
-                   max_seqlen_k=0):
+                   max_seqlen_k=0, seqused_k=None, leftpad_k=None):
     """The checks of check_and_fill_features in csrc/ops.cpp that need no tensor values
     (q, k already passed check_fwd_args)."""
     if window_left < -1 or window_right < -1:
@@ -165,6 +196,8 @@ def check_features(q, k, causal, attn_bias=None, window_left=-1, window_right=-1
         _check_cu_seqlens_meta(cu_seqlens_q, "cu_seqlens_q", q, n)
         _check_cu_seqlens_meta(cu_seqlens_k, "cu_seqlens_k", q, n)
         batch = n - 1
+    if seqused_k is not None or leftpad_k is not None:
+        _check_key_ranges(q, seqused_k, leftpad_k, attn_bias, cu_seqlens_q is not None or cu_seqlens_k is not None)
     if alibi_slopes is not None:
         a = alibi_slopes
         if not ((a.dim() == 1 and a.shape[0] == heads_q) or (a.dim() == 2 and tuple(a.shape) == (batch, heads_q))):

@@ -11,6 +11,12 @@ Optional features of both ops (keyword arguments; each default is "off"):
                  CPU or on q's device (read there by the kernels: graph-capture safe)
   cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k   variable-length batch: q, k, v are
                  (1, heads, total, dim) views, lse is (1, heads_q, total_q)
+  seqused_k, leftpad_k        per-sequence key ranges of a padded batch, int32 (batch,): sequence b's
+                 keys are rows leftpad_k[b] <= j < seqused_k[b] of k, v (leftpad_k None: from 0);
+                 causal (bottom-right), window and ALiBi align against that length. CPU values
+                 must satisfy 0 <= leftpad_k <= seqused_k <= len_k; CUDA values are never read
+                 on the host (no wait for the device: decode steps, CUDA graphs) and are clamped
+                 into that range where the kernels read them. Forward only: a backward raises.
 flashattn::bwd also takes bias_requires_grad and returns the bias gradient as a fourth tensor.
 
 The C++ library defines the ops and registers, for CPU and CUDA, the underscored kernels _fwd,
@@ -23,17 +29,20 @@ tensor subclasses)."""
 import torch
 
 from . import _C  # noqa: F401  (loading the library registers the ops)
-from ._checks import check_cu_seqlens_values, check_features, check_fwd_args, check_same_device
+from ._checks import (check_cu_seqlens_values, check_features, check_fwd_args, check_same_device,
+                      refuse_key_ranges_in_backward)
 
 CAUSAL_NONE, CAUSAL_TOP_LEFT, CAUSAL_BOTTOM_RIGHT = 0, 1, 2
 
 # The feature arguments shared by fwd and bwd, in schema order, with their defaults.
 FEATURES = (("attn_bias", None), ("window_left", -1), ("window_right", -1), ("alibi_slopes", None),
             ("softcap", 0.0), ("dropout_p", 0.0), ("rng_state", None), ("cu_seqlens_q", None),
-            ("cu_seqlens_k", None), ("max_seqlen_q", 0), ("max_seqlen_k", 0))
+            ("cu_seqlens_k", None), ("max_seqlen_q", 0), ("max_seqlen_k", 0), ("seqused_k", None),
+            ("leftpad_k", None))
 _FEATURES_OFF = tuple(default for _, default in FEATURES)
 _N_FIXED_FWD_ARGS = 6  # q, k, v, scale, causal, deterministic
 _BIAS_INDEX = _N_FIXED_FWD_ARGS  # attn_bias is the first feature argument
+_CU_SEQLENS_Q, _SEQUSED_K = 7, 11  # indices of cu_seqlens_q and seqused_k among the features
 
 
 def _lse_dtype(dtype):
@@ -98,19 +107,21 @@ def _check_cu_seqlens_on_device(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
 
 def _fwd_kernel(q, k, v, scale, causal, deterministic=False, attn_bias=None, window_left=-1, window_right=-1,
                 alibi_slopes=None, softcap=0.0, dropout_p=0.0, rng_state=None, cu_seqlens_q=None, cu_seqlens_k=None,
-                max_seqlen_q=0, max_seqlen_k=0):
+                max_seqlen_q=0, max_seqlen_k=0, seqused_k=None, leftpad_k=None):
     _check_cu_seqlens_on_device(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return run_fwd(q, k, v, scale, causal, deterministic, attn_bias, window_left, window_right, alibi_slopes, softcap,
-                   dropout_p, rng_state, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+                   dropout_p, rng_state, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, leftpad_k)
 
 
 def _bwd_kernel(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, attn_bias=None, window_left=-1,
                 window_right=-1, alibi_slopes=None, softcap=0.0, dropout_p=0.0, rng_state=None, cu_seqlens_q=None,
-                cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, bias_requires_grad=False):
+                cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, seqused_k=None, leftpad_k=None,
+                bias_requires_grad=False):
+    refuse_key_ranges_in_backward(seqused_k, leftpad_k)
     _check_cu_seqlens_on_device(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return run_bwd(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, attn_bias, window_left, window_right,
                    alibi_slopes, softcap, dropout_p, rng_state, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                   bias_requires_grad)
+                   None, None, bias_requires_grad)
 
 
 def _dropout_mask_kernel(rng_state, batch, heads, len_q, len_k, dropout_p):
@@ -167,10 +178,10 @@ def dropout_mask(rng_state, batch, heads, len_q, len_k, dropout_p):
 @torch.library.register_fake("flashattn::fwd")
 def _fwd_fake(q, k, v, scale, causal, deterministic=False, attn_bias=None, window_left=-1, window_right=-1,
               alibi_slopes=None, softcap=0.0, dropout_p=0.0, rng_state=None, cu_seqlens_q=None, cu_seqlens_k=None,
-              max_seqlen_q=0, max_seqlen_k=0):
+              max_seqlen_q=0, max_seqlen_k=0, seqused_k=None, leftpad_k=None):
     check_fwd_args(q, k, v, causal)
     check_features(q, k, causal, attn_bias, window_left, window_right, alibi_slopes, softcap, dropout_p, rng_state,
-                   cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+                   cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, leftpad_k)
     out = _empty_like_layout(q, q.shape[1], q.shape[2], v.shape[3])
     lse = q.new_empty((q.shape[0], q.shape[1], q.shape[2]), dtype=_lse_dtype(q.dtype))
     return out, lse
@@ -179,7 +190,9 @@ def _fwd_fake(q, k, v, scale, causal, deterministic=False, attn_bias=None, windo
 @torch.library.register_fake("flashattn::bwd")
 def _bwd_fake(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, attn_bias=None, window_left=-1,
               window_right=-1, alibi_slopes=None, softcap=0.0, dropout_p=0.0, rng_state=None, cu_seqlens_q=None,
-              cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, bias_requires_grad=False):
+              cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, seqused_k=None, leftpad_k=None,
+              bias_requires_grad=False):
+    refuse_key_ranges_in_backward(seqused_k, leftpad_k)
     check_same_device(q=q, k=k, v=v, dout=dout, out=out, lse=lse, dlse=dlse)
     dbias = q.new_empty((q.shape[0] if bias_requires_grad else 0, q.shape[1], q.shape[2], k.shape[2]),
                         dtype=_lse_dtype(q.dtype))
@@ -219,6 +232,7 @@ def _gradients(ctx, dout, dlse, bias_needs_grad):
     features = list(ctx.features)
     for i, t in zip(ctx.tensor_slots, tensors):
         features[i] = t
+    refuse_key_ranges_in_backward(features[_SEQUSED_K], features[_SEQUSED_K + 1])
     bias = features[0]  # attn_bias
     bias_grad = bias is not None and bias.is_floating_point() and bias_needs_grad
     if dout is None:
@@ -328,8 +342,8 @@ def fwd(q, k, v, scale, causal, deterministic=False, **features):
         values = (bias,) + values[1:]
     if not _eager(q):
         return torch.ops.flashattn.fwd.default(q, k, v, scale, causal, deterministic, *values)
-    if values[7] is not None:  # cu_seqlens_q: CUDA offsets are checked in Python (see _fwd_kernel)
-        _check_cu_seqlens_on_device(q, k, *values[7:11])
+    if values[_CU_SEQLENS_Q] is not None:  # CUDA offsets are checked in Python (see _fwd_kernel)
+        _check_cu_seqlens_on_device(q, k, *values[_CU_SEQLENS_Q:_CU_SEQLENS_Q + 4])
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (
             bias is not None and bias.requires_grad)):
         function = _FwdWithGradForTransforms if _transforms_active() else _FwdWithGrad

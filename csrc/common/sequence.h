@@ -1,6 +1,7 @@
 // One sequence of the batch, as every backend sees it: where its rows sit in the tensors, its
 // lengths, and the band of keys each of its query rows sees. Padded batches: tensor batch b,
-// rows from 0. Variable-length batches: tensor batch 0, rows from the cumulative lengths.
+// rows from 0, or with per-sequence key ranges (seqused_k, leftpad_k) keys from leftpad_k[b].
+// Variable-length batches: tensor batch 0, rows from the cumulative lengths.
 // Positions used for masks, ALiBi and dropout are those within the sequence.
 #pragma once
 #include <cstdint>
@@ -76,6 +77,11 @@ FLASHATTN_HD Seq sequence(const FwdParams& p, int64_t b) {
     s.len_q = p.len_q;
     s.len_k = p.len_k;
     s.rows_per_head = p.len_q;
+    if (p.seqused_k) {
+      s.k0 = p.leftpad_k ? clamp_to(p.leftpad_k[b], 0, p.len_k) : 0;
+      s.len_k = clamp_to(p.seqused_k[b], s.k0, p.len_k) - s.k0;
+      causal_offset = p.causal_bottom_right ? s.len_k - s.len_q : 0;
+    }
   }
   s.band = make_band(p.causal, causal_offset, p.window_left, p.window_right, s.len_q, s.len_k);
   return s;
