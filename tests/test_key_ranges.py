@@ -1,0 +1,177 @@
+"""flashattn::fwd with per-sequence key ranges (seqused_k, leftpad_k) of a padded batch: each
+sequence b attends to rows leftpad_k[b] <= j < seqused_k[b] of k / v, with causal, window and
+ALiBi aligned against its own length. Compared, sequence by sequence, with the float64 feature
+reference on exactly those keys (DESIGN §4): lengths 0, 1, ragged and full, left padding,
+GQA / MQA, 1..16 query rows, every dtype. Plus argument errors, the refusal of the backward,
+opcheck, and, on CUDA, values out of range (never read on the host: clamped by the kernels)."""
+import pytest
+import torch
+
+from feature_reference import attention_ref
+from flashattn_ext._measure import REL_ATOL
+from flashattn_ext.functional import checked_fwd
+from reference import BOTTOM_RIGHT, NONE, TOP_LEFT, assert_accurate, lse_dtype
+
+op = torch.ops.flashattn.fwd
+DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+LEN_K = 80  # rows of k / v: the longest possible sequence
+
+
+def _make(device, dtype, batch, heads_q, heads_kv, len_q, dim=32, len_k=LEN_K):
+    make = lambda *shape: torch.randn(*shape, dtype=torch.float32).to(dtype).to(device)  # noqa: E731
+    # The flash-attn layout (batch, len, heads, dim) viewed as (batch, heads, len, dim), as callers pass it.
+    return (make(batch, len_q, heads_q, dim).transpose(1, 2), make(batch, len_k, heads_kv, dim).transpose(1, 2),
+            make(batch, len_k, heads_kv, dim).transpose(1, 2))
+
+
+def _reference(q, k, v, used, pad, scale, causal, window, alibi, softcap):
+    """(out, lse) in q's dtype, sequence by sequence on its keys only."""
+    outs, lses = [], []
+    for b, (end, lo) in enumerate(zip(used, pad)):
+        slopes = None if alibi is None else (alibi if alibi.dim() == 1 else alibi[b])
+        out, lse = attention_ref(q[b:b + 1], k[b:b + 1, :, lo:end], v[b:b + 1, :, lo:end], scale, causal,
+                                 window=window, alibi=slopes, softcap=softcap)
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)
+
+
+def check(device, dtype, used, pad=None, heads_q=4, heads_kv=2, len_q=1, causal=BOTTOM_RIGHT, window=(-1, -1),
+          alibi=False, softcap=0.0, len_k=LEN_K):
+    batch = len(used)
+    q, k, v = _make(device, dtype, batch, heads_q, heads_kv, len_q, len_k=len_k)
+    slopes = 0.3 * torch.rand(batch, heads_q, device=device) if alibi else None
+    features = dict(seqused_k=torch.tensor(used, dtype=torch.int32, device=device),
+                    window_left=window[0], window_right=window[1], alibi_slopes=slopes, softcap=softcap)
+    if pad is not None:
+        features["leftpad_k"] = torch.tensor(pad, dtype=torch.int32, device=device)
+    out, lse = checked_fwd(q, k, v, 0.25, causal, **features)
+    pad = pad or [0] * batch
+    cpu = [t.cpu() for t in (q, k, v)]
+    slopes = None if slopes is None else slopes.cpu()
+    expected = _reference(*(t.double() for t in cpu), used, pad, 0.25, causal, window, slopes, softcap)
+    same = _reference(*cpu, used, pad, 0.25, causal, window, slopes, softcap)
+    assert out.shape == q.shape and lse.shape == q.shape[:3]
+    assert_accurate("out", out.cpu(), expected[0], same[0], REL_ATOL[dtype])
+    assert_accurate("lse", lse.cpu(), expected[1], same[1], REL_ATOL[lse_dtype(dtype)])
+
+
+CASES = {
+    "ragged_decode": dict(used=[0, 1, 37, LEN_K]),
+    "ragged_rows_causal": dict(used=[5, 64, 1, LEN_K], len_q=5),
+    "leftpad": dict(used=[9, LEN_K, 30], pad=[3, 17, 30], len_q=2),
+    "mqa_16_rows": dict(used=[16, 70], heads_q=4, heads_kv=1, len_q=16),
+    "mha_no_causal": dict(used=[33, 2], heads_kv=4, len_q=3, causal=NONE),
+    "top_left": dict(used=[20, 7], len_q=4, causal=TOP_LEFT),
+    "window_alibi_softcap": dict(used=[50, 12, LEN_K], pad=[4, 0, 10], len_q=3, window=(9, 1), alibi=True,
+                                 softcap=2.0),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_key_ranges_fp32(device, case):
+    check(device, torch.float32, **CASES[case])
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize("case", ["ragged_decode", "leftpad", "mqa_16_rows"])
+def test_key_ranges_dtypes(device, dtype, case):
+    check(device, dtype, **CASES[case])
+
+
+def test_long_keys_split(device):
+    """Enough keys that the CUDA decode kernel cuts them into parts, some of which hold no key
+    of the short sequences (sized from the rows of k, since the values are not read)."""
+    check(device, torch.bfloat16, used=[4096, 70, 0, 1500], pad=[0, 3, 0, 1000], heads_q=8, heads_kv=1, len_k=4096)
+
+
+# ---- arguments ----
+
+def _args(device="cpu", batch=2):
+    q, k, v = _make(device, torch.float32, batch, 2, 2, 3)
+    return q, k, v
+
+
+def _i32(*values, dtype=torch.int32):
+    return torch.tensor(values, dtype=dtype)
+
+
+BAD = [
+    (dict(seqused_k=_i32(4, 5, dtype=torch.int64)), r"argument 'seqused_k' must have dtype int32, got int64"),
+    (dict(seqused_k=_i32(4)), r"argument 'seqused_k' must be a contiguous 1-D tensor of shape \[2\] \(batch\), "
+                              r"got shape \[1\]"),
+    (dict(seqused_k=_i32(4, 5, 6)[::2]), r"argument 'seqused_k' must be a contiguous 1-D tensor"),
+    (dict(seqused_k=_i32(4, 5), leftpad_k=_i32(1, 1, 1)), r"argument 'leftpad_k' must be a contiguous 1-D tensor of "
+                                                         r"shape \[2\]"),
+    (dict(seqused_k=torch.ones(2, dtype=torch.int32, device="meta")), r"argument 'seqused_k' is on device meta"),
+    (dict(leftpad_k=_i32(1, 1)), r"argument 'leftpad_k' needs 'seqused_k'"),
+    (dict(seqused_k=_i32(4, 5), attn_bias=torch.ones(2, 1, 3, LEN_K, dtype=torch.bool)),
+     r"the combination attn_bias \+ seqused_k \(per-sequence key ranges\) is not supported"),
+]
+
+
+@pytest.mark.parametrize("features,match", BAD, ids=["int64", "shape", "strided", "pad_shape", "meta", "pad_alone",
+                                                     "with_bias"])
+@pytest.mark.parametrize("path", ["python", "op"])
+def test_bad_arguments(features, match, path):
+    """Through the public checks (Python) and the op itself (C++ checks, after the fake kernel's)."""
+    q, k, v = _args()
+    fn = checked_fwd if path == "python" else op
+    with pytest.raises(RuntimeError, match=match):
+        fn(q, k, v, 0.5, BOTTOM_RIGHT, **features)
+
+
+def test_with_cu_seqlens_is_an_error():
+    q, k, v = _args(batch=1)
+    cu = _i32(0, 3)
+    with pytest.raises(RuntimeError, match=r"'seqused_k' / 'leftpad_k' describe a padded batch; they cannot be "
+                                           r"combined with cu_seqlens"):
+        checked_fwd(q, k, v, 0.5, NONE, cu_seqlens_q=cu, cu_seqlens_k=_i32(0, LEN_K), max_seqlen_q=3,
+                    max_seqlen_k=LEN_K, seqused_k=_i32(4))
+
+
+@pytest.mark.parametrize("used,pad,match", [
+    ((4, LEN_K + 1), None, rf"sequence 1 has leftpad_k = 0 and seqused_k = {LEN_K + 1}; they must satisfy "
+                           rf"0 <= leftpad_k <= seqused_k <= the keys of k \({LEN_K}\)"),
+    ((-1, 4), None, r"sequence 0 has leftpad_k = 0 and seqused_k = -1"),
+    ((4, 9), (5, 0), r"sequence 0 has leftpad_k = 5 and seqused_k = 4"),
+    ((4, 9), (0, -2), r"sequence 1 has leftpad_k = -2 and seqused_k = 9"),
+], ids=["past_end", "negative", "pad_past_used", "negative_pad"])
+def test_bad_cpu_values(used, pad, match):
+    """CPU values are read and checked (a CUDA call never reads them: see the next test)."""
+    q, k, v = _args()
+    features = dict(seqused_k=_i32(*used), leftpad_k=None if pad is None else _i32(*pad))
+    with pytest.raises(RuntimeError, match=match):
+        checked_fwd(q, k, v, 0.5, BOTTOM_RIGHT, **features)
+
+
+def test_unchecked_device_values_are_clamped():
+    """On CUDA values are never read on the host: out of range, they are clamped into
+    0 <= leftpad_k <= seqused_k <= len_k where the kernels read them (no access outside k / v)."""
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA values only")
+    q, k, v = _make("cuda", torch.float16, 4, 4, 2, 2)
+    used, pad = [LEN_K + 1000, -7, 30, 40], [5, 0, 35, -3]
+    out, lse = op(q, k, v, 0.25, BOTTOM_RIGHT, seqused_k=_i32(*used).cuda(), leftpad_k=_i32(*pad).cuda())
+    lo = [min(max(p, 0), LEN_K) for p in pad]
+    end = [min(max(u, a), LEN_K) for u, a in zip(used, lo)]
+    cpu = [t.cpu() for t in (q, k, v)]
+    expected = _reference(*(t.double() for t in cpu), end, lo, 0.25, BOTTOM_RIGHT, (-1, -1), None, 0.0)
+    same = _reference(*cpu, end, lo, 0.25, BOTTOM_RIGHT, (-1, -1), None, 0.0)
+    assert_accurate("out", out.cpu(), expected[0], same[0], REL_ATOL[torch.float16])
+    assert_accurate("lse", lse.cpu(), expected[1], same[1], REL_ATOL[torch.float32])
+
+
+def test_backward_is_refused(device):
+    q, k, v = (t.requires_grad_() for t in _make(device, torch.float64, 2, 2, 2, 3))
+    out, _ = op(q, k, v, 0.5, BOTTOM_RIGHT, seqused_k=torch.tensor([5, 9], dtype=torch.int32, device=device))
+    with pytest.raises(RuntimeError, match=r"the backward of a call with 'seqused_k' / 'leftpad_k' \(per-sequence "
+                                           r"key ranges\) is not supported: such calls are forward only"):
+        out.sum().backward()
+
+
+def test_opcheck(device):
+    q, k, v = _make(device, torch.float32, 2, 4, 2, 3)
+    features = dict(seqused_k=torch.tensor([5, 70], dtype=torch.int32, device=device),
+                    leftpad_k=torch.tensor([2, 0], dtype=torch.int32, device=device), window_left=8)
+    torch.library.opcheck(op, (q, k, v, 0.3, BOTTOM_RIGHT, False), features)
