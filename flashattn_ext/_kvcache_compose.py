@@ -1,15 +1,15 @@
-"""flash_attn_with_kvcache composed from torch ops and flashattn::fwd: rotary, the in-place
-append, the cache read (a view, or a gather for cache_batch_idx and paged caches) and one bool
-mask (B, 1, Lq, C) that carries each sequence's length, left padding, causal and window
-(a float bias when ALiBi is on), since the op aligns those against one key length for the whole
-batch. Every shape comes from the tensors' shapes, never from index values, so nothing waits for
-the device and a CUDA graph can capture the call. Correct everywhere, but it reads the whole
-cache (and copies it when gathering): a dedicated decode kernel takes KVCacheArgs instead."""
+"""flash_attn_with_kvcache from torch ops and one flashattn::fwd call: rotary and the in-place
+append as torch ops, the cache read (a view, or a gather for cache_batch_idx and paged caches),
+then the op with each sequence's key range (seqused_k = its length after the append, leftpad_k)
+so that causal, window and ALiBi align against each sequence's own length and the kernels read
+only its keys (on CUDA, decode steps take the decode kernel: GQA rows packed, keys split over
+the GPU). Every shape comes from the tensors' shapes, never from index values, so nothing waits
+for the device and a CUDA graph can capture the call."""
 import torch
 
 from ._kvcache_values import valid_sequences
 from .functional import checked_fwd
-from .ops import CAUSAL_NONE
+from .ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE
 
 
 def forward(a):
@@ -27,8 +27,11 @@ def forward(a):
             k_new = _rotate(k_new, a, seqlens[:, None] + torch.arange(a.len_new, device=q.device))
         _append(a, k_new, a.v_new, seqlens, valid)
     k, v = _read_cache(a)
-    out, lse = checked_fwd(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), a.scale, CAUSAL_NONE,
-                           attn_bias=_mask_or_bias(a, seqlens), softcap=a.softcap)
+    seqused, leftpad = _key_ranges(a, seqlens)
+    out, lse = checked_fwd(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), a.scale,
+                           CAUSAL_BOTTOM_RIGHT if a.causal else CAUSAL_NONE, window_left=a.window[0],
+                           window_right=a.window[1], alibi_slopes=a.alibi_slopes, softcap=a.softcap,
+                           seqused_k=seqused, leftpad_k=leftpad)
     nan = float("nan")
     out = torch.where(valid[:, None, None, None], out, nan)
     lse = torch.where(valid[:, None, None], lse, nan)
@@ -101,26 +104,11 @@ def _read_cache(a):
     return a.k_cache, a.v_cache
 
 
-def _mask_or_bias(a, seqlens):
-    """Bool (B, 1, Lq, C), True = key visible, or with ALiBi a float bias (B, H, Lq, C) with -inf
-    where hidden. Query row i of sequence b sits at key end_b - Lq + i, end_b = seqlens + L_new."""
-    batch, len_q, heads = a.q.shape[0], a.q.shape[1], a.q.shape[2]
-    device = a.q.device
-    end = seqlens + a.len_new
-    leftpad = a.leftpad.long() if a.leftpad is not None else torch.zeros_like(seqlens)
-    key = torch.arange(a.cache_len, device=device)
-    diagonal = (end[:, None] - len_q + torch.arange(len_q, device=device))[:, :, None]  # (B, Lq, 1)
-    visible = (key >= leftpad[:, None, None]) & (key < end[:, None, None])
-    left, right = a.window
-    if a.causal:
-        visible = visible & (key <= diagonal)
-    if left >= 0:
-        visible = visible & (key >= diagonal - left)
-    if right >= 0:
-        visible = visible & (key <= diagonal + right)
-    if a.alibi_slopes is None:
-        return visible[:, None]
-    bias_dtype = torch.float64 if a.q.dtype == torch.float64 else torch.float32
-    slopes = a.alibi_slopes.to(bias_dtype).expand(batch, heads)[:, :, None, None]
-    bias = -slopes * (diagonal - key).abs().to(bias_dtype)[:, None]
-    return bias.masked_fill(~visible[:, None], float("-inf"))
+def _key_ranges(a, seqlens):
+    """seqused_k, leftpad_k (int32 (B,)) of the op: sequence b's keys leftpad <= j < seqlens + L_new,
+    clamped into the cache. Only invalid sequences (which valid_sequences turns to NaN) need the
+    clamp; it keeps the op's own value check (CPU) from seeing them."""
+    end = (seqlens + a.len_new).clamp(0, a.cache_len)
+    if a.leftpad is None:
+        return end.int(), None
+    return end.int(), torch.minimum(a.leftpad.long().clamp(min=0), end).int()

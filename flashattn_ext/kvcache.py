@@ -317,4 +317,5 @@ def _resolve(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, c
         v_new=_last_dim_contiguous(v), seqlens=seqlens, batch_idx=cache_batch_idx,
         leftpad=cache_leftpad, block_table=block_table, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
         rotary_interleaved=bool(rotary_interleaved), scale=softmax_scale, causal=bool(causal),
-        window=_window(window_size, cache_len), softcap=softcap, alibi_slopes=alibi_slopes, num_splits=num_splits)
+        window=_window(window_size, cache_len), softcap=softcap, alibi_slopes=_last_dim_contiguous(alibi_slopes),
+        num_splits=num_splits)
