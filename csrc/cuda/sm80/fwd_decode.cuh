@@ -11,7 +11,13 @@
 // walk over the keys into parts, a block each; a part stores its merged rows (fp32) in the
 // workspace, and the walk's last part to finish (a counter per walk) adds every part in part
 // order, so the output does not depend on which part that is.
-// Plain fp16 / bf16 calls (no optional features) at every head-dim tier; decode_call says which.
+// Per-sequence key ranges (seqused_k, leftpad_k: a KV cache's lengths and left padding) are read
+// on the device (sequence()): a walk covers its own sequence's keys, while the parts are sized on
+// the host from len_k (the cache's length, the longest possible walk), so the grid never depends
+// on values the host has not read (CUDA graphs). A part past its sequence's keys is empty (max
+// -inf, sum 0) and adds nothing to the merge.
+// fp16 / bf16 calls with no optional feature but the key ranges, at every head-dim tier;
+// decode_call says which.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -57,7 +63,7 @@ struct DecodeConfig {
 // packs into at most kDecodeMaxChunks chunks of 16 rows.
 constexpr int64_t kDecodeMaxLenQ = 16, kDecodeMaxChunks = 4;
 inline bool decode_call(const FwdParams& p) {
-  return !p.has_features() && p.len_q <= kDecodeMaxLenQ && p.len_q * p.group() <= kDecodeChunkRows * kDecodeMaxChunks;
+  return !p.has_features_beyond_key_ranges() && p.len_q <= kDecodeMaxLenQ && p.len_q * p.group() <= kDecodeChunkRows * kDecodeMaxChunks;
 }
 
 // The grid: blocks (walk, part), walk = (batch, kv head, chunk) with the chunk fastest, then the
@@ -93,7 +99,7 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
   const int E = int(p.head_dim), Ev = int(p.head_dim_v);
 
-  const Seq sq = plain_sequence(p, b);
+  const Seq sq = sequence(p, b);
   const int64_t group = p.heads_q / p.heads_kv;
   const int64_t r0 = int64_t(chunk) * kRows;  // the chunk's first packed row
   const int rows = int(group * sq.len_q - r0 < kRows ? group * sq.len_q - r0 : kRows);

@@ -610,11 +610,11 @@ bool launch_fwd(const FwdParams& p, cudaStream_t stream) {
 // Workspace of the plain variant's call (its last wave's split), 0 where it takes none.
 template <class Elem, int kDim>
 size_t fwd_workspace_bytes(const FwdParams& p) {
-  if (p.has_features()) return 0;
   if constexpr (DecodeConfig<Elem, kDim>::kServed) {
     const DecodeLaunch<Elem, kDim> d(p);
     if (d.usable) return d.workspace_bytes();
   }
+  if (p.has_features()) return 0;
   if constexpr (sm90::kFwdWgmmaTier<Elem, kDim>) {
     if (sm90::fwd_wgmma_serves<Elem, kDim>(p)) return 0;
   }
@@ -629,14 +629,15 @@ bool fwd(const FwdParams& p, cudaStream_t stream) {
       !rows_aligned_16<Elem>(p.v, p.v_stride.batch, p.v_stride.head, p.v_stride.row, p.head_dim_v) ||
       !rows_aligned_16<Elem>(p.out, p.out_stride.batch, p.out_stride.head, p.out_stride.row, p.head_dim_v))
     return false;
+  // Few query rows per kv head (decode steps, with or without per-sequence key ranges): the decode
+  // kernel (fwd_decode.cuh) where it serves.
+  if (launch_decode<Elem, kDim>(p, stream)) return true;
   if (p.has_features()) return launch_fwd<Elem, kDim, true>(p, stream);
   // Where the plain variant's tiles do not fit in the GPU's shared memory, the feature variant
   // (32-key tiles above dim 64) serves the call: it computes any call, with or without
   // features. (Every fp16/bf16 plain forward fits the 99 KB of sm_86/89/120 since its tiles are
   // swizzled, at most 96 KB; the dim-128 one took 102 KB before.)
-  // Few query rows per kv head (decode steps): the decode kernel (fwd_decode.cuh) where it serves;
-  // then on sm_90 the wgmma kernels (sm90/fwd_sm90.cuh) where they serve.
-  if (launch_decode<Elem, kDim>(p, stream)) return true;
+  // Then on sm_90 the wgmma kernels (sm90/fwd_sm90.cuh) where they serve.
   if constexpr (sm90::kFwdWgmmaTier<Elem, kDim>) {
     if (sm90::fwd_wgmma<Elem, kDim>(p, stream)) return true;
   }
