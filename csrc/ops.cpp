@@ -149,15 +149,21 @@ struct Dims {
   int64_t batch, heads_q, heads_kv, len_q, len_k, head_dim, head_dim_v;
 };
 
-Error check_qkv(const Tensor& q, const Tensor& k, const Tensor& v, int64_t causal, Dims& d) {
+// paged: k and v are (num_blocks, heads_kv, page_size, dim) pages of a block table (checked
+// with it), so their first dimension is not the batch; d.len_k is then set from the table.
+Error check_qkv(const Tensor& q, const Tensor& k, const Tensor& v, int64_t causal, Dims& d, bool paged = false) {
   FA_TRY(check_attn_tensor(q, "q"));
   FA_TRY(check_attn_tensor(k, "k"));
   FA_TRY(check_attn_tensor(v, "v"));
   FA_TRY(check_same_device_dtype(q, "q", k, "k"));
   FA_TRY(check_same_device_dtype(q, "q", v, "v"));
   d = Dims{q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3), v.size(3)};
-  FA_TRY(check_size(k, "k", 0, d.batch, "batch size"));
-  FA_TRY(check_size(v, "v", 0, d.batch, "batch size"));
+  if (paged) {
+    FA_TRY(check_size(v, "v", 0, k.size(0), "number of blocks (must equal k's)"));
+  } else {
+    FA_TRY(check_size(k, "k", 0, d.batch, "batch size"));
+    FA_TRY(check_size(v, "v", 0, d.batch, "batch size"));
+  }
   FA_TRY(check_size(v, "v", 1, d.heads_kv, "number of heads (must equal k's)"));
   FA_TRY(check_size(v, "v", 2, d.len_k, "sequence length (must equal k's)"));
   FA_TRY(check_size(k, "k", 3, d.head_dim, "head_dim (must equal q's)"));
@@ -254,6 +260,7 @@ struct Features {
   std::optional<Tensor> cu_seqlens_q, cu_seqlens_k;
   int64_t max_seqlen_q = 0, max_seqlen_k = 0;
   std::optional<Tensor> seqused_k, leftpad_k;
+  std::optional<Tensor> block_table;
 
   bool varlen() const { return cu_seqlens_q.has_value() || cu_seqlens_k.has_value(); }
   bool key_ranges() const { return seqused_k.has_value() || leftpad_k.has_value(); }
@@ -331,6 +338,44 @@ Error check_and_fill_key_ranges(FwdParams& p, const Features& f, const Tensor& q
   p.seqused_k = used;
   p.leftpad_k = pad;
   p.causal_bottom_right = causal == kCausalBottomRight;
+  return {};
+}
+
+// Checks block_table (int32 (batch, pages >= 1), last dimension contiguous, on q's device) against
+// the pages k holds (num_blocks >= 1 blocks of page_size >= 1 rows): each sequence then has
+// pages x page_size key rows, d.len_k.
+Error check_block_table(const Tensor& t, const Tensor& q, const Tensor& k, Dims& d) {
+  FA_CHECK(t.scalar_type() == ScalarType::Int, "flashattn: argument 'block_table' must have dtype int32, got ",
+           dtype_name(t.scalar_type()));
+  FA_CHECK(t.dim() == 2 && t.size(0) == d.batch && t.size(1) >= 1 && t.stride(1) == 1, "flashattn: argument "
+           "'block_table' must be a (batch = ", d.batch, ", pages >= 1) tensor with a contiguous last dimension, got "
+           "shape ", shape_str(t));
+  FA_CHECK(same_device(t, q), "flashattn: argument 'block_table' is on device ", device_str(t), " but 'q' is on ",
+           device_str(q), "; they must be on the same device");
+  FA_CHECK(k.size(0) >= 1 && k.size(2) >= 1, "flashattn: with a block_table, k and v must be (num_blocks, heads, "
+           "page_size, head_dim) pages with at least one block of at least one row, got k of shape ", shape_str(k));
+  d.len_k = t.size(1) * k.size(2);
+  return {};
+}
+
+// Fills the paged fields of p. CPU block numbers are checked for the pages that hold keys of
+// their sequence (those within [leftpad_k, seqused_k) when given; the others may hold anything,
+// e.g. -1); CUDA ones are never read on the host and are clamped where the kernels read them.
+Error fill_pages(FwdParams& p, const Tensor& t, const Tensor& k) {
+  p.block_table = static_cast<const int32_t*>(t.const_data_ptr());
+  p.block_table_stride = t.stride(0);
+  p.num_blocks = k.size(0);
+  p.page_size = k.size(2);
+  if (!t.is_cpu()) return {};
+  for (int64_t b = 0; b < p.batch; ++b) {
+    const int64_t lo = p.leftpad_k ? p.leftpad_k[b] : 0, end = p.seqused_k ? p.seqused_k[b] : p.len_k;
+    for (int64_t page = lo / p.page_size; page * p.page_size < end; ++page) {
+      const int64_t block = p.block_table[b * p.block_table_stride + page];
+      FA_CHECK(block >= 0 && block < p.num_blocks, "flashattn: argument 'block_table' has block ", block,
+               " at [", b, ", ", page, "], which holds keys of sequence ", b, "; blocks must be in [0, num_blocks = ",
+               p.num_blocks, ")");
+    }
+  }
   return {};
 }
 
@@ -486,10 +531,16 @@ Error run_backend(Params& p, const Tensor& q, CpuBytes cpu_bytes, RunCpu run_cpu
 // order-dependent reductions.
 Error fwd(Tensor q, Tensor k, Tensor v, double scale, int64_t causal, const Features& f, Tensor& out, Tensor& lse) {
   Dims d;
-  FA_TRY(check_qkv(q, k, v, causal, d));
+  FA_TRY(check_qkv(q, k, v, causal, d, f.block_table.has_value()));
+  if (f.block_table.has_value()) {
+    FA_CHECK(!f.varlen(), "flashattn: a 'block_table' (paged k / v) cannot be combined with cu_seqlens (a "
+             "variable-length batch); give per-sequence lengths as seqused_k");
+    FA_TRY(check_block_table(*f.block_table, q, k, d));
+  }
   FwdParams p;
   FA_TRY(fill_common(p, q, k, v, d, scale, causal));
   FA_TRY(check_and_fill_features(p, f, q, d, causal));
+  if (f.block_table.has_value()) FA_TRY(fill_pages(p, *f.block_table, k));
   FA_TRY(empty_like_layout(q, d.heads_q, d.len_q, d.head_dim_v, q.scalar_type(), "out", out));
   FA_TRY(allocate({d.batch, d.heads_q, d.len_q}, lse_type(q.scalar_type()), q, "lse", lse));
   if (out.numel() == 0) return {};
@@ -501,7 +552,7 @@ Error fwd(Tensor q, Tensor k, Tensor v, double scale, int64_t causal, const Feat
   p.out = out.mutable_data_ptr();
   p.out_stride = strides_of(out);
   p.lse = lse.mutable_data_ptr();
-  return run_backend(p, q, [](const FwdParams&) { return size_t(0); }, cpu::run_fwd, FLASHATTN_CUDA_FWD);
+  return run_backend(p, q, cpu::fwd_workspace_bytes, cpu::run_fwd, FLASHATTN_CUDA_FWD);
 }
 
 // dq, dk, dv and the gradient of a float attn_bias: (batch, heads_q, len_q, len_k) in lse's
@@ -510,6 +561,8 @@ Error fwd(Tensor q, Tensor k, Tensor v, double scale, int64_t causal, const Feat
 Error bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, std::optional<Tensor> dlse, double scale,
           int64_t causal, bool deterministic, const Features& f, bool bias_requires_grad, Tensor& dq, Tensor& dk,
           Tensor& dv, Tensor& dbias) {
+  FA_CHECK(!f.block_table.has_value(), "flashattn: the backward of a call with a 'block_table' (paged k / v) is not "
+           "supported: such calls are forward only (decode steps)");
   Dims d;
   FA_TRY(check_qkv(q, k, v, causal, d));
   BwdParams p;
@@ -618,10 +671,11 @@ std::tuple<Tensor, Tensor, std::string> fwd_op(
     Tensor q, Tensor k, Tensor v, double scale, int64_t causal, bool deterministic, std::optional<Tensor> attn_bias,
     int64_t window_left, int64_t window_right, std::optional<Tensor> alibi_slopes, double softcap, double dropout_p,
     std::optional<Tensor> rng_state, std::optional<Tensor> cu_seqlens_q, std::optional<Tensor> cu_seqlens_k,
-    int64_t max_seqlen_q, int64_t max_seqlen_k, std::optional<Tensor> seqused_k, std::optional<Tensor> leftpad_k) {
+    int64_t max_seqlen_q, int64_t max_seqlen_k, std::optional<Tensor> seqused_k, std::optional<Tensor> leftpad_k,
+    std::optional<Tensor> block_table) {
   (void)deterministic;
   const Features f{attn_bias, window_left, window_right, alibi_slopes, softcap, dropout_p, rng_state,
-                   cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, leftpad_k};
+                   cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, leftpad_k, block_table};
   Tensor out = q, lse = q;
   std::string error = guarded([&] { return fwd(q, k, v, scale, causal, f, out, lse); });
   return {out, lse, error};
@@ -632,9 +686,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, std::string> bwd_op(
     int64_t causal, bool deterministic, std::optional<Tensor> attn_bias, int64_t window_left, int64_t window_right,
     std::optional<Tensor> alibi_slopes, double softcap, double dropout_p, std::optional<Tensor> rng_state,
     std::optional<Tensor> cu_seqlens_q, std::optional<Tensor> cu_seqlens_k, int64_t max_seqlen_q,
-    int64_t max_seqlen_k, std::optional<Tensor> seqused_k, std::optional<Tensor> leftpad_k, bool bias_requires_grad) {
+    int64_t max_seqlen_k, std::optional<Tensor> seqused_k, std::optional<Tensor> leftpad_k,
+    std::optional<Tensor> block_table, bool bias_requires_grad) {
   const Features f{attn_bias, window_left, window_right, alibi_slopes, softcap, dropout_p, rng_state,
-                   cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, leftpad_k};
+                   cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, leftpad_k, block_table};
   Tensor dq = q, dk = q, dv = q, dbias = q;
   std::string error = guarded([&] {
     return bwd(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, f, bias_requires_grad, dq, dk, dv, dbias);
@@ -656,13 +711,13 @@ std::tuple<Tensor, std::string> dropout_mask_op(Tensor rng_state, int64_t batch,
   "Tensor q, Tensor k, Tensor v, float scale, int causal, bool deterministic=False, Tensor? attn_bias=None, "   \
   "int window_left=-1, int window_right=-1, Tensor? alibi_slopes=None, float softcap=0.0, float dropout_p=0.0, " \
   "Tensor? rng_state=None, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, int max_seqlen_q=0, "          \
-  "int max_seqlen_k=0, Tensor? seqused_k=None, Tensor? leftpad_k=None"
+  "int max_seqlen_k=0, Tensor? seqused_k=None, Tensor? leftpad_k=None, Tensor? block_table=None"
 #define FLASHATTN_BWD_ARGS                                                                                        \
   "Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, float scale, int causal, "   \
   "bool deterministic, Tensor? attn_bias=None, int window_left=-1, int window_right=-1, "                        \
   "Tensor? alibi_slopes=None, float softcap=0.0, float dropout_p=0.0, Tensor? rng_state=None, "                  \
   "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, int max_seqlen_q=0, int max_seqlen_k=0, "              \
-  "Tensor? seqused_k=None, Tensor? leftpad_k=None, bool bias_requires_grad=False"
+  "Tensor? seqused_k=None, Tensor? leftpad_k=None, Tensor? block_table=None, bool bias_requires_grad=False"
 
 // fwd, bwd and dropout_mask are the public ops; their CPU and CUDA kernels are registered in
 // flashattn_ext/ops.py, which calls the underscored kernels below and raises their errors.

@@ -101,6 +101,17 @@ struct FwdParams {
   const int32_t* seqused_k = nullptr;
   const int32_t* leftpad_k = nullptr;
 
+  // Paged k / v (block_table != null: a KV cache in pages). k and v hold num_blocks blocks of
+  // page_size rows, addressed [block][head][row] through k_stride / v_stride (the batch stride
+  // steps blocks). Key row j of sequence b (counted from the start of its cache, leftpad_k
+  // included) is row j % page_size of block block_table[b * block_table_stride + j / page_size]
+  // (int32, on the tensors' device); len_k = pages per sequence x page_size. Blocks are clamped
+  // into [0, num_blocks) where read (common/pages.h), so unchecked values never address memory
+  // outside k / v. Only the decode kernel reads pages in place; for every other kernel the
+  // backend first gathers them into the workspace as a padded batch (common/pages.h).
+  const int32_t* block_table = nullptr;
+  int64_t block_table_stride = 0, page_size = 0, num_blocks = 0;
+
   // Scratch of `workspace_bytes` bytes, as the backend's fwd_workspace_bytes / bwd_workspace_bytes
   // asked for (none: null); its contents on entry are undefined.
   void* workspace = nullptr;
@@ -110,6 +121,7 @@ struct FwdParams {
   bool has_window() const { return window_left >= 0 || window_right >= 0; }
   bool is_varlen() const { return cu_seqlens_q != nullptr; }
   bool has_key_ranges() const { return seqused_k != nullptr; }
+  bool is_paged() const { return block_table != nullptr; }
   // Any optional feature but the per-sequence key ranges (the decode kernel takes those alone).
   bool has_features_beyond_key_ranges() const {
     return bias_kind != BiasKind::kNone || has_window() || alibi_slopes != nullptr || softcap > 0.0 ||

@@ -76,17 +76,21 @@ def _check_size(t, name, dim, expected, what, layout):
                            f"{expected} was expected")
 
 
-def check_fwd_args(q, k, v, causal, layout="bhld"):
+def check_fwd_args(q, k, v, causal, layout="bhld", paged=False):
     """The checks of check_qkv in csrc/ops.cpp; `layout` says how the caller passed q, k, v
-    (see _USER_DIMS), for the shapes the messages show."""
+    (see _USER_DIMS), for the shapes the messages show; paged: k and v are the pages of a
+    block_table (their first dimension counts blocks, not sequences)."""
     for t, name in ((q, "q"), (k, "k"), (v, "v")):
         _check_tensor(t, name, layout)
     _check_same(q, "q", k, "k")
     _check_same(q, "q", v, "v")
     batch, heads_q, _, head_dim = q.shape
     heads_kv, len_k = k.shape[1], k.shape[2]
-    _check_size(k, "k", 0, batch, "batch size", layout)
-    _check_size(v, "v", 0, batch, "batch size", layout)
+    if paged:
+        _check_size(v, "v", 0, k.shape[0], "number of blocks (must equal k's)", layout)
+    else:
+        _check_size(k, "k", 0, batch, "batch size", layout)
+        _check_size(v, "v", 0, batch, "batch size", layout)
     _check_size(v, "v", 1, heads_kv, "number of heads (must equal k's)", layout)
     _check_size(v, "v", 2, len_k, "sequence length (must equal k's)", layout)
     _check_size(k, "k", 3, head_dim, "head_dim (must equal q's)", layout)
@@ -138,7 +142,11 @@ def check_cu_seqlens_values(cu, name, total, max_seqlen, max_name):
                            f"in '{name}' ({longest})")
 
 
-def refuse_key_ranges_in_backward(seqused_k, leftpad_k):
+def refuse_forward_only_in_backward(seqused_k, leftpad_k, block_table):
+    """The backward refuses the forward-only features (as csrc/ops.cpp's bwd does)."""
+    if block_table is not None:
+        raise RuntimeError("flashattn: the backward of a call with a 'block_table' (paged k / v) is not supported: "
+                           "such calls are forward only (decode steps)")
     if seqused_k is not None or leftpad_k is not None:
         raise RuntimeError("flashattn: the backward of a call with 'seqused_k' / 'leftpad_k' (per-sequence key "
                            "ranges) is not supported: such calls are forward only (decode steps)")
@@ -153,6 +161,26 @@ def _check_key_range_meta(t, name, q, batch):
     if not _same_device(t, q):
         raise RuntimeError(f"flashattn: argument '{name}' is on device {t.device} but 'q' is on {q.device}; they "
                            f"must be on the same device")
+
+
+def _check_block_table(t, q, k, varlen):
+    """The checks of check_block_table in csrc/ops.cpp; returns len_k (pages x page_size)."""
+    if varlen:
+        raise RuntimeError("flashattn: a 'block_table' (paged k / v) cannot be combined with cu_seqlens (a "
+                           "variable-length batch); give per-sequence lengths as seqused_k")
+    if t.dtype != torch.int32:
+        raise RuntimeError(f"flashattn: argument 'block_table' must have dtype int32, got {_dtype_name(t.dtype)}")
+    batch = q.shape[0]
+    if t.dim() != 2 or t.shape[0] != batch or t.shape[1] < 1 or t.stride(1) != 1:
+        raise RuntimeError(f"flashattn: argument 'block_table' must be a (batch = {batch}, pages >= 1) tensor with a "
+                           f"contiguous last dimension, got shape {_shape(t)}")
+    if not _same_device(t, q):
+        raise RuntimeError(f"flashattn: argument 'block_table' is on device {t.device} but 'q' is on {q.device}; "
+                           f"they must be on the same device")
+    if k.shape[0] < 1 or k.shape[2] < 1:
+        raise RuntimeError(f"flashattn: with a block_table, k and v must be (num_blocks, heads, page_size, head_dim) "
+                           f"pages with at least one block of at least one row, got k of shape {_shape(k)}")
+    return t.shape[1] * k.shape[2]
 
 
 def _check_key_ranges(q, seqused_k, leftpad_k, attn_bias, varlen):
@@ -171,7 +199,7 @@ def _check_key_ranges(q, seqused_k, leftpad_k, attn_bias, varlen):
 
 def check_features(q, k, causal, attn_bias=None, window_left=-1, window_right=-1, alibi_slopes=None, softcap=0.0,
                    dropout_p=0.0, rng_state=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0,
-                   max_seqlen_k=0, seqused_k=None, leftpad_k=None):
+                   max_seqlen_k=0, seqused_k=None, leftpad_k=None, block_table=None):
     """The checks of check_and_fill_features in csrc/ops.cpp that need no tensor values
     (q, k already passed check_fwd_args)."""
     if window_left < -1 or window_right < -1:
@@ -183,6 +211,8 @@ def check_features(q, k, causal, attn_bias=None, window_left=-1, window_right=-1
         raise RuntimeError(f"flashattn: argument 'dropout_p' must be in [0, 1), got {dropout_p}")
     batch, heads_q, len_q = q.shape[0], q.shape[1], q.shape[2]
     len_k = k.shape[2]
+    if block_table is not None:
+        len_k = _check_block_table(block_table, q, k, cu_seqlens_q is not None or cu_seqlens_k is not None)
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
         if cu_seqlens_q is None or cu_seqlens_k is None:
             raise RuntimeError("flashattn: 'cu_seqlens_q' and 'cu_seqlens_k' must be given together")

@@ -1,10 +1,10 @@
 """flash_attn_with_kvcache from torch ops and one flashattn::fwd call: rotary and the in-place
-append as torch ops, the cache read (a view, or a gather for cache_batch_idx and paged caches),
-then the op with each sequence's key range (seqused_k = its length after the append, leftpad_k)
-so that causal, window and ALiBi align against each sequence's own length and the kernels read
-only its keys (on CUDA, decode steps take the decode kernel: GQA rows packed, keys split over
-the GPU). Every shape comes from the tensors' shapes, never from index values, so nothing waits
-for the device and a CUDA graph can capture the call."""
+append as torch ops, then the op on the cache itself (a paged one with its block_table; rows
+gathered only for cache_batch_idx) with each sequence's key range (seqused_k = its length after
+the append, leftpad_k), so that causal, window and ALiBi align against each sequence's own length
+and the kernels read only its keys (on CUDA, decode steps take the decode kernel: GQA rows packed,
+keys split over the GPU, pages read in place). Every shape comes from the tensors' shapes, never
+from index values, so nothing waits for the device and a CUDA graph can capture the call."""
 import torch
 
 from ._kvcache_values import valid_sequences
@@ -28,10 +28,13 @@ def forward(a):
         _append(a, k_new, a.v_new, seqlens, valid)
     k, v = _read_cache(a)
     seqused, leftpad = _key_ranges(a, seqlens)
+    # Blocks clamped into the cache: only those of invalid sequences (NaN below) or of pages past a
+    # sequence's keys (never read) change, and the op's own value check (CPU) never sees them.
+    table = a.block_table.clamp(0, a.k_cache.shape[0] - 1) if a.paged else None
     out, lse = checked_fwd(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), a.scale,
                            CAUSAL_BOTTOM_RIGHT if a.causal else CAUSAL_NONE, window_left=a.window[0],
                            window_right=a.window[1], alibi_slopes=a.alibi_slopes, softcap=a.softcap,
-                           seqused_k=seqused, leftpad_k=leftpad)
+                           seqused_k=seqused, leftpad_k=leftpad, block_table=table)
     nan = float("nan")
     out = torch.where(valid[:, None, None, None], out, nan)
     lse = torch.where(valid[:, None, None], lse, nan)
@@ -91,13 +94,9 @@ def _append(a, k_new, v_new, seqlens, valid):
 
 
 def _read_cache(a):
-    """(B, C, Hkv, *) keys and values of each sequence: the caches themselves when dense and
-    unindexed, else a gather (clamped: invalid sequences are masked by valid_sequences)."""
-    if a.paged:
-        blocks = a.block_table.long().clamp(0, a.k_cache.shape[0] - 1).flatten()
-        batch = a.block_table.shape[0]
-        return tuple(c.index_select(0, blocks).reshape(batch, a.cache_len, *c.shape[2:])
-                     for c in (a.k_cache, a.v_cache))
+    """The keys and values the op reads: the caches themselves when paged (with the block table)
+    or dense and unindexed, else each sequence's cache row, gathered (clamped: invalid sequences
+    are masked by valid_sequences)."""
     if a.batch_idx is not None:
         rows = a.batch_idx.long().clamp(0, a.k_cache.shape[0] - 1)
         return a.k_cache.index_select(0, rows), a.v_cache.index_select(0, rows)

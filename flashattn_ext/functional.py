@@ -13,7 +13,7 @@ def checked_fwd(q, k, v, scale, causal, deterministic=False, layout="bhld", **fe
     """flashattn::fwd after every check of csrc/ops.cpp that needs no tensor values, in Python
     (so that bad input raises at trace time under torch.compile too; see _checks.py);
     `features` as the op names them; `layout` how the caller passed q, k, v (for messages)."""
-    check_fwd_args(q, k, v, causal, layout)
+    check_fwd_args(q, k, v, causal, layout, paged=features.get("block_table") is not None)
     check_features(q, k, causal, **features)
     return fwd(q, k, v, scale, causal, deterministic, **features)
 

@@ -17,6 +17,11 @@ Optional features of both ops (keyword arguments; each default is "off"):
                  must satisfy 0 <= leftpad_k <= seqused_k <= len_k; CUDA values are never read
                  on the host (no wait for the device: decode steps, CUDA graphs) and are clamped
                  into that range where the kernels read them. Forward only: a backward raises.
+  block_table    paged k / v, int32 (batch, pages): k and v are (num_blocks, heads_kv, page_size, dim)
+                 pages, and key row j of sequence b is row j % page_size of block
+                 block_table[b, j // page_size] (len_k = pages * page_size). CPU blocks of pages
+                 that hold keys must be in [0, num_blocks); CUDA ones are clamped into it. Forward
+                 only.
 flashattn::bwd also takes bias_requires_grad and returns the bias gradient as a fourth tensor.
 
 The C++ library defines the ops and registers, for CPU and CUDA, the underscored kernels _fwd,
@@ -30,7 +35,7 @@ import torch
 
 from . import _C  # noqa: F401  (loading the library registers the ops)
 from ._checks import (check_cu_seqlens_values, check_features, check_fwd_args, check_same_device,
-                      refuse_key_ranges_in_backward)
+                      refuse_forward_only_in_backward)
 
 CAUSAL_NONE, CAUSAL_TOP_LEFT, CAUSAL_BOTTOM_RIGHT = 0, 1, 2
 
@@ -38,11 +43,12 @@ CAUSAL_NONE, CAUSAL_TOP_LEFT, CAUSAL_BOTTOM_RIGHT = 0, 1, 2
 FEATURES = (("attn_bias", None), ("window_left", -1), ("window_right", -1), ("alibi_slopes", None),
             ("softcap", 0.0), ("dropout_p", 0.0), ("rng_state", None), ("cu_seqlens_q", None),
             ("cu_seqlens_k", None), ("max_seqlen_q", 0), ("max_seqlen_k", 0), ("seqused_k", None),
-            ("leftpad_k", None))
+            ("leftpad_k", None), ("block_table", None))
 _FEATURES_OFF = tuple(default for _, default in FEATURES)
 _N_FIXED_FWD_ARGS = 6  # q, k, v, scale, causal, deterministic
 _BIAS_INDEX = _N_FIXED_FWD_ARGS  # attn_bias is the first feature argument
-_CU_SEQLENS_Q, _SEQUSED_K = 7, 11  # indices of cu_seqlens_q and seqused_k among the features
+# Indices among the features of cu_seqlens_q and of the forward-only seqused_k, leftpad_k, block_table.
+_CU_SEQLENS_Q, _SEQUSED_K = 7, 11
 
 
 def _lse_dtype(dtype):
@@ -107,21 +113,22 @@ def _check_cu_seqlens_on_device(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
 
 def _fwd_kernel(q, k, v, scale, causal, deterministic=False, attn_bias=None, window_left=-1, window_right=-1,
                 alibi_slopes=None, softcap=0.0, dropout_p=0.0, rng_state=None, cu_seqlens_q=None, cu_seqlens_k=None,
-                max_seqlen_q=0, max_seqlen_k=0, seqused_k=None, leftpad_k=None):
+                max_seqlen_q=0, max_seqlen_k=0, seqused_k=None, leftpad_k=None, block_table=None):
     _check_cu_seqlens_on_device(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return run_fwd(q, k, v, scale, causal, deterministic, attn_bias, window_left, window_right, alibi_slopes, softcap,
-                   dropout_p, rng_state, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, leftpad_k)
+                   dropout_p, rng_state, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, leftpad_k,
+                   block_table)
 
 
 def _bwd_kernel(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, attn_bias=None, window_left=-1,
                 window_right=-1, alibi_slopes=None, softcap=0.0, dropout_p=0.0, rng_state=None, cu_seqlens_q=None,
-                cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, seqused_k=None, leftpad_k=None,
+                cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, seqused_k=None, leftpad_k=None, block_table=None,
                 bias_requires_grad=False):
-    refuse_key_ranges_in_backward(seqused_k, leftpad_k)
+    refuse_forward_only_in_backward(seqused_k, leftpad_k, block_table)
     _check_cu_seqlens_on_device(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return run_bwd(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, attn_bias, window_left, window_right,
                    alibi_slopes, softcap, dropout_p, rng_state, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                   None, None, bias_requires_grad)
+                   None, None, None, bias_requires_grad)
 
 
 def _dropout_mask_kernel(rng_state, batch, heads, len_q, len_k, dropout_p):
@@ -178,10 +185,10 @@ def dropout_mask(rng_state, batch, heads, len_q, len_k, dropout_p):
 @torch.library.register_fake("flashattn::fwd")
 def _fwd_fake(q, k, v, scale, causal, deterministic=False, attn_bias=None, window_left=-1, window_right=-1,
               alibi_slopes=None, softcap=0.0, dropout_p=0.0, rng_state=None, cu_seqlens_q=None, cu_seqlens_k=None,
-              max_seqlen_q=0, max_seqlen_k=0, seqused_k=None, leftpad_k=None):
-    check_fwd_args(q, k, v, causal)
+              max_seqlen_q=0, max_seqlen_k=0, seqused_k=None, leftpad_k=None, block_table=None):
+    check_fwd_args(q, k, v, causal, paged=block_table is not None)
     check_features(q, k, causal, attn_bias, window_left, window_right, alibi_slopes, softcap, dropout_p, rng_state,
-                   cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, leftpad_k)
+                   cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, leftpad_k, block_table)
     out = _empty_like_layout(q, q.shape[1], q.shape[2], v.shape[3])
     lse = q.new_empty((q.shape[0], q.shape[1], q.shape[2]), dtype=_lse_dtype(q.dtype))
     return out, lse
@@ -190,9 +197,9 @@ def _fwd_fake(q, k, v, scale, causal, deterministic=False, attn_bias=None, windo
 @torch.library.register_fake("flashattn::bwd")
 def _bwd_fake(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, attn_bias=None, window_left=-1,
               window_right=-1, alibi_slopes=None, softcap=0.0, dropout_p=0.0, rng_state=None, cu_seqlens_q=None,
-              cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, seqused_k=None, leftpad_k=None,
+              cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, seqused_k=None, leftpad_k=None, block_table=None,
               bias_requires_grad=False):
-    refuse_key_ranges_in_backward(seqused_k, leftpad_k)
+    refuse_forward_only_in_backward(seqused_k, leftpad_k, block_table)
     check_same_device(q=q, k=k, v=v, dout=dout, out=out, lse=lse, dlse=dlse)
     dbias = q.new_empty((q.shape[0] if bias_requires_grad else 0, q.shape[1], q.shape[2], k.shape[2]),
                         dtype=_lse_dtype(q.dtype))
@@ -232,7 +239,7 @@ def _gradients(ctx, dout, dlse, bias_needs_grad):
     features = list(ctx.features)
     for i, t in zip(ctx.tensor_slots, tensors):
         features[i] = t
-    refuse_key_ranges_in_backward(features[_SEQUSED_K], features[_SEQUSED_K + 1])
+    refuse_forward_only_in_backward(*features[_SEQUSED_K:_SEQUSED_K + 3])
     bias = features[0]  # attn_bias
     bias_grad = bias is not None and bias.is_floating_point() and bias_needs_grad
     if dout is None:

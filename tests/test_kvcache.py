@@ -21,27 +21,28 @@ DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16, 
 
 
 def make_case(device, dtype, heads_kv=2, len_q=1, len_new=1, dim_v=DIM, paged=False, batch_idx=False, leftpad=False,
-              rotary=False, interleaved=True, seqlens=(7, 33, None), alibi=None, **options):
-    """(kwargs of flash_attn_with_kvcache, kwargs of kvcache_ref); seqlens None = fill the cache."""
+              rotary=False, interleaved=True, seqlens=(7, 33, None), alibi=None, page=PAGE, cache=CACHE, **options):
+    """(kwargs of flash_attn_with_kvcache, kwargs of kvcache_ref); seqlens None = fill the cache
+    (`cache` keys per sequence: cache / page pages of `page` keys when paged)."""
     make = lambda *shape: torch.randn(*shape, dtype=torch.float32).to(dtype)
-    seqlens = [CACHE - len_new if s is None else s for s in seqlens]
+    seqlens = [cache - len_new if s is None else s for s in seqlens]
     ours = dict(q=make(BATCH, len_q, HEADS, DIM), **options)
     ref = dict(options)
     if paged:
-        pages = CACHE // PAGE
+        pages = cache // page
         blocks = BATCH * pages + 2
         table = torch.randperm(blocks)[:BATCH * pages].view(BATCH, pages).to(torch.int32)
         # Pages past a sequence's end may hold anything (serving stacks pad with -1).
         for b, s in enumerate(seqlens):
-            table[b, (s + len_new + PAGE - 1) // PAGE:] = -1
+            table[b, (s + len_new + page - 1) // page:] = -1
         ours["block_table"], ref["block_table"] = table, table.tolist()
-        cache_shape = (blocks, PAGE, heads_kv)
+        cache_shape = (blocks, page, heads_kv)
     elif batch_idx:
         rows = torch.tensor([4, 0, 2], dtype=torch.int32)
         ours["cache_batch_idx"], ref["batch_idx"] = rows, rows.tolist()
-        cache_shape = (5, CACHE, heads_kv)
+        cache_shape = (5, cache, heads_kv)
     else:
-        cache_shape = (BATCH, CACHE, heads_kv)
+        cache_shape = (BATCH, cache, heads_kv)
     ours["k_cache"], ours["v_cache"] = make(*cache_shape, DIM), make(*cache_shape, dim_v)
     if len_new:
         ours["k"], ours["v"] = make(BATCH, len_new, heads_kv, DIM), make(BATCH, len_new, heads_kv, dim_v)
@@ -52,7 +53,7 @@ def make_case(device, dtype, heads_kv=2, len_q=1, len_new=1, dim_v=DIM, paged=Fa
         ours["cache_leftpad"], ref["leftpad"] = pad, pad.tolist()
     if rotary:
         half = DIM // 4  # rotary_dim = 8 < DIM: the last features pass through
-        angle = torch.arange(CACHE + 2, dtype=torch.float64)[:, None] / 10000 ** (torch.arange(half) / half)
+        angle = torch.arange(cache + 2, dtype=torch.float64)[:, None] / 10000 ** (torch.arange(half) / half)
         ours["rotary_cos"], ours["rotary_sin"] = angle.cos().to(dtype), angle.sin().to(dtype)
         ours["rotary_interleaved"] = ref["interleaved"] = interleaved
     if alibi is not None:
@@ -116,6 +117,23 @@ CASES = {
     "everything_paged": dict(paged=True, rotary=True, leftpad=True, alibi=(HEADS,), softcap=3.0,
                              window_size=(20, -1), causal=True, heads_kv=1, len_q=3, len_new=2),
 }
+
+
+@pytest.mark.parametrize("page,cache", [(16, 64), (48, 144), (64, 128), (256, 256)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_paged_page_sizes(device, dtype, page, cache):
+    """Pages of 16 (a 64-key tile spans 4), 48 (tiles start mid-page), 64 and 256 keys, with left
+    padding (sequences start mid-page), ragged lengths, MQA, several query rows, causal."""
+    run_and_check(*make_case(device, dtype, paged=True, page=page, cache=cache, leftpad=True, heads_kv=1, len_q=3,
+                             len_new=2, causal=True, seqlens=(5, cache // 2 + 3, None)))
+
+
+@pytest.mark.parametrize("len_q", [1, 5, 16])
+def test_decode_rows_gqa(device, len_q):
+    """1..16 query rows of a GQA group of 4 (the decode kernel's packed rows), dense and paged."""
+    for paged in (False, True):
+        run_and_check(*make_case(device, torch.float16, paged=paged, heads_kv=1, len_q=len_q, len_new=1, causal=True,
+                                 seqlens=(0, 20, None)))
 
 
 @pytest.mark.parametrize("case", list(CASES))

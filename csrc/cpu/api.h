@@ -4,6 +4,8 @@
 
 namespace flashattn::cpu {
 
+// A paged k / v (p.block_table) is gathered into the workspace first (gather_pages.h).
+size_t fwd_workspace_bytes(const FwdParams& p);
 void run_fwd(const FwdParams& p);
 size_t bwd_workspace_bytes(const BwdParams& p);
 void run_bwd(const BwdParams& p);

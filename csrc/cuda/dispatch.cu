@@ -18,9 +18,11 @@
 #include <string>
 #include <type_traits>
 
+#include "../common/pages.h"
 #include "../common/sequence.h"
 #include "api.h"
 #include "common/check.h"
+#include "gather_pages.h"
 #include "common/dq_layout.cuh"
 #include "common/numeric.cuh"
 #include "simt/launch.h"
@@ -230,13 +232,11 @@ void bwd_typed(const BwdParams& p, cudaStream_t stream) {
     simt::bwd_dq_convert<T>(p, dq_accum, dq_blocked, accum.slices > 0 ? accum.slices : 1, accum.slice_elems, stream);
 }
 
-}  // namespace
-
-size_t fwd_workspace_bytes(const FwdParams& p) {
-  take_error();  // a new call: nothing recorded yet
-  if (!check_dims(p)) return 0;
+// The tensor-core kernels' workspace for p; for a paged p, sm80::kPagesNotRead unless the decode
+// kernel reads its pages in place.
+size_t sm80_fwd_workspace_bytes(const FwdParams& p) {
   const int64_t e_max = p.head_dim > p.head_dim_v ? p.head_dim : p.head_dim_v;
-  size_t bytes = 0;
+  size_t bytes = p.is_paged() ? sm80::kPagesNotRead : 0;
   auto sm80_bytes = [&](auto elem) {
     using T = decltype(elem);
     if (!tensor_core_kernels_allowed<T>()) return;
@@ -250,9 +250,29 @@ size_t fwd_workspace_bytes(const FwdParams& p) {
   return bytes;
 }
 
+// A paged call whose pages no kernel reads in place: they are gathered into the workspace first.
+bool gathers_pages(const FwdParams& p) {
+  return p.is_paged() && sm80_fwd_workspace_bytes(p) == sm80::kPagesNotRead;
+}
+
+}  // namespace
+
+size_t fwd_workspace_bytes(const FwdParams& p) {
+  take_error();  // a new call: nothing recorded yet
+  if (!check_dims(p)) return 0;
+  if (!gathers_pages(p)) return sm80_fwd_workspace_bytes(p);
+  FwdParams padded = p;  // the call on the gathered copy (only its shape counts here)
+  padded.block_table = nullptr;
+  return gathered_bytes(p) + sm80_fwd_workspace_bytes(padded);
+}
+
 std::string run_fwd(const FwdParams& p, void* stream) {
   if (failed() || !check_dims(p)) return take_error();
   auto s = static_cast<cudaStream_t>(stream);
+  if (gathers_pages(p)) {
+    gather_pages(p, s);
+    return run_fwd(with_gathered_pages(p), stream);  // (returns a failure of the gather first)
+  }
   switch (p.dtype) {
     case DType::kFloat64: fwd_typed<double>(p, s); break;
     case DType::kFloat32: fwd_typed<float>(p, s); break;

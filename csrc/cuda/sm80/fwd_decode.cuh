@@ -16,6 +16,8 @@
 // the host from len_k (the cache's length, the longest possible walk), so the grid never depends
 // on values the host has not read (CUDA graphs). A part past its sequence's keys is empty (max
 // -inf, sum 0) and adds nothing to the merge.
+// Paged caches (block_table) are read in place: each row a thread copies is looked up in the
+// table (row_copy.cuh), so a tile may span pages of any size and start anywhere in a page.
 // fp16 / bf16 calls with no optional feature but the key ranges, at every head-dim tier;
 // decode_call says which.
 #pragma once
@@ -23,11 +25,13 @@
 
 #include <cstdint>
 
+#include "../../common/pages.h"
 #include "../../common/sequence.h"
 #include "../../params.h"
 #include "../common/check.h"
 #include "../common/online_softmax.cuh"
 #include "fragments.cuh"
+#include "row_copy.cuh"
 #include "tile_config.h"
 #include "tile_copy.cuh"
 
@@ -132,11 +136,22 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads)
       cp_async_16_zfill(sQ + r * kLd + (kSw ? (c & ~7) | ((c ^ r) & 7) : c) * chunk_elems<Elem>(), src, valid);
     }
   }
-  const Elem* k = sq.k_rows<const Elem>(p.k, p.k_stride, hk, 0);
-  const Elem* v = sq.k_rows<const Elem>(p.v, p.v_stride, hk, 0);
+  const bool paged = p.block_table != nullptr;
+  const Elem* k = paged ? static_cast<const Elem*>(p.k) : sq.k_rows<const Elem>(p.k, p.k_stride, hk, 0);
+  const Elem* v = paged ? static_cast<const Elem*>(p.v) : sq.k_rows<const Elem>(p.v, p.v_stride, hk, 0);
   auto load_kv = [&](int j, int stage) {  // tile j of the part into buffer `stage`
     const int64_t n0 = n_begin + int64_t(j) * kBN;
     const int rows_k = sq.k_tile_rows(n0, kBN);
+    if (paged) {
+      const int64_t j0 = sq.k0 + n0;  // the tile's first key, counted from the start of the cache
+      copy_rows_async<kBN, kDim, kThreads, kSw>(
+          sK + stage * kBN * kLd, kLd, [&](int r) { return k + paged_row(p, p.k_stride, b, hk, j0 + r); }, k, rows_k,
+          E, tid);
+      copy_rows_async<kBN, kDim, kThreads, kSw>(
+          sV + stage * kBN * kLd, kLd, [&](int r) { return v + paged_row(p, p.v_stride, b, hk, j0 + r); }, v, rows_k,
+          Ev, tid);
+      return;
+    }
     copy_tile_async<kBN, kDim, kThreads, false, kSw, true>(sK + stage * kBN * kLd, kLd, k + n0 * p.k_stride.row,
                                                             p.k_stride.row, rows_k, E, tid);
     copy_tile_async<kBN, kDim, kThreads, false, kSw, true>(sV + stage * kBN * kLd, kLd, v + n0 * p.v_stride.row,

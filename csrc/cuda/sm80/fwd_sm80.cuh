@@ -31,6 +31,7 @@
 #include "fwd_decode.cuh"
 #include "key_split.cuh"
 #include "fragments.cuh"
+#include "launch.h"
 #include "tile_copy.cuh"
 #include "tile_config.h"
 
@@ -607,13 +608,24 @@ bool launch_fwd(const FwdParams& p, cudaStream_t stream) {
   return true;
 }
 
-// Workspace of the plain variant's call (its last wave's split), 0 where it takes none.
+// Every address the copies form is 16-byte aligned (else fwd declines the call).
+template <class Elem>
+bool operands_aligned_16(const FwdParams& p) {
+  return rows_aligned_16<Elem>(p.q, p.q_stride.batch, p.q_stride.head, p.q_stride.row, p.head_dim) &&
+         rows_aligned_16<Elem>(p.k, p.k_stride.batch, p.k_stride.head, p.k_stride.row, p.head_dim) &&
+         rows_aligned_16<Elem>(p.v, p.v_stride.batch, p.v_stride.head, p.v_stride.row, p.head_dim_v) &&
+         rows_aligned_16<Elem>(p.out, p.out_stride.batch, p.out_stride.head, p.out_stride.row, p.head_dim_v);
+}
+
+// Workspace of the decode kernel's or the plain variant's call (their splits), 0 where it takes
+// none; kPagesNotRead for a paged call the decode kernel does not serve.
 template <class Elem, int kDim>
 size_t fwd_workspace_bytes(const FwdParams& p) {
   if constexpr (DecodeConfig<Elem, kDim>::kServed) {
     const DecodeLaunch<Elem, kDim> d(p);
-    if (d.usable) return d.workspace_bytes();
+    if (d.usable && (!p.is_paged() || operands_aligned_16<Elem>(p))) return d.workspace_bytes();
   }
+  if (p.is_paged()) return kPagesNotRead;
   if (p.has_features()) return 0;
   if constexpr (sm90::kFwdWgmmaTier<Elem, kDim>) {
     if (sm90::fwd_wgmma_serves<Elem, kDim>(p)) return 0;
@@ -624,14 +636,12 @@ size_t fwd_workspace_bytes(const FwdParams& p) {
 
 template <class Elem, int kDim>
 bool fwd(const FwdParams& p, cudaStream_t stream) {
-  if (!rows_aligned_16<Elem>(p.q, p.q_stride.batch, p.q_stride.head, p.q_stride.row, p.head_dim) ||
-      !rows_aligned_16<Elem>(p.k, p.k_stride.batch, p.k_stride.head, p.k_stride.row, p.head_dim) ||
-      !rows_aligned_16<Elem>(p.v, p.v_stride.batch, p.v_stride.head, p.v_stride.row, p.head_dim_v) ||
-      !rows_aligned_16<Elem>(p.out, p.out_stride.batch, p.out_stride.head, p.out_stride.row, p.head_dim_v))
-    return false;
-  // Few query rows per kv head (decode steps, with or without per-sequence key ranges): the decode
-  // kernel (fwd_decode.cuh) where it serves.
+  if (!operands_aligned_16<Elem>(p)) return false;
+  // Few query rows per kv head (decode steps, with or without per-sequence key ranges, paged or
+  // not): the decode kernel (fwd_decode.cuh) where it serves. The other kernels address
+  // contiguous key rows: dispatch gathers a paged call's pages for them first.
   if (launch_decode<Elem, kDim>(p, stream)) return true;
+  if (p.is_paged()) return false;
   if (p.has_features()) return launch_fwd<Elem, kDim, true>(p, stream);
   // Where the plain variant's tiles do not fit in the GPU's shared memory, the feature variant
   // (32-key tiles above dim 64) serves the call: it computes any call, with or without

@@ -17,7 +17,10 @@ namespace flashattn::cuda::sm80 {
 template <class Elem, int kDim>
 bool fwd(const FwdParams& p, cudaStream_t stream);
 // The workspace that fwd<Elem, kDim> takes for the call (fp16 / bf16: the split of its grid's
-// last wave, key_split.cuh), 0 where none.
+// last wave, key_split.cuh, or the decode kernel's parts), 0 where none. A paged call
+// (p.block_table) that no kernel of the tier reads in place: kPagesNotRead (dispatch then
+// gathers its pages first).
+constexpr size_t kPagesNotRead = ~size_t(0);
 template <class Elem, int kDim>
 size_t fwd_workspace_bytes(const FwdParams& p);
 
