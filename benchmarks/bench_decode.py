@@ -3,12 +3,15 @@ cuDNN and efficient backends on the same dense cache, and a device-to-device cop
 
 One row = one decode step of B sequences, each with C keys in its cache: q (B, Lq, H, E) with
 Lq = 1 by default, the new keys appended at C - Lq (ours), attention to all C keys, not causal
-(bottom-right causal is a no-op for one row). ours-graph is the dense step captured once in a
-CUDA graph and replayed (no Python or launch overhead). SDPA reads the same (B, Hkv, C, E) cache
-views in place, with enable_gqa where Hkv < H, and appends nothing. Per row: µs per step (CUDA
-events, warm-up, median) and K/V bandwidth = bytes of K and V read (B·C·Hkv·2E·itemsize) / time.
-The copy column is the bandwidth ceiling: a copy of that many bytes, counted as read + write
-bytes / time (what a copy moves). Rows whose buffers would pass --max-gb are skipped.
+(bottom-right causal is a no-op for one row). ours-graph and ours-paged-graph are the dense and
+paged steps captured once in a CUDA graph and replayed (no Python or launch overhead). SDPA reads
+the same (B, Hkv, C, E) cache views in place, with enable_gqa where Hkv < H, and appends nothing.
+Per row: µs per step (CUDA events, warm-up, median) and K/V bandwidth = bytes of K and V read
+(B·C·Hkv·2E·itemsize) / time. The copy column is the bandwidth ceiling: a device-to-device copy of
+that many bytes, counted as read + write bytes / time (what a copy moves). Summary columns: ours
+(the better of eager and graph) over the fastest SDPA backend (time), ours' K/V bandwidth as a
+percentage of the copy's, and paged over dense (time, graphs where measured). Rows whose buffers
+would pass --max-gb are skipped.
 
     python benchmarks/bench_decode.py                       # the default grid (bf16, E=128)
     python benchmarks/bench_decode.py --full                # B 1..64, C 1k..128k, E 64/128/256
@@ -28,7 +31,7 @@ import torch.nn.functional as F
 import flashattn_ext
 from flashattn_ext import _measure as M
 
-IMPLS = ("ours", "ours-graph", "ours-paged", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "copy")
+IMPLS = ("ours", "ours-graph", "ours-paged", "ours-paged-graph", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "copy")
 KINDS = {"mha": 1, "gqa": 4, "mqa": None}  # query heads per key/value head (None: one key/value head)
 
 
@@ -97,8 +100,8 @@ def step_fn(impl, t):
     if impl == "ours":
         return lambda: flashattn_ext.flash_attn_with_kvcache(t["q"], t["k_cache"], t["v_cache"], t["k"], t["v"],
                                                              cache_seqlens=t["cache_seqlens"])
-    if impl == "ours-graph":  # the same step captured in a CUDA graph: no Python or launch overhead
-        step = step_fn("ours", t)
+    if impl in ("ours-graph", "ours-paged-graph"):  # captured in a CUDA graph: no Python or launch overhead
+        step = step_fn(impl[:-len("-graph")], t)
         step()  # lazy initialisation outside the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -129,9 +132,9 @@ def first_line(text):
 
 
 def measure(impl, t, kv_bytes, args):
-    if impl == "ours-graph" and args.device != "cuda":
+    if impl.endswith("-graph") and args.device != "cuda":
         return {"skipped": "CUDA graphs need a CUDA device"}
-    if impl == "ours-paged" and "block_table" not in t:
+    if impl.startswith("ours-paged") and "block_table" not in t:
         return {"skipped": f"cache length not a multiple of the page size {args.page_size}"}
     fn = step_fn(impl, t)
     with warnings.catch_warnings(record=True) as caught:
@@ -155,12 +158,35 @@ def check_paged_equals_dense(t):
         raise AssertionError(f"paged and dense outputs differ by {(dense - paged).abs().max().item():.3g}")
 
 
+# The done-when numbers of a row (None where a side was not measured).
+SUMMARY = ("ours_over_fastest_sdpa", "ours_pct_of_copy_bw", "paged_over_dense")
+
+
+def _best_us(row, impls):
+    times = [row[i]["us"] for i in impls if "us" in row.get(i, {})]
+    return min(times) if times else None
+
+
+def summarize(row):
+    """ours (the better of eager and graph) over the fastest SDPA backend, in time; ours' K/V
+    bandwidth as a percentage of the copy's; paged over dense, in time (graph replays where both
+    were measured, else eager)."""
+    ours, sdpa = _best_us(row, ("ours", "ours-graph")), _best_us(row, [i for i in row if i.startswith("sdpa-")])
+    row["ours_over_fastest_sdpa"] = ours / sdpa if ours and sdpa else None
+    copy = row.get("copy", {}).get("gb_per_s")
+    row["ours_pct_of_copy_bw"] = 100 * row["kv_bytes"] / (ours * 1e-6) / 1e9 / copy if ours and copy else None
+    graphs = all("us" in row.get(i, {}) for i in ("ours-graph", "ours-paged-graph"))
+    dense, paged = ("ours-graph", "ours-paged-graph") if graphs else ("ours", "ours-paged")
+    row["paged_over_dense"] = row[paged]["us"] / row[dense]["us"] if "us" in row.get(paged, {}) and \
+        "us" in row.get(dense, {}) else None
+
+
 def run_grid(args):
     dtype = M.DTYPES[args.dtype]
     rows = []
     names = " ".join(f"{i.replace('sdpa-', ''):>10s}" for i in args.impls)
     print(f"{'E':>3s} {'kind':4s} {'B':>3s} {'C':>6s} {'H':>3s} {'Hkv':>3s} | us per step {names} | GB/s of K/V "
-          f"{names} | ours/fastest SDPA time")
+          f"{names} | {' '.join(SUMMARY)}")
     for dim, kind, batch, cache in itertools.product(args.head_dims, args.kinds, args.batches, args.caches):
         heads_kv = 1 if KINDS[kind] is None else args.heads // KINDS[kind]
         kv_bytes = 2 * batch * cache * heads_kv * dim * dtype.itemsize
@@ -181,14 +207,12 @@ def run_grid(args):
         del t
         if args.device == "cuda":
             torch.cuda.empty_cache()
-        sdpa = [row[i]["us"] for i in args.impls if i.startswith("sdpa") and "us" in row[i]]
-        row["ours_over_fastest_sdpa"] = row["ours"]["us"] / min(sdpa) if sdpa and "us" in row.get("ours", {}) \
-            else None
+        summarize(row)
         us = " ".join(f"{row[i]['us']:10.1f}" if "us" in row[i] else f"{'-':>10s}" for i in args.impls)
         bw = " ".join(f"{row[i]['gb_per_s']:10.1f}" if "us" in row[i] else f"{'-':>10s}" for i in args.impls)
-        ratio = row["ours_over_fastest_sdpa"]
+        summary = " ".join("-" if row[n] is None else f"{row[n]:.2f}" for n in SUMMARY)
         print(f"{dim:3d} {kind:4s} {batch:3d} {cache:6d} {args.heads:3d} {heads_kv:3d} | {'':11s} {us} | "
-              f"{'':11s} {bw} | {'-' if ratio is None else f'{ratio:.2f}'}", flush=True)
+              f"{'':11s} {bw} | {summary}", flush=True)
         rows.append(row)
     for reason in sorted({(i, r[i]["skipped"]) for r in rows for i in args.impls if "skipped" in r.get(i, {})}):
         print("skipped %s: %s" % reason)
