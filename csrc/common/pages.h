@@ -13,7 +13,9 @@ namespace flashattn {
 // Element offset of key row j (counted from the start of sequence b's cache) of head h in a
 // paged k- or v-shaped operand with strides s. The block is clamped into the tensor.
 FLASHATTN_HD int64_t paged_row(const FwdParams& p, const Strides& s, int64_t b, int64_t h, int64_t j) {
-  const int64_t page = j / p.page_size;
+  // A 32-bit division where the rows allow (every cache in practice): a 64-bit one is a long
+  // instruction sequence on the GPU, and the decode kernel divides once per row it copies.
+  const int64_t page = p.len_k <= INT32_MAX ? int64_t(uint32_t(j) / uint32_t(p.page_size)) : j / p.page_size;
   const int64_t block = clamp_to(p.block_table[b * p.block_table_stride + page], 0, p.num_blocks - 1);
   return block * s.batch + h * s.head + (j - page * p.page_size) * s.row;
 }
