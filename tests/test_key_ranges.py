@@ -228,12 +228,14 @@ def _paged_args(table=None, blocks=5, page=16):
 
 
 BAD_PAGED = [
-    (dict(block_table=torch.zeros(2, 2, dtype=torch.int64)), r"argument 'block_table' must have dtype int32, got int64"),
+    (dict(block_table=torch.zeros(2, 2, dtype=torch.int64)),
+     r"argument 'block_table' must have dtype int32, got int64"),
     (dict(block_table=torch.zeros(3, 2, dtype=torch.int32)),
      r"argument 'block_table' must be a \(batch = 2, pages >= 1\) tensor with a contiguous last dimension, got shape "
      r"\[3, 2\]"),
     (dict(block_table=torch.zeros(2, 4, dtype=torch.int32)[:, ::2]), r"argument 'block_table' must be a \(batch = 2"),
-    (dict(block_table=torch.zeros(2, 2, dtype=torch.int32, device="meta")), r"argument 'block_table' is on device meta"),
+    (dict(block_table=torch.zeros(2, 2, dtype=torch.int32, device="meta")),
+     r"argument 'block_table' is on device meta"),
     (dict(v=torch.randn(4, 16, 2, 8).transpose(1, 2)),
      r"argument 'v' has number of blocks \(must equal k's\) 4 \(shape \[4, 2, 16, 8\]\) but 5 was expected"),
     (dict(cu_seqlens_q=_i32(0, 3), cu_seqlens_k=_i32(0, 32), max_seqlen_q=3, max_seqlen_k=32),

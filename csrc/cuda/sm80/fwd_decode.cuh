@@ -67,7 +67,8 @@ struct DecodeConfig {
 // packs into at most kDecodeMaxChunks chunks of 16 rows.
 constexpr int64_t kDecodeMaxLenQ = 16, kDecodeMaxChunks = 4;
 inline bool decode_call(const FwdParams& p) {
-  return !p.has_features_beyond_key_ranges() && p.len_q <= kDecodeMaxLenQ && p.len_q * p.group() <= kDecodeChunkRows * kDecodeMaxChunks;
+  return !p.has_features_beyond_key_ranges() && p.len_q <= kDecodeMaxLenQ &&
+         p.len_q * p.group() <= kDecodeChunkRows * kDecodeMaxChunks;
 }
 
 // The grid: blocks (walk, part), walk = (batch, kv head, chunk) with the chunk fastest, then the
