@@ -79,7 +79,9 @@ struct DecodeGrid {
   unsigned* counters = nullptr;
 };
 
-template <class Elem, int kDim>
+// kPaged: K / V read through p.block_table (a template parameter: the lookups' registers would
+// cost the dense kernel occupancy, 126 -> 165 registers at dim 64).
+template <class Elem, int kDim, bool kPaged>
 __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads)
     fwd_decode_kernel(const FwdParams p, DecodeGrid grid) {
   using Cfg = DecodeConfig<Elem, kDim>;
@@ -137,13 +139,12 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads)
       cp_async_16_zfill(sQ + r * kLd + (kSw ? (c & ~7) | ((c ^ r) & 7) : c) * chunk_elems<Elem>(), src, valid);
     }
   }
-  const bool paged = p.block_table != nullptr;
-  const Elem* k = paged ? static_cast<const Elem*>(p.k) : sq.k_rows<const Elem>(p.k, p.k_stride, hk, 0);
-  const Elem* v = paged ? static_cast<const Elem*>(p.v) : sq.k_rows<const Elem>(p.v, p.v_stride, hk, 0);
+  const Elem* k = kPaged ? static_cast<const Elem*>(p.k) : sq.k_rows<const Elem>(p.k, p.k_stride, hk, 0);
+  const Elem* v = kPaged ? static_cast<const Elem*>(p.v) : sq.k_rows<const Elem>(p.v, p.v_stride, hk, 0);
   auto load_kv = [&](int j, int stage) {  // tile j of the part into buffer `stage`
     const int64_t n0 = n_begin + int64_t(j) * kBN;
     const int rows_k = sq.k_tile_rows(n0, kBN);
-    if (paged) {
+    if constexpr (kPaged) {
       const int64_t j0 = sq.k0 + n0;  // the tile's first key, counted from the start of the cache
       copy_rows_async<kBN, kDim, kThreads, kSw>(
           sK + stage * kBN * kLd, kLd, [&](int r) { return k + paged_row(p, p.k_stride, b, hk, j0 + r); }, k, rows_k,
@@ -381,7 +382,7 @@ struct DecodeLaunch {
 
   explicit DecodeLaunch(const FwdParams& p) {
     if (!Cfg::kServed || !decode_call(p) || !tensor_cores_usable(Cfg::kSmemBytes)) return;
-    const int per_sm = blocks_per_sm_once();
+    const int per_sm = blocks_per_sm_once(p.is_paged());
     if (per_sm < 1) return;
     usable = true;
     grid.chunks = int((p.len_q * p.group() + Cfg::kRows - 1) / Cfg::kRows);
@@ -399,9 +400,12 @@ struct DecodeLaunch {
     return grid.parts > 1 ? counter_bytes() + size_t(walks) * grid.parts * Cfg::kSlotFloats * sizeof(float) : 0;
   }
 
-  // Blocks per SM, the kernel's smem limit set first: once per device and thread.
-  static int blocks_per_sm_once() {
-    return blocks_per_sm_cached<fwd_decode_kernel<Elem, kDim>>(Cfg::kThreads, Cfg::kSmemBytes, "sm80::fwd_decode_kernel");
+  // Blocks per SM of the dense or paged kernel, its smem limit set first: once per device and thread.
+  static int blocks_per_sm_once(bool paged) {
+    return paged ? blocks_per_sm_cached<fwd_decode_kernel<Elem, kDim, true>>(Cfg::kThreads, Cfg::kSmemBytes,
+                                                                             "sm80::fwd_decode_kernel (paged)")
+                 : blocks_per_sm_cached<fwd_decode_kernel<Elem, kDim, false>>(Cfg::kThreads, Cfg::kSmemBytes,
+                                                                              "sm80::fwd_decode_kernel");
   }
 };
 
@@ -428,7 +432,8 @@ bool launch_decode(const FwdParams& p, cudaStream_t stream) {
         grid.parts = 1;
       }
     }
-    fwd_decode_kernel<Elem, kDim><<<unsigned(l.walks * grid.parts), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, grid);
+    const auto kernel = p.is_paged() ? fwd_decode_kernel<Elem, kDim, true> : fwd_decode_kernel<Elem, kDim, false>;
+    kernel<<<unsigned(l.walks * grid.parts), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, grid);
     check_launch("sm80::fwd_decode_kernel");
     return true;
   }
