@@ -1,6 +1,6 @@
 """GPU benchmark of forwards whose grids leave SMs idle, beside torch SDPA's backends in one run:
 decode steps (one query row against a long cache), chunked prefill and short prompts of a small
-batch, where the fp16 / bf16 forward splits its last wave's key walks (csrc/cuda/sm80/key_split.cuh)
+batch, where the fp16 / bf16 forward splits its last wave's key walks (csrc/cuda/schedule/key_split.cuh)
 and calls of few query rows per kv head take the decode kernel (csrc/cuda/sm80/fwd_decode.cuh).
 Inference shapes: the forward alone, no gradients, non-causal (every key visible, as a decode step
 against its cache), each call captured in a CUDA graph and replayed (the GPU's time, not the host's).

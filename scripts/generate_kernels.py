@@ -37,7 +37,8 @@ FAMILIES = {
                                            f"to {d}.") for d in (64, 128)}),
     "sm80_fwd": ("sm80", "fwd_sm80", "fwd_sm80.cuh", "sm80",
                  lambda t: ["bool fwd<{T}, {D}>(const FwdParams&, cudaStream_t)"] + (
-                     ["size_t fwd_workspace_bytes<{T}, {D}>(const FwdParams&)"] if t in HALF else []),
+                     ["size_t fwd_workspace_bytes<{T}, {D}>(const FwdParams&)", "bool fwd_decode<{T}, {D}>(const FwdParams&, cudaStream_t)",
+                      "bool fwd_decode_workspace_bytes<{T}, {D}>(const FwdParams&, size_t&)"] if t in HALF else []),
                  {32: (HALF, "Tensor-core forward kernels, head dims up to 32 (fp16/bf16): half the dim-64 products."),
                   64: ((F64,) + HALF, "Tensor-core forward kernels, head dims up to 64."),
                   96: (HALF, "Tensor-core forward kernels, head dims 65..96 (fp16/bf16): 3/4 of the dim-128 products."),

@@ -6,7 +6,7 @@ model of the benchmark grid (DESIGN.md section 5: B * L = 16384 tokens, H * E = 
 Each block costs its tiles (backward: the query tiles its key tile walks; forward: the key tiles
 its query tile sees) plus `overhead` tiles of start and finish; the GPU's S = SMs x blocks per SM
 slots each take the next block in grid order when free. Printed per head dim and L: the time of
-the plain order (tile fastest, heaviest first, then head) and of csrc/cuda/sm80/causal_order.cuh's
+the plain order (tile fastest, heaviest first, then head) and of csrc/cuda/schedule/causal_order.cuh's
 order (the last pairs for two waves, tile slowest, where a pair has at most S / 2 tiles), both over
 the ideal (the total work spread evenly). The model ignores L2 and a block running faster alone
 on its SM; docs/kernels/sm80_backward.md gives the measurements.

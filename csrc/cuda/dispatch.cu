@@ -6,9 +6,9 @@
 // then the dQ accumulator [acc, (batch, heads_q, len_q, head_dim)] that the dK/dV kernels add
 // into with atomics: row-major, or blocked where the fp16/bf16 tensor-core kernels fill it
 // (common/dq_layout.cuh; sized for either), padded to 256 bytes. The deterministic path of the
-// tensor-core kernels takes several (sm80/launch.h's DqAccum); that of the SIMT kernels none
+// tensor-core kernels takes several (schedule/key_tile_rounds.h's DqAccum); that of the SIMT kernels none
 // (their dQ kernel writes dQ directly). Then, for plain non-causal fp16/bf16 calls, the fp32 dK / dV
-// of the walks split in the dK/dV grid's last wave (sm80/tail_split.cuh), padded to 256 bytes.
+// of the walks split in the dK/dV grid's last wave (schedule/tail_split.cuh), padded to 256 bytes.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -22,11 +22,13 @@
 #include "../common/sequence.h"
 #include "api.h"
 #include "common/check.h"
-#include "gather_pages.h"
 #include "common/dq_layout.cuh"
 #include "common/numeric.cuh"
+#include "common/operand_alignment.h"
+#include "gather_pages.h"
 #include "simt/launch.h"
 #include "sm80/launch.h"
+#include "sm90/launch.h"
 
 namespace flashattn::cuda {
 
@@ -91,7 +93,7 @@ bool tensor_core_kernels_allowed() {
 
 // The dQ accumulators of a backward call: on the deterministic path where the tensor-core
 // kernels may serve it, one per block of a (batch, kv head) in each round of key tiles
-// (sm80/launch.h's for_key_tile_rounds): enough for about one block per SM, at most 16 (each
+// (schedule/key_tile_rounds.h's for_key_tile_rounds): enough for about one block per SM, at most 16 (each
 // takes the size of dQ in fp32 / fp64); none where the SIMT kernels would (their dQ kernel
 // writes dQ); else one. (Tensor-core kernels that decline the call leave the accumulators to the
 // SIMT kernels, which then use one or none.)
@@ -110,13 +112,13 @@ int dq_accumulators(const BwdParams& p) {
   return int(per_head < 1 ? 1 : per_head > 16 ? 16 : per_head);
 }
 
-// Keys of the fp32 dK / dV of the split walks of a dK/dV grid's last wave (sm80/tail_split.cuh)
+// Keys of the fp32 dK / dV of the split walks of a dK/dV grid's last wave (schedule/tail_split.cuh)
 // that the workspace holds: fp16 / bf16 calls the split serves, on sm_80+; else none.
 int64_t dkdv_tail_rows(const BwdParams& p) {
   const bool half = p.dtype == DType::kBFloat16 || p.dtype == DType::kFloat16;
-  if (!half || !tensor_cores_enabled() || !sm80::tail_split_serves(p)) return 0;
+  if (!half || !tensor_cores_enabled() || !tail_split_serves(p)) return 0;
   const DeviceLimits lim = device_limits();
-  return lim.major < 8 ? 0 : sm80::tail_split_rows(p, lim.sms);
+  return lim.major < 8 ? 0 : tail_split_rows(p, lim.sms);
 }
 size_t dkdv_tail_bytes(const BwdParams& p) {
   return size_t(dkdv_tail_rows(p)) * size_t(p.head_dim + p.head_dim_v) * sizeof(float);
@@ -143,13 +145,36 @@ bool on_sm80_tier(int64_t e_max, Run&& run) {
   return false;
 }
 
+// The tensor-core forwards of tier kTier, in turn: the decode kernel, on sm_90 the wgmma kernels,
+// then the sm80/ plain or feature kernel. False where none serves the call.
+template <class T, int kTier>
+bool fwd_tensor_cores(const FwdParams& p, cudaStream_t stream) {
+  if constexpr (sizeof(T) == 2) {
+    if (sm80::fwd_decode<T, kTier>(p, stream)) return true;
+  }
+  if constexpr (sm90::kFwdWgmmaTier<T, kTier>) {
+    if (!p.is_paged() && fwd_operands_aligned(p) && sm90::fwd_wgmma<T, kTier>(p, stream)) return true;
+  }
+  return sm80::fwd<T, kTier>(p, stream);
+}
+
+// The tensor-core dK/dV kernels of tier kTier: on sm_90 the wgmma kernel, then the sm80/ ones.
+template <class T, int kTier>
+bool bwd_tensor_cores(const BwdParams& p, const void* dsum, const DqAccum& accum, const DkDvTail& tail,
+                      cudaStream_t stream) {
+  if constexpr (sizeof(T) == 2 && (kTier == 64 || kTier == 128)) {
+    if (bwd_operands_aligned(p) && sm90::bwd_wgmma<T, kTier>(p, dsum, accum, stream)) return true;
+  }
+  return sm80::bwd_dkdv<T, kTier>(p, dsum, accum, tail, stream);
+}
+
 template <class T>
 void fwd_typed(const FwdParams& p, cudaStream_t stream) {
   const int64_t e_max = p.head_dim > p.head_dim_v ? p.head_dim : p.head_dim_v;
   if constexpr (!std::is_same_v<T, float>) {
     if (tensor_core_kernels_allowed<T>()) {
       const bool done = on_sm80_tier<T>(e_max, [&](auto tier) {
-        return sm80::fwd<T, decltype(tier)::value>(p, stream);
+        return fwd_tensor_cores<T, decltype(tier)::value>(p, stream);
       });
       if (done) return;
     }
@@ -194,14 +219,14 @@ void bwd_typed(const BwdParams& p, cudaStream_t stream) {
 
   bool tensor_cores_done = false;  // dK, dV and dQ (into the accumulators) by the tensor-core kernels
   bool dq_blocked = false;         // those fill the blocked layout (fp16/bf16)
-  const sm80::DqAccum accum{dq_accum, p.deterministic ? accumulators : 0,
+  const DqAccum accum{dq_accum, p.deterministic ? accumulators : 0,
                             int64_t(accum_bytes / acc_size(p.dtype))};
   const int64_t tail_rows = dkdv_tail_rows(p);
-  const sm80::DkDvTail tail{tail_rows > 0 ? reinterpret_cast<float*>(ws + dkdv_tail_offset(p)) : nullptr, tail_rows};
+  const DkDvTail tail{tail_rows > 0 ? reinterpret_cast<float*>(ws + dkdv_tail_offset(p)) : nullptr, tail_rows};
   if constexpr (!std::is_same_v<T, float>) {
     if (tensor_core_kernels_allowed<T>() && dq_accum != nullptr) {
       on_sm80_tier<T>(e_max, [&](auto tier) {
-        tensor_cores_done = sm80::bwd_dkdv<T, decltype(tier)::value>(p, dsum, accum, tail, stream);
+        tensor_cores_done = bwd_tensor_cores<T, decltype(tier)::value>(p, dsum, accum, tail, stream);
         dq_blocked = tensor_cores_done && std::is_same_v<TensorCoreDqLayout<acc_t<T>>, DqBlocked>;
         return tensor_cores_done;
       });
@@ -241,7 +266,12 @@ size_t sm80_fwd_workspace_bytes(const FwdParams& p) {
     using T = decltype(elem);
     if (!tensor_core_kernels_allowed<T>()) return;
     on_sm80_tier<T>(e_max, [&](auto tier) {
-      bytes = sm80::fwd_workspace_bytes<T, decltype(tier)::value>(p);
+      constexpr int kTier = decltype(tier)::value;
+      if (sm80::fwd_decode_workspace_bytes<T, kTier>(p, bytes)) return true;
+      if constexpr (sm90::kFwdWgmmaTier<T, kTier>) {
+        if (!p.is_paged() && sm90::fwd_wgmma_serves<T, kTier>(p)) return true;  // no workspace
+      }
+      bytes = sm80::fwd_workspace_bytes<T, kTier>(p);
       return true;
     });
   };

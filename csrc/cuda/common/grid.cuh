@@ -16,7 +16,7 @@ struct TileBlock {
 // `heaviest_first`: tiles run last to first. Under causal masking the last query tiles see
 // the most keys, and starting them first keeps them off the tail of the grid.
 // `block`: the block's index in that enumeration (blockIdx.x, or another block's where one block
-// does the work of several, sm80/tail_split.cuh, or runs another's, sm80/causal_order.cuh).
+// does the work of several, schedule/tail_split.cuh, or runs another's, schedule/causal_order.cuh).
 __device__ __forceinline__ TileBlock tile_block(int num_tiles, int num_splits, int64_t heads,
                                                 bool heaviest_first, unsigned block) {
   int64_t bid = block;

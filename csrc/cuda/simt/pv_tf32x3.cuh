@@ -76,7 +76,7 @@ __device__ __forceinline__ bool copied_part_not_splittable(const float* t, int l
 // fp32 with row pitch kLdP, V split by split_tile_tf32 (pitch kLd), alpha per row in
 // `row_alpha`. `exact`: the tile has a V element that is not finite (see above).
 // The k order inside an MMA is permuted (lane t holds keys 2t and 2t + 1 of a step, as
-// sm80/fragments.cuh does for fp64): A and B follow it, so the sum is the same, and a lane reads
+// common/fragments.cuh does for fp64): A and B follow it, so the sum is the same, and a lane reads
 // its two keys of a P row as one float2.
 template <int kBN, int kDim, int kLd, int kLdP>
 struct PvTf32x3 {

@@ -1,5 +1,5 @@
-// Tensor-core backward (sm_80+): dK, dV, and dQ added atomically into an accumulator (launch.h's
-// DqAccum), one kernel for fp16, bf16 and fp64 through fragments.cuh.
+// Tensor-core backward (sm_80+): dK, dV, and dQ added atomically into an accumulator
+// (schedule/key_tile_rounds.h's DqAccum), one kernel for fp16, bf16 and fp64 through fragments.cuh.
 //
 // One block per (batch, kv head, kBN-key tile); each warp owns 16 keys (at the dims where dK
 // and dV do not fit in one warp's registers, a pair of warps owns them: see below). K and V stay in smem;
@@ -24,20 +24,20 @@
 #include <type_traits>
 
 #include "../../params.h"
+#include "../common/bias_tile.cuh"
 #include "../common/check.h"
+#include "../common/dq_atomics.cuh"
 #include "../common/features.cuh"
+#include "../common/fragments.cuh"
 #include "../common/grid.cuh"
 #include "../common/numeric.cuh"
 #include "../common/online_softmax.cuh"
-#include "../sm90/launch.h"
-#include "fragments.cuh"
-#include "bias_tile.cuh"
+#include "../common/operand_alignment.h"
+#include "../common/tile_copy.cuh"
+#include "../schedule/causal_order.cuh"
+#include "../schedule/query_walk.cuh"
 #include "bwd_sm80_2d.cuh"
-#include "causal_order.cuh"
-#include "dq_atomics.cuh"
-#include "query_walk.cuh"
 #include "tile_config.h"
-#include "tile_copy.cuh"
 
 namespace flashattn::cuda::sm80 {
 
@@ -359,23 +359,11 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim, kGeneral, kCompact>::kTh
   }
 }
 
-// Operands every kernel here reads through 16-byte copies, and outputs written in pairs.
-template <class Elem>
-bool bwd_operands_aligned(const BwdParams& p) {
-  return rows_aligned_16<Elem>(p.q, p.q_stride.batch, p.q_stride.head, p.q_stride.row, p.head_dim) &&
-         rows_aligned_16<Elem>(p.k, p.k_stride.batch, p.k_stride.head, p.k_stride.row, p.head_dim) &&
-         rows_aligned_16<Elem>(p.v, p.v_stride.batch, p.v_stride.head, p.v_stride.row, p.head_dim_v) &&
-         rows_aligned_16<Elem>(p.dout, p.dout_stride.batch, p.dout_stride.head, p.dout_stride.row,
-                               p.head_dim_v) &&
-         pairs_aligned<Elem>(p.dk, p.dk_stride) && pairs_aligned<Elem>(p.dv, p.dv_stride) &&
-         pairs_aligned<Elem>(p.dq, p.dq_stride);
-}
-
 template <class Elem, int kDim, bool kFeatures, bool kGeneral, bool kCompact = false>
 bool launch_dkdv(const BwdParams& p, const void* dsum, const DqAccum& accum, cudaStream_t stream) {
   using Cfg = BwdConfig<Elem, kDim, kGeneral, kCompact>;
   const size_t smem = Cfg::kSmemBytes + 2 * size_t(bias_tile_layout<Cfg::kBM, Cfg::kBN>(p).buffer_bytes());
-  if (!tensor_cores_usable(smem) || !bwd_operands_aligned<Elem>(p)) return false;
+  if (!tensor_cores_usable(smem) || !bwd_operands_aligned(p)) return false;
   using Acc = typename Mma<Elem>::Acc;
   auto kernel = bwd_dkdv_kernel<Elem, kDim, kFeatures, kGeneral, kCompact>;
   set_smem(kernel, smem, "sm80::bwd_dkdv_kernel");
@@ -407,10 +395,7 @@ bool bwd_dkdv(const BwdParams& p, const void* dsum, const DqAccum& accum, const 
       return false;
     };
     if (needs_general_step(p)) return general();
-    if constexpr (sizeof(Elem) == 2 && (kDim == 64 || kDim == 128)) {  // on sm_90 the wgmma kernel (sm90/bwd_sm90.cuh)
-      if (bwd_operands_aligned<Elem>(p) && sm90::bwd_wgmma<Elem, kDim>(p, dsum, accum, stream)) return true;
-    }
-    if (launch_dkdv_2d<Elem, kDim>(p, dsum, accum, tail, bwd_operands_aligned<Elem>(p), stream)) return true;
+    if (launch_dkdv_2d<Elem, kDim>(p, dsum, accum, tail, bwd_operands_aligned(p), stream)) return true;
     const bool done = p.has_features() ? launch_dkdv<Elem, kDim, true, false>(p, dsum, accum, stream)
                                        : launch_dkdv<Elem, kDim, false, false>(p, dsum, accum, stream);
     return done || general();

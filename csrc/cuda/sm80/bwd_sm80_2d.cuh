@@ -23,19 +23,19 @@
 
 #include "../../common/sequence.h"
 #include "../../params.h"
-#include "../common/cp_async.cuh"
+#include "../common/bias_tile.cuh"
 #include "../common/check.h"
+#include "../common/cp_async.cuh"
+#include "../common/dq_atomics.cuh"
+#include "../common/fragments.cuh"
 #include "../common/grid.cuh"
 #include "../common/numeric.cuh"
 #include "../common/online_softmax.cuh"
-#include "bias_tile.cuh"
-#include "dq_atomics.cuh"
-#include "fragments.cuh"
+#include "../common/tile_copy.cuh"
+#include "../schedule/query_walk.cuh"
+#include "../schedule/tail_split.cuh"
 #include "launch.h"
-#include "query_walk.cuh"
-#include "tail_split.cuh"
 #include "tile_config.h"
-#include "tile_copy.cuh"
 
 namespace flashattn::cuda::sm80 {
 

@@ -29,11 +29,11 @@
 #include "../../common/sequence.h"
 #include "../../params.h"
 #include "../common/check.h"
+#include "../common/fragments.cuh"
 #include "../common/online_softmax.cuh"
-#include "fragments.cuh"
+#include "../common/tile_copy.cuh"
 #include "row_copy.cuh"
 #include "tile_config.h"
-#include "tile_copy.cuh"
 
 namespace flashattn::cuda::sm80 {
 

@@ -20,19 +20,19 @@
 
 #include "../../params.h"
 #include "../common/band_mask.cuh"
+#include "../common/bias_tile.cuh"
 #include "../common/check.h"
 #include "../common/features.cuh"
+#include "../common/fragments.cuh"
 #include "../common/grid.cuh"
 #include "../common/online_softmax.cuh"
 #include "../common/opaque.cuh"
-#include "../sm90/launch.h"
-#include "bias_tile.cuh"
-#include "causal_order.cuh"
+#include "../common/operand_alignment.h"
+#include "../common/tile_copy.cuh"
+#include "../schedule/causal_order.cuh"
+#include "../schedule/key_split.cuh"
 #include "fwd_decode.cuh"
-#include "key_split.cuh"
-#include "fragments.cuh"
 #include "launch.h"
-#include "tile_copy.cuh"
 #include "tile_config.h"
 
 namespace flashattn::cuda::sm80 {
@@ -608,49 +608,47 @@ bool launch_fwd(const FwdParams& p, cudaStream_t stream) {
   return true;
 }
 
-// Every address the copies form is 16-byte aligned (else fwd declines the call).
-template <class Elem>
-bool operands_aligned_16(const FwdParams& p) {
-  return rows_aligned_16<Elem>(p.q, p.q_stride.batch, p.q_stride.head, p.q_stride.row, p.head_dim) &&
-         rows_aligned_16<Elem>(p.k, p.k_stride.batch, p.k_stride.head, p.k_stride.row, p.head_dim) &&
-         rows_aligned_16<Elem>(p.v, p.v_stride.batch, p.v_stride.head, p.v_stride.row, p.head_dim_v) &&
-         rows_aligned_16<Elem>(p.out, p.out_stride.batch, p.out_stride.head, p.out_stride.row, p.head_dim_v);
-}
-
-// Workspace of the decode kernel's or the plain variant's call (their splits), 0 where it takes
-// none; kPagesNotRead for a paged call the decode kernel does not serve.
+// Whether the decode kernel takes the call (its operands aligned: fwd_decode), and the workspace it
+// then needs (`bytes`).
 template <class Elem, int kDim>
-size_t fwd_workspace_bytes(const FwdParams& p) {
+bool fwd_decode_workspace_bytes(const FwdParams& p, size_t& bytes) {
   if constexpr (DecodeConfig<Elem, kDim>::kServed) {
     const DecodeLaunch<Elem, kDim> d(p);
-    if (d.usable && (!p.is_paged() || operands_aligned_16<Elem>(p))) return d.workspace_bytes();
+    const bool takes = d.usable && (!p.is_paged() || fwd_operands_aligned(p));
+    if (takes) bytes = d.workspace_bytes();
+    return takes;
   }
+  return false;
+}
+
+// Workspace of the plain variant's call (its last wave's split), 0 where it takes none;
+// kPagesNotRead for a paged call (the decode kernel did not take it).
+template <class Elem, int kDim>
+size_t fwd_workspace_bytes(const FwdParams& p) {
   if (p.is_paged()) return kPagesNotRead;
   if (p.has_features()) return 0;
-  if constexpr (sm90::kFwdWgmmaTier<Elem, kDim>) {
-    if (sm90::fwd_wgmma_serves<Elem, kDim>(p)) return 0;
-  }
   const FwdLaunch<Elem, kDim, false> l(p);
   return l.usable ? l.workspace_bytes() : 0;
 }
 
+// Few query rows per kv head (decode steps, with or without per-sequence key ranges, paged or not):
+// the decode kernel (fwd_decode.cuh) where it serves.
+template <class Elem, int kDim>
+bool fwd_decode(const FwdParams& p, cudaStream_t stream) {
+  return fwd_operands_aligned(p) && launch_decode<Elem, kDim>(p, stream);
+}
+
 template <class Elem, int kDim>
 bool fwd(const FwdParams& p, cudaStream_t stream) {
-  if (!operands_aligned_16<Elem>(p)) return false;
-  // Few query rows per kv head (decode steps, with or without per-sequence key ranges, paged or
-  // not): the decode kernel (fwd_decode.cuh) where it serves. The other kernels address
-  // contiguous key rows: dispatch gathers a paged call's pages for them first.
-  if (launch_decode<Elem, kDim>(p, stream)) return true;
+  if (!fwd_operands_aligned(p)) return false;
+  // The kernels here address contiguous key rows: dispatch gathers a paged call's pages for them
+  // first (the decode kernel reads them in place: fwd_decode).
   if (p.is_paged()) return false;
   if (p.has_features()) return launch_fwd<Elem, kDim, true>(p, stream);
   // Where the plain variant's tiles do not fit in the GPU's shared memory, the feature variant
   // (32-key tiles above dim 64) serves the call: it computes any call, with or without
   // features. (Every fp16/bf16 plain forward fits the 99 KB of sm_86/89/120 since its tiles are
   // swizzled, at most 96 KB; the dim-128 one took 102 KB before.)
-  // Then on sm_90 the wgmma kernels (sm90/fwd_sm90.cuh) where they serve.
-  if constexpr (sm90::kFwdWgmmaTier<Elem, kDim>) {
-    if (sm90::fwd_wgmma<Elem, kDim>(p, stream)) return true;
-  }
   return launch_fwd<Elem, kDim, false>(p, stream) || launch_fwd<Elem, kDim, true>(p, stream);
 }
 

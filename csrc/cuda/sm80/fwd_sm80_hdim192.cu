@@ -4,6 +4,10 @@
 namespace flashattn::cuda::sm80 {
 template bool fwd<__nv_bfloat16, 192>(const FwdParams&, cudaStream_t);
 template size_t fwd_workspace_bytes<__nv_bfloat16, 192>(const FwdParams&);
+template bool fwd_decode<__nv_bfloat16, 192>(const FwdParams&, cudaStream_t);
+template bool fwd_decode_workspace_bytes<__nv_bfloat16, 192>(const FwdParams&, size_t&);
 template bool fwd<__half, 192>(const FwdParams&, cudaStream_t);
 template size_t fwd_workspace_bytes<__half, 192>(const FwdParams&);
+template bool fwd_decode<__half, 192>(const FwdParams&, cudaStream_t);
+template bool fwd_decode_workspace_bytes<__half, 192>(const FwdParams&, size_t&);
 }  // namespace flashattn::cuda::sm80

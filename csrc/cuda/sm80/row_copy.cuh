@@ -6,7 +6,7 @@
 #include <cstdint>
 
 #include "../common/cp_async.cuh"
-#include "tile_copy.cuh"
+#include "../common/tile_copy.cuh"
 
 namespace flashattn::cuda::sm80 {
 

@@ -199,11 +199,4 @@ inline bool tensor_cores_usable(size_t smem) {
   return lim.major >= 8 && smem <= lim.smem_optin;
 }
 
-// Outputs are written two adjacent elements at a time.
-template <class Elem>
-bool pairs_aligned(const void* base, const Strides& s) {
-  return reinterpret_cast<uintptr_t>(base) % (2 * sizeof(Elem)) == 0 && s.batch % 2 == 0 &&
-         s.head % 2 == 0 && s.row % 2 == 0;
-}
-
 }  // namespace flashattn::cuda::sm80

@@ -3,8 +3,8 @@
 #include "launch.h"
 
 namespace flashattn::cuda::sm90 {
-template bool bwd_wgmma<__nv_bfloat16, 128>(const BwdParams&, const void*, const sm80::DqAccum&, cudaStream_t);
-template bool bwd_wgmma<__half, 128>(const BwdParams&, const void*, const sm80::DqAccum&, cudaStream_t);
-template bool bwd_wgmma<__nv_bfloat16, 64>(const BwdParams&, const void*, const sm80::DqAccum&, cudaStream_t);
-template bool bwd_wgmma<__half, 64>(const BwdParams&, const void*, const sm80::DqAccum&, cudaStream_t);
+template bool bwd_wgmma<__nv_bfloat16, 128>(const BwdParams&, const void*, const DqAccum&, cudaStream_t);
+template bool bwd_wgmma<__half, 128>(const BwdParams&, const void*, const DqAccum&, cudaStream_t);
+template bool bwd_wgmma<__nv_bfloat16, 64>(const BwdParams&, const void*, const DqAccum&, cudaStream_t);
+template bool bwd_wgmma<__half, 64>(const BwdParams&, const void*, const DqAccum&, cudaStream_t);
 }  // namespace flashattn::cuda::sm90

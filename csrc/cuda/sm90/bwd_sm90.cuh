@@ -14,10 +14,10 @@
 
 #include <cstdint>
 
-#include "../sm80/causal_order.cuh"
-#include "../sm80/dq_atomics.cuh"
-#include "../sm80/launch.h"
-#include "../sm80/query_walk.cuh"
+#include "../common/dq_atomics.cuh"
+#include "../schedule/causal_order.cuh"
+#include "../schedule/key_tile_rounds.h"
+#include "../schedule/query_walk.cuh"
 #include "fwd_sm90.cuh"
 
 namespace flashattn::cuda::sm90 {
@@ -35,10 +35,10 @@ struct BwdWgmmaConfig {
 
 template <class Elem, int kDim>
 __global__ void __launch_bounds__(BwdWgmmaConfig<Elem, kDim>::kThreads, 1)
-    bwd_wgmma_kernel(const BwdParams p, const float* dsum_g, const sm80::DqAccum accum, sm80::KeyTileRound round) {
+    bwd_wgmma_kernel(const BwdParams p, const float* dsum_g, const DqAccum accum, KeyTileRound round) {
 #ifdef FLASHATTN_WGMMA
   using Cfg = BwdWgmmaConfig<Elem, kDim>;
-  using M = sm80::Mma<Elem>;
+  using M = Mma<Elem>;
   using Exp = ExpDomain<float>;
   constexpr int kBM = Cfg::kBM, kBN = Cfg::kBN, kThreads = Cfg::kThreads;
   constexpr int kRA = kBM / 8, kDA = kDim / 8;  // S^T / dP^T atoms (over the rows), dK / dV atoms
@@ -52,10 +52,10 @@ __global__ void __launch_bounds__(BwdWgmmaConfig<Elem, kDim>::kThreads, 1)
   unsigned char* const sdS = tiles + 2 * Cfg::kKvBytes + 4 * Cfg::kQBytes;  // dS^T: kBN lines of kBM rows
   float* const sStats = reinterpret_cast<float*>(tiles + Cfg::kStatsOffset);  // [buf][LSE, D][kBM]
 
-  // A causal grid's last pairs tile slowest, heaviest first (sm80/causal_order.cuh; never with the
+  // A causal grid's last pairs tile slowest, heaviest first (schedule/causal_order.cuh; never with the
   // deterministic accumulators, whose slice follows blockIdx.x).
   const unsigned block =
-      blockIdx.x >= round.heavy.start ? sm80::heavy_last_block(round.heavy, round.groups, blockIdx.x) : blockIdx.x;
+      blockIdx.x >= round.heavy.start ? heavy_last_block(round.heavy, round.groups, blockIdx.x) : blockIdx.x;
   const TileBlock blk = tile_block(round.groups, 1, p.heads_kv, /*heaviest_first=*/false, block);
   const int64_t hk = blk.head, b = blk.batch, group = p.heads_q / p.heads_kv;
   const Seq sq = plain_sequence(p, b);
@@ -98,7 +98,7 @@ __global__ void __launch_bounds__(BwdWgmmaConfig<Elem, kDim>::kThreads, 1)
 #pragma unroll
     for (int e = 0; e < 4; ++e) dk[d][e] = dv[d][e] = 0.f;
 
-  sm80::walk_query_tiles<kBM, sm80::QueryBuffers::kTwo, /*kAsyncProxy=*/true>(
+  walk_query_tiles<kBM, QueryBuffers::kTwo, /*kAsyncProxy=*/true>(
       sq, n0, rows_k, hk * group, group, load, [&](int64_t h, int64_t m0, int buf, auto start_next) {
         const uint32_t q_at = smem_addr(sQ(buf)), do_at = smem_addr(sdO(buf));
         // S^T and dP^T of the warpgroup's 64 keys x the tile's rows.
@@ -202,7 +202,7 @@ __global__ void __launch_bounds__(BwdWgmmaConfig<Elem, kDim>::kThreads, 1)
         wgmma_wait<0>();
         pin(dq[0]);
         const int64_t tile_row = sq.row_index(p.heads_q, h, m0);
-        sm80::add_dq_atoms(accum.block_slice<float>(round.groups), tile_row, dq, warp * 16, wg * kHalf,
+        add_dq_atoms(accum.block_slice<float>(round.groups), tile_row, dq, warp * 16, wg * kHalf,
                            sq.q_tile_rows(m0, kBM), kDim, lane);
       });
 
@@ -236,14 +236,14 @@ bool bwd_wgmma_serves(const BwdParams& p) {
 }
 
 template <class Elem, int kDim>
-bool bwd_wgmma(const BwdParams& p, const void* dsum, const sm80::DqAccum& accum, cudaStream_t stream) {
+bool bwd_wgmma(const BwdParams& p, const void* dsum, const DqAccum& accum, cudaStream_t stream) {
   using Cfg = BwdWgmmaConfig<Elem, kDim>;
   if (!bwd_wgmma_serves<Elem, kDim>(p) || !wgmma_compiled(stream)) return false;
   constexpr auto kernel = bwd_wgmma_kernel<Elem, kDim>;
   set_smem(kernel, Cfg::kSmemBytes, "sm90::bwd_wgmma_kernel");
-  const int per_sm = sm80::heavy_last_serves(p) ? 1 : 0;  // one block of this kernel per SM
-  sm80::for_key_tile_rounds(p, Cfg::kBN, accum, [&](unsigned blocks, sm80::KeyTileRound round) {
-    round.heavy = sm80::plan_heavy_last(blocks, round.groups, per_sm);
+  const int per_sm = heavy_last_serves(p) ? 1 : 0;  // one block of this kernel per SM
+  for_key_tile_rounds(p, Cfg::kBN, accum, [&](unsigned blocks, KeyTileRound round) {
+    round.heavy = plan_heavy_last(blocks, round.groups, per_sm);
     kernel<<<blocks, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, static_cast<const float*>(dsum), accum, round);
     check_launch("sm90::bwd_wgmma_kernel");
   });

@@ -10,17 +10,17 @@
 #include "../../common/sequence.h"
 #include "../../params.h"
 #include "../common/band_mask.cuh"
+#include "../common/fragments.cuh"
 #include "../common/grid.cuh"
 #include "../common/numeric.cuh"
 #include "../common/online_softmax.cuh"
 #include "../common/wgmma.cuh"
-#include "../sm80/causal_order.cuh"
-#include "../sm80/fragments.cuh"
+#include "../schedule/causal_order.cuh"
 
 namespace flashattn::cuda::sm90 {
 
 // The block's query tile of kBM rows (the last tiles first; a causal grid's last heads tile slowest,
-// sm80/causal_order.cuh) and the key tiles of kBN keys that its rows see.
+// schedule/causal_order.cuh) and the key tiles of kBN keys that its rows see.
 template <int kBM, int kBN>
 struct FwdTile {
   Seq sq;
@@ -28,9 +28,9 @@ struct FwdTile {
   int rows, n_tiles;
 
   // Work item `index` of the grid's order (blockIdx.x where a block takes one).
-  __device__ __forceinline__ FwdTile(const FwdParams& p, int num_m_tiles, const sm80::HeavyLast& order,
+  __device__ __forceinline__ FwdTile(const FwdParams& p, int num_m_tiles, const HeavyLast& order,
                                      unsigned index = blockIdx.x) {
-    const unsigned ordered = index >= order.start ? sm80::heavy_last_block(order, num_m_tiles, index) : index;
+    const unsigned ordered = index >= order.start ? heavy_last_block(order, num_m_tiles, index) : index;
     const TileBlock blk = tile_block(num_m_tiles, 1, p.heads_q, /*heaviest_first=*/true, ordered);
     h = blk.head;
     hk = kv_head(p, h);
@@ -47,7 +47,7 @@ struct FwdTile {
 // kBN keys per tile, kBM rows in the block's Q tile (the panels' line count).
 template <class Elem, int kDim, int kBN, int kBM>
 struct FwdRows {
-  using M = sm80::Mma<Elem>;
+  using M = Mma<Elem>;
   using Exp = ExpDomain<float>;
   static constexpr int kNA = kBN / 8, kDA = kDim / 8;  // accumulator atoms of S and O per thread
   using Scores = float[kNA][4];

@@ -126,11 +126,11 @@ Sm90Forward sm90_forward_for(const FwdParams& p, FwdPanelMaps& maps) {
 }
 
 // The grid of a kernel with kBM-row query tiles: its blocks, the last tiles first (a causal grid's
-// last heads tile slowest, sm80/causal_order.cuh), and the kernel's blocks per SM.
+// last heads tile slowest, schedule/causal_order.cuh), and the kernel's blocks per SM.
 struct FwdGrid {
   int64_t blocks;
   int num_m_tiles, per_sm;
-  sm80::HeavyLast order;
+  HeavyLast order;
 };
 
 template <class Cfg, auto kKernel>
@@ -144,7 +144,7 @@ FwdGrid fwd_grid(const FwdParams& p) {
   }
   g.num_m_tiles = int(num_m_tiles);
   g.per_sm = blocks_per_sm_cached<kKernel>(Cfg::kThreads, Cfg::kSmemBytes, "sm90 forward");
-  if (p.causal) g.order = sm80::plan_heavy_last(g.blocks, num_m_tiles, g.per_sm);
+  if (p.causal) g.order = plan_heavy_last(g.blocks, num_m_tiles, g.per_sm);
   return g;
 }
 

@@ -4,7 +4,7 @@
 // non-causal dim 128: the warp-specialized kernel (fwd_ws_sm90.cuh).
 //
 // One block per (batch, query head, 128-row query tile), the last tiles first (a causal grid's
-// last heads tile slowest, as sm80/causal_order.cuh). Two warpgroups of 4 warps, each owning 64
+// last heads tile slowest, as schedule/causal_order.cuh). Two warpgroups of 4 warps, each owning 64
 // query rows; both read the same K and V tiles of kBN keys. S = Q K^T and O += P V are wgmma
 // products (Q, K, V from 128-byte-swizzled smem, P from registers), asynchronous: a warpgroup
 // issues S of key tile i + 1 and P V of tile i together, and runs the softmax of tile i + 1 while
@@ -20,11 +20,11 @@
 #include "../../params.h"
 #include "../common/check.h"
 #include "../common/cp_async.cuh"
+#include "../common/fragments.cuh"
 #include "../common/grid.cuh"
 #include "../common/numeric.cuh"
 #include "../common/wgmma.cuh"
-#include "../sm80/causal_order.cuh"
-#include "../sm80/fragments.cuh"
+#include "../schedule/causal_order.cuh"
 #include "fwd_rows.cuh"
 #include "launch.h"
 
@@ -82,7 +82,7 @@ __device__ __forceinline__ void copy_panels(unsigned char* dst, const Elem* g, i
 
 template <class Elem, int kDim>
 __global__ void __launch_bounds__(FwdWgmmaConfig<Elem, kDim>::kThreads)
-    fwd_wgmma_kernel(const FwdParams p, int num_m_tiles, sm80::HeavyLast order) {
+    fwd_wgmma_kernel(const FwdParams p, int num_m_tiles, HeavyLast order) {
 #ifdef FLASHATTN_WGMMA
   using Cfg = FwdWgmmaConfig<Elem, kDim>;
   using Exp = ExpDomain<float>;

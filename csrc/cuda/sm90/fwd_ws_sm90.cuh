@@ -12,9 +12,9 @@
 // K / V tiles while the consumers finish this one (its last P V and output); a block per item
 // otherwise (causal items differ in length, which fixed shares per block would leave unbalanced).
 #pragma once
-#include "fwd_sm90.cuh"
 #include "../common/barrier.cuh"
 #include "../common/tma.cuh"
+#include "fwd_sm90.cuh"
 
 namespace flashattn::cuda::sm90 {
 
@@ -55,7 +55,7 @@ struct FwdPanelMaps {
 template <class Elem, int kDim>
 __global__ void __launch_bounds__(FwdWsConfig<Elem, kDim>::kThreads, 1)
     fwd_ws_kernel(const FwdParams p, const __grid_constant__ FwdPanelMaps maps, int num_m_tiles, unsigned num_work,
-                  sm80::HeavyLast order) {
+                  HeavyLast order) {
 #ifdef FLASHATTN_WGMMA
   using Cfg = FwdWsConfig<Elem, kDim>;
   using Exp = ExpDomain<float>;

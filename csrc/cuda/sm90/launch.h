@@ -1,11 +1,11 @@
 // Host launchers of the Hopper kernels (sm90/, wgmma on sm_90a), instantiated in fwd_sm90.cu.
-// Each returns false, launching nothing, where it does not serve the call; the sm80/ kernels then
-// do.
+// Each returns false, launching nothing, where it does not serve the call; dispatch.cu then takes
+// the sm80/ kernels.
 #pragma once
 #include <cuda_runtime.h>
 
 #include "../../params.h"
-#include "../sm80/launch.h"
+#include "../schedule/key_tile_rounds.h"
 
 namespace flashattn::cuda::sm90 {
 
@@ -23,6 +23,6 @@ bool fwd_wgmma_serves(const FwdParams& p);
 // dK / dV and the atomic dQ of plain fp16 / bf16 calls with head_dim == head_dim_v == kDim (64, 128) on
 // sm_90; the caller has checked the operands' alignment and that no general per-score step is needed.
 template <class Elem, int kDim>
-bool bwd_wgmma(const BwdParams& p, const void* dsum, const sm80::DqAccum& accum, cudaStream_t stream);
+bool bwd_wgmma(const BwdParams& p, const void* dsum, const DqAccum& accum, cudaStream_t stream);
 
 }  // namespace flashattn::cuda::sm90

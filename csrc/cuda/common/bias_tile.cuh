@@ -6,12 +6,12 @@
 #include <cstdint>
 
 #include "../../params.h"
-#include "../common/cp_async.cuh"
-#include "../common/features.cuh"
-#include "../common/numeric.cuh"
-#include "../common/online_softmax.cuh"
+#include "cp_async.cuh"
+#include "features.cuh"
+#include "numeric.cuh"
+#include "online_softmax.cuh"
 
-namespace flashattn::cuda::sm80 {
+namespace flashattn::cuda {
 
 // One buffer of kRows x kCols bias elements: `rows` is 1 when the bias is broadcast over the
 // query rows (a key padding mask), else kRows; rows are `pitch` bytes apart (16-byte aligned,
@@ -83,4 +83,4 @@ __device__ __forceinline__ void stage_bias_tile(unsigned char* dst, const BiasTi
   }
 }
 
-}  // namespace flashattn::cuda::sm80
+}  // namespace flashattn::cuda

@@ -7,9 +7,9 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "../common/dq_layout.cuh"
+#include "dq_layout.cuh"
 
-namespace flashattn::cuda::sm80 {
+namespace flashattn::cuda {
 
 // Adds a pair of adjacent accumulator values into global memory.
 __device__ __forceinline__ void atomic_add_pair(float* dst, float x, float y) {
@@ -73,4 +73,4 @@ __device__ __forceinline__ void add_dq_atoms(Acc* accum, int64_t tile_row, const
   }
 }
 
-}  // namespace flashattn::cuda::sm80
+}  // namespace flashattn::cuda

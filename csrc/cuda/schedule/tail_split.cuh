@@ -19,12 +19,12 @@
 #include "../../common/sequence.h"
 #include "../../params.h"
 #include "../common/check.h"
+#include "../common/fragments.cuh"
 #include "../common/grid.cuh"
 #include "causal_order.cuh"
-#include "fragments.cuh"
-#include "launch.h"
+#include "key_tile_rounds.h"
 
-namespace flashattn::cuda::sm80 {
+namespace flashattn::cuda {
 
 // A part takes at least this many query tiles, and is reckoned to cost this many more (its K / V
 // copies, the walk's start, the dK / dV atomics) in the choice of `parts`. Walks shorter than
@@ -135,4 +135,4 @@ void launch_with_tail_split(Kernel kernel, size_t smem, const BwdParams& p, cons
   }
 }
 
-}  // namespace flashattn::cuda::sm80
+}  // namespace flashattn::cuda

@@ -7,10 +7,10 @@
 #pragma once
 #include <cstdint>
 
-#include "../common/cp_async.cuh"
-#include "../common/mma.cuh"
+#include "cp_async.cuh"
+#include "mma.cuh"
 
-namespace flashattn::cuda::sm80 {
+namespace flashattn::cuda {
 
 template <class Elem>
 __host__ __device__ constexpr int chunk_elems() { return 16 / int(sizeof(Elem)); }
@@ -112,12 +112,4 @@ struct SwizzledAddress {
   }
 };
 
-// Host side: every address the copies form is 16-byte aligned.
-template <class Elem>
-bool rows_aligned_16(const void* base, int64_t s0, int64_t s1, int64_t s2, int64_t cols) {
-  constexpr int64_t kChunk = 16 / int64_t(sizeof(Elem));
-  return reinterpret_cast<uintptr_t>(base) % 16 == 0 && s0 % kChunk == 0 && s1 % kChunk == 0 &&
-         s2 % kChunk == 0 && cols % kChunk == 0;
-}
-
-}  // namespace flashattn::cuda::sm80
+}  // namespace flashattn::cuda

@@ -24,7 +24,7 @@
 #include "../common/check.h"
 #include "../common/online_softmax.cuh"
 
-namespace flashattn::cuda::sm80 {
+namespace flashattn::cuda {
 
 // The split of a forward launch (plan_key_split): blocks from `whole` on each take a part of the
 // last `walks` walks (those of blocks whole ... whole + walks - 1 of the plain grid, walk_tiles key
@@ -184,4 +184,4 @@ __device__ __forceinline__ bool settle_piece(const KeySplit& s, int rows, int ti
   return true;
 }
 
-}  // namespace flashattn::cuda::sm80
+}  // namespace flashattn::cuda

@@ -19,9 +19,9 @@
 #include <cstdint>
 
 #include "../common/check.h"
-#include "launch.h"
+#include "key_tile_rounds.h"
 
-namespace flashattn::cuda::sm80 {
+namespace flashattn::cuda {
 
 // The order of a causal grid of `blocks` blocks, `tiles` per (batch, head) pair, on S = SMs x
 // `per_sm` slots: its last pairs, enough for two waves, heaviest tile first across them. Only
@@ -55,4 +55,4 @@ __device__ __forceinline__ unsigned ordered_block(const HeavyLast& order, int ti
   return kOrdered && b >= order.start ? heavy_last_block(order, tiles, b) : b;
 }
 
-}  // namespace flashattn::cuda::sm80
+}  // namespace flashattn::cuda

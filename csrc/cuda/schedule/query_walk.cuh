@@ -10,12 +10,12 @@
 #include "../../common/sequence.h"
 #include "../../params.h"
 #include "../common/barrier.cuh"
+#include "../common/bias_tile.cuh"
 #include "../common/cp_async.cuh"
+#include "../common/tile_copy.cuh"
 #include "../common/wgmma.cuh"
-#include "bias_tile.cuh"
-#include "tile_copy.cuh"
 
-namespace flashattn::cuda::sm80 {
+namespace flashattn::cuda {
 
 // Where the LSE and D of a query tile's row m lie in a kernel's stats area (kBufs buffers of kBM
 // LSE and kBM D values), as offsets from its start: RowStats keeps [kBufs][kBM] LSE, then
@@ -175,4 +175,4 @@ __device__ __forceinline__ void walk_query_tiles(const Seq& sq, int64_t n0, int 
   }
 }
 
-}  // namespace flashattn::cuda::sm80
+}  // namespace flashattn::cuda

@@ -28,9 +28,9 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "../common/mma.cuh"
+#include "mma.cuh"
 
-namespace flashattn::cuda::sm80 {
+namespace flashattn::cuda {
 
 template <class Elem> struct Mma;
 
@@ -161,4 +161,4 @@ template <> struct Mma<double> {
   }
 };
 
-}  // namespace flashattn::cuda::sm80
+}  // namespace flashattn::cuda
