@@ -84,6 +84,8 @@ def cuda_gencode_flags():
         # on every sm_90 GPU: H100, H200, GH200); forward-compatible PTX stays plain compute_90.
         cubin = "90a" if num == "90" else num
         flags.append(f"-gencode=arch=compute_{cubin},code=sm_{cubin}")
+        if cubin == "90a":  # the kernel plan may choose the wgmma kernels (csrc/cuda/dispatch.cu)
+            flags.append("-DFLASHATTN_SM90A")
         if arch.endswith("+PTX"):
             flags.append(f"-gencode=arch=compute_{num},code=compute_{num}")
     return flags
@@ -91,7 +93,8 @@ def cuda_gencode_flags():
 
 def extension():
     rel = lambda pattern: sorted(os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, pattern), recursive=True))
-    sources = rel("csrc/*.cpp") + [p for p in rel("csrc/cpu/*.cpp") if p != AVX512_SOURCE]
+    # The kernel plan (csrc/cuda/plan.cpp) is plain C++: built without CUDA too, for its tests.
+    sources = rel("csrc/*.cpp") + [p for p in rel("csrc/cpu/*.cpp") if p != AVX512_SOURCE] + rel("csrc/cuda/*.cpp")
     common = dict(name="flashattn_ext._C", sources=sources, py_limited_api=True)
     if not want_cuda():
         return CppExtension(extra_compile_args={"cxx": []}, **common)

@@ -20,6 +20,7 @@
 
 #include "common/dropout.h"
 #include "cpu/api.h"
+#include "cuda/plan.h"
 #include "params.h"
 #ifdef FLASHATTN_WITH_CUDA
 #include "cuda/api.h"
@@ -654,6 +655,80 @@ Error dropout_mask(Tensor rng_state, int64_t batch, int64_t heads, int64_t len_q
   return {};
 }
 
+// Strides of a gradient or output of `heads` x `len` x `dim` as the ops allocate it beside `like`
+// (empty_like_layout): (batch, len, heads, dim) memory order for a transposed flash-attn view.
+Strides allocated_strides(const Tensor& like, int64_t heads, int64_t len, int64_t dim) {
+  if (like.size(1) > 1 && like.size(2) > 1 && like.stride(1) < like.stride(2))
+    return Strides{len * heads * dim, dim, heads * dim};
+  return Strides{heads * len * dim, len * dim, dim};
+}
+
+// The CUDA kernel the plan (csrc/cuda/plan.h) chooses for a forward or (`backward`) backward call, as
+// "family/tier". `device` fakes the GPU ([major, minor, SMs, shared memory per block, sm_90a code
+// built]); empty, the tensors' own CUDA device. `kernels` / `smem_limit`: the values of
+// FLASHATTN_CUDA_KERNELS / FLASHATTN_CUDA_SMEM_LIMIT to plan with (null: unset). The backward's
+// outputs are taken as the ops allocate them (aligned, in q's, k's, v's layout).
+Error kernel_plan(Tensor q, Tensor k, Tensor v, int64_t causal, bool backward, bool deterministic, const Features& f,
+                  bool bias_requires_grad, const std::vector<int64_t>& device,
+                  const std::optional<std::string>& kernels, const std::optional<std::string>& smem_limit,
+                  std::string& plan) {
+  Dims d;
+  FA_TRY(check_qkv(q, k, v, causal, d, f.block_table.has_value()));
+  if (f.block_table.has_value()) {  // as fwd
+    FA_CHECK(!backward, "flashattn: the backward of a call with a 'block_table' (paged k / v) is not supported");
+    FA_CHECK(!f.varlen(), "flashattn: a 'block_table' (paged k / v) cannot be combined with cu_seqlens (a "
+             "variable-length batch); give per-sequence lengths as seqused_k");
+    FA_TRY(check_block_table(*f.block_table, q, k, d));
+  }
+  BwdParams p;
+  FA_TRY(fill_common(p, q, k, v, d, 1.0, causal));
+  FA_TRY(check_and_fill_features(p, f, q, d, causal));
+  if (f.block_table.has_value()) FA_TRY(fill_pages(p, *f.block_table, k));
+  FA_CHECK(device.empty() || device.size() == 5, "flashattn: argument 'device' must be [major, minor, SMs, shared "
+           "memory per block, sm_90a built] or empty, got ", device.size(), " values");
+  FA_CHECK(!bias_requires_grad || p.bias_kind == BiasKind::kFloat, "flashattn: bias_requires_grad needs a "
+           "float 'attn_bias'");
+  FA_CHECK(d.batch * d.heads_q * d.len_q * d.len_k > 0, "flashattn: kernel_plan of an empty problem (batch ",
+           d.batch, ", heads ", d.heads_q, ", len_q ", d.len_q, ", len_k ", d.len_k, "): no kernel runs");
+  void* const aligned = reinterpret_cast<void*>(uintptr_t(256));  // where the ops' allocations start
+  p.out = aligned;
+  p.out_stride = allocated_strides(q, d.heads_q, d.len_q, d.head_dim_v);
+  if (backward) {
+    p.dout = aligned;
+    p.dout_stride = p.out_stride;
+    p.dq = p.dk = p.dv = aligned;
+    p.dq_stride = allocated_strides(q, d.heads_q, d.len_q, d.head_dim);
+    p.dk_stride = allocated_strides(k, d.heads_kv, d.len_k, d.head_dim);
+    p.dv_stride = allocated_strides(v, d.heads_kv, d.len_k, d.head_dim_v);
+    p.dbias = bias_requires_grad ? aligned : nullptr;
+    p.deterministic = deterministic || p.dtype == DType::kFloat64;  // as bwd
+  }
+  const cuda::Overrides ov =
+      cuda::parse_overrides(kernels ? kernels->c_str() : nullptr, smem_limit ? smem_limit->c_str() : nullptr);
+  if (!device.empty()) {
+    FA_CHECK(device[0] >= 1 && device[1] >= 0 && device[2] >= 1 && device[3] >= 0 && device[4] >= 0 && device[4] <= 1,
+             "flashattn: argument 'device' needs major >= 1, minor >= 0, SMs >= 1, shared memory >= 0 and sm_90a "
+             "0 or 1");
+    cuda::DeviceInfo dev;
+    dev.major = int(device[0]);
+    dev.minor = int(device[1]);
+    dev.sms = int(device[2]);
+    dev.smem_optin = size_t(device[3]);
+    dev.sm90a_compiled = device[4] != 0;
+    plan = backward ? cuda::describe(cuda::choose_bwd(p, dev, ov)) : cuda::describe(cuda::choose_fwd(p, dev, ov));
+    return {};
+  }
+  FA_CHECK(q.is_cuda(), "flashattn: kernel_plan of tensors on ", device_str(q), " needs argument 'device' (the GPU "
+           "to plan for)");
+#ifdef FLASHATTN_WITH_CUDA
+  torch::stable::accelerator::DeviceGuard guard(q.get_device_index());
+  plan = backward ? cuda::planned_bwd(p, ov) : cuda::planned_fwd(p, ov);
+  return {};
+#else
+  return error_of("RuntimeError", "flashattn: this build of flashattn_ext has no CUDA kernels");
+#endif
+}
+
 // The kernels registered as flashattn::_fwd, _bwd and _dropout_mask: the tensors and an error
 // string, empty on success. With an error, the tensors returned are placeholders (an input).
 // The backends throw only on a CUDA runtime failure (common/check.h); where torch carries
@@ -697,6 +772,23 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, std::string> bwd_op(
   return {dq, dk, dv, dbias, error};
 }
 
+std::tuple<std::string, std::string> kernel_plan_op(
+    Tensor q, Tensor k, Tensor v, int64_t causal, bool backward, bool deterministic, std::optional<Tensor> attn_bias,
+    int64_t window_left, int64_t window_right, std::optional<Tensor> alibi_slopes, double softcap, double dropout_p,
+    std::optional<Tensor> rng_state, std::optional<Tensor> cu_seqlens_q, std::optional<Tensor> cu_seqlens_k,
+    int64_t max_seqlen_q, int64_t max_seqlen_k, std::optional<Tensor> seqused_k, std::optional<Tensor> leftpad_k,
+    std::optional<Tensor> block_table, bool bias_requires_grad, std::vector<int64_t> device,
+    std::optional<std::string> kernels, std::optional<std::string> smem_limit) {
+  const Features f{attn_bias, window_left, window_right, alibi_slopes, softcap, dropout_p, rng_state,
+                   cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, leftpad_k, block_table};
+  std::string plan;
+  std::string error = guarded([&] {
+    return kernel_plan(q, k, v, causal, backward, deterministic, f, bias_requires_grad, device, kernels, smem_limit,
+                       plan);
+  });
+  return {plan, error};
+}
+
 std::tuple<Tensor, std::string> dropout_mask_op(Tensor rng_state, int64_t batch, int64_t heads, int64_t len_q,
                                                 int64_t len_k, double dropout_p) {
   Tensor mask = rng_state;
@@ -730,17 +822,25 @@ STABLE_TORCH_LIBRARY(flashattn, m) {
   m.def("_bwd(" FLASHATTN_BWD_ARGS ") -> (Tensor dq, Tensor dk, Tensor dv, Tensor dbias, str error)");
   m.def("_dropout_mask(Tensor rng_state, int batch, int heads, int len_q, int len_k, float dropout_p) -> "
         "(Tensor mask, str error)");
+  // The CUDA kernel the plan chooses for a call (flashattn_ext.kernel_plan): "family/tier".
+  m.def("_kernel_plan(Tensor q, Tensor k, Tensor v, int causal, bool backward, bool deterministic, "
+        "Tensor? attn_bias, int window_left, int window_right, Tensor? alibi_slopes, float softcap, float dropout_p, "
+        "Tensor? rng_state, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, "
+        "Tensor? seqused_k, Tensor? leftpad_k, Tensor? block_table, bool bias_requires_grad, int[] device, "
+        "str? kernels, str? smem_limit) -> (str plan, str error)");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(flashattn, CPU, m) {
   m.impl("_fwd", TORCH_BOX(&flashattn::fwd_op));
   m.impl("_bwd", TORCH_BOX(&flashattn::bwd_op));
   m.impl("_dropout_mask", TORCH_BOX(&flashattn::dropout_mask_op));
+  m.impl("_kernel_plan", TORCH_BOX(&flashattn::kernel_plan_op));
 }
 
 #ifdef FLASHATTN_WITH_CUDA
 STABLE_TORCH_LIBRARY_IMPL(flashattn, CUDA, m) {
   m.impl("_fwd", TORCH_BOX(&flashattn::fwd_op));
   m.impl("_bwd", TORCH_BOX(&flashattn::bwd_op));
+  m.impl("_kernel_plan", TORCH_BOX(&flashattn::kernel_plan_op));
 }
 #endif

@@ -8,11 +8,12 @@ from .flash_attn_interface import (flash_attn_func, flash_attn_kvpacked_func, fl
                                    flash_attn_varlen_func, flash_attn_varlen_kvpacked_func,
                                    flash_attn_varlen_qkvpacked_func)
 from .kvcache import flash_attn_with_kvcache
+from .plan import kernel_plan
 from . import sdpa  # noqa: F401,E402  (the SDPA mode; registers "flashattn_ext" with torch.nn.attention)
 
 __all__ = ["scaled_dot_product_attention", "attention", "flash_attn_func", "flash_attn_varlen_func",
            "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_qkvpacked_func",
-           "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache", "unpad_input", "pad_input"]
+           "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache", "unpad_input", "pad_input", "kernel_plan"]
 __version__ = "0.1.0"
 
 

@@ -23,7 +23,7 @@ FAMILIES = {
                  {d: ((F64, F32) + HALF if d < 256 else (F32,) + HALF,
                       f"Forward SIMT kernels, output-column tier {d}.") for d in (32, 64, 128, 256)}),
     "simt_fwd_qres": ("simt", "fwd_simt_qres", "fwd_simt_qres.cuh", "simt",
-                      lambda t: ["bool fwd_qres<{T}, {D}>(const FwdParams&, bool, cudaStream_t)"],
+                      lambda t: ["bool fwd_qres<{T}, {D}>(const FwdParams&, FwdKernel, int, cudaStream_t)"],
                       {d: ((F32,) + HALF, f"Q-resident forward SIMT kernels, head dims up to {d}.")
                        for d in (64, 128)}),
     "simt_bwd": ("simt", "bwd_simt", "bwd_simt.cuh", "simt",
@@ -36,9 +36,8 @@ FAMILIES = {
                        {d: ((F32,) + HALF, f"dK/dV SIMT kernel with the key tile resident in smem, head dims up "
                                            f"to {d}.") for d in (64, 128)}),
     "sm80_fwd": ("sm80", "fwd_sm80", "fwd_sm80.cuh", "sm80",
-                 lambda t: ["bool fwd<{T}, {D}>(const FwdParams&, cudaStream_t)"] + (
-                     ["size_t fwd_workspace_bytes<{T}, {D}>(const FwdParams&)", "bool fwd_decode<{T}, {D}>(const FwdParams&, cudaStream_t)",
-                      "bool fwd_decode_workspace_bytes<{T}, {D}>(const FwdParams&, size_t&)"] if t in HALF else []),
+                 lambda t: ["bool fwd<{T}, {D}>(const FwdParams&, FwdKernel, cudaStream_t)"] + (
+                     ["size_t fwd_workspace_bytes<{T}, {D}>(const FwdParams&, FwdKernel)"] if t in HALF else []),
                  {32: (HALF, "Tensor-core forward kernels, head dims up to 32 (fp16/bf16): half the dim-64 products."),
                   64: ((F64,) + HALF, "Tensor-core forward kernels, head dims up to 64."),
                   96: (HALF, "Tensor-core forward kernels, head dims 65..96 (fp16/bf16): 3/4 of the dim-128 products."),
@@ -48,8 +47,8 @@ FAMILIES = {
                   256: (HALF, "Tensor-core forward kernels, head dims up to 256 (fp16/bf16; fp64 accumulators would "
                               "not fit).")}),
     "sm80_bwd": ("sm80", "bwd_sm80", "bwd_sm80.cuh", "sm80",
-                 lambda t: ["bool bwd_dkdv<{T}, {D}>(const BwdParams&, const void*, const DqAccum&, const DkDvTail&, "
-                            "cudaStream_t)"],
+                 lambda t: ["bool bwd_dkdv<{T}, {D}>(const BwdParams&, BwdKernel, const void*, const DqAccum&, "
+                            "const DkDvTail&, cudaStream_t)"],
                  {32: (HALF, "Tensor-core dK/dV/dQ kernels, head dims up to 32 (fp16/bf16)."),
                   64: ((F64,) + HALF, "Tensor-core dK/dV/dQ kernels, head dims up to 64."),
                   96: (HALF, "Tensor-core dK/dV/dQ kernels, head dims 65..96 (fp16/bf16)."),

@@ -7,3 +7,11 @@
 #else
 #define FLASHATTN_HD inline
 #endif
+
+// FLASHATTN_HOST_DEVICE: the same, left to the compiler to inline (small host-visible helpers of
+// the CUDA code that the kernel plan reads too).
+#ifdef __CUDACC__
+#define FLASHATTN_HOST_DEVICE __host__ __device__ inline
+#else
+#define FLASHATTN_HOST_DEVICE inline
+#endif

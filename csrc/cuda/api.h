@@ -3,6 +3,7 @@
 #include <string>
 
 #include "../params.h"
+#include "plan.h"
 
 namespace flashattn::cuda {
 
@@ -13,5 +14,10 @@ size_t fwd_workspace_bytes(const FwdParams& p);
 std::string run_fwd(const FwdParams& p, void* stream);
 size_t bwd_workspace_bytes(const BwdParams& p);
 std::string run_bwd(const BwdParams& p, void* stream);
+
+// The kernels the plan (plan.h) chooses for the call on the current device under `ov`, as describe()
+// names them.
+std::string planned_fwd(const FwdParams& p, const Overrides& ov);
+std::string planned_bwd(const BwdParams& p, const Overrides& ov);
 
 }  // namespace flashattn::cuda

@@ -6,36 +6,13 @@
 #include <cstdint>
 
 #include "../../params.h"
+#include "bias_tile_layout.h"
 #include "cp_async.cuh"
 #include "features.cuh"
 #include "numeric.cuh"
 #include "online_softmax.cuh"
 
 namespace flashattn::cuda {
-
-// One buffer of kRows x kCols bias elements: `rows` is 1 when the bias is broadcast over the
-// query rows (a key padding mask), else kRows; rows are `pitch` bytes apart (16-byte aligned,
-// 16 past the data so the 8 rows a fragment touches fall in different banks). All zero when
-// the call has no bias.
-struct BiasTileLayout {
-  int elem_bytes = 0, rows = 0, pitch = 0;
-
-  __host__ __device__ int buffer_bytes() const { return rows * pitch; }
-  // Byte offset of row r / element (r, c) in a buffer (r is ignored when the rows are broadcast).
-  __device__ __forceinline__ int row_offset(int r) const { return rows == 1 ? 0 : r * pitch; }
-  __device__ __forceinline__ int offset(int r, int c) const { return row_offset(r) + c * elem_bytes; }
-};
-
-template <int kRows, int kCols>
-__host__ __device__ inline BiasTileLayout bias_tile_layout(const FwdParams& p) {
-  static_assert(kCols % 16 == 0, "a row of bool elements is a whole number of 16-byte chunks");
-  BiasTileLayout l;
-  if (p.bias_kind == BiasKind::kNone) return l;
-  l.elem_bytes = bias_elem_bytes(p.bias_kind, p.bias_dtype);
-  l.rows = p.bias_stride[2] == 0 ? 1 : kRows;
-  l.pitch = kCols * l.elem_bytes + 16;
-  return l;
-}
 
 // Whether the bias rows can be copied in 16-byte chunks: keys contiguous and every row start
 // 16-byte aligned (else the tile is staged element by element).

@@ -11,6 +11,8 @@
 #include <string>
 #include <utility>
 
+#include "../plan.h"
+
 namespace flashattn::cuda {
 
 inline std::string& pending_error() {
@@ -51,6 +53,7 @@ struct DeviceLimits {
   size_t smem_optin = 0;
   int major = 0;
   int sms = 0;  // streaming multiprocessors
+  int minor = 0;
 };
 inline DeviceLimits device_limits() {
   constexpr int kMaxDevices = 64;
@@ -60,24 +63,28 @@ inline DeviceLimits device_limits() {
   if (!check_cuda(cudaGetDevice(&dev), "cudaGetDevice")) return DeviceLimits{0, 0, 0, 1};
   DeviceLimits& d = cache[dev < kMaxDevices ? dev : 0];
   if (d.major == 0 || d.device != dev) {
-    int smem = 0, major = 0, sms = 0;
+    int smem = 0, major = 0, minor = 0, sms = 0;
     const bool ok = check_cuda(cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev),
                                "cudaDeviceGetAttribute(MaxSharedMemoryPerBlockOptin)") &&
                     check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev),
                                "cudaDeviceGetAttribute(ComputeCapabilityMajor)") &&
+                    check_cuda(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev),
+                               "cudaDeviceGetAttribute(ComputeCapabilityMinor)") &&
                     check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev),
                                "cudaDeviceGetAttribute(MultiProcessorCount)");
     if (!ok) return DeviceLimits{dev, 0, 0, 1};  // (not cached: asked again next call)
-    // FLASHATTN_CUDA_SMEM_LIMIT caps the shared memory per block the kernels may take, to test
-    // on one GPU what runs on GPUs with less (99 KB = 101376 on sm_86/89/120, 163 KB = 166912
-    // on sm_80/87).
-    if (const char* cap = std::getenv("FLASHATTN_CUDA_SMEM_LIMIT")) {
-      const long v = std::strtol(cap, nullptr, 10);
-      if (v > 0 && v < smem) smem = int(v);
-    }
-    d = DeviceLimits{dev, size_t(smem), major, sms};
+    // FLASHATTN_CUDA_SMEM_LIMIT caps the shared memory per block the kernels may take (../plan.h).
+    const int64_t cap = env_overrides().smem_limit;
+    if (cap > 0 && cap < smem) smem = int(cap);
+    d = DeviceLimits{dev, size_t(smem), major, sms, minor};
   }
   return d;
+}
+
+// Compute capability 8.0 or newer and `smem` bytes of shared memory per block available.
+inline bool tensor_cores_usable(size_t smem) {
+  const DeviceLimits lim = device_limits();
+  return lim.major >= 8 && smem <= lim.smem_optin;
 }
 
 // Blocks of `kernel` (`threads` threads, `smem` bytes of dynamic shared memory) resident per SM.

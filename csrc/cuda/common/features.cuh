@@ -7,16 +7,11 @@
 #include "../../common/dropout.h"
 #include "../../common/score_mods.h"
 #include "../../common/sequence.h"
+#include "bias_tile_layout.h"
 #include "numeric.cuh"
 #include "online_softmax.cuh"
 
 namespace flashattn::cuda {
-
-// Bytes of one element of a bias of kind k in dtype t (a bool mask: 1).
-__host__ __device__ inline int bias_elem_bytes(BiasKind k, DType t) {
-  if (k == BiasKind::kBool) return 1;
-  return t == DType::kFloat64 ? 8 : t == DType::kFloat32 ? 4 : 2;
-}
 
 // Address of the bias element at (m, n) of (sequence, query head h).
 __device__ __forceinline__ const unsigned char* bias_element(const FwdParams& p, const Seq& sq, int64_t h, int64_t m,
@@ -24,12 +19,6 @@ __device__ __forceinline__ const unsigned char* bias_element(const FwdParams& p,
   return static_cast<const unsigned char*>(p.bias) +
          (sq.b * p.bias_stride[0] + h * p.bias_stride[1] + m * p.bias_stride[2] + n * p.bias_stride[3]) *
              bias_elem_bytes(p.bias_kind, p.bias_dtype);
-}
-
-// Softcap or ALiBi on: the mods beyond a bias, which the sm80 kernels apply in their general
-// per-score step (a bias alone is one add in their plain step).
-__host__ __device__ inline bool mods_beyond_bias(const FwdParams& p) {
-  return p.softcap > 0.0 || p.alibi_slopes != nullptr;
 }
 
 // Readers of one bias element as the value added to a natural-log-domain score: the float

@@ -1,8 +1,8 @@
 // Warpgroup tensor-core products (wgmma, sm_90a only): the four warps of a warpgroup (128
 // threads, warps 4i .. 4i + 3) compute one 64 x N x 16 product together, asynchronously: the
 // instruction issues, the warps go on, and wgmma_wait() waits for the committed groups. On every
-// other target (and sm_90 without the "a" features) the bodies compile to nothing; the launcher
-// runs these kernels only where wgmma_compiled() says the loaded image has them.
+// other target (and sm_90 without the "a" features) the bodies compile to nothing; the kernel plan
+// chooses these kernels only on sm_90 where the build holds sm_90a code (setup.py's FLASHATTN_SM90A).
 //
 // Accumulator layout (m64nN, fp32): warp w of the group holds rows 16w .. 16w + 15; lane (g, t) =
 // (lane / 4, lane % 4) holds, for each 8-column atom j, d[j][0..1] at row g, columns 8j + 2t + {0, 1}

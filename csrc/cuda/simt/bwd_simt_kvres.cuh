@@ -29,35 +29,12 @@
 #include "../common/online_softmax.cuh"
 #include "launch.h"
 #include "pv_tf32x3.cuh"
-#include "tile_gemm.cuh"
+#include "resident_config.h"
 #include "smem_vec.cuh"
+#include "tile_gemm.cuh"
 #include "tile_load_x4.cuh"
 
 namespace flashattn::cuda::simt {
-
-template <int kDim>
-struct KvresTraits {
-  static constexpr int kThreads = 256;
-  static constexpr int kTK = kDim == 64 ? 8 : 6;  // key rows per thread (registers and smem cap it)
-  static constexpr int kBlockN = 16 * kTK;
-  static constexpr int kBlockM = 64;
-  static constexpr int kTQ = kBlockM / 16;  // query columns (and dQ rows) per thread
-  static constexpr int kCG = kDim / 64;     // groups of 4 output columns per thread
-  static constexpr int kLd = kDim + 4;      // Q, K, V, dO rows: 16-byte padding, conflict-free
-  // P^T / dS^T rows: 16 banks of padding so the two row groups' scalar stores use disjoint banks.
-  static constexpr int kLdP = kBlockM + 16;
-  // kTf32Dq: dQ += dS K on the tensor cores (sm_80+; every GPU with the smem for this kernel) as
-  // three TF32 products (pv_tf32x3.cuh explains the split), K's low halves split once per block
-  // into a second buffer. Only at dim 64 (H200: backward +3..+6.5%): at 128 that buffer does not
-  // fit beside 96-key tiles, and K split as read measured -1.4..-4.5% against the FMA product.
-  // K rows then 8 banks apart, so that the MMA's B reads (4 keys x 8 dims) are conflict-free.
-  static constexpr bool kTf32Dq = kDim == 64;
-  static constexpr int kLdK = kTf32Dq ? kDim + 8 : kLd;
-  static constexpr size_t kSmemBytes =
-      size_t((kTf32Dq ? 2 : 1) * kBlockN * kLdK + kBlockN * kLd + 2 * kBlockM * kLd + 2 * kBlockN * kLdP) *
-      sizeof(float);
-  static_assert(kDim % 64 == 0, "output columns come in 64-wide groups");
-};
 
 // acc[i][4g + e] += sum_q At[r + 16i][q] * B[q][64g + 4c + e] over the whole query tile, for the
 // key rows i < kRows.

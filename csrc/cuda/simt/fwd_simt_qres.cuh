@@ -26,36 +26,17 @@
 #include "../common/check.h"
 #include "../common/grid.cuh"
 #include "../common/online_softmax.cuh"
-#include "launch.h"
+#include "../plan.h"
 #include "fwd_simt_ws.cuh"
+#include "launch.h"
 #include "pv_tf32x3.cuh"
+#include "resident_config.h"
 #include "scale_scores.cuh"
-#include "tile_gemm.cuh"
 #include "smem_vec.cuh"
+#include "tile_gemm.cuh"
 #include "tile_load_x4.cuh"
 
 namespace flashattn::cuda::simt {
-
-template <int kDim, bool kTf32Pv, int kKeys>
-struct QresTraits {
-  static constexpr int kThreads = 256;
-  static constexpr int kRowGroups = kThreads / 16;
-  static constexpr int kTM = 8;  // query rows per thread
-  static constexpr int kBlockM = kRowGroups * kTM;
-  static constexpr int kBlockN = kKeys;
-  static constexpr int kTN = kBlockN / 16;  // key columns per thread
-  static constexpr int kCG = kDim / 64;     // groups of 4 output columns per thread
-  static constexpr int kLd = kDim + 4;      // Q, K, V rows: 16-byte padding, conflict-free
-  // P rows: 16 banks of padding so the two row groups' scalar stores use disjoint banks; with
-  // kTf32Pv 8, so that a warp's float2 reads of 8 rows x 4 key pairs take the two wavefronts
-  // 256 bytes need.
-  static constexpr int kLdP = kBlockN + (kTf32Pv ? 8 : 16);
-  // kTf32Pv: the low TF32 halves of V (a second V buffer) and a float per row (alpha, then 1 / l).
-  static constexpr size_t kSmemBytes =
-      size_t((kBlockM + (kTf32Pv ? 3 : 2) * kBlockN) * kLd + kBlockM * kLdP + (kTf32Pv ? kBlockM : 0)) *
-      sizeof(float);
-  static_assert(kDim % 64 == 0, "output columns come in 64-wide groups");
-};
 
 template <class T, int kDim, bool kTf32Pv, int kKeys>
 __global__ void __launch_bounds__(QresTraits<kDim, kTf32Pv, kKeys>::kThreads, 1)
@@ -246,7 +227,8 @@ bool launch_fwd_qres(const FwdParams& p, cudaStream_t stream) {
   return true;
 }
 
-// fp32 on sm_80+ (unless `tensor_cores` is off) takes the TF32x3 P V: at dim 128 in the
+// The plan's kSimtWs / kSimtQres (tf32_keys: the key tile of the TF32 P V, 0 for FMA products). fp32
+// on sm_80+ (unless FLASHATTN_CUDA_KERNELS=simt) takes the TF32x3 P V: at dim 128 in the
 // warp-specialized kernel (fwd_simt_ws.cuh: 202 KB of smem, so sm_90 / sm_100; +6-8% over this
 // kernel's TF32x3 variant on the H200, which it replaces: no GPU has smem for one and not the
 // other), at dim 64 here (H200: +-1% over the FMA P V with the score loop unrolled by 2, +10% by 4,
@@ -255,19 +237,16 @@ bool launch_fwd_qres(const FwdParams& p, cudaStream_t stream) {
 // barriers and row reductions per key), else 64-key ones (124 KB: sm_80); fp16/bf16 (here only
 // for calls the tensor-core kernels decline) the FMA one.
 template <class T, int kDim>
-bool fwd_qres(const FwdParams& p, bool tensor_cores, cudaStream_t stream) {
-  if (p.has_features()) return false;  // the optional features are in the general SIMT kernels only
+bool fwd_qres(const FwdParams& p, FwdKernel kernel, int tf32_keys, cudaStream_t stream) {
   if constexpr (std::is_same_v<T, float>) {
-    if (tensor_cores && device_limits().major >= 8) {
-      if constexpr (kDim == 128) {
-        if (launch_fwd_ws<kDim>(p, stream)) return true;
-      } else {
-        if (launch_fwd_qres<T, kDim, true, 128>(p, stream)) return true;
-        if (launch_fwd_qres<T, kDim, true>(p, stream)) return true;
-      }
+    if constexpr (kDim == 128) {
+      if (kernel == FwdKernel::kSimtWs) return launch_fwd_ws<kDim>(p, stream);
+    } else {
+      if (tf32_keys == 128) return launch_fwd_qres<T, kDim, true, 128>(p, stream);
+      if (tf32_keys == 64) return launch_fwd_qres<T, kDim, true>(p, stream);
     }
   }
-  return launch_fwd_qres<T, kDim, false>(p, stream);
+  return kernel == FwdKernel::kSimtQres && tf32_keys == 0 && launch_fwd_qres<T, kDim, false>(p, stream);
 }
 
 }  // namespace flashattn::cuda::simt

@@ -28,6 +28,7 @@
 #include "../common/opaque.cuh"
 #include "launch.h"
 #include "pv_tf32x3.cuh"
+#include "resident_config.h"
 #include "scale_scores.cuh"
 #include "tile_gemm.cuh"
 #include "tile_load_x4.cuh"
@@ -36,24 +37,6 @@ namespace flashattn::cuda::simt {
 
 // Named barriers within one role: among the score warps, among the P V warps.
 enum WsBarrier : int { kBarScore = 1, kBarPv = 2 };
-
-template <int kDim>
-struct WsTraits {
-  static constexpr int kScoreThreads = 128, kPvThreads = 256, kThreads = kScoreThreads + kPvThreads;
-  static constexpr int kBlockM = 128, kBlockN = 64;
-  static constexpr int kTM = 8, kTN = 8;  // a score thread's rows and keys
-  // Unroll of the score product over dims. 1: 140 bytes of spills (sm_90), the fastest; 2 and 4
-  // (172 / 212 bytes) measured 0.1-1% / 4-5% slower on the H200.
-  static constexpr int kScoreUnroll = 1;
-  static constexpr int kLd = kDim + 4;    // Q, K, V rows: 16-byte padding, conflict-free
-  // P rows: 8 banks of padding, so that a score warp's stores (4 rows x 8 keys) and a P V warp's
-  // float2 reads (8 rows x 4 key pairs) are conflict-free.
-  static constexpr int kLdP = kBlockN + 8;
-  // Q, K, two V buffers, P, a float per row (alpha, then 1 / l) and the two mbarriers.
-  static constexpr size_t kSmemBytes =
-      size_t((kBlockM + 3 * kBlockN) * kLd + kBlockM * kLdP + kBlockM) * sizeof(float) + 2 * sizeof(uint64_t);
-  static_assert(kBlockM == 16 * kTM && kBlockN == 8 * kTN && kScoreThreads == 16 * 8, "score thread grid");
-};
 
 template <int kDim>
 __global__ void __launch_bounds__(WsTraits<kDim>::kThreads, 1)

@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include "../../params.h"
+#include "../plan.h"
 
 namespace flashattn::cuda::simt {
 
@@ -12,12 +13,13 @@ template <class T, int kTier>
 void fwd(const FwdParams& p, int num_splits, cudaStream_t stream);
 
 // Forward with the query tile resident in smem (fp32 accumulation only): head_dim and
-// head_dim_v both <= kDim (64 or 128), one block per query tile. Returns false, launching
-// nothing, on a device whose smem per block is too small (sm_75 at kDim 128), or when an
-// optional feature is on (only fwd has them). `tensor_cores`: fp32 on sm_80+ may form P V on
-// the tensor cores (three TF32 products, fp32 accuracy).
+// head_dim_v both <= kDim (64 or 128), one block per query tile, no optional feature (only fwd
+// has them): the plan's kSimtQres, or at dim 128 for fp32 kSimtWs. `tf32_keys` (fp32, kSimtQres
+// at dim 64): P V on the tensor cores as three TF32 products (fp32 accuracy) over tiles of that
+// many keys; 0: FMA products. Returns false, launching nothing, where the plan chose a form this
+// call cannot take (smem).
 template <class T, int kDim>
-bool fwd_qres(const FwdParams& p, bool tensor_cores, cudaStream_t stream);
+bool fwd_qres(const FwdParams& p, FwdKernel kernel, int tf32_keys, cudaStream_t stream);
 
 // D = rowsum(dO * O) into `d` (accumulator type, contiguous (batch, heads_q, len_q)).
 template <class T>

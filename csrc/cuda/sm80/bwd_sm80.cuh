@@ -34,6 +34,7 @@
 #include "../common/online_softmax.cuh"
 #include "../common/operand_alignment.h"
 #include "../common/tile_copy.cuh"
+#include "../plan.h"
 #include "../schedule/causal_order.cuh"
 #include "../schedule/query_walk.cuh"
 #include "bwd_sm80_2d.cuh"
@@ -376,29 +377,22 @@ bool launch_dkdv(const BwdParams& p, const void* dsum, const DqAccum& accum, cud
   return true;
 }
 
-// Whether a backward call needs the general per-score step (more than a band and a bias).
-inline bool needs_general_step(const BwdParams& p) {
-  return mods_beyond_bias(p) || p.dropout_p > 0.0 || p.dbias != nullptr;
-}
-
 template <class Elem, int kDim>
-bool bwd_dkdv(const BwdParams& p, const void* dsum, const DqAccum& accum, const DkDvTail& tail, cudaStream_t stream) {
+bool bwd_dkdv(const BwdParams& p, BwdKernel kernel, const void* dsum, const DqAccum& accum, const DkDvTail& tail,
+              cudaStream_t stream) {
   if constexpr (!BwdConfig<Elem, kDim>::kServed) {
     return false;
   } else {
-    // Where a variant's tiles do not fit in the GPU's shared memory, the next one takes the call:
-    // the general variant (half the query rows per tile, any call), then its compact tiles.
-    auto general = [&] {
-      if (launch_dkdv<Elem, kDim, true, true>(p, dsum, accum, stream)) return true;
-      if constexpr (BwdConfig<Elem, kDim, true, true>::kServed)
-        return launch_dkdv<Elem, kDim, true, true, true>(p, dsum, accum, stream);
-      return false;
-    };
-    if (needs_general_step(p)) return general();
-    if (launch_dkdv_2d<Elem, kDim>(p, dsum, accum, tail, bwd_operands_aligned(p), stream)) return true;
-    const bool done = p.has_features() ? launch_dkdv<Elem, kDim, true, false>(p, dsum, accum, stream)
-                                       : launch_dkdv<Elem, kDim, false, false>(p, dsum, accum, stream);
-    return done || general();
+    switch (kernel) {
+      case BwdKernel::kSm80Plain: return launch_dkdv<Elem, kDim, false, false>(p, dsum, accum, stream);
+      case BwdKernel::kSm80Features: return launch_dkdv<Elem, kDim, true, false>(p, dsum, accum, stream);
+      case BwdKernel::kSm80General: return launch_dkdv<Elem, kDim, true, true>(p, dsum, accum, stream);
+      case BwdKernel::kSm80Compact:
+        if constexpr (BwdConfig<Elem, kDim, true, true>::kServed)
+          return launch_dkdv<Elem, kDim, true, true, true>(p, dsum, accum, stream);
+        return false;
+      default: return launch_dkdv_2d<Elem, kDim>(p, kernel, dsum, accum, tail, stream);
+    }
   }
 }
 

@@ -32,6 +32,7 @@
 #include "../common/numeric.cuh"
 #include "../common/online_softmax.cuh"
 #include "../common/tile_copy.cuh"
+#include "../plan.h"
 #include "../schedule/query_walk.cuh"
 #include "../schedule/tail_split.cuh"
 #include "launch.h"
@@ -444,12 +445,10 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim, kOneSync, kTwoBlocks>:
             [&](int key, int col, Acc x, Acc y) { M::store_pair(dv_g + (n0 + key) * p.dv_stride.row + col, x, y); });
 }
 
-// Launches the 2-D kernel where it serves the call; false where it does not (then the 1-D
-// kernel of bwd_sm80.cuh takes it). Called only for calls without the general per-score step
-// (softcap, ALiBi, dropout, the bias gradient). `operands_ok`: the 16-byte / pair alignment
-// checks passed.
+// Launches the 2-D kernel in the form the plan chose (kSm80TwoBlocks, kSm80OneSync, kSm80TwoDim);
+// false where this tier has no such form.
 template <class Elem, int kDim>
-bool launch_dkdv_2d(const BwdParams& p, const void* dsum, const DqAccum& accum, const DkDvTail& tail, bool operands_ok,
+bool launch_dkdv_2d(const BwdParams& p, BwdKernel form, const void* dsum, const DqAccum& accum, const DkDvTail& tail,
                     cudaStream_t stream) {
   using Cfg = Bwd2dConfig<Elem, kDim>;
   using OneSyncCfg = Bwd2dConfig<Elem, kDim, /*kOneSync=*/true>;
@@ -457,13 +456,6 @@ bool launch_dkdv_2d(const BwdParams& p, const void* dsum, const DqAccum& accum, 
   if constexpr (!Cfg::kServed) {
     return false;
   } else {
-    if (!operands_ok) return false;
-    // Whether config C's plain kernel can run here: its smem, and for swizzled P / dS (kOneSync,
-    // kTwoBlocks) stmatrix, their only store path (sm_90+; an A100's 163 KB would hold kTwoBlocks).
-    auto plain_usable = [](auto config) {
-      using C = decltype(config);
-      return tensor_cores_usable(C::kSmemBytes) && (!C::kSwizzleP || device_limits().major >= 9);
-    };
     // The kernel with config C's blocks (key tiles and threads).
     auto launch = [&](auto kernel, auto config, size_t smem) {
       using C = decltype(config);
@@ -472,24 +464,23 @@ bool launch_dkdv_2d(const BwdParams& p, const void* dsum, const DqAccum& accum, 
         launch_with_tail_split<C, Elem>(kernel, smem, p, static_cast<const float*>(dsum), accum, tail, blocks, round,
                                         stream, "sm80::bwd_dkdv_2d_kernel");
       });
+      return true;
     };
-    if constexpr (TwoBlocksCfg::kServed) {
-      if (!p.has_features() && p.len_q <= TwoBlocksCfg::kTwoBlocksMaxLen && plain_usable(TwoBlocksCfg{})) {
-        launch(bwd_dkdv_2d_kernel<Elem, kDim, false, false, true>, TwoBlocksCfg{}, TwoBlocksCfg::kSmemBytes);
-        return true;
-      }
+    if (form == BwdKernel::kSm80TwoBlocks) {
+      if constexpr (TwoBlocksCfg::kServed)
+        return launch(bwd_dkdv_2d_kernel<Elem, kDim, false, false, true>, TwoBlocksCfg{}, TwoBlocksCfg::kSmemBytes);
+      return false;
     }
-    if constexpr (OneSyncCfg::kServed) {
-      if (!p.has_features() && plain_usable(OneSyncCfg{})) {
-        launch(bwd_dkdv_2d_kernel<Elem, kDim, false, true>, OneSyncCfg{}, OneSyncCfg::kSmemBytes);
-        return true;
-      }
+    if (form == BwdKernel::kSm80OneSync) {
+      if constexpr (OneSyncCfg::kServed)
+        return launch(bwd_dkdv_2d_kernel<Elem, kDim, false, true>, OneSyncCfg{}, OneSyncCfg::kSmemBytes);
+      return false;
     }
+    if (form != BwdKernel::kSm80TwoDim) return false;
     const size_t smem = Cfg::kSmemBytes + 2 * size_t(bias_tile_layout<Cfg::kBM, Cfg::kBN>(p).buffer_bytes());
-    if (!tensor_cores_usable(smem)) return false;
-    launch(p.has_features() ? bwd_dkdv_2d_kernel<Elem, kDim, true, false> : bwd_dkdv_2d_kernel<Elem, kDim, false, false>,
-           Cfg{}, smem);
-    return true;
+    return launch(p.has_features() ? bwd_dkdv_2d_kernel<Elem, kDim, true, false>
+                                   : bwd_dkdv_2d_kernel<Elem, kDim, false, false>,
+                  Cfg{}, smem);
   }
 }
 

@@ -2,8 +2,8 @@
 #include "bwd_sm80.cuh"
 
 namespace flashattn::cuda::sm80 {
-template bool bwd_dkdv<__nv_bfloat16, 256>(const BwdParams&, const void*, const DqAccum&, const DkDvTail&,
-                                           cudaStream_t);
-template bool bwd_dkdv<__half, 256>(const BwdParams&, const void*, const DqAccum&, const DkDvTail&,
-                                    cudaStream_t);
+template bool bwd_dkdv<__nv_bfloat16, 256>(const BwdParams&, BwdKernel, const void*, const DqAccum&,
+                                           const DkDvTail&, cudaStream_t);
+template bool bwd_dkdv<__half, 256>(const BwdParams&, BwdKernel, const void*, const DqAccum&,
+                                    const DkDvTail&, cudaStream_t);
 }  // namespace flashattn::cuda::sm80

@@ -37,40 +37,6 @@
 
 namespace flashattn::cuda::sm80 {
 
-constexpr int kDecodeChunkRows = 16;  // packed query rows of a block (one row group)
-
-template <class Elem, int kDim>
-struct DecodeConfig {
-  static constexpr bool kServed = sizeof(Elem) == 2;
-  static constexpr int kWarps = 4, kThreads = 32 * kWarps;
-  static constexpr int kRows = kDecodeChunkRows;
-  static constexpr int kWarpKeys = 16;            // a warp's keys of a tile: one P V k-step
-  static constexpr int kBN = kWarps * kWarpKeys;  // keys per tile
-  // K / V tiles in flight: three stages where two blocks per SM still fit (dims <= 128), two above.
-  static constexpr int kStages = kDim <= 128 ? 3 : 2;
-  // Swizzled rows at the dims whose rows are whole 128-byte lines (as FwdConfig), else padded.
-  static constexpr bool kSwizzle = kDim == 64 || kDim == 128 || kDim == 256;
-  static constexpr int kLd = kSwizzle ? kDim : kDim + 8;
-  static constexpr int kOLd = kDim + 8;  // fp32 pitch of the warps' rows in the merge
-  static constexpr size_t kQBytes = size_t(kRows) * kLd * sizeof(Elem);
-  static constexpr size_t kKvBytes = size_t(2 * kStages) * kBN * kLd * sizeof(Elem);
-  // The merge's rows (O, then max and sum per row) reuse the K / V buffers.
-  static constexpr size_t kMergeBytes = size_t(kWarps) * kRows * (kOLd + 2) * sizeof(float);
-  static_assert(kMergeBytes <= kKvBytes, "the merge fits in the K / V buffers");
-  static constexpr size_t kSmemBytes = kQBytes + kKvBytes;
-  // A part's merged rows in the workspace: O [kRows][kDim], then the rows' max and sum.
-  static constexpr size_t kSlotFloats = size_t(kRows) * (kDim + 2);
-};
-
-// Calls the decode kernel takes: plain fp16 / bf16 calls whose query rows are few (a decode or
-// speculative step; the plain kernel's 128-row tiles compute 128 rows for each) and whose group
-// packs into at most kDecodeMaxChunks chunks of 16 rows.
-constexpr int64_t kDecodeMaxLenQ = 16, kDecodeMaxChunks = 4;
-inline bool decode_call(const FwdParams& p) {
-  return !p.has_features_beyond_key_ranges() && p.len_q <= kDecodeMaxLenQ &&
-         p.len_q * p.group() <= kDecodeChunkRows * kDecodeMaxChunks;
-}
-
 // The grid: blocks (walk, part), walk = (batch, kv head, chunk) with the chunk fastest, then the
 // parts of each walk; `partial` (a slot per block) and `counters` (one per walk) where parts > 1.
 struct DecodeGrid {
@@ -393,7 +359,7 @@ struct DecodeLaunch {
     parts = parts < kDecodeMaxParts ? parts : kDecodeMaxParts;
     grid.parts = parts > 1 ? int(parts) : 1;
     if (walks * grid.parts > 0x7fffffff) grid.parts = 1;
-    if (walks > 0x7fffffff) usable = false;  // (the kernels that take the call then check their own grids)
+    if (grid_too_large(walks, "sm80::fwd_decode_kernel")) usable = false;
   }
   size_t counter_bytes() const { return (size_t(walks) * sizeof(unsigned) + 255) / 256 * 256; }
   size_t workspace_bytes() const {

@@ -27,8 +27,8 @@
 #include "../common/grid.cuh"
 #include "../common/online_softmax.cuh"
 #include "../common/opaque.cuh"
-#include "../common/operand_alignment.h"
 #include "../common/tile_copy.cuh"
+#include "../plan.h"
 #include "../schedule/causal_order.cuh"
 #include "../schedule/key_split.cuh"
 #include "fwd_decode.cuh"
@@ -608,48 +608,31 @@ bool launch_fwd(const FwdParams& p, cudaStream_t stream) {
   return true;
 }
 
-// Whether the decode kernel takes the call (its operands aligned: fwd_decode), and the workspace it
-// then needs (`bytes`).
+// Workspace of the call on `kernel` (kSm80Decode: its walks' parts; kSm80Plain: the split of its grid's
+// last wave), 0 where it takes none.
 template <class Elem, int kDim>
-bool fwd_decode_workspace_bytes(const FwdParams& p, size_t& bytes) {
+size_t fwd_workspace_bytes(const FwdParams& p, FwdKernel kernel) {
   if constexpr (DecodeConfig<Elem, kDim>::kServed) {
-    const DecodeLaunch<Elem, kDim> d(p);
-    const bool takes = d.usable && (!p.is_paged() || fwd_operands_aligned(p));
-    if (takes) bytes = d.workspace_bytes();
-    return takes;
+    if (kernel == FwdKernel::kSm80Decode) {
+      const DecodeLaunch<Elem, kDim> d(p);
+      return d.usable ? d.workspace_bytes() : 0;
+    }
   }
-  return false;
-}
-
-// Workspace of the plain variant's call (its last wave's split), 0 where it takes none;
-// kPagesNotRead for a paged call (the decode kernel did not take it).
-template <class Elem, int kDim>
-size_t fwd_workspace_bytes(const FwdParams& p) {
-  if (p.is_paged()) return kPagesNotRead;
-  if (p.has_features()) return 0;
+  if (kernel != FwdKernel::kSm80Plain) return 0;
   const FwdLaunch<Elem, kDim, false> l(p);
   return l.usable ? l.workspace_bytes() : 0;
 }
 
-// Few query rows per kv head (decode steps, with or without per-sequence key ranges, paged or not):
-// the decode kernel (fwd_decode.cuh) where it serves.
 template <class Elem, int kDim>
-bool fwd_decode(const FwdParams& p, cudaStream_t stream) {
-  return fwd_operands_aligned(p) && launch_decode<Elem, kDim>(p, stream);
-}
-
-template <class Elem, int kDim>
-bool fwd(const FwdParams& p, cudaStream_t stream) {
-  if (!fwd_operands_aligned(p)) return false;
-  // The kernels here address contiguous key rows: dispatch gathers a paged call's pages for them
-  // first (the decode kernel reads them in place: fwd_decode).
-  if (p.is_paged()) return false;
-  if (p.has_features()) return launch_fwd<Elem, kDim, true>(p, stream);
-  // Where the plain variant's tiles do not fit in the GPU's shared memory, the feature variant
-  // (32-key tiles above dim 64) serves the call: it computes any call, with or without
-  // features. (Every fp16/bf16 plain forward fits the 99 KB of sm_86/89/120 since its tiles are
-  // swizzled, at most 96 KB; the dim-128 one took 102 KB before.)
-  return launch_fwd<Elem, kDim, false>(p, stream) || launch_fwd<Elem, kDim, true>(p, stream);
+bool fwd(const FwdParams& p, FwdKernel kernel, cudaStream_t stream) {
+  switch (kernel) {
+    case FwdKernel::kSm80Decode:
+      if constexpr (DecodeConfig<Elem, kDim>::kServed) return launch_decode<Elem, kDim>(p, stream);
+      return false;
+    case FwdKernel::kSm80Plain: return launch_fwd<Elem, kDim, false>(p, stream);
+    case FwdKernel::kSm80Features: return launch_fwd<Elem, kDim, true>(p, stream);
+    default: return false;
+  }
 }
 
 }  // namespace flashattn::cuda::sm80

@@ -2,12 +2,8 @@
 #include "fwd_sm80.cuh"
 
 namespace flashattn::cuda::sm80 {
-template bool fwd<__nv_bfloat16, 32>(const FwdParams&, cudaStream_t);
-template size_t fwd_workspace_bytes<__nv_bfloat16, 32>(const FwdParams&);
-template bool fwd_decode<__nv_bfloat16, 32>(const FwdParams&, cudaStream_t);
-template bool fwd_decode_workspace_bytes<__nv_bfloat16, 32>(const FwdParams&, size_t&);
-template bool fwd<__half, 32>(const FwdParams&, cudaStream_t);
-template size_t fwd_workspace_bytes<__half, 32>(const FwdParams&);
-template bool fwd_decode<__half, 32>(const FwdParams&, cudaStream_t);
-template bool fwd_decode_workspace_bytes<__half, 32>(const FwdParams&, size_t&);
+template bool fwd<__nv_bfloat16, 32>(const FwdParams&, FwdKernel, cudaStream_t);
+template size_t fwd_workspace_bytes<__nv_bfloat16, 32>(const FwdParams&, FwdKernel);
+template bool fwd<__half, 32>(const FwdParams&, FwdKernel, cudaStream_t);
+template size_t fwd_workspace_bytes<__half, 32>(const FwdParams&, FwdKernel);
 }  // namespace flashattn::cuda::sm80

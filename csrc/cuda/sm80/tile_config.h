@@ -1,5 +1,5 @@
-// Tile shapes of the tensor-core kernels per element type and head-dim tier, and the host
-// checks that decide whether they can run.
+// Tile shapes of the tensor-core kernels per element type and head-dim tier. Plain C++ (no CUDA
+// header): the kernel plan (../plan.cpp) reads their shared-memory sizes too.
 //
 // Shapes (measured on the H200; see docs/kernels/sm80_forward.md and sm80_backward.md):
 //   fp16/bf16: 4 warps x 32 query rows (B fragments serve two row groups), 2 blocks per SM;
@@ -18,14 +18,11 @@
 //         32-key tiles (2 blocks per SM); dim 128: 8 warps, 16-key tiles (1 block per SM, 8
 //         warps to hide the DMMA latency).
 #pragma once
-#include <cuda_runtime.h>
-
 #include <cstddef>
 #include <cstdint>
 #include <type_traits>
 
 #include "../../params.h"
-#include "../common/check.h"
 
 namespace flashattn::cuda::sm80 {
 
@@ -193,10 +190,39 @@ struct Bwd2dConfig {
   static_assert(!((kOneSync || kTwoBlocks) && kServed) || kStmatrixStores, "the swizzled P / dS are stored with stmatrix");
 };
 
-// Compute capability 8.0 or newer and `smem` bytes of shared memory per block available.
-inline bool tensor_cores_usable(size_t smem) {
-  const DeviceLimits lim = device_limits();
-  return lim.major >= 8 && smem <= lim.smem_optin;
+constexpr int kDecodeChunkRows = 16;  // packed query rows of a block (one row group)
+
+template <class Elem, int kDim>
+struct DecodeConfig {
+  static constexpr bool kServed = sizeof(Elem) == 2;
+  static constexpr int kWarps = 4, kThreads = 32 * kWarps;
+  static constexpr int kRows = kDecodeChunkRows;
+  static constexpr int kWarpKeys = 16;            // a warp's keys of a tile: one P V k-step
+  static constexpr int kBN = kWarps * kWarpKeys;  // keys per tile
+  // K / V tiles in flight: three stages where two blocks per SM still fit (dims <= 128), two above.
+  static constexpr int kStages = kDim <= 128 ? 3 : 2;
+  // Swizzled rows at the dims whose rows are whole 128-byte lines (as FwdConfig), else padded.
+  static constexpr bool kSwizzle = kDim == 64 || kDim == 128 || kDim == 256;
+  static constexpr int kLd = kSwizzle ? kDim : kDim + 8;
+  static constexpr int kOLd = kDim + 8;  // fp32 pitch of the warps' rows in the merge
+  static constexpr size_t kQBytes = size_t(kRows) * kLd * sizeof(Elem);
+  static constexpr size_t kKvBytes = size_t(2 * kStages) * kBN * kLd * sizeof(Elem);
+  // The merge's rows (O, then max and sum per row) reuse the K / V buffers.
+  static constexpr size_t kMergeBytes = size_t(kWarps) * kRows * (kOLd + 2) * sizeof(float);
+  static_assert(kMergeBytes <= kKvBytes, "the merge fits in the K / V buffers");
+  static constexpr size_t kSmemBytes = kQBytes + kKvBytes;
+  // A part's merged rows in the workspace: O [kRows][kDim], then the rows' max and sum.
+  static constexpr size_t kSlotFloats = size_t(kRows) * (kDim + 2);
+};
+
+// Calls the decode kernel takes: fp16 / bf16 calls with no optional feature but a KV cache's own
+// (per-sequence key ranges, pages) whose query rows are few (a decode or speculative step; the
+// plain kernel's 128-row tiles compute 128 rows for each) and whose group packs into at most
+// kDecodeMaxChunks chunks of 16 rows.
+constexpr int64_t kDecodeMaxLenQ = 16, kDecodeMaxChunks = 4;
+inline bool decode_call(const FwdParams& p) {
+  return !p.has_features_beyond_key_ranges() && p.len_q <= kDecodeMaxLenQ &&
+         p.len_q * p.group() <= kDecodeChunkRows * kDecodeMaxChunks;
 }
 
 }  // namespace flashattn::cuda::sm80

@@ -19,19 +19,9 @@
 #include "../schedule/key_tile_rounds.h"
 #include "../schedule/query_walk.cuh"
 #include "fwd_sm90.cuh"
+#include "tile_config.h"
 
 namespace flashattn::cuda::sm90 {
-
-template <class Elem, int kDim>
-struct BwdWgmmaConfig {
-  static constexpr bool kServed = sizeof(Elem) == 2 && (kDim == 64 || kDim == 128);
-  static constexpr int kThreads = 256;  // two warpgroups
-  static constexpr int kBN = 128, kBM = 64;
-  static constexpr uint32_t kKvBytes = kBN * kDim * 2, kQBytes = kBM * kDim * 2, kDsBytes = kBN * kBM * 2;
-  // K, V, two Q and two dO buffers, dS^T, LSE / D of two tiles, and room to align to 1024 bytes.
-  static constexpr uint32_t kStatsOffset = 2 * kKvBytes + 4 * kQBytes + kDsBytes;
-  static constexpr size_t kSmemBytes = kStatsOffset + 2 * 2 * kBM * sizeof(float) + 1024;
-};
 
 template <class Elem, int kDim>
 __global__ void __launch_bounds__(BwdWgmmaConfig<Elem, kDim>::kThreads, 1)
@@ -223,22 +213,9 @@ __global__ void __launch_bounds__(BwdWgmmaConfig<Elem, kDim>::kThreads, 1)
 #endif
 }
 
-// Whether bwd_wgmma takes the call: plain, head_dim == head_dim_v == kDim, sm_90 with the kernel's
-// smem (the caller has checked the operands' alignment).
-template <class Elem, int kDim>
-bool bwd_wgmma_serves(const BwdParams& p) {
-  using Cfg = BwdWgmmaConfig<Elem, kDim>;
-  if (!Cfg::kServed || p.has_features() || p.dbias != nullptr || p.head_dim != kDim || p.head_dim_v != kDim ||
-      wgmma_mode() == WgmmaMode::kOff)
-    return false;
-  const DeviceLimits lim = device_limits();
-  return lim.major == 9 && Cfg::kSmemBytes <= lim.smem_optin;
-}
-
 template <class Elem, int kDim>
 bool bwd_wgmma(const BwdParams& p, const void* dsum, const DqAccum& accum, cudaStream_t stream) {
   using Cfg = BwdWgmmaConfig<Elem, kDim>;
-  if (!bwd_wgmma_serves<Elem, kDim>(p) || !wgmma_compiled(stream)) return false;
   constexpr auto kernel = bwd_wgmma_kernel<Elem, kDim>;
   set_smem(kernel, Cfg::kSmemBytes, "sm90::bwd_wgmma_kernel");
   const int per_sm = heavy_last_serves(p) ? 1 : 0;  // one block of this kernel per SM

@@ -27,33 +27,9 @@
 #include "../schedule/causal_order.cuh"
 #include "fwd_rows.cuh"
 #include "launch.h"
+#include "tile_config.h"
 
 namespace flashattn::cuda::sm90 {
-
-// Measured against it (H100, bf16, forward): one warpgroup per block (64-row query tiles, two
-// blocks per SM) 13-20% slower at every length; at dim 64 this shape, one with 64-key tiles and two
-// blocks per SM (128 registers), and three warpgroups (128- or 64-key tiles) ran 1.5-30% behind the
-// sm80/ kernel (dim 64 takes the warp-specialized kernel, fwd_ws_sm90.cuh); a persistent grid (the
-// next tile's copies under this one's last products) slowed the key loop 8-10% (docs/kernels/sm90_forward.md).
-template <class Elem, int kDim>
-struct FwdWgmmaConfig {
-  static constexpr bool kServed = kFwdWgmmaTier<Elem, kDim> && kDim != 64;  // dim 64: fwd_ws_sm90.cuh
-  static constexpr int kWarpGroups = 2;  // 64 query rows each
-  static constexpr int kThreads = 128 * kWarpGroups;
-  static constexpr int kBM = 64 * kWarpGroups;
-  // Dim 256: 64-key tiles (O takes 128 registers of a thread; S 32).
-  static constexpr int kBN = kDim == 256 ? 64 : 128;
-  static constexpr uint32_t kQBytes = kBM * kDim * 2, kKvBytes = kBN * kDim * 2;
-  // Q, two K and two V stages, and room to align the tiles to 1024 bytes (the swizzle's period):
-  // 161 KB at dim 128, 193 KB at 256: one block per SM.
-  static constexpr size_t kSmemBytes = kQBytes + 4 * size_t(kKvBytes) + 1024;
-  // Taken where rows see on average at least 8 key tiles: with fewer, the walks are too short to hide
-  // a block's first S and last P V (H100, bf16, forward, TFLOP/s wgmma / sm80 kernel; a row sees L keys
-  // non-causal, about L / 2 causal): dim 128 non-causal L = 512 268 / 285, 1024 328 / 329, 2048 397 /
-  // 356; causal L = 1024 257 / 252, 2048 334 / 306; dim 256 (64-key tiles) non-causal L = 512 248 /
-  // 226; causal L = 512 146 / 161, 1024 259 / 208.
-  static constexpr int64_t kMinVisibleKeys = 8 * kBN;
-};
 
 // Byte offset of 16-byte chunk `chunk` of row `row` in a tile of kRows rows in the panel layout
 // (common/wgmma.cuh): panel chunk / 8, its line `row`, swizzled by row % 8.
@@ -196,15 +172,5 @@ __global__ void __launch_bounds__(FwdWgmmaConfig<Elem, kDim>::kThreads)
   w.store(sQ, p, Rows::dest(p, tile), wrow, lane);
 #endif
 }
-
-// FLASHATTN_CUDA_KERNELS=sm80 keeps sm_90 on the mma.sync kernels (to test and time them there);
-// =wgmma sends every call the wgmma kernels serve to them, whatever its length and grid (to test
-// them on small problems).
-enum class WgmmaMode { kOff, kAuto, kForced };
-WgmmaMode wgmma_mode();
-// Whether the loaded image of the wgmma kernels has their bodies (an sm_90a cubin), asked once per
-// device by a one-thread kernel; a call made while `stream` is being captured into a graph before
-// that does not ask (and takes the sm80/ kernels).
-bool wgmma_compiled(cudaStream_t stream);
 
 }  // namespace flashattn::cuda::sm90

@@ -18,35 +18,6 @@
 
 namespace flashattn::cuda::sm90 {
 
-template <class Elem, int kDim>
-struct FwdWsConfig {
-  static constexpr bool kServed = kFwdWgmmaTier<Elem, kDim> && (kDim == 64 || kDim == 128);
-  static constexpr int kConsumers = 2;
-  static constexpr int kThreads = 128 * (1 + kConsumers);
-  static constexpr int kBM = 64 * kConsumers, kBN = 128, kStages = 2;
-  static constexpr uint32_t kQBytes = kBM * kDim * 2, kKvBytes = kBN * kDim * 2;
-  static constexpr uint32_t kBarOffset = 2 * kQBytes + 2 * kStages * kKvBytes;
-  // Two Q buffers, the K and V stages, the mbarriers (K / V full and empty per stage, Q empty per
-  // buffer), and room to align to 1024: 97 KB at dim 64, 193 KB at 128.
-  static constexpr size_t kSmemBytes = kBarOffset + (4 * kStages + 2) * 8 + 1024;
-  // Registers per thread after the hand-over (128 x producer + 256 x consumer <= 384 x 168, the
-  // launch's pool; the consumers need ~230 at dim 128).
-  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
-  // An item's last P V issued with the next item's S 0 (fwd_ws_kernel's consumers): at dim 128 the two
-  // items' state does not fit in 240 registers (376 B of spills).
-  static constexpr bool kCarryAcrossItems = kDim == 64;
-  // Taken (fwd_sm90.cu) where rows see at least kMinKeys keys, on causal grids kMinCausalKeys on
-  // average. H100, bf16, forward TFLOP/s, interleaved rounds (docs/kernels/sm90_forward_ws.md), this
-  // kernel (TMA producer) / what took the call before: non-causal dim 64 L = 512 304 / 286 (sm80/),
-  // 1024 354 / 309, 8192 388 / 359; dim 128 L = 512 454 / 356, 1024 518 / 397, 4096 553 / 434 (the
-  // kernel before TMA). Causal (a block per item) dim 128 L = 512 235 / 205 (fwd_sm90.cuh's kernel),
-  // 1024 351 / 273, 2048 439 / 376, 8192 515 / 418; dim 64 L = 512 150 / 187 (as dispatched before),
-  // 1024 222 / 249, 2048 292 / 295, 4096 345 / 314, 16384 380 / 380 (this kernel from 4096 mean keys
-  // before).
-  static constexpr int64_t kMinKeys = 512;
-  static constexpr int64_t kMinCausalKeys = kDim == 64 ? 2048 : 0;
-};
-
 // Tensor maps of q, k and v (sm90/tma_map.h): 64-column boxes of kBM query rows, of kBN keys.
 struct FwdPanelMaps {
   CUtensorMap q, k, v;

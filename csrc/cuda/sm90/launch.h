@@ -1,27 +1,27 @@
-// Host launchers of the Hopper kernels (sm90/, wgmma on sm_90a), instantiated in fwd_sm90.cu.
-// Each returns false, launching nothing, where it does not serve the call; dispatch.cu then takes
-// the sm80/ kernels.
+// Host launchers of the Hopper kernels (sm90/, wgmma on sm_90a), instantiated in fwd_sm90.cu and
+// bwd_sm90.cu. Each launches what the kernel plan (../plan.h) chose and returns true; false,
+// launching nothing, would mean the plan chose a kernel that cannot take the call.
 #pragma once
 #include <cuda_runtime.h>
 
 #include "../../params.h"
+#include "../plan.h"
 #include "../schedule/key_tile_rounds.h"
+#include "tile_config.h"
 
 namespace flashattn::cuda::sm90 {
 
-// The head-dim tiers the wgmma forwards have (fp16 / bf16 at 64 and 128 (warp-specialized), 128 and 256).
+// Forward on `kernel` (the plan's kSm90WgmmaWs or kSm90Wgmma) of plain fp16 / bf16 calls with
+// head_dim == head_dim_v == kDim on sm_90.
 template <class Elem, int kDim>
-constexpr bool kFwdWgmmaTier = sizeof(Elem) == 2 && (kDim == 64 || kDim == 128 || kDim == 256);
-
-// Forward of plain fp16 / bf16 calls with head_dim == head_dim_v == kDim on sm_90.
+bool fwd_wgmma(const FwdParams& p, FwdKernel kernel, cudaStream_t stream);
+// Whether the warp-specialized forward can take the call (the plan's DeviceInfo::sm90_ws_ready): the
+// driver encodes its tensor maps, and its warpgroups' registers fit the loaded kernel's pool.
 template <class Elem, int kDim>
-bool fwd_wgmma(const FwdParams& p, cudaStream_t stream);
-// Whether fwd_wgmma takes the call where the image has the kernels (it needs no workspace).
-template <class Elem, int kDim>
-bool fwd_wgmma_serves(const FwdParams& p);
+bool fwd_ws_ready(const FwdParams& p);
 
 // dK / dV and the atomic dQ of plain fp16 / bf16 calls with head_dim == head_dim_v == kDim (64, 128) on
-// sm_90; the caller has checked the operands' alignment and that no general per-score step is needed.
+// sm_90 (the plan's kSm90Wgmma).
 template <class Elem, int kDim>
 bool bwd_wgmma(const BwdParams& p, const void* dsum, const DqAccum& accum, cudaStream_t stream);
 

@@ -1,0 +1,242 @@
+"""The kernel plan (csrc/cuda/plan.cpp): which CUDA kernel each call runs on, asked on CPU tensors with
+faked GPUs through flashattn_ext.kernel_plan. The table is the one docs/architecture.md documents."""
+import pytest
+import torch
+
+from flashattn_ext import kernel_plan
+from flashattn_ext.ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, CAUSAL_TOP_LEFT
+
+H100 = {"arch": (9, 0), "sms": 132, "smem": 232448}
+H100_NO_SM90A = dict(H100, sm90a=False)  # a build without sm_90a code
+A100 = {"arch": (8, 0), "sms": 108, "smem": 166912}
+RTX = {"arch": (8, 6), "sms": 84, "smem": 101376}
+T4 = {"arch": (7, 5), "sms": 40, "smem": 65536}
+B200 = {"arch": (10, 0), "sms": 148, "smem": 232448}
+GPUS = {"sm90": H100, "sm90_no_sm90a": H100_NO_SM90A, "sm80": A100, "sm86": RTX, "sm75": T4, "sm100": B200}
+
+
+def qkv(dim, dtype=torch.bfloat16, batch=4, heads=16, len_q=4096, len_k=None, heads_kv=None, dim_v=None):
+    """Uninitialised (batch, heads, len, dim) tensors: the plan reads shapes, strides and addresses only."""
+    q = torch.empty(batch, heads, len_q, dim, dtype=dtype)
+    k = torch.empty(batch, heads_kv or heads, len_k or len_q, dim, dtype=dtype)
+    v = torch.empty(batch, heads_kv or heads, len_k or len_q, dim_v or dim, dtype=dtype)
+    return q, k, v
+
+
+def plan(dim, gpu, causal=CAUSAL_NONE, backward=False, dtype=torch.bfloat16, shape=None, **kw):
+    q, k, v = qkv(dim, dtype, **(shape or {}))
+    return kernel_plan(q, k, v, causal, backward=backward, device=GPUS[gpu], kernels=kw.pop("kernels", ""),
+                       smem_limit=kw.pop("smem_limit", ""), **kw)
+
+
+# Forward, bf16 (fp16 plans the same), B=4, H=16, L=4096 (a grid larger than every GPU), per head dim.
+FWD_HALF = {
+    #      sm90                sm90 without sm_90a sm80 (163 KB)    sm86 (99 KB)     sm75        sm100
+    32: ("sm80_plain/32", "sm80_plain/32", "sm80_plain/32", "sm80_plain/32", "simt/32", "sm80_plain/32"),
+    64: ("sm90_wgmma_ws/64", "sm80_plain/64", "sm80_plain/64", "sm80_plain/64", "simt/64", "sm80_plain/64"),
+    96: ("sm80_plain/96", "sm80_plain/96", "sm80_plain/96", "sm80_plain/96", "simt/128", "sm80_plain/96"),
+    128: ("sm90_wgmma_ws/128", "sm80_plain/128", "sm80_plain/128", "sm80_plain/128", "simt/128", "sm80_plain/128"),
+    192: ("sm80_plain/192", "sm80_plain/192", "sm80_plain/192", "sm80_plain/192", "simt/256", "sm80_plain/192"),
+    256: ("sm90_wgmma/256", "sm80_plain/256", "sm80_plain/256", "sm80_plain/256", "simt/256", "sm80_plain/256"),
+}
+# The dK/dV step of the backward, same calls.
+BWD_HALF = {
+    32: ("sm80_plain/32", "sm80_plain/32", "sm80_plain/32", "sm80_plain/32", "simt/32", "sm80_plain/32"),
+    64: ("sm90_wgmma/64", "sm80_2d/64", "sm80_plain/64", "sm80_plain/64", "simt/64", "sm80_2d/64"),
+    96: ("sm80_2d_one_sync/96", "sm80_2d_one_sync/96", "sm80_2d/96", "sm80_general/96", "simt/128",
+         "sm80_2d_one_sync/96"),
+    128: ("sm90_wgmma/128", "sm80_2d_one_sync/128", "sm80_2d/128", "sm80_compact/128", "simt/128",
+          "sm80_2d_one_sync/128"),
+    192: ("sm80_plain/192", "sm80_plain/192", "sm80_plain/192", "sm80_compact/192", "simt/128x2", "sm80_plain/192"),
+    256: ("sm80_2d_one_sync/256", "sm80_2d_one_sync/256", "sm80_compact/256", "sm80_compact/256", "simt/128x2",
+          "sm80_2d_one_sync/256"),
+}
+
+
+@pytest.mark.parametrize("dim", sorted(FWD_HALF))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_routing(dim, dtype):
+    for gpu, fwd, bwd in zip(GPUS, FWD_HALF[dim], BWD_HALF[dim]):
+        assert plan(dim, gpu, dtype=dtype) == fwd, (gpu, "forward")
+        assert plan(dim, gpu, dtype=dtype, backward=True) == bwd, (gpu, "backward")
+
+
+def test_dims_between_tiers_run_the_upper_tier():
+    assert plan(80, "sm80") == "sm80_plain/96"
+    assert plan(72, "sm80", backward=True) == "sm80_2d/96"
+    assert plan(160, "sm90") == "sm80_plain/192"
+    # E != E_v: the tier of the larger; the Hopper kernels take E == E_v only.
+    assert plan(64, "sm90", shape=dict(dim_v=128)) == "sm80_plain/128"
+    assert plan(128, "sm90", shape=dict(dim_v=64)) == "sm80_plain/128"
+
+
+def test_fp32_stays_on_simt():
+    # TF32x3 P V on sm_80+: the warp-specialized kernel at 128 where 202 KB fit, Q-resident with 128-key
+    # tiles at 64 where 209 KB fit, else 64-key tiles; FMA where the tensor cores are off.
+    assert plan(128, "sm90", dtype=torch.float32) == "simt_ws/128"
+    assert plan(64, "sm90", dtype=torch.float32) == "simt_qres/64 tf32x128"
+    assert plan(64, "sm80", dtype=torch.float32) == "simt_qres/64 tf32x64"
+    assert plan(64, "sm90", dtype=torch.float32, kernels="simt") == "simt_qres/64"
+    assert plan(64, "sm86", dtype=torch.float32) == "simt/64"
+    assert plan(256, "sm90", dtype=torch.float32) == "simt/256"
+    assert plan(64, "sm90", dtype=torch.float32, backward=True) == "simt_kvres/64"
+    assert plan(128, "sm80", dtype=torch.float32, backward=True) == "simt/128"
+    assert plan(256, "sm90", dtype=torch.float32, backward=True) == "simt/128x2"
+
+
+def test_fp64():
+    # Forward 108 / 204 KB at dims 64 / 128: on 163 KB the dim-128 forward runs SIMT, on 99 KB every fp64 kernel.
+    assert [plan(64, g, dtype=torch.float64) for g in ("sm90", "sm80", "sm86")] == ["sm80_plain/64", "sm80_plain/64",
+                                                                                      "simt/64"]
+    assert [plan(128, g, dtype=torch.float64) for g in ("sm90", "sm80", "sm86")] == ["sm80_plain/128", "simt/128",
+                                                                                       "simt/128"]
+    # dK/dV 204.5 / 159 KB: at 64 on 163 KB the general variant's smaller tiles.
+    assert [plan(64, g, dtype=torch.float64, backward=True) for g in ("sm90", "sm80", "sm86")] == [
+        "sm80_plain/64", "sm80_general/64", "simt/64"]
+    assert plan(128, "sm80", dtype=torch.float64, backward=True) == "sm80_plain/128"
+    assert plan(256, "sm90", dtype=torch.float64) == "simt/128x2"
+    assert plan(256, "sm90", dtype=torch.float64, backward=True) == "simt/64x4"
+
+
+def test_hopper_forward_by_shape():
+    small = dict(batch=1, heads=1)
+    assert plan(128, "sm90", shape=dict(len_q=512)) == "sm90_wgmma_ws/128"
+    assert plan(128, "sm90", shape=dict(len_q=256)) == "sm80_plain/128"  # rows see < 512 keys
+    assert plan(128, "sm90", shape=dict(small, len_q=4096)) == "sm80_plain/128"  # fewer blocks than SMs
+    assert plan(128, "sm90", CAUSAL_TOP_LEFT) == "sm90_wgmma_ws/128"
+    # Causal at 64: the warp-specialized kernel from 2048 mean visible keys.
+    assert plan(64, "sm90", CAUSAL_TOP_LEFT, shape=dict(len_q=2048)) == "sm80_plain/64"  # 1024 on average
+    assert plan(64, "sm90", CAUSAL_TOP_LEFT, shape=dict(len_q=4096)) == "sm90_wgmma_ws/64"
+    assert plan(64, "sm90", CAUSAL_TOP_LEFT, shape=dict(len_q=2048, len_k=8192)) == "sm80_plain/64"
+    assert plan(64, "sm90", CAUSAL_BOTTOM_RIGHT, shape=dict(len_q=2048, len_k=8192)) == "sm90_wgmma_ws/64"
+    # Dim 256: the two-warpgroup kernel from 8 key tiles of 64.
+    assert plan(256, "sm90", shape=dict(len_q=512)) == "sm90_wgmma/256"
+    assert plan(256, "sm90", shape=dict(len_q=256)) == "sm80_plain/256"
+
+
+def test_decode_steps():
+    decode = dict(batch=2, heads=32, heads_kv=8, len_q=1, len_k=8192)
+    for gpu in ("sm90", "sm80", "sm100"):
+        assert plan(128, gpu, shape=decode) == "sm80_decode/128"
+    # Three stages of 64-key tiles at dim 128 take 100 KB: not on a 99 KB GPU.
+    assert plan(128, "sm86", shape=decode) == "sm80_plain/128"
+    assert plan(64, "sm86", shape=decode) == "sm80_decode/64"
+    assert plan(256, "sm80", shape=decode) == "sm80_decode/256"
+    assert plan(64, "sm90", shape=dict(decode, len_q=16, heads_kv=16, heads=32)) == "sm80_decode/64"
+    # More than 64 packed rows (len_q x group): the plain kernel.
+    assert plan(64, "sm90", shape=dict(decode, len_q=16)) == "sm80_decode/64"  # 16 x 4 = 64
+    assert plan(64, "sm90", shape=dict(decode, len_q=16, heads_kv=4)) == "sm80_plain/64"
+    assert plan(64, "sm90", shape=dict(decode, len_q=17, heads_kv=32)) == "sm80_plain/64"
+    assert plan(128, "sm90", shape=decode, window_left=64) == "sm80_features/128"
+    assert plan(128, "sm75", shape=decode) == "simt/128"
+    assert plan(128, "sm90", dtype=torch.float64, shape=decode) == "sm80_plain/128"
+
+
+def test_features():
+    assert plan(128, "sm90", window_left=128, window_right=0) == "sm80_features/128"
+    assert plan(128, "sm90", softcap=30.0) == "sm80_features/128"
+    # A band or a bias: the 2-D backward's variant with them; softcap, ALiBi, dropout: the general step.
+    assert plan(128, "sm90", backward=True, window_left=128) == "sm80_2d/128"
+    assert plan(128, "sm90", backward=True, softcap=30.0) == "sm80_general/128"
+    assert plan(128, "sm90", backward=True, dropout_p=0.1) == "sm80_general/128"
+    assert plan(192, "sm90", backward=True, window_left=128) == "sm80_features/192"
+    assert plan(128, "sm86", backward=True, softcap=30.0) == "sm80_compact/128"
+    bias = torch.zeros(4, 16, 4096, 4096, dtype=torch.bfloat16)
+    assert plan(128, "sm90", attn_bias=bias) == "sm80_features/128"
+    assert plan(128, "sm90", backward=True, attn_bias=bias) == "sm80_2d/128"
+    assert plan(128, "sm90", backward=True, attn_bias=bias, bias_requires_grad=True) == "sm80_general/128"
+    assert plan(64, "sm90", dtype=torch.float32, window_left=3) == "simt/64"
+    assert plan(64, "sm90", dtype=torch.float32, backward=True, window_left=3) == "simt/64"
+
+
+def test_varlen_takes_the_feature_variants():
+    q = torch.empty(1, 8, 300, 64, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 100, 300], dtype=torch.int32)
+    varlen = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=200, max_seqlen_k=200)
+    assert kernel_plan(q, q, q, device=H100, kernels="", **varlen) == "sm80_features/64"
+    assert kernel_plan(q, q, q, backward=True, device=H100, kernels="", **varlen) == "sm80_2d/64"
+
+
+def test_short_backward_two_blocks_on_sm90():
+    # Dim 64, at most 1024 query rows, sm_90+: two 4-warp blocks per SM (stmatrix stores); on sm_90 the
+    # wgmma kernel unless FLASHATTN_CUDA_KERNELS=sm80.
+    assert plan(64, "sm90", backward=True, shape=dict(len_q=1024)) == "sm90_wgmma/64"
+    assert plan(64, "sm90", backward=True, shape=dict(len_q=1024), kernels="sm80") == "sm80_2d_two_blocks/64"
+    assert plan(64, "sm100", backward=True, shape=dict(len_q=1024)) == "sm80_2d_two_blocks/64"
+    assert plan(64, "sm100", backward=True, shape=dict(len_q=2048)) == "sm80_2d/64"
+    assert plan(64, "sm80", backward=True, shape=dict(len_q=1024)) == "sm80_plain/64"
+
+
+def test_deterministic():
+    # The deterministic backward runs the same kernels (in rounds); before sm_80 it has no dQ accumulators
+    # for them, and the SIMT kernels take it.
+    assert plan(128, "sm90", backward=True, deterministic=True) == "sm90_wgmma/128"
+    assert plan(128, "sm80", backward=True, deterministic=True) == "sm80_2d/128"
+    assert plan(64, "sm75", backward=True, deterministic=True) == "simt/64"
+    assert plan(128, "sm90", backward=True, deterministic=True, dtype=torch.float64) == "sm80_plain/128"
+
+
+def test_unaligned_operands_take_simt():
+    # Rows of 40 bf16 columns (80 bytes) are not copied in 16-byte chunks by every row: dims not a multiple
+    # of 8 leave the tensor-core kernels.
+    assert plan(36, "sm90") == "simt_qres/64"
+    assert plan(36, "sm90", backward=True) == "simt_kvres/64"
+    q, k, v = qkv(64)
+    view = torch.empty(4, 16, 4096, 65, dtype=torch.bfloat16)[..., 1:]  # rows start 2 bytes in
+    assert kernel_plan(view, k, v, device=H100, kernels="") == "simt_qres/64"
+
+
+@pytest.mark.parametrize("gpu", ["sm90", "sm86"])
+def test_overrides(gpu):
+    # =simt: every dtype on the SIMT kernels (the Q / K-resident ones where their 176 / 200 KB fit).
+    assert plan(128, gpu, kernels="simt") == ("simt_qres/128" if gpu == "sm90" else "simt/128")
+    assert plan(128, gpu, kernels="simt", backward=True) == ("simt_kvres/128" if gpu == "sm90" else "simt/128")
+    assert plan(128, gpu, kernels="sm80") == "sm80_plain/128"
+    assert plan(128, "sm90", kernels="sm80", backward=True) == "sm80_2d_one_sync/128"
+    # =wgmma: the Hopper forwards whatever the shape (on sm_90 only).
+    tiny = dict(batch=1, heads=1, len_q=64)
+    assert plan(128, gpu, kernels="wgmma", shape=tiny) == ("sm90_wgmma_ws/128" if gpu == "sm90" else "sm80_plain/128")
+    assert plan(128, gpu, kernels="auto", shape=tiny) == "sm80_plain/128"  # a value it does not name: unset
+
+
+def test_smem_limit_override():
+    # A cap takes an H100 down the paths of an A100 (166912) or an RTX card (101376); larger or invalid: none.
+    assert plan(128, "sm90", smem_limit="166912") == "sm90_wgmma/128"  # 193 KB warp-specialized does not fit
+    assert plan(128, "sm90", backward=True, smem_limit="166912") == "sm90_wgmma/128"
+    assert plan(128, "sm90", backward=True, smem_limit="166912", kernels="sm80") == "sm80_2d/128"
+    assert plan(128, "sm90", dtype=torch.float64, smem_limit="166912") == "simt/128"
+    assert plan(128, "sm90", backward=True, smem_limit="101376") == "sm80_compact/128"
+    assert plan(64, "sm90", dtype=torch.float64, smem_limit="101376") == "simt/64"
+    assert plan(128, "sm90", dtype=torch.float64, smem_limit="300000") == "sm80_plain/128"
+    assert plan(128, "sm90", dtype=torch.float64, smem_limit="-5") == "sm80_plain/128"
+    assert plan(128, "sm90", dtype=torch.float64, smem_limit="cap") == "sm80_plain/128"
+
+
+def test_device_argument_errors():
+    q, k, v = qkv(64)
+    with pytest.raises(ValueError, match="'device' must be a dict"):
+        kernel_plan(q, k, v, device={"arch": (9, 0), "sms": 132})
+    with pytest.raises(ValueError, match=r"'arch' must be \(major, minor\).*got 9"):
+        kernel_plan(q, k, v, device={"arch": 9, "sms": 132, "smem": 1})
+    with pytest.raises(ValueError, match="'sms' must be an int >= 1, got 0"):
+        kernel_plan(q, k, v, device={"arch": (9, 0), "sms": 0, "smem": 1})
+    with pytest.raises(ValueError, match="'sm90a' must be a bool, got 1"):
+        kernel_plan(q, k, v, device=dict(H100, sm90a=1))
+    with pytest.raises(RuntimeError, match="kernel_plan of tensors on cpu needs argument 'device'"):
+        kernel_plan(q, k, v)
+    with pytest.raises(RuntimeError, match="empty problem"):
+        kernel_plan(*qkv(64, len_q=0), device=H100)
+    with pytest.raises(RuntimeError, match="argument 'k' has head_dim"):
+        kernel_plan(q, k[..., :32], v, device=H100)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="plans for the GPU present")
+def test_plan_of_the_gpu_present():
+    q, k, v = (t.cuda() for t in qkv(64, batch=1, heads=2, len_q=128))
+    got = kernel_plan(q, k, v)
+    major, minor = torch.cuda.get_device_capability()
+    props = torch.cuda.get_device_properties(0)
+    smem = getattr(props, "shared_memory_per_block_optin", None)
+    if smem is not None:
+        fake = {"arch": (major, minor), "sms": props.multi_processor_count, "smem": smem}
+        assert got == kernel_plan(q.cpu(), k.cpu(), v.cpu(), device=fake)
