@@ -37,10 +37,10 @@ def kernel_plan(q, k, v, causal=0, *, backward=False, deterministic=False, bias_
 
     q, k, v: (batch, heads, len, dim) as the ops take them; `causal` 0 (none), 1 (top-left) or 2
     (bottom-right, ops.CAUSAL_*); `features`: the ops' keywords (attn_bias, window_left, window_right,
-    alibi_slopes, softcap, dropout_p, cu_seqlens_q, seqused_k, block_table, ...). `device`: None plans for the tensors' CUDA
-    device; a dict fakes a GPU, e.g. {"arch": (8, 6), "sms": 84, "smem": 101376} (smem: shared memory
-    a block may opt into; "sm90a": whether the build has sm_90a code, default True), and works on
-    CPU tensors. `kernels` / `smem_limit`: the values of FLASHATTN_CUDA_KERNELS /
+    alibi_slopes, softcap, dropout_p, cu_seqlens_q, seqused_k, block_table, ...). `device`: None plans
+    for the tensors' CUDA device; a dict fakes a GPU, e.g. {"arch": (8, 6), "sms": 84, "smem": 101376}
+    (smem: shared memory a block may opt into; "sm90a": whether the build has sm_90a code, default
+    True), and works on CPU tensors. `kernels` / `smem_limit`: the values of FLASHATTN_CUDA_KERNELS /
     FLASHATTN_CUDA_SMEM_LIMIT to plan with (default: this process's environment)."""
     check_fwd_args(q, k, v, causal, paged=features.get("block_table") is not None)
     if features.get("dropout_p", 0.0) and features.get("rng_state") is None:
