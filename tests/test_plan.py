@@ -132,6 +132,25 @@ def test_decode_steps():
     assert plan(128, "sm90", dtype=torch.float64, shape=decode) == "sm80_plain/128"
 
 
+def test_kv_cache_calls():
+    # Per-sequence key ranges: the decode kernel takes them; elsewhere they count as a feature.
+    q, k, v = qkv(128, batch=4, heads=32, heads_kv=8, len_q=1, len_k=4096)
+    used = torch.full((4,), 3000, dtype=torch.int32)
+    assert kernel_plan(q, k, v, CAUSAL_BOTTOM_RIGHT, device=H100, kernels="", seqused_k=used) == "sm80_decode/128"
+    q = torch.empty(4, 32, 2048, 128, dtype=torch.bfloat16)
+    assert kernel_plan(q, k, v, CAUSAL_BOTTOM_RIGHT, device=H100, kernels="", seqused_k=used) == "sm80_features/128"
+    # Pages (block_table): read in place by the decode kernel; every other kernel reads them gathered.
+    pages = torch.empty(64, 8, 256, 128, dtype=torch.bfloat16)
+    table = (torch.arange(4 * 16, dtype=torch.int32) % 64).reshape(4, 16)
+    step = torch.empty(4, 32, 1, 128, dtype=torch.bfloat16)
+    assert kernel_plan(step, pages, pages, CAUSAL_BOTTOM_RIGHT, device=H100, kernels="",
+                       block_table=table) == "sm80_decode/128"
+    assert kernel_plan(q, pages, pages, CAUSAL_BOTTOM_RIGHT, device=H100, kernels="",
+                       block_table=table) == "sm90_wgmma_ws/128 on gathered pages"
+    assert kernel_plan(step.float(), pages.float(), pages.float(), CAUSAL_BOTTOM_RIGHT, device=H100, kernels="",
+                       block_table=table) == "simt_ws/128 on gathered pages"
+
+
 def test_features():
     assert plan(128, "sm90", window_left=128, window_right=0) == "sm80_features/128"
     assert plan(128, "sm90", softcap=30.0) == "sm80_features/128"
