@@ -56,9 +56,9 @@ def paged(k, v, page, used, pad):
 
 
 def check(device, dtype, used, pad=None, heads_q=4, heads_kv=2, len_q=1, causal=BOTTOM_RIGHT, window=(-1, -1),
-          alibi=False, softcap=0.0, len_k=LEN_K, page=None):
+          alibi=False, softcap=0.0, len_k=LEN_K, page=None, dim=32):
     batch = len(used)
-    q, k, v = _make(device, dtype, batch, heads_q, heads_kv, len_q, len_k=len_k)
+    q, k, v = _make(device, dtype, batch, heads_q, heads_kv, len_q, dim=dim, len_k=len_k)
     slopes = 0.3 * torch.rand(batch, heads_q, device=device) if alibi else None
     features = dict(seqused_k=torch.tensor(used, dtype=torch.int32, device=device),
                     window_left=window[0], window_right=window[1], alibi_slopes=slopes, softcap=softcap)
@@ -109,6 +109,16 @@ def test_paged(device, dtype, page, len_k):
     padding that starts sequences mid-page, GQA and several query rows."""
     check(device, dtype, used=[len_k, 1, 40, 0], pad=[0, 0, 21, 0], heads_q=4, heads_kv=1, len_q=3, len_k=len_k,
           page=page)
+
+
+@pytest.mark.parametrize("dim", [64, 96, 128, 256])
+def test_head_dims(device, dim):
+    """The decode kernel's tile layouts on CUDA (swizzled at 64 / 128 / 256, padded at 96), dense and
+    paged with pages of 16 and 48 keys (a thread's rows step across pages), sequences starting
+    mid-page, a part of the keys past some sequences' ends."""
+    for page in (None, 16, 48):
+        check(device, torch.float16, used=[192, 100, 7, 130], pad=[0, 37, 0, 50], heads_q=4, heads_kv=2, len_q=2,
+              len_k=192, page=page, dim=dim)
 
 
 @pytest.mark.parametrize("case", ["window_alibi_softcap", "mha_no_causal"])

@@ -10,14 +10,23 @@
 
 namespace flashattn {
 
+// The page that holds key row j of a sequence (counted from the start of its cache). A 32-bit
+// division where the rows allow (every cache in practice): a 64-bit one is a long instruction
+// sequence on the GPU.
+FLASHATTN_HD int64_t page_of(const FwdParams& p, int64_t j) {
+  return p.len_k <= INT32_MAX ? int64_t(uint32_t(j) / uint32_t(p.page_size)) : j / p.page_size;
+}
+
+// The block of sequence b's page `page` (< pages per sequence), clamped into the tensor.
+FLASHATTN_HD int64_t block_of(const FwdParams& p, int64_t b, int64_t page) {
+  return clamp_to(p.block_table[b * p.block_table_stride + page], 0, p.num_blocks - 1);
+}
+
 // Element offset of key row j (counted from the start of sequence b's cache) of head h in a
-// paged k- or v-shaped operand with strides s. The block is clamped into the tensor.
+// paged k- or v-shaped operand with strides s.
 FLASHATTN_HD int64_t paged_row(const FwdParams& p, const Strides& s, int64_t b, int64_t h, int64_t j) {
-  // A 32-bit division where the rows allow (every cache in practice): a 64-bit one is a long
-  // instruction sequence on the GPU, and the decode kernel divides once per row it copies.
-  const int64_t page = p.len_k <= INT32_MAX ? int64_t(uint32_t(j) / uint32_t(p.page_size)) : j / p.page_size;
-  const int64_t block = clamp_to(p.block_table[b * p.block_table_stride + page], 0, p.num_blocks - 1);
-  return block * s.batch + h * s.head + (j - page * p.page_size) * s.row;
+  const int64_t page = page_of(p, j);
+  return block_of(p, b, page) * s.batch + h * s.head + (j - page * p.page_size) * s.row;
 }
 
 // The gathered copy: k then v as contiguous (batch, heads_kv, len_k, dim) tensors, each starting

@@ -16,8 +16,8 @@
 // the host from len_k (the cache's length, the longest possible walk), so the grid never depends
 // on values the host has not read (CUDA graphs). A part past its sequence's keys is empty (max
 // -inf, sum 0) and adds nothing to the merge.
-// Paged caches (block_table) are read in place: each row a thread copies is looked up in the
-// table (row_copy.cuh), so a tile may span pages of any size and start anywhere in a page.
+// Paged caches (block_table) are read in place (paged_copy.cuh): each row is looked up in the
+// table, one lookup for K and V, so a tile may span pages of any size and start anywhere in a page.
 // fp16 / bf16 calls with no optional feature but the key ranges, at every head-dim tier;
 // decode_call says which.
 #pragma once
@@ -25,14 +25,13 @@
 
 #include <cstdint>
 
-#include "../../common/pages.h"
 #include "../../common/sequence.h"
 #include "../../params.h"
 #include "../common/check.h"
 #include "../common/fragments.cuh"
 #include "../common/online_softmax.cuh"
 #include "../common/tile_copy.cuh"
-#include "row_copy.cuh"
+#include "paged_copy.cuh"
 #include "tile_config.h"
 
 namespace flashattn::cuda::sm80 {
@@ -105,19 +104,15 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads)
       cp_async_16_zfill(sQ + r * kLd + (kSw ? (c & ~7) | ((c ^ r) & 7) : c) * chunk_elems<Elem>(), src, valid);
     }
   }
-  const Elem* k = kPaged ? static_cast<const Elem*>(p.k) : sq.k_rows<const Elem>(p.k, p.k_stride, hk, 0);
-  const Elem* v = kPaged ? static_cast<const Elem*>(p.v) : sq.k_rows<const Elem>(p.v, p.v_stride, hk, 0);
+  // The sequence's first key row (dense: paged tiles are addressed row by row).
+  const Elem* k = kPaged ? nullptr : sq.k_rows<const Elem>(p.k, p.k_stride, hk, 0);
+  const Elem* v = kPaged ? nullptr : sq.k_rows<const Elem>(p.v, p.v_stride, hk, 0);
   auto load_kv = [&](int j, int stage) {  // tile j of the part into buffer `stage`
     const int64_t n0 = n_begin + int64_t(j) * kBN;
     const int rows_k = sq.k_tile_rows(n0, kBN);
-    if constexpr (kPaged) {
-      const int64_t j0 = sq.k0 + n0;  // the tile's first key, counted from the start of the cache
-      copy_rows_async<kBN, kDim, kThreads, kSw>(
-          sK + stage * kBN * kLd, kLd, [&](int r) { return k + paged_row(p, p.k_stride, b, hk, j0 + r); }, k, rows_k,
-          E, tid);
-      copy_rows_async<kBN, kDim, kThreads, kSw>(
-          sV + stage * kBN * kLd, kLd, [&](int r) { return v + paged_row(p, p.v_stride, b, hk, j0 + r); }, v, rows_k,
-          Ev, tid);
+    if constexpr (kPaged) {  // (n0 counted from the sequence's first key, k0 from the start of its cache)
+      copy_paged_kv_async<kBN, kDim, kThreads, kSw>(sK + stage * kBN * kLd, sV + stage * kBN * kLd, kLd, p, b, hk,
+                                                    sq.k0 + n0, rows_k, E, Ev, tid);
       return;
     }
     copy_tile_async<kBN, kDim, kThreads, false, kSw, true>(sK + stage * kBN * kLd, kLd, k + n0 * p.k_stride.row,
