@@ -14,6 +14,8 @@ from .ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE
 
 def forward(a):
     """(out (B, Lq, H, Ev), lse (B, H, Lq)) for resolved arguments `a` (kvcache.KVCacheArgs)."""
+    if not a.len_new and a.rotary_cos is None and a.leftpad is None and a.batch_idx is None and not a.paged:
+        return _read_only_step(a)
     valid = valid_sequences(a)
     seqlens = a.seqlens.long()
     q = a.q
@@ -31,6 +33,22 @@ def forward(a):
     # Blocks clamped into the cache: only those of invalid sequences (NaN below) or of pages past a
     # sequence's keys (never read) change, and the op's own value check (CPU) never sees them.
     table = a.block_table.clamp(0, a.k_cache.shape[0] - 1) if a.paged else None
+    return _attend(a, q, k, v, seqused, leftpad, table, valid)
+
+
+def _read_only_step(a):
+    """A step that only reads a dense cache (no append, rotary, leftpad or cache_batch_idx), the
+    common decode call: cache_seqlens go to the op as they are (int32; the op clamps them where it
+    reads them), and the one rule that can fail, 0 <= cache_seqlens <= C, marks the NaN rows. Five
+    launches around the attention instead of a dozen (each costs a few us of a short step). (The CPU
+    op checks its values instead of clamping them: there they are clamped here, as _key_ranges does.)"""
+    valid = (a.seqlens >= 0) & (a.seqlens <= a.cache_len)
+    seqused = a.seqlens if a.q.is_cuda else a.seqlens.clamp(0, a.cache_len)
+    return _attend(a, a.q, a.k_cache, a.v_cache, seqused, None, None, valid)
+
+
+def _attend(a, q, k, v, seqused, leftpad, table, valid):
+    """The op on (B, L, heads, E) q and caches with the key ranges; NaN rows where not `valid`."""
     out, lse = checked_fwd(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), a.scale,
                            CAUSAL_BOTTOM_RIGHT if a.causal else CAUSAL_NONE, window_left=a.window[0],
                            window_right=a.window[1], alibi_slopes=a.alibi_slopes, softcap=a.softcap,

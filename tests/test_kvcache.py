@@ -297,6 +297,9 @@ def _seqlens(values):
 
 OUT_OF_RANGE = [
     ("seqlens_negative", dict(), _seqlens([7, -1, 63]), r"cache_seqlens\[1\] = -1 must be >= 0"),
+    ("seqlens_negative_read_only", dict(len_new=0), _seqlens([7, -1, 64]), r"cache_seqlens\[1\] = -1 must be >= 0"),
+    ("seqlens_past_cache_read_only", dict(len_new=0), _seqlens([7, 65, 64]),
+     r"cache_seqlens\[1\] = 65 plus the 0 new keys exceeds the cache length 64"),
     ("cache_too_short", dict(len_new=2), _seqlens([7, 63, 62]),
      r"cache_seqlens\[1\] = 63 plus the 2 new keys exceeds the cache length 64: the cache is too short"),
     ("leftpad", dict(leftpad=True), _change(cache_leftpad=torch.tensor([3, 40, 3], dtype=torch.int32)),
