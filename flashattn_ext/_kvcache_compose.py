@@ -42,8 +42,9 @@ def _read_only_step(a):
     reads them), and the one rule that can fail, 0 <= cache_seqlens <= C, marks the NaN rows. Five
     launches around the attention instead of a dozen (each costs a few us of a short step). (The CPU
     op checks its values instead of clamping them: there they are clamped here, as _key_ranges does.)"""
-    valid = (a.seqlens >= 0) & (a.seqlens <= a.cache_len)
-    seqused = a.seqlens if a.q.is_cuda else a.seqlens.clamp(0, a.cache_len)
+    seqlens = a.seqlens.contiguous()  # (a view the caller sliced: the op reads it as a plain array)
+    valid = (seqlens >= 0) & (seqlens <= a.cache_len)
+    seqused = seqlens if a.q.is_cuda else seqlens.clamp(0, a.cache_len)
     return _attend(a, a.q, a.k_cache, a.v_cache, seqused, None, None, valid)
 
 

@@ -407,3 +407,17 @@ def test_cuda_graph_capture_and_replay():
         torch.cuda.synchronize()
         assert torch.equal(static_out, out) and torch.equal(static_lse, lse), f"step {step}"
         assert torch.equal(static["k_cache"], eager["k_cache"]) and torch.equal(static["v_cache"], eager["v_cache"])
+
+
+def test_strided_cache_seqlens(device):
+    """cache_seqlens may be a strided view (a slice of a larger lengths tensor), on every path."""
+    for len_new in (0, 1):
+        ours, _ = make_case(device, torch.float32, len_new=len_new)
+        ours = {n: t.to(device) if isinstance(t, torch.Tensor) else t for n, t in ours.items()}
+        lengths = ours["cache_seqlens"]
+        strided = torch.stack((lengths, lengths), 1)[:, 0]
+        assert not strided.is_contiguous()
+        want = flashattn_ext.flash_attn_with_kvcache(**{**ours, "k_cache": ours["k_cache"].clone(),
+                                                        "v_cache": ours["v_cache"].clone()})
+        got = flashattn_ext.flash_attn_with_kvcache(**{**ours, "cache_seqlens": strided})
+        assert torch.equal(got, want)
