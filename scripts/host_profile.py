@@ -1,0 +1,61 @@
+"""Where the host time of one small attention call goes: torch.profiler over many forward + backward
+calls on a tiny shape (the kernels take microseconds, so the table is the host's Python, dispatcher,
+autograd and CUDA runtime calls), and cProfile's Python view of the same calls.
+
+    python scripts/host_profile.py [--device cuda] [--impl ours|sdpa] [--out-dir DIR]
+"""
+import argparse
+import cProfile
+import io
+import os
+import pstats
+
+import torch
+import torch.nn.functional as F
+
+import flashattn_ext
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--impl", default="ours", choices=("ours", "sdpa"))
+    p.add_argument("--calls", type=int, default=200)
+    p.add_argument("--out-dir", default=".")
+    args = p.parse_args()
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    q, k, v = (torch.randn(1, 1, 16, 64, device=args.device, dtype=dtype, requires_grad=True) for _ in range(3))
+    attn = flashattn_ext.scaled_dot_product_attention if args.impl == "ours" else F.scaled_dot_product_attention
+
+    def step():
+        attn(q, k, v, is_causal=True).sum().backward()
+
+    for _ in range(50):
+        step()
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if args.device == "cuda":  # shows the CUDA runtime calls (launches, attribute queries) on the host
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(args.calls):
+            step()
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=45)
+    prof_py = cProfile.Profile()
+    prof_py.enable()
+    for _ in range(args.calls):
+        step()
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+    prof_py.disable()
+    s = io.StringIO()
+    pstats.Stats(prof_py, stream=s).sort_stats("tottime").print_stats(40)
+    path = os.path.join(args.out_dir, f"host_profile_{args.impl}_{args.device}.txt")
+    with open(path, "w") as f:
+        f.write(f"{args.calls} calls of fwd+bwd, bf16 1x1x16x64 causal, {args.impl}\n\n")
+        f.write(table + "\n\n" + s.getvalue())
+    print(path)
+
+
+if __name__ == "__main__":
+    main()
