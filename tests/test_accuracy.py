@@ -42,6 +42,18 @@ def test_backward_kernels_by_length(device, dtype, causal, len_q):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", CAUSAL_MODES, ids=CAUSAL_IDS)
+@pytest.mark.parametrize("len_q,heads_kv,group", [(256, 2, 1), (320, 1, 3)], ids=["mha", "gqa"])
+def test_backward_query_lengths_multiple_of_16(device, dtype, head_dim, causal, len_q, heads_kv, group):
+    """Query lengths a multiple of 16 at dims 64 and 128: on sm_90 the warp-specialized dK/dV kernel
+    (sm90/bwd_sm90.cuh) stages each dQ tile in smem and adds it with one bulk reduce-add (other
+    lengths take its atomics); 4-5 query tiles per key tile, over a GQA group, and a ragged key tile."""
+    q, k, v = make_qkv(1, heads_kv * group, heads_kv, len_q, 200, head_dim, head_dim, dtype, device)
+    check_against_reference(q, k, v, head_dim**-0.5, causal)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
 @pytest.mark.parametrize("heads_q", [67, 134], ids=["mha", "gqa"])
 def test_backward_split_last_wave(device, dtype, head_dim, heads_q):

@@ -201,9 +201,15 @@ void fwd_typed(const FwdParams& paged_or_not, cudaStream_t stream) {
   check_launched(launched, describe(plan));
 }
 
-// The backward's plan on the current GPU.
+// The backward's plan on the current GPU; where it chooses the Hopper kernel, asked as the forward's.
 BwdPlan plan_bwd(const BwdParams& p, const Overrides& ov = env_overrides()) {
-  return choose_bwd(p, device_info(), ov);
+  DeviceInfo dev = device_info();
+  BwdPlan plan = choose_bwd(p, dev, ov);
+  if (plan.kernel == BwdKernel::kSm90Wgmma && !sm90::bwd_ws_ready(p, plan.tier)) {
+    dev.sm90_ws_ready = false;
+    plan = choose_bwd(p, dev, ov);
+  }
+  return plan;
 }
 
 size_t dkdv_tail_bytes(const BwdParams& p, const BwdPlan& plan) {

@@ -179,9 +179,9 @@ std::optional<BwdKernel> tensor_core_bwd(const BwdParams& p, const Limits& lim) 
       return std::nullopt;
     };
     if (needs_general_step(p)) return general();
-    if constexpr (sm90::BwdWgmmaConfig<Elem, kDim>::kServed) {
-      if (aligned && lim.sm90() && !p.has_features() && p.head_dim == kDim && p.head_dim_v == kDim &&
-          sm90::BwdWgmmaConfig<Elem, kDim>::kSmemBytes <= lim.smem)
+    if constexpr (sm90::BwdWsConfig<Elem, kDim>::kServed) {
+      if (aligned && lim.sm90() && lim.dev.sm90_ws_ready && !p.has_features() && p.head_dim == kDim &&
+          p.head_dim_v == kDim && sm90::BwdWsConfig<Elem, kDim>::kSmemBytes <= lim.smem)
         return BwdKernel::kSm90Wgmma;
     }
     using TwoDim = sm80::Bwd2dConfig<Elem, kDim>;

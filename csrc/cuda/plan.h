@@ -19,9 +19,9 @@ struct DeviceInfo {
   size_t smem_optin = 0;     // shared memory a block may opt into
   // The build holds sm_90a code (the wgmma kernels): known when it is compiled (dispatch.cu).
   bool sm90a_compiled = false;
-  // The warp-specialized Hopper forward can take this call: the driver encodes its TMA maps and its
-  // warpgroups' registers fit the block's pool. dispatch.cu asks where the plan chooses it, and plans
-  // again without it where the answer is no.
+  // The warp-specialized Hopper kernel the plan chose (forward or backward) can take this call: the
+  // driver encodes its TMA maps and its warpgroups' registers fit the block's pool. dispatch.cu asks
+  // where the plan chooses one, and plans again without it where the answer is no.
   bool sm90_ws_ready = true;
 };
 

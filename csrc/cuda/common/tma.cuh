@@ -54,3 +54,39 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, u
 }
 
 }  // namespace flashattn::cuda
+
+namespace flashattn::cuda {
+
+// Adds `bytes` of fp32 values at smem `src` into global memory at `dst` (both 16-byte aligned, bytes a
+// multiple of 16), element by element, as one asynchronous bulk operation of the TMA unit: the adds are
+// atomic per element, as red.global.add would be, without a thread issuing them. Completion is tracked
+// per thread in bulk groups (bulk_commit, bulk_wait_read, bulk_wait).
+__device__ __forceinline__ void bulk_reduce_add(float* dst, const float* src, uint32_t bytes) {
+#ifdef FLASHATTN_WGMMA
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst),
+               "r"(smem_addr(src)), "r"(bytes)
+               : "memory");
+#endif
+}
+__device__ __forceinline__ void bulk_commit() {
+#ifdef FLASHATTN_WGMMA
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+#endif
+}
+// Waits until this thread's bulk groups but the last kPending have read their smem sources (it may
+// then be written again) ...
+template <int kPending>
+__device__ __forceinline__ void bulk_wait_read() {
+#ifdef FLASHATTN_WGMMA
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(kPending) : "memory");
+#endif
+}
+// ... or have completed.
+template <int kPending>
+__device__ __forceinline__ void bulk_wait() {
+#ifdef FLASHATTN_WGMMA
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(kPending) : "memory");
+#endif
+}
+
+}  // namespace flashattn::cuda

@@ -1,8 +1,63 @@
-// Hopper dK/dV kernels (wgmma): fp16 and bf16 at head dims 64 and 128.
+// Hopper dK/dV kernel (wgmma, warp-specialized): fp16 and bf16 at head dims 64 and 128, as the kernel
+// plan (../plan.cpp) chose; bwd_ws_ready answers the plan's question whether it can take a call.
 #include "bwd_sm90.cuh"
 #include "launch.h"
+#include "tma_map.h"
 
 namespace flashattn::cuda::sm90 {
+
+namespace {
+
+// Whether the block's register pool holds what the warpgroups take after their hand-over (as
+// fwd_sm90.cu checks for the forward).
+template <class Elem, int kDim>
+bool bwd_register_pool_holds() {
+  using Cfg = BwdWsConfig<Elem, kDim>;
+  static const bool holds = [] {
+    cudaFuncAttributes attr{};
+    if (cudaFuncGetAttributes(&attr, bwd_ws_kernel<Elem, kDim>) != cudaSuccess) return false;
+    return attr.numRegs * Cfg::kThreads >= 128 * Cfg::kProducerRegs + 256 * Cfg::kConsumerRegs;
+  }();
+  return holds;
+}
+
+template <class Cfg>
+bool encode_bwd_maps(const BwdParams& p, BwdPanelMaps& maps) {
+  constexpr int64_t kMaxCoord = 0x7fffffff;
+  if (p.batch > kMaxCoord || p.heads_q > kMaxCoord || p.len_q > kMaxCoord || p.len_k > kMaxCoord) return false;
+  return encode_panel_map(&maps.q, p.q, p.q_stride, p.batch, p.heads_q, p.len_q, p.head_dim, Cfg::kBM) &&
+         encode_panel_map(&maps.dout, p.dout, p.dout_stride, p.batch, p.heads_q, p.len_q, p.head_dim_v, Cfg::kBM) &&
+         encode_panel_map(&maps.k, p.k, p.k_stride, p.batch, p.heads_kv, p.len_k, p.head_dim, Cfg::kBN) &&
+         encode_panel_map(&maps.v, p.v, p.v_stride, p.batch, p.heads_kv, p.len_k, p.head_dim_v, Cfg::kBN);
+}
+
+}  // namespace
+
+bool bwd_ws_ready(const BwdParams& p, int dim) {
+  BwdPanelMaps maps;
+  const bool bf16 = p.dtype == DType::kBFloat16;
+  const bool pool = dim == 64 ? (bf16 ? bwd_register_pool_holds<__nv_bfloat16, 64>() : bwd_register_pool_holds<__half, 64>())
+                              : (bf16 ? bwd_register_pool_holds<__nv_bfloat16, 128>() : bwd_register_pool_holds<__half, 128>());
+  return pool && encode_bwd_maps<BwdWsConfig<__half, 64>>(p, maps);
+}
+
+template <class Elem, int kDim>
+bool bwd_wgmma(const BwdParams& p, const void* dsum, const DqAccum& accum, cudaStream_t stream) {
+  using Cfg = BwdWsConfig<Elem, kDim>;
+  BwdPanelMaps maps;
+  if (!encode_bwd_maps<Cfg>(p, maps)) return false;
+  constexpr auto kernel = bwd_ws_kernel<Elem, kDim>;
+  if (!set_smem(kernel, Cfg::kSmemBytes, "sm90::bwd_ws_kernel")) return true;
+  const int per_sm = heavy_last_serves(p) ? 1 : 0;
+  for_key_tile_rounds(p, Cfg::kBN, accum, [&](unsigned blocks, KeyTileRound round) {
+    round.heavy = plan_heavy_last(blocks, round.groups, per_sm);
+    kernel<<<blocks, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, maps, static_cast<const float*>(dsum), accum,
+                                                                round);
+    check_launch("sm90::bwd_ws_kernel");
+  });
+  return true;
+}
+
 template bool bwd_wgmma<__nv_bfloat16, 128>(const BwdParams&, const void*, const DqAccum&, cudaStream_t);
 template bool bwd_wgmma<__half, 128>(const BwdParams&, const void*, const DqAccum&, cudaStream_t);
 template bool bwd_wgmma<__nv_bfloat16, 64>(const BwdParams&, const void*, const DqAccum&, cudaStream_t);

@@ -1,49 +1,92 @@
-// dK/dV kernel (with the atomic dQ) on Hopper's warpgroup products (wgmma, sm_90a): plain fp16 / bf16
-// calls at head dims 64 and 128 (head_dim == head_dim_v == kDim, no optional feature). The walk is the sm80/
-// kernels' (query_walk.cuh): one block per (batch, kv head, key tile of kBN = 128 keys) visits every
-// query tile of kBM = 64 rows that sees one of its keys, over the kv head's query heads. Two
-// warpgroups, each owning 64 of the block's keys:
-//   S^T = K Q^T, dP^T = V dO^T   wgmma m64n64 (K / V rows of the warpgroup x the tile's rows), smem
-//   P^T, dS^T = P^T (dP^T - D)   in registers (LSE and D per column, from smem)
-//   dV += P^T dO, dK += dS^T Q   wgmma m64n128, P^T / dS^T from registers, dO / Q MN-major from smem
-//   dQ += dS K                   dS^T through smem; wgmma m64n64 per warpgroup (its half of the
-//                                dims), A and B MN-major; added with atomics (dq_atomics.cuh)
-// P and dS round to Elem before the products, as in the sm80/ kernels.
+// Warp-specialized dK/dV kernel (with dQ) on wgmma (sm_90a): plain fp16 / bf16 calls at head dims 64 and
+// 128 (head_dim == head_dim_v, no optional feature). A block of three warpgroups owns a key tile of
+// kBN = 128 keys and visits every query tile of kBM = 64 rows that sees one of its keys, over the kv
+// head's query heads (the walk of the sm80/ kernels, query_walk.cuh):
+//   warpgroup 0, warp 0   copies: K and V once, then per query tile Q and dO (TMA, one thread) and its
+//                         LSE and D (cp.async, the warp) into a two-stage ring of mbarriers;
+//   warpgroup 0, warp 1   adds each finished dQ tile, staged in smem by the consumers, into the fp32
+//                         accumulator with one bulk reduce-add (the TMA unit's atomics);
+//   warpgroups 1 and 2    64 keys each:
+//     S^T = K Q^T, dP^T = V dO^T   wgmma m64n64, both from smem; the exponentials of P^T under dP^T
+//     P^T, dS^T = P^T (dP^T - D)   in registers (LSE and D per column, from smem)
+//     dV += P^T dO, dK += dS^T Q   wgmma m64n(E), P^T / dS^T from registers, dO / Q MN-major from smem
+//     dQ = dS K                    dS^T of both through smem; wgmma m64n(E/2), this warpgroup's half of
+//                                  the dims, staged in smem for the bulk add
+// P and dS round to Elem before their products, as in the sm80/ kernels.
+// The consumers take the producer's registers (setmaxnreg) and wait for each other only where dQ needs
+// both halves of dS^T (a named barrier of their 256 threads); nobody issues a copy or an atomic but the
+// producer warps. dQ tiles not 16-row aligned in the accumulator (lengths not a multiple of 16) are
+// added with the consumers' atomics instead.
 #pragma once
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
+#include "../common/barrier.cuh"
+#include "../common/cp_async.cuh"
 #include "../common/dq_atomics.cuh"
+#include "../common/tma.cuh"
 #include "../schedule/causal_order.cuh"
 #include "../schedule/key_tile_rounds.h"
-#include "../schedule/query_walk.cuh"
 #include "fwd_sm90.cuh"
 #include "tile_config.h"
 
 namespace flashattn::cuda::sm90 {
 
+// Tensor maps of q, dout (64-row boxes), k and v (128-row boxes): sm90/tma_map.h.
+struct BwdPanelMaps {
+  CUtensorMap q, dout, k, v;
+};
+
+// The query tiles a key tile [n0, n0 + rows_k) is seen by, in the order every warp of the block walks
+// them: the rows of one head, then the next (query_walk.cuh's order).
+struct QueryTileWalk {
+  int64_t m_begin, m_end, iters, h, m0;
+  __device__ QueryTileWalk(const Seq& sq, int64_t n0, int rows_k, int64_t h_first, int64_t group, int kBM) {
+    m_begin = sq.row_begin(n0) / kBM * kBM;
+    m_end = sq.row_end(n0 + rows_k - 1);
+    const int64_t m_iters = m_end > m_begin ? (m_end - m_begin + kBM - 1) / kBM : 0;
+    iters = m_iters * group;
+    h = h_first;
+    m0 = m_begin;
+  }
+  __device__ void advance(int kBM) {
+    m0 += kBM;
+    if (m0 >= m_end) {
+      m0 = m_begin;
+      ++h;
+    }
+  }
+};
+
 template <class Elem, int kDim>
-__global__ void __launch_bounds__(BwdWgmmaConfig<Elem, kDim>::kThreads, 1)
-    bwd_wgmma_kernel(const BwdParams p, const float* dsum_g, const DqAccum accum, KeyTileRound round) {
+__global__ void __launch_bounds__(BwdWsConfig<Elem, kDim>::kThreads, 1)
+    bwd_ws_kernel(const BwdParams p, const __grid_constant__ BwdPanelMaps maps, const float* dsum_g,
+                  const DqAccum accum, KeyTileRound round) {
 #ifdef FLASHATTN_WGMMA
-  using Cfg = BwdWgmmaConfig<Elem, kDim>;
+  using Cfg = BwdWsConfig<Elem, kDim>;
   using M = Mma<Elem>;
   using Exp = ExpDomain<float>;
-  constexpr int kBM = Cfg::kBM, kBN = Cfg::kBN, kThreads = Cfg::kThreads;
+  constexpr int kBM = Cfg::kBM, kBN = Cfg::kBN, kPanels = kDim / 64;
   constexpr int kRA = kBM / 8, kDA = kDim / 8;  // S^T / dP^T atoms (over the rows), dK / dV atoms
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* const tiles = align_1024(smem_raw);
   unsigned char* const sK = tiles;
   unsigned char* const sV = tiles + Cfg::kKvBytes;
-  auto sQ = [&](int buf) { return tiles + 2 * Cfg::kKvBytes + buf * Cfg::kQBytes; };
-  auto sdO = [&](int buf) { return tiles + 2 * Cfg::kKvBytes + (2 + buf) * Cfg::kQBytes; };
-  unsigned char* const sdS = tiles + 2 * Cfg::kKvBytes + 4 * Cfg::kQBytes;  // dS^T: kBN lines of kBM rows
-  float* const sStats = reinterpret_cast<float*>(tiles + Cfg::kStatsOffset);  // [buf][LSE, D][kBM]
+  auto sQ = [&](int s) { return tiles + 2 * Cfg::kKvBytes + s * Cfg::kQBytes; };
+  auto sdO = [&](int s) { return tiles + 2 * Cfg::kKvBytes + (2 + s) * Cfg::kQBytes; };
+  auto sdS = [&](int b) { return tiles + Cfg::kDsOffset + b * Cfg::kDsBytes; };  // dS^T: kBN lines of kBM rows
+  float* const sdQ = reinterpret_cast<float*>(tiles + Cfg::kDqOffset);           // blocked, as the accumulator
+  float* const sStats = reinterpret_cast<float*>(tiles + Cfg::kStatsOffset);     // [stage][LSE, D][kBM]
+  uint64_t* const bars = reinterpret_cast<uint64_t*>(tiles + Cfg::kBarOffset);
+  uint64_t* const kv_full = bars;       // K and V landed
+  uint64_t* const q_full = bars + 1;    // [stage]: Q, dO, LSE and D of a tile landed
+  uint64_t* const q_empty = bars + 3;   // [stage]: the consumers are done with them
+  uint64_t* const dq_full = bars + 5;   // the consumers staged a dQ tile in sdQ
+  uint64_t* const dq_empty = bars + 6;  // the bulk add has read it
 
-  // A causal grid's last pairs tile slowest, heaviest first (schedule/causal_order.cuh; never with the
-  // deterministic accumulators, whose slice follows blockIdx.x).
   const unsigned block =
       blockIdx.x >= round.heavy.start ? heavy_last_block(round.heavy, round.groups, blockIdx.x) : blockIdx.x;
   const TileBlock blk = tile_block(round.groups, 1, p.heads_kv, /*heaviest_first=*/false, block);
@@ -53,34 +96,85 @@ __global__ void __launch_bounds__(BwdWgmmaConfig<Elem, kDim>::kThreads, 1)
   if (n0 >= sq.len_k) return;
   const int rows_k = sq.k_tile_rows(n0, kBN);
   const int tid = threadIdx.x, wg = tid / 128, lane = tid & 31, warp = (tid / 32) % 4;
+  // A dQ tile goes through smem where its rows start a 16-row group of the blocked accumulator.
+  const bool dq_staged = sq.rows_per_head % 16 == 0;
+
+  if (tid == 0) {
+    mbar_init(kv_full, 1);
+    for (int s = 0; s < 2; ++s) {
+      mbar_init(q_full + s, 1 + 32);  // the TMA thread's expect_tx and the warp's LSE / D copies
+      mbar_init(q_empty + s, 256);
+    }
+    mbar_init(dq_full, 256);
+    mbar_init(dq_empty, 1);
+    fence_mbar_init();
+  }
+  __syncthreads();
+
+  if (wg == 0) {
+    setmaxnreg_dec<Cfg::kProducerRegs>();
+    QueryTileWalk walk(sq, n0, rows_k, hk * group, group, kBM);
+    if (warp == 0) {
+      if (lane == 0) {
+        tma_prefetch_map(&maps.q);
+        tma_prefetch_map(&maps.dout);
+        mbar_arrive_expect_tx(kv_full, 2 * Cfg::kKvBytes);
+#pragma unroll
+        for (int pn = 0; pn < kPanels; ++pn) {
+          tma_load_4d(sK + pn * kBN * 128, &maps.k, kv_full, 64 * pn, int(n0), int(hk), int(sq.tb));
+          tma_load_4d(sV + pn * kBN * 128, &maps.v, kv_full, 64 * pn, int(n0), int(hk), int(sq.tb));
+        }
+      }
+      for (int64_t it = 0; it < walk.iters; ++it, walk.advance(kBM)) {
+        const int s = int(it & 1);
+        if (it >= 2) mbar_wait(q_empty + s, uint32_t((it >> 1) - 1) & 1);
+        if (lane == 0) {
+          mbar_arrive_expect_tx(q_full + s, 2 * Cfg::kQBytes);
+#pragma unroll
+          for (int pn = 0; pn < kPanels; ++pn) {
+            tma_load_4d(sQ(s) + pn * kBM * 128, &maps.q, q_full + s, 64 * pn, int(walk.m0), int(walk.h), int(sq.tb));
+            tma_load_4d(sdO(s) + pn * kBM * 128, &maps.dout, q_full + s, 64 * pn, int(walk.m0), int(walk.h),
+                        int(sq.tb));
+          }
+        }
+        // LSE and D; rows past the sequence get 0 (with their zero Q and dO they add nothing).
+        const int rows = sq.q_tile_rows(walk.m0, kBM);
+        const int64_t r0 = sq.row_index(p.heads_q, walk.h, walk.m0);
+#pragma unroll
+        for (int i = 0; i < kBM / 32; ++i) {
+          const int m = lane + 32 * i;
+          cp_async_elem_zfill(sStats + s * 2 * kBM + m, static_cast<const float*>(p.lse) + r0 + m, m < rows);
+          cp_async_elem_zfill(sStats + s * 2 * kBM + kBM + m, dsum_g + r0 + m, m < rows);
+        }
+        cp_async_mbar_arrive(q_full + s);
+      }
+      cp_async_wait<0>();
+    } else if (warp == 1 && lane == 0 && dq_staged) {
+      float* const acc = accum.block_slice<float>(round.groups);
+      for (int64_t it = 0; it < walk.iters; ++it, walk.advance(kBM)) {
+        mbar_wait(dq_full, uint32_t(it) & 1);
+        const int rows16 = (sq.q_tile_rows(walk.m0, kBM) + 15) / 16 * 16;
+        bulk_reduce_add(acc + sq.row_index(p.heads_q, walk.h, walk.m0) * kDim, sdQ, uint32_t(rows16 * kDim * 4));
+        bulk_commit();
+        bulk_wait_read<0>();
+        mbar_arrive(dq_empty);
+      }
+      bulk_wait<0>();
+    }
+    return;
+  }
+
+  setmaxnreg_inc<Cfg::kConsumerRegs>();
+  const int cwg = wg - 1;
   const int g = lane / 4, t = lane % 4;
-  const int wkey = wg * 64 + warp * 16;  // the warp's first key in the tile
+  const int wkey = cwg * 64 + warp * 16;  // the warp's first key in the tile
   const float score_scale = Exp::score_scale(p.scale);
 
-  copy_panels<kBN, kDim, kThreads>(sK, sq.k_rows<const Elem>(p.k, p.k_stride, hk, n0), p.k_stride.row, rows_k, tid);
-  copy_panels<kBN, kDim, kThreads>(sV, sq.k_rows<const Elem>(p.v, p.v_stride, hk, n0), p.v_stride.row, rows_k, tid);
-  // A query tile's Q and dO rows (past the sequence zero, with LSE = D = 0: P = 1, dP = dS = 0, so
-  // they add nothing) and its LSE and D.
-  auto load = [&](int64_t h, int64_t m0, int buf) {
-    const int rows = sq.q_tile_rows(m0, kBM);
-    copy_panels<kBM, kDim, kThreads>(sQ(buf), sq.q_rows<const Elem>(p.q, p.q_stride, h, m0), p.q_stride.row, rows, tid);
-    copy_panels<kBM, kDim, kThreads>(sdO(buf), sq.q_rows<const Elem>(p.dout, p.dout_stride, h, m0), p.dout_stride.row,
-                                     rows, tid);
-    const int64_t r0 = sq.row_index(p.heads_q, h, m0);
-    if (tid < 2 * kBM) {
-      const int m = tid % kBM;
-      const float* src = (tid < kBM ? static_cast<const float*>(p.lse) : dsum_g) + r0 + m;
-      cp_async_elem_zfill(sStats + buf * 2 * kBM + tid, src, m < rows);
-    }
-  };
-
-  // Descriptors (common/wgmma.cuh): K-major operands step 32 bytes along the line per k16 step, a
-  // panel of `lines` lines further every 4 steps; MN-major ones step 16 lines.
   auto kmajor = [](uint32_t at, int kk, int lines) {
     return smem_desc(at + (kk / 4) * lines * 128 + (kk % 4) * 32, 16, 1024);
   };
   auto mnmajor = [](uint32_t at, int kk, int lines) { return smem_desc(at + kk * 16 * 128, lines * 128, 1024); };
-  const uint32_t k_at = smem_addr(sK), v_at = smem_addr(sV), ds_at = smem_addr(sdS);
+  const uint32_t k_at = smem_addr(sK), v_at = smem_addr(sV);
 
   float dk[kDA][4], dv[kDA][4];
 #pragma unroll
@@ -88,113 +182,168 @@ __global__ void __launch_bounds__(BwdWgmmaConfig<Elem, kDim>::kThreads, 1)
 #pragma unroll
     for (int e = 0; e < 4; ++e) dk[d][e] = dv[d][e] = 0.f;
 
-  walk_query_tiles<kBM, QueryBuffers::kTwo, /*kAsyncProxy=*/true>(
-      sq, n0, rows_k, hk * group, group, load, [&](int64_t h, int64_t m0, int buf, auto start_next) {
-        const uint32_t q_at = smem_addr(sQ(buf)), do_at = smem_addr(sdO(buf));
-        // S^T and dP^T of the warpgroup's 64 keys x the tile's rows.
-        float st[kRA][4], dpt[kRA][4];
-        wgmma_fence();
-        Wgmma<Elem, kBM>::template ss<0>(st, kmajor(k_at + wg * 64 * 128, 0, kBN), kmajor(q_at, 0, kBM));
+  // The products of a tile in three commit groups: S^T and dP^T, then with kDqUnderScores dQ of the
+  // previous tile, so that the exponentials run under dP^T and dQ and dQ is added under dV and dK
+  // (else each tile's dQ is issued and added once both halves of its dS^T are in smem).
+  constexpr bool kDqUnderScores = Cfg::kDqUnderScores;
+  auto issue_scores = [&](float (&st)[kRA][4], float (&dpt)[kRA][4], int s) {
+    const uint32_t q_at = smem_addr(sQ(s)), do_at = smem_addr(sdO(s));
+    wgmma_fence();
+    Wgmma<Elem, kBM>::template ss<0>(st, kmajor(k_at + cwg * 64 * 128, 0, kBN), kmajor(q_at, 0, kBM));
 #pragma unroll
-        for (int kk = 1; kk < kDim / 16; ++kk)
-          Wgmma<Elem, kBM>::template ss<1>(st, kmajor(k_at + wg * 64 * 128, kk, kBN), kmajor(q_at, kk, kBM));
-        Wgmma<Elem, kBM>::template ss<0>(dpt, kmajor(v_at + wg * 64 * 128, 0, kBN), kmajor(do_at, 0, kBM));
+    for (int kk = 1; kk < kDim / 16; ++kk)
+      Wgmma<Elem, kBM>::template ss<1>(st, kmajor(k_at + cwg * 64 * 128, kk, kBN), kmajor(q_at, kk, kBM));
+    wgmma_commit();
+    Wgmma<Elem, kBM>::template ss<0>(dpt, kmajor(v_at + cwg * 64 * 128, 0, kBN), kmajor(do_at, 0, kBM));
 #pragma unroll
-        for (int kk = 1; kk < kDim / 16; ++kk)
-          Wgmma<Elem, kBM>::template ss<1>(dpt, kmajor(v_at + wg * 64 * 128, kk, kBN), kmajor(do_at, kk, kBM));
-        wgmma_commit();
-        start_next();  // the next tile's copies, into the other buffers
-        wgmma_wait<0>();
-        pin(st);
-        pin(dpt);
+    for (int kk = 1; kk < kDim / 16; ++kk)
+      Wgmma<Elem, kBM>::template ss<1>(dpt, kmajor(v_at + cwg * 64 * 128, kk, kBN), kmajor(do_at, kk, kBM));
+    wgmma_commit();
+  };
+  // dQ (the tile's rows x this warpgroup's half of the dims) = dS K over the block's keys.
+  constexpr int kHalf = kDim / 2;
+  const uint32_t k_half = k_at + (kDim == 128 ? cwg * kBN * 128 : cwg * kHalf * 2);
+  float dq[1][kHalf / 8][4];
+  auto issue_dq = [&](int64_t it) {
+    const uint32_t ds_at = smem_addr(sdS(int(it & 1)));
+    wgmma_fence();
+    Wgmma<Elem, kHalf>::template ss<0, 1, 1>(dq[0], mnmajor(ds_at, 0, kBN), mnmajor(k_half, 0, kBN));
+#pragma unroll
+    for (int kk = 1; kk < kBN / 16; ++kk)
+      Wgmma<Elem, kHalf>::template ss<1, 1, 1>(dq[0], mnmajor(ds_at, kk, kBN), mnmajor(k_half, kk, kBN));
+    wgmma_commit();
+  };
+  // Adds a finished dQ tile: into sdQ in the accumulator's blocked layout (dq_layout.cuh: the warp's 16
+  // rows x 8 columns per atom, a lane's 4 values together) once the bulk add has read the one before,
+  // or with atomics.
+  auto add_dq = [&](int64_t it, int64_t h, int64_t m0) {
+    pin(dq[0]);
+    if (dq_staged) {
+      if (it > 0) mbar_wait(dq_empty, uint32_t(it - 1) & 1);
+      float* dst = sdQ + warp * 16 * kDim + (cwg * kHalf / 8) * 128 + 4 * lane;
+#pragma unroll
+      for (int d = 0; d < kHalf / 8; ++d)
+        *reinterpret_cast<float4*>(dst + 128 * d) = make_float4(dq[0][d][0], dq[0][d][1], dq[0][d][2], dq[0][d][3]);
+      fence_proxy_async();
+      mbar_arrive(dq_full);
+    } else {
+      add_dq_atoms(accum.block_slice<float>(round.groups), sq.row_index(p.heads_q, h, m0), dq, warp * 16,
+                   cwg * kHalf, sq.q_tile_rows(m0, kBM), kDim, lane);
+    }
+  };
 
-        // P^T and dS^T; keys outside a row's band 0 (tested only where the tile is not all visible,
-        // in 32-bit tile coordinates as the sm80/ kernels do).
-        const float* lse_s = sStats + buf * 2 * kBM;
-        const float* d_s = lse_s + kBM;
-        const bool all_visible = n0 >= sq.key_begin(m0 + kBM - 1) && n0 + kBN <= sq.key_end(m0);
-        auto clamp_base = [](int64_t x) { return int(x < -kBM - 1 ? -kBM - 1 : x > kBN + 1 ? kBN + 1 : x); };
-        const int lo0 = clamp_base(m0 - n0 + sq.band.lo), hi0 = clamp_base(m0 - n0 + sq.band.hi);
-        const int k_lim = clamp_base(sq.len_k - n0);
+  mbar_wait(kv_full, 0);
+  QueryTileWalk walk(sq, n0, rows_k, hk * group, group, kBM);
+  int64_t prev_h = 0, prev_m0 = 0;  // the tile whose dQ is in flight
+  // One query tile; dq_in_flight (a compile-time flag: ptxas keeps the products asynchronous only where
+  // it sees which groups each wait leaves in flight) where the previous tile's dQ is issued with it.
+  auto tile = [&](int64_t it, auto dq_flag) {
+    constexpr bool dq_in_flight = decltype(dq_flag)::value;
+    const int s = int(it & 1);
+    const int64_t m0 = walk.m0;
+    const uint32_t q_at = smem_addr(sQ(s)), do_at = smem_addr(sdO(s));
+    mbar_wait(q_full + s, uint32_t(it >> 1) & 1);
+    float st[kRA][4], dpt[kRA][4];
+    issue_scores(st, dpt, s);
+    if constexpr (dq_in_flight) issue_dq(it - 1);
+    const float* lse_s = sStats + s * 2 * kBM;
+    const float* d_s = lse_s + kBM;
+    const bool all_visible = n0 >= sq.key_begin(m0 + kBM - 1) && n0 + kBN <= sq.key_end(m0);
+    auto clamp_base = [](int64_t x) { return int(x < -kBM - 1 ? -kBM - 1 : x > kBN + 1 ? kBN + 1 : x); };
+    const int lo0 = clamp_base(m0 - n0 + sq.band.lo), hi0 = clamp_base(m0 - n0 + sq.band.hi);
+    const int k_lim = clamp_base(sq.len_k - n0);
+    auto visible = [&](int key, int row) {
+      return all_visible || (key - row >= lo0 && key - row <= hi0 && key < k_lim);
+    };
+    if constexpr (dq_in_flight) wgmma_wait<2>(); else wgmma_wait<1>();
+    pin(st);
 #pragma unroll
-        for (int j = 0; j < kRA; ++j) {
+    for (int j = 0; j < kRA; ++j) {
 #pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            const int row = 8 * j + 2 * t + c;
-            // A row that sees no key (LSE -inf) takes +inf: its exponentials are then 0.
-            const float lse_row = Exp::from_lse(lse_s[row]);
-            const float lse = lse_row == neg_inf<float>() ? -neg_inf<float>() : lse_row;
-            const float dsum = d_s[row];
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-              const int key = wkey + g + 8 * r, e = 2 * r + c;
-              const float pr = Exp::exp(st[j][e] * score_scale - lse);
-              const bool vis = all_visible || (key - row >= lo0 && key - row <= hi0 && key < k_lim);
-              st[j][e] = vis ? pr : 0.f;
-              dpt[j][e] = vis ? pr * (dpt[j][e] - dsum) : 0.f;
-            }
-          }
-        }
-        uint32_t pa[kBM / 16][4], dsa[kBM / 16][4];
-#pragma unroll
-        for (int kk = 0; kk < kBM / 16; ++kk) {
-          typename M::A a;
-          M::a_from_acc(a, &st[2 * kk]);
-#pragma unroll
-          for (int e = 0; e < 4; ++e) pa[kk][e] = a.r[e];
-          M::a_from_acc(a, &dpt[2 * kk]);
-#pragma unroll
-          for (int e = 0; e < 4; ++e) dsa[kk][e] = a.r[e];
-        }
-
-        // dV += P^T dO, dK += dS^T Q (dO and Q MN-major: rows along the lines' k).
-        pin(dk);
-        pin(dv);
-        pin(pa);
-        pin(dsa);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < kBM / 16; ++kk) Wgmma<Elem, kDim>::rs(dv, pa[kk], mnmajor(do_at, kk, kBM));
-#pragma unroll
-        for (int kk = 0; kk < kBM / 16; ++kk) Wgmma<Elem, kDim>::rs(dk, dsa[kk], mnmajor(q_at, kk, kBM));
-        wgmma_commit();
-
-        // dS^T to smem (line = key, the tile's 64 rows along it: one 128-byte panel), for dQ.
+      for (int c = 0; c < 2; ++c) {
+        const int row = 8 * j + 2 * t + c;
+        // A row that sees no key (LSE -inf) takes +inf: its exponentials are then 0.
+        const float lse_row = Exp::from_lse(lse_s[row]);
+        const float lse = lse_row == neg_inf<float>() ? -neg_inf<float>() : lse_row;
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          const int key = wkey + g + 8 * r;
-#pragma unroll
-          for (int j = 0; j < kRA; ++j)
-            *reinterpret_cast<uint32_t*>(sdS + key * 128 + ((j ^ (key % 8)) * 16) + 4 * t) =
-                M::pack(dpt[j][2 * r], dpt[j][2 * r + 1]);
+          const int key = wkey + g + 8 * r, e = 2 * r + c;
+          const float pr = Exp::exp(st[j][e] * score_scale - lse);
+          st[j][e] = visible(key, row) ? pr : 0.f;
         }
-        fence_proxy_async();
-        wgmma_wait<0>();  // dV, dK (their P^T / dS^T registers are free for dQ)
-        pin(dk);
-        pin(dv);
-        pin(pa);
-        pin(dsa);
-        __syncthreads();  // dS^T of both warpgroups in smem
-
-        // dQ (the tile's rows x this warpgroup's half of the dims) = dS K: A = dS (rows along dS^T's
-        // lines), B = K (dims along K's lines), both MN-major; K steps over the block's 128 keys. The
-        // half starts kDim / 2 columns into K's lines: a panel further at dim 128, 64 bytes into the
-        // line at dim 64.
-        constexpr int kHalf = kDim / 2;
-        const uint32_t k_half = k_at + (kDim == 128 ? wg * kBN * 128 : wg * kHalf * 2);
-        float dq[1][kHalf / 8][4];
-        wgmma_fence();
-        Wgmma<Elem, kHalf>::template ss<0, 1, 1>(dq[0], mnmajor(ds_at, 0, kBN), mnmajor(k_half, 0, kBN));
+      }
+    }
+    if constexpr (dq_in_flight) wgmma_wait<1>(); else wgmma_wait<0>();
+    pin(dpt);
 #pragma unroll
-        for (int kk = 1; kk < kBN / 16; ++kk)
-          Wgmma<Elem, kHalf>::template ss<1, 1, 1>(dq[0], mnmajor(ds_at, kk, kBN), mnmajor(k_half, kk, kBN));
-        wgmma_commit();
-        wgmma_wait<0>();
-        pin(dq[0]);
-        const int64_t tile_row = sq.row_index(p.heads_q, h, m0);
-        add_dq_atoms(accum.block_slice<float>(round.groups), tile_row, dq, warp * 16, wg * kHalf,
-                           sq.q_tile_rows(m0, kBM), kDim, lane);
-      });
+    for (int j = 0; j < kRA; ++j)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const float dsum = d_s[8 * j + 2 * t + c];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) dpt[j][2 * r + c] = st[j][2 * r + c] * (dpt[j][2 * r + c] - dsum);
+      }
+    uint32_t pa[kBM / 16][4], dsa[kBM / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < kBM / 16; ++kk) {
+      typename M::A a;
+      M::a_from_acc(a, &st[2 * kk]);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) pa[kk][e] = a.r[e];
+      M::a_from_acc(a, &dpt[2 * kk]);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dsa[kk][e] = a.r[e];
+    }
+
+    // dV += P^T dO, dK += dS^T Q.
+    pin(dk);
+    pin(dv);
+    pin(pa);
+    pin(dsa);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBM / 16; ++kk) Wgmma<Elem, kDim>::rs(dv, pa[kk], mnmajor(do_at, kk, kBM));
+#pragma unroll
+    for (int kk = 0; kk < kBM / 16; ++kk) Wgmma<Elem, kDim>::rs(dk, dsa[kk], mnmajor(q_at, kk, kBM));
+    wgmma_commit();
+
+    // dS^T to smem (buffer it % 2: the other warpgroup may still read the previous tile's for its dQ).
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int key = wkey + g + 8 * r;
+#pragma unroll
+      for (int j = 0; j < kRA; ++j)
+        *reinterpret_cast<uint32_t*>(sdS(s) + key * 128 + ((j ^ (key % 8)) * 16) + 4 * t) =
+            M::pack(dpt[j][2 * r], dpt[j][2 * r + 1]);
+    }
+    fence_proxy_async();
+    if constexpr (dq_in_flight) {
+      wgmma_wait<1>();  // the previous tile's dQ, added under dV and dK
+      add_dq(it - 1, prev_h, prev_m0);
+    }
+    wgmma_wait<0>();
+    pin(dk);
+    pin(dv);
+    pin(pa);
+    pin(dsa);
+    mbar_arrive(q_empty + s);  // Q, dO, LSE and D of this stage are read
+    bar_sync(1, 256);          // both halves of dS^T in smem
+    if constexpr (!kDqUnderScores) {
+      issue_dq(it);
+      wgmma_wait<0>();
+      add_dq(it, walk.h, m0);
+    }
+    prev_h = walk.h;
+    prev_m0 = m0;
+    walk.advance(kBM);
+  };
+  if (walk.iters > 0) tile(0, std::false_type{});
+  for (int64_t it = 1; it < walk.iters; ++it) tile(it, std::bool_constant<kDqUnderScores>{});
+  if (kDqUnderScores && walk.iters > 0) {
+    issue_dq(walk.iters - 1);
+    wgmma_wait<0>();
+    add_dq(walk.iters - 1, prev_h, prev_m0);
+  }
 
   // dK (scaled) and dV of the warp's keys below rows_k.
   Elem* dk_g = sq.k_rows<Elem>(p.dk, p.dk_stride, hk, n0);
@@ -211,20 +360,6 @@ __global__ void __launch_bounds__(BwdWgmmaConfig<Elem, kDim>::kThreads, 1)
     }
   }
 #endif
-}
-
-template <class Elem, int kDim>
-bool bwd_wgmma(const BwdParams& p, const void* dsum, const DqAccum& accum, cudaStream_t stream) {
-  using Cfg = BwdWgmmaConfig<Elem, kDim>;
-  constexpr auto kernel = bwd_wgmma_kernel<Elem, kDim>;
-  set_smem(kernel, Cfg::kSmemBytes, "sm90::bwd_wgmma_kernel");
-  const int per_sm = heavy_last_serves(p) ? 1 : 0;  // one block of this kernel per SM
-  for_key_tile_rounds(p, Cfg::kBN, accum, [&](unsigned blocks, KeyTileRound round) {
-    round.heavy = plan_heavy_last(blocks, round.groups, per_sm);
-    kernel<<<blocks, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, static_cast<const float*>(dsum), accum, round);
-    check_launch("sm90::bwd_wgmma_kernel");
-  });
-  return true;
 }
 
 }  // namespace flashattn::cuda::sm90

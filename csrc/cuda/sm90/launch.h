@@ -20,9 +20,12 @@ bool fwd_wgmma(const FwdParams& p, FwdKernel kernel, cudaStream_t stream);
 template <class Elem, int kDim>
 bool fwd_ws_ready(const FwdParams& p);
 
-// dK / dV and the atomic dQ of plain fp16 / bf16 calls with head_dim == head_dim_v == kDim (64, 128) on
-// sm_90 (the plan's kSm90Wgmma).
+// dK / dV and dQ (added into the accumulator) of plain fp16 / bf16 calls with head_dim == head_dim_v ==
+// kDim (64, 128) on sm_90 (the plan's kSm90Wgmma).
 template <class Elem, int kDim>
 bool bwd_wgmma(const BwdParams& p, const void* dsum, const DqAccum& accum, cudaStream_t stream);
+// Whether that kernel can take the call at head dim `dim` (the plan's DeviceInfo::sm90_ws_ready): the
+// driver encodes its tensor maps, and its warpgroups' registers fit the loaded kernel's pool.
+bool bwd_ws_ready(const BwdParams& p, int dim);
 
 }  // namespace flashattn::cuda::sm90

@@ -64,15 +64,26 @@ struct FwdWsConfig {
   static constexpr int64_t kMinCausalKeys = kDim == 64 ? 2048 : 0;
 };
 
+// The warp-specialized dK/dV kernel (bwd_sm90.cuh): 128-key blocks walking 64-row query tiles, a producer
+// warpgroup beside two consumers of 64 keys each.
 template <class Elem, int kDim>
-struct BwdWgmmaConfig {
+struct BwdWsConfig {
   static constexpr bool kServed = sizeof(Elem) == 2 && (kDim == 64 || kDim == 128);
-  static constexpr int kThreads = 256;  // two warpgroups
+  static constexpr int kThreads = 384;
   static constexpr int kBN = 128, kBM = 64;
   static constexpr uint32_t kKvBytes = kBN * kDim * 2, kQBytes = kBM * kDim * 2, kDsBytes = kBN * kBM * 2;
-  // K, V, two Q and two dO buffers, dS^T, LSE / D of two tiles, and room to align to 1024 bytes.
-  static constexpr uint32_t kStatsOffset = 2 * kKvBytes + 4 * kQBytes + kDsBytes;
-  static constexpr size_t kSmemBytes = kStatsOffset + 2 * 2 * kBM * sizeof(float) + 1024;
+  // K, V, two stages of Q and dO, two dS^T buffers, one fp32 dQ tile, LSE / D of two stages, the
+  // mbarriers, and room to align to 1024 bytes: 194 KB at dim 128, 113 KB at 64.
+  static constexpr uint32_t kDsOffset = 2 * kKvBytes + 4 * kQBytes;
+  static constexpr uint32_t kDqOffset = kDsOffset + 2 * kDsBytes;
+  static constexpr uint32_t kStatsOffset = kDqOffset + kBM * kDim * 4;
+  static constexpr uint32_t kBarOffset = kStatsOffset + 2 * 2 * kBM * sizeof(float);
+  static constexpr size_t kSmemBytes = kBarOffset + 8 * 8 + 1024;
+  // Registers per thread after the hand-over (128 x 24 + 256 x 240 <= 384 x 168, the launch's pool).
+  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+  // dQ of a query tile issued after the next tile's S^T and dP^T and added under its dV and dK: at dim
+  // 128 its 32 registers beside dK, dV, S^T and dP^T spill (472 B).
+  static constexpr bool kDqUnderScores = kDim == 64;
 };
 
 }  // namespace flashattn::cuda::sm90
