@@ -1,17 +1,18 @@
 // Warp-specialized dK/dV kernel (with dQ) on wgmma (sm_90a): plain fp16 / bf16 calls at head dims 64 and
 // 128 (head_dim == head_dim_v, no optional feature). A block of three warpgroups owns a key tile of
-// kBN = 128 keys and visits every query tile of kBM = 64 rows that sees one of its keys, over the kv
+// kBN = 128 keys and visits every query tile of kBM rows (128 at dim 64, 64 at 128) that sees one of its keys, over the kv
 // head's query heads (the walk of the sm80/ kernels, query_walk.cuh):
 //   warpgroup 0, warp 0   copies: K and V once, then per query tile Q and dO (TMA, one thread) and its
 //                         LSE and D (cp.async, the warp) into a two-stage ring of mbarriers;
 //   warpgroup 0, warp 1   adds each finished dQ tile, staged in smem by the consumers, into the fp32
 //                         accumulator with one bulk reduce-add (the TMA unit's atomics);
 //   warpgroups 1 and 2    64 keys each:
-//     S^T = K Q^T, dP^T = V dO^T   wgmma m64n64, both from smem; the exponentials of P^T under dP^T
+//     S^T = K Q^T, dP^T = V dO^T   wgmma m64n(kBM), both from smem; the exponentials under dP^T
 //     P^T, dS^T = P^T (dP^T - D)   in registers (LSE and D per column, from smem)
 //     dV += P^T dO, dK += dS^T Q   wgmma m64n(E), P^T / dS^T from registers, dO / Q MN-major from smem
-//     dQ = dS K                    dS^T of both through smem; wgmma m64n(E/2), this warpgroup's half of
-//                                  the dims, staged in smem for the bulk add
+//     dQ = dS K                    dS^T of both through smem; wgmma m64n(E) over this warpgroup's 64 rows
+//                                  (kBM = 128) or m64n(E/2) over its half of the dims, staged in smem
+//                                  for the bulk add
 // P and dS round to Elem before their products, as in the sm80/ kernels.
 // The consumers take the producer's registers (setmaxnreg) and wait for each other only where dQ needs
 // both halves of dS^T (a named barrier of their 256 threads); nobody issues a copy or an atomic but the
@@ -182,10 +183,7 @@ __global__ void __launch_bounds__(BwdWsConfig<Elem, kDim>::kThreads, 1)
 #pragma unroll
     for (int e = 0; e < 4; ++e) dk[d][e] = dv[d][e] = 0.f;
 
-  // The products of a tile in three commit groups: S^T and dP^T, then with kDqUnderScores dQ of the
-  // previous tile, so that the exponentials run under dP^T and dQ and dQ is added under dV and dK
-  // (else each tile's dQ is issued and added once both halves of its dS^T are in smem).
-  constexpr bool kDqUnderScores = Cfg::kDqUnderScores;
+  // S^T and dP^T in two commit groups: the exponentials run under dP^T's product.
   auto issue_scores = [&](float (&st)[kRA][4], float (&dpt)[kRA][4], int s) {
     const uint32_t q_at = smem_addr(sQ(s)), do_at = smem_addr(sdO(s));
     wgmma_fence();
@@ -200,17 +198,21 @@ __global__ void __launch_bounds__(BwdWsConfig<Elem, kDim>::kThreads, 1)
       Wgmma<Elem, kBM>::template ss<1>(dpt, kmajor(v_at + cwg * 64 * 128, kk, kBN), kmajor(do_at, kk, kBM));
     wgmma_commit();
   };
-  // dQ (the tile's rows x this warpgroup's half of the dims) = dS K over the block's keys.
-  constexpr int kHalf = kDim / 2;
-  const uint32_t k_half = k_at + (kDim == 128 ? cwg * kBN * 128 : cwg * kHalf * 2);
-  float dq[1][kHalf / 8][4];
-  auto issue_dq = [&](int64_t it) {
-    const uint32_t ds_at = smem_addr(sdS(int(it & 1)));
+  // dQ = dS K over the block's keys, both operands MN-major: with 128-row tiles this warpgroup's 64 rows
+  // (its panel of dS^T's lines) x every dim, with 64-row tiles every row x its half of the dims (a panel
+  // further into K's lines at dim 128).
+  constexpr bool kSplitRows = kBM == 128;
+  constexpr int kDqCols = kSplitRows ? kDim : kDim / 2;
+  const int dq_row0 = (kSplitRows ? cwg * 64 : 0) + warp * 16, dq_col0 = kSplitRows ? 0 : cwg * kDqCols;
+  const uint32_t dq_b = kSplitRows ? k_at : k_at + (kDim == 128 ? cwg * kBN * 128 : cwg * kDqCols * 2);
+  float dq[1][kDqCols / 8][4];
+  auto issue_dq = [&](int s) {
+    const uint32_t dq_a = smem_addr(sdS(s)) + (kSplitRows ? cwg * kBN * 128 : 0);
     wgmma_fence();
-    Wgmma<Elem, kHalf>::template ss<0, 1, 1>(dq[0], mnmajor(ds_at, 0, kBN), mnmajor(k_half, 0, kBN));
+    Wgmma<Elem, kDqCols>::template ss<0, 1, 1>(dq[0], mnmajor(dq_a, 0, kBN), mnmajor(dq_b, 0, kBN));
 #pragma unroll
     for (int kk = 1; kk < kBN / 16; ++kk)
-      Wgmma<Elem, kHalf>::template ss<1, 1, 1>(dq[0], mnmajor(ds_at, kk, kBN), mnmajor(k_half, kk, kBN));
+      Wgmma<Elem, kDqCols>::template ss<1, 1, 1>(dq[0], mnmajor(dq_a, kk, kBN), mnmajor(dq_b, kk, kBN));
     wgmma_commit();
   };
   // Adds a finished dQ tile: into sdQ in the accumulator's blocked layout (dq_layout.cuh: the warp's 16
@@ -220,32 +222,27 @@ __global__ void __launch_bounds__(BwdWsConfig<Elem, kDim>::kThreads, 1)
     pin(dq[0]);
     if (dq_staged) {
       if (it > 0) mbar_wait(dq_empty, uint32_t(it - 1) & 1);
-      float* dst = sdQ + warp * 16 * kDim + (cwg * kHalf / 8) * 128 + 4 * lane;
+      float* dst = sdQ + dq_row0 * kDim + (dq_col0 / 8) * 128 + 4 * lane;
 #pragma unroll
-      for (int d = 0; d < kHalf / 8; ++d)
+      for (int d = 0; d < kDqCols / 8; ++d)
         *reinterpret_cast<float4*>(dst + 128 * d) = make_float4(dq[0][d][0], dq[0][d][1], dq[0][d][2], dq[0][d][3]);
       fence_proxy_async();
       mbar_arrive(dq_full);
     } else {
-      add_dq_atoms(accum.block_slice<float>(round.groups), sq.row_index(p.heads_q, h, m0), dq, warp * 16,
-                   cwg * kHalf, sq.q_tile_rows(m0, kBM), kDim, lane);
+      add_dq_atoms(accum.block_slice<float>(round.groups), sq.row_index(p.heads_q, h, m0), dq, dq_row0, dq_col0,
+                   sq.q_tile_rows(m0, kBM), kDim, lane);
     }
   };
 
   mbar_wait(kv_full, 0);
   QueryTileWalk walk(sq, n0, rows_k, hk * group, group, kBM);
-  int64_t prev_h = 0, prev_m0 = 0;  // the tile whose dQ is in flight
-  // One query tile; dq_in_flight (a compile-time flag: ptxas keeps the products asynchronous only where
-  // it sees which groups each wait leaves in flight) where the previous tile's dQ is issued with it.
-  auto tile = [&](int64_t it, auto dq_flag) {
-    constexpr bool dq_in_flight = decltype(dq_flag)::value;
+  for (int64_t it = 0; it < walk.iters; ++it, walk.advance(kBM)) {
     const int s = int(it & 1);
     const int64_t m0 = walk.m0;
     const uint32_t q_at = smem_addr(sQ(s)), do_at = smem_addr(sdO(s));
     mbar_wait(q_full + s, uint32_t(it >> 1) & 1);
     float st[kRA][4], dpt[kRA][4];
     issue_scores(st, dpt, s);
-    if constexpr (dq_in_flight) issue_dq(it - 1);
     const float* lse_s = sStats + s * 2 * kBM;
     const float* d_s = lse_s + kBM;
     const bool all_visible = n0 >= sq.key_begin(m0 + kBM - 1) && n0 + kBN <= sq.key_end(m0);
@@ -255,7 +252,7 @@ __global__ void __launch_bounds__(BwdWsConfig<Elem, kDim>::kThreads, 1)
     auto visible = [&](int key, int row) {
       return all_visible || (key - row >= lo0 && key - row <= hi0 && key < k_lim);
     };
-    if constexpr (dq_in_flight) wgmma_wait<2>(); else wgmma_wait<1>();
+    wgmma_wait<1>();
     pin(st);
 #pragma unroll
     for (int j = 0; j < kRA; ++j) {
@@ -273,7 +270,7 @@ __global__ void __launch_bounds__(BwdWsConfig<Elem, kDim>::kThreads, 1)
         }
       }
     }
-    if constexpr (dq_in_flight) wgmma_wait<1>(); else wgmma_wait<0>();
+    wgmma_wait<0>();
     pin(dpt);
 #pragma unroll
     for (int j = 0; j < kRA; ++j)
@@ -313,14 +310,10 @@ __global__ void __launch_bounds__(BwdWsConfig<Elem, kDim>::kThreads, 1)
       const int key = wkey + g + 8 * r;
 #pragma unroll
       for (int j = 0; j < kRA; ++j)
-        *reinterpret_cast<uint32_t*>(sdS(s) + key * 128 + ((j ^ (key % 8)) * 16) + 4 * t) =
+        *reinterpret_cast<uint32_t*>(sdS(s) + (j / 8) * kBN * 128 + key * 128 + (((j % 8) ^ (key % 8)) * 16) + 4 * t) =
             M::pack(dpt[j][2 * r], dpt[j][2 * r + 1]);
     }
     fence_proxy_async();
-    if constexpr (dq_in_flight) {
-      wgmma_wait<1>();  // the previous tile's dQ, added under dV and dK
-      add_dq(it - 1, prev_h, prev_m0);
-    }
     wgmma_wait<0>();
     pin(dk);
     pin(dv);
@@ -328,21 +321,9 @@ __global__ void __launch_bounds__(BwdWsConfig<Elem, kDim>::kThreads, 1)
     pin(dsa);
     mbar_arrive(q_empty + s);  // Q, dO, LSE and D of this stage are read
     bar_sync(1, 256);          // both halves of dS^T in smem
-    if constexpr (!kDqUnderScores) {
-      issue_dq(it);
-      wgmma_wait<0>();
-      add_dq(it, walk.h, m0);
-    }
-    prev_h = walk.h;
-    prev_m0 = m0;
-    walk.advance(kBM);
-  };
-  if (walk.iters > 0) tile(0, std::false_type{});
-  for (int64_t it = 1; it < walk.iters; ++it) tile(it, std::bool_constant<kDqUnderScores>{});
-  if (kDqUnderScores && walk.iters > 0) {
-    issue_dq(walk.iters - 1);
+    issue_dq(s);
     wgmma_wait<0>();
-    add_dq(walk.iters - 1, prev_h, prev_m0);
+    add_dq(it, walk.h, m0);
   }
 
   // dK (scaled) and dV of the warp's keys below rows_k.

@@ -70,10 +70,12 @@ template <class Elem, int kDim>
 struct BwdWsConfig {
   static constexpr bool kServed = sizeof(Elem) == 2 && (kDim == 64 || kDim == 128);
   static constexpr int kThreads = 384;
-  static constexpr int kBN = 128, kBM = 64;
+  // Query tiles of 128 rows at dim 64 (S^T / dP^T at m64n128 per consumer: fewer, fuller products per
+  // exponential), 64 at 128 (dK and dV take 128 registers there).
+  static constexpr int kBN = 128, kBM = kDim == 64 ? 128 : 64;
   static constexpr uint32_t kKvBytes = kBN * kDim * 2, kQBytes = kBM * kDim * 2, kDsBytes = kBN * kBM * 2;
   // K, V, two stages of Q and dO, two dS^T buffers, one fp32 dQ tile, LSE / D of two stages, the
-  // mbarriers, and room to align to 1024 bytes: 194 KB at dim 128, 113 KB at 64.
+  // mbarriers, and room to align to 1024 bytes: 194 KB at both dims.
   static constexpr uint32_t kDsOffset = 2 * kKvBytes + 4 * kQBytes;
   static constexpr uint32_t kDqOffset = kDsOffset + 2 * kDsBytes;
   static constexpr uint32_t kStatsOffset = kDqOffset + kBM * kDim * 4;
@@ -81,9 +83,6 @@ struct BwdWsConfig {
   static constexpr size_t kSmemBytes = kBarOffset + 8 * 8 + 1024;
   // Registers per thread after the hand-over (128 x 24 + 256 x 240 <= 384 x 168, the launch's pool).
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
-  // dQ of a query tile issued after the next tile's S^T and dP^T and added under its dV and dK: at dim
-  // 128 its 32 registers beside dK, dV, S^T and dP^T spill (472 B).
-  static constexpr bool kDqUnderScores = kDim == 64;
 };
 
 }  // namespace flashattn::cuda::sm90
