@@ -148,7 +148,9 @@ FwdPlan plan_fwd_typed(const FwdParams& p, const Overrides& ov = env_overrides()
   if constexpr (sizeof(T) == 2) {
     if (plan.kernel == FwdKernel::kSm90WgmmaWs) {
       const FwdParams call = planned_call(p, plan);
-      const bool ready = plan.tier == 64 ? sm90::fwd_ws_ready<T, 64>(call) : sm90::fwd_ws_ready<T, 128>(call);
+      const bool ready = plan.tier == 64    ? sm90::fwd_ws_ready<T, 64>(call)
+                         : plan.tier == 128 ? sm90::fwd_ws_ready<T, 128>(call)
+                                            : sm90::fwd_ws_ready<T, 256>(call);
       if (!ready) {
         dev.sm90_ws_ready = false;
         plan = choose_fwd(p, dev, ov);

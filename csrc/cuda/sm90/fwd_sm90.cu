@@ -1,6 +1,5 @@
-// Hopper forward kernels (wgmma): fp16 and bf16, the warp-specialized one at head dims 64 and 128
-// (non-causal at 128), the two-warpgroup one at 128 (causal) and 256: their launchers, as the kernel
-// plan (../plan.cpp) chose.
+// Hopper forward kernels (wgmma): fp16 and bf16, the warp-specialized one at head dims 64, 128 and 256,
+// the two-warpgroup one at 128 and 256: their launchers, as the kernel plan (../plan.cpp) chose.
 #include "fwd_sm90.cuh"
 #include "fwd_ws_sm90.cuh"
 #include "launch.h"
@@ -111,5 +110,7 @@ template bool fwd_ws_ready<__nv_bfloat16, 64>(const FwdParams&);
 template bool fwd_ws_ready<__half, 64>(const FwdParams&);
 template bool fwd_ws_ready<__nv_bfloat16, 128>(const FwdParams&);
 template bool fwd_ws_ready<__half, 128>(const FwdParams&);
+template bool fwd_ws_ready<__nv_bfloat16, 256>(const FwdParams&);
+template bool fwd_ws_ready<__half, 256>(const FwdParams&);
 
 }  // namespace flashattn::cuda::sm90

@@ -1,4 +1,4 @@
-// Warp-specialized forward on wgmma (sm_90a): plain fp16 / bf16 calls at head dims 64 and 128. A
+// Warp-specialized forward on wgmma (sm_90a): plain fp16 / bf16 calls at head dims 64, 128 and 256. A
 // block of three warpgroups: in the first one thread copies Q, K and V tiles into smem (TMA, each
 // copy completing an mbarrier's phase), the other two take 64 query rows each and never wait for
 // each other at a block barrier: they take turns at issuing their products (two named barriers), so
@@ -8,8 +8,8 @@
 // thread that 384 threads get, the consumers' key loop spilled.
 //
 // On non-causal grids larger than the GPU the grid is persistent (fwd_sm90.cu): a block per SM walks
-// several 128-row work items, with two Q buffers, so the producer copies the next item's Q and first
-// K / V tiles while the consumers finish this one (its last P V and output); a block per item
+// several 128-row work items, with two Q buffers (one at dim 256), so the producer copies the next
+// item's Q and first K / V tiles while the consumers finish this one (its last P V and output); a block per item
 // otherwise (causal items differ in length, which fixed shares per block would leave unbalanced).
 #pragma once
 #include "../common/barrier.cuh"
@@ -30,14 +30,14 @@ __global__ void __launch_bounds__(FwdWsConfig<Elem, kDim>::kThreads, 1)
 #ifdef FLASHATTN_WGMMA
   using Cfg = FwdWsConfig<Elem, kDim>;
   using Exp = ExpDomain<float>;
-  constexpr int kBM = Cfg::kBM, kBN = Cfg::kBN, kStages = Cfg::kStages;
+  constexpr int kBM = Cfg::kBM, kBN = Cfg::kBN, kStages = Cfg::kStages, kQBuffers = Cfg::kQBuffers;
   using Rows = FwdRows<Elem, kDim, kBN, kBM>;
   using Tile = FwdTile<kBM, kBN>;
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* const tiles = align_1024(smem_raw);
   auto sQ = [&](int buf) { return tiles + buf * Cfg::kQBytes; };
-  unsigned char* const kv_tiles = tiles + 2 * Cfg::kQBytes;
+  unsigned char* const kv_tiles = tiles + kQBuffers * Cfg::kQBytes;
   auto sK = [&](int stage) { return kv_tiles + stage * Cfg::kKvBytes; };
   auto sV = [&](int stage) { return kv_tiles + (kStages + stage) * Cfg::kKvBytes; };
   uint64_t* const bars = reinterpret_cast<uint64_t*>(tiles + Cfg::kBarOffset);
@@ -55,13 +55,13 @@ __global__ void __launch_bounds__(FwdWsConfig<Elem, kDim>::kThreads, 1)
       mbar_init(k_empty + s, 128 * Cfg::kConsumers);
       mbar_init(v_empty + s, 128 * Cfg::kConsumers);
     }
-    for (int b = 0; b < 2; ++b) mbar_init(q_empty + b, 128 * Cfg::kConsumers);
+    for (int b = 0; b < kQBuffers; ++b) mbar_init(q_empty + b, 128 * Cfg::kConsumers);
     fence_mbar_init();
   }
   __syncthreads();
 
   // A block takes work items blockIdx.x, + gridDim.x, ... (one where the grid has a block per item);
-  // item k of the block uses Q buffer k % 2. Key tiles count on across the block's items: its c-th
+  // item k of the block uses Q buffer k % kQBuffers. Key tiles count on across the block's items: its c-th
   // K and V tiles take stage c % kStages, and the mbarriers' phases follow c / kStages.
   if (wg == 0) {
     // Producer: one thread issues every copy (TMA, a 64-column panel per box), per item K 0 with Q,
@@ -83,11 +83,11 @@ __global__ void __launch_bounds__(FwdWsConfig<Elem, kDim>::kThreads, 1)
         const int n0 = int(tile.n_begin) + i * kBN;
         if (cc >= kStages) mbar_wait(k_empty + stage, empty_parity);
         if (i == 0) {
-          if (item >= 2) mbar_wait(q_empty + item % 2, uint32_t(item / 2 - 1) & 1);
+          if (item >= kQBuffers) mbar_wait(q_empty + item % kQBuffers, uint32_t(item / kQBuffers - 1) & 1);
           mbar_arrive_expect_tx(k_full + stage, Cfg::kQBytes + Cfg::kKvBytes);
 #pragma unroll
           for (int pn = 0; pn < kPanels; ++pn)
-            tma_load_4d(sQ(item % 2) + pn * kBM * 128, &maps.q, k_full + stage, 64 * pn, int(tile.m0), int(tile.h), b);
+            tma_load_4d(sQ(item % kQBuffers) + pn * kBM * 128, &maps.q, k_full + stage, 64 * pn, int(tile.m0), int(tile.h), b);
         } else {
           mbar_arrive_expect_tx(k_full + stage, Cfg::kKvBytes);
         }
@@ -123,7 +123,7 @@ __global__ void __launch_bounds__(FwdWsConfig<Elem, kDim>::kThreads, 1)
   auto wait_v = [&](int cc) { mbar_wait(v_full + cc % kStages, uint32_t(cc / kStages) & 1); };
   auto release_k = [&](int cc) { mbar_arrive(k_empty + cc % kStages); };
   auto release_v = [&](int cc) { mbar_arrive(v_empty + cc % kStages); };
-  auto q_at = [&](unsigned item) { return smem_addr(sQ(item % 2)) + cwg * 64 * 128; };  // this warpgroup's Q rows
+  auto q_at = [&](unsigned item) { return smem_addr(sQ(item % kQBuffers)) + cwg * 64 * 128; };  // this warpgroup's Q rows
   Rows w;
   typename Rows::Probs pa;
   float alpha[2] = {1.f, 1.f};  // rescales O before the next P V
@@ -133,9 +133,9 @@ __global__ void __launch_bounds__(FwdWsConfig<Elem, kDim>::kThreads, 1)
   };
   auto store = [&](const Tile& tile, unsigned item) {
     // (only this warpgroup's products read its rows of the Q tile)
-    w.store(sQ(item % 2), p, Rows::dest(p, tile), wrow, lane);
+    w.store(sQ(item % kQBuffers), p, Rows::dest(p, tile), wrow, lane);
     fence_proxy_async();  // the staging's smem writes before the producer's next TMA copy there
-    mbar_arrive(q_empty + item % 2);
+    mbar_arrive(q_empty + item % kQBuffers);
   };
 
   // One turn at the tensor cores: S of key tile kc (Q of item q_item) issued with P V of key tile vc;

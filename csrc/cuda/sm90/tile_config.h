@@ -37,15 +37,18 @@ struct FwdWgmmaConfig {
 
 template <class Elem, int kDim>
 struct FwdWsConfig {
-  static constexpr bool kServed = kFwdWgmmaTier<Elem, kDim> && (kDim == 64 || kDim == 128);
+  static constexpr bool kServed = kFwdWgmmaTier<Elem, kDim>;
   static constexpr int kConsumers = 2;
   static constexpr int kThreads = 128 * (1 + kConsumers);
-  static constexpr int kBM = 64 * kConsumers, kBN = 128, kStages = 2;
+  // Dim 256: 64-key tiles (O takes 128 registers of a consumer thread, S 32) and one Q buffer (a 64 KB
+  // tile), so the next item's Q waits for this one's output.
+  static constexpr int kBM = 64 * kConsumers, kBN = kDim == 256 ? 64 : 128, kStages = 2;
+  static constexpr int kQBuffers = kDim == 256 ? 1 : 2;
   static constexpr uint32_t kQBytes = kBM * kDim * 2, kKvBytes = kBN * kDim * 2;
-  static constexpr uint32_t kBarOffset = 2 * kQBytes + 2 * kStages * kKvBytes;
-  // Two Q buffers, the K and V stages, the mbarriers (K / V full and empty per stage, Q empty per
-  // buffer), and room to align to 1024: 97 KB at dim 64, 193 KB at 128.
-  static constexpr size_t kSmemBytes = kBarOffset + (4 * kStages + 2) * 8 + 1024;
+  static constexpr uint32_t kBarOffset = kQBuffers * kQBytes + 2 * kStages * kKvBytes;
+  // The Q buffers, the K and V stages, the mbarriers (K / V full and empty per stage, Q empty per
+  // buffer), and room to align to 1024: 97 KB at dim 64, 193 KB at 128 and 256.
+  static constexpr size_t kSmemBytes = kBarOffset + (4 * kStages + kQBuffers) * 8 + 1024;
   // Registers per thread after the hand-over (128 x producer + 256 x consumer <= 384 x 168, the
   // launch's pool; the consumers need ~230 at dim 128).
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
