@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "common/dropout.h"
+#include "common/sequence.h"
 #include "cpu/api.h"
 #include "cuda/plan.h"
 #include "params.h"
@@ -314,9 +315,10 @@ Error check_key_range_tensor(const Tensor& t, const char* name, const Tensor& q,
 }
 
 // Per-sequence key ranges of a padded batch: sequence b's keys are rows [leftpad_k[b], seqused_k[b])
-// of k / v. CPU values are checked here (0 <= leftpad_k[b] <= seqused_k[b] <= len_k); CUDA ones
-// are never read on the host (a decode step never waits for the device, and a CUDA graph can
-// capture it): sequence() clamps them into that range where the kernels read them.
+// of k / v. Their values are read only where the kernels read them (sequence()), on every device:
+// a CUDA decode step never waits for the device and a CUDA graph can capture it, and a CPU call
+// behaves the same. A sequence outside 0 <= leftpad_k[b] <= seqused_k[b] <= len_k reads no key and
+// gets NaN out and lse rows (an error the caller sees, never an access outside k / v).
 Error check_and_fill_key_ranges(FwdParams& p, const Features& f, const Tensor& q, const Dims& d, int64_t causal) {
   FA_CHECK(f.seqused_k.has_value(), "flashattn: argument 'leftpad_k' needs 'seqused_k' (the end of each "
            "sequence's keys)");
@@ -326,18 +328,8 @@ Error check_and_fill_key_ranges(FwdParams& p, const Features& f, const Tensor& q
            "is not supported; mask the keys in the bias instead");
   FA_TRY(check_key_range_tensor(*f.seqused_k, "seqused_k", q, d.batch));
   if (f.leftpad_k.has_value()) FA_TRY(check_key_range_tensor(*f.leftpad_k, "leftpad_k", q, d.batch));
-  const int32_t* used = static_cast<const int32_t*>(f.seqused_k->const_data_ptr());
-  const int32_t* pad = f.leftpad_k.has_value() ? static_cast<const int32_t*>(f.leftpad_k->const_data_ptr()) : nullptr;
-  if (q.is_cpu()) {
-    for (int64_t b = 0; b < d.batch; ++b) {
-      const int64_t lo = pad ? pad[b] : 0;
-      FA_CHECK(0 <= lo && lo <= used[b] && used[b] <= d.len_k, "flashattn: sequence ", b, " has leftpad_k = ", lo,
-               " and seqused_k = ", used[b], "; they must satisfy 0 <= leftpad_k <= seqused_k <= the keys of k (",
-               d.len_k, ")");
-    }
-  }
-  p.seqused_k = used;
-  p.leftpad_k = pad;
+  p.seqused_k = static_cast<const int32_t*>(f.seqused_k->const_data_ptr());
+  p.leftpad_k = f.leftpad_k.has_value() ? static_cast<const int32_t*>(f.leftpad_k->const_data_ptr()) : nullptr;
   p.causal_bottom_right = causal == kCausalBottomRight;
   return {};
 }
@@ -361,7 +353,8 @@ Error check_block_table(const Tensor& t, const Tensor& q, const Tensor& k, Dims&
 
 // Fills the paged fields of p. CPU block numbers are checked for the pages that hold keys of
 // their sequence (those within [leftpad_k, seqused_k) when given; the others may hold anything,
-// e.g. -1); CUDA ones are never read on the host and are clamped where the kernels read them.
+// e.g. -1, and so may every page of a sequence whose key range is invalid); CUDA ones are never
+// read on the host and are clamped where the kernels read them.
 Error fill_pages(FwdParams& p, const Tensor& t, const Tensor& k) {
   p.block_table = static_cast<const int32_t*>(t.const_data_ptr());
   p.block_table_stride = t.stride(0);
@@ -369,7 +362,8 @@ Error fill_pages(FwdParams& p, const Tensor& t, const Tensor& k) {
   p.page_size = k.size(2);
   if (!t.is_cpu()) return {};
   for (int64_t b = 0; b < p.batch; ++b) {
-    const int64_t lo = p.leftpad_k ? p.leftpad_k[b] : 0, end = p.seqused_k ? p.seqused_k[b] : p.len_k;
+    const Seq sq = sequence(p, b);  // an invalid key range reads no page (its rows are NaN)
+    const int64_t lo = sq.k0, end = sq.k0 + sq.len_k;
     for (int64_t page = lo / p.page_size; page * p.page_size < end; ++page) {
       const int64_t block = p.block_table[b * p.block_table_stride + page];
       FA_CHECK(block >= 0 && block < p.num_blocks, "flashattn: argument 'block_table' has block ", block,

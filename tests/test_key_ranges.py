@@ -3,8 +3,9 @@ with paged k / v (block_table): each sequence b attends to rows leftpad_k[b] <= 
 of its keys, with causal, window and ALiBi aligned against its own length. Compared, sequence by
 sequence, with the float64 feature reference on exactly those keys (DESIGN §4): lengths 0, 1,
 ragged and full, left padding, GQA / MQA, 1..16 query rows, pages of 16, 48, 64 and 256 keys,
-every dtype. Plus argument errors, the refusal of the backward, opcheck, and, on CUDA, values out
-of range (never read on the host: clamped by the kernels)."""
+every dtype. Plus argument errors, the refusal of the backward, opcheck, values out of range (NaN
+rows on every device), and, on CUDA, block numbers out of range (never read on the host: clamped
+by the kernels)."""
 import pytest
 import torch
 
@@ -180,36 +181,37 @@ def test_with_cu_seqlens_is_an_error():
                     max_seqlen_k=LEN_K, seqused_k=_i32(4))
 
 
-@pytest.mark.parametrize("used,pad,match", [
-    ((4, LEN_K + 1), None, rf"sequence 1 has leftpad_k = 0 and seqused_k = {LEN_K + 1}; they must satisfy "
-                           rf"0 <= leftpad_k <= seqused_k <= the keys of k \({LEN_K}\)"),
-    ((-1, 4), None, r"sequence 0 has leftpad_k = 0 and seqused_k = -1"),
-    ((4, 9), (5, 0), r"sequence 0 has leftpad_k = 5 and seqused_k = 4"),
-    ((4, 9), (0, -2), r"sequence 1 has leftpad_k = -2 and seqused_k = 9"),
-], ids=["past_end", "negative", "pad_past_used", "negative_pad"])
-def test_bad_cpu_values(used, pad, match):
-    """CPU values are read and checked (a CUDA call never reads them: see the next test)."""
-    q, k, v = _args()
-    features = dict(seqused_k=_i32(*used), leftpad_k=None if pad is None else _i32(*pad))
-    with pytest.raises(RuntimeError, match=match):
-        checked_fwd(q, k, v, 0.5, BOTTOM_RIGHT, **features)
+# Sequences 0, 2 and 4 out of range (past the keys, negative, left padding past the end), 1 and 3 in range.
+OUT_OF_RANGE_USED, OUT_OF_RANGE_PAD = [LEN_K + 1, 30, -1, LEN_K, 4], [0, 3, 0, 16, 5]
 
 
-def test_unchecked_device_values_are_clamped():
-    """On CUDA values are never read on the host: out of range, they are clamped into
-    0 <= leftpad_k <= seqused_k <= len_k where the kernels read them (no access outside k / v)."""
-    if not torch.cuda.is_available():
-        pytest.skip("CUDA values only")
-    q, k, v = _make("cuda", torch.float16, 4, 4, 2, 2)
-    used, pad = [LEN_K + 1000, -7, 30, 40], [5, 0, 35, -3]
-    out, lse = op(q, k, v, 0.25, BOTTOM_RIGHT, seqused_k=_i32(*used).cuda(), leftpad_k=_i32(*pad).cuda())
-    lo = [min(max(p, 0), LEN_K) for p in pad]
-    end = [min(max(u, a), LEN_K) for u, a in zip(used, lo)]
-    cpu = [t.cpu() for t in (q, k, v)]
-    expected = _reference(*(t.double() for t in cpu), end, lo, 0.25, BOTTOM_RIGHT, (-1, -1), None, 0.0)
-    same = _reference(*cpu, end, lo, 0.25, BOTTOM_RIGHT, (-1, -1), None, 0.0)
-    assert_accurate("out", out.cpu(), expected[0], same[0], REL_ATOL[torch.float16])
-    assert_accurate("lse", lse.cpu(), expected[1], same[1], REL_ATOL[torch.float32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("page", [None, 16], ids=["dense", "paged"])
+@pytest.mark.parametrize("len_q", [1, 3])
+def test_out_of_range_values_give_nan_rows(device, dtype, page, len_q):
+    """Values are read only where the kernels read them, on every device: a sequence outside
+    0 <= leftpad_k <= seqused_k <= len_k reads no key and gets NaN out and lse rows (its pages
+    may name any block); the others match the reference. fp16 with one or three rows takes the
+    decode kernel on CUDA, fp32 the general forward."""
+    used, pad = OUT_OF_RANGE_USED, OUT_OF_RANGE_PAD
+    valid = [b for b, (u, p) in enumerate(zip(used, pad)) if 0 <= p <= u <= LEN_K]
+    q, k, v = _make(device, dtype, len(used), 4, 2, len_q)
+    features = dict(seqused_k=_i32(*used).to(device), leftpad_k=_i32(*pad).to(device))
+    if page is None:
+        out, lse = checked_fwd(q, k, v, 0.25, BOTTOM_RIGHT, **features)
+    else:
+        clamped = [min(max(u, 0), LEN_K) for u in used]
+        k_pages, v_pages, table = paged(k, v, page, clamped, [min(max(p, 0), c) for p, c in zip(pad, clamped)])
+        table[[b for b in range(len(used)) if b not in valid]] = 10**6  # never read
+        out, lse = checked_fwd(q, k_pages, v_pages, 0.25, BOTTOM_RIGHT, block_table=table, **features)
+    invalid = [b for b in range(len(used)) if b not in valid]
+    assert out[invalid].isnan().all() and lse[invalid].isnan().all()
+    cpu = [t[valid].cpu() for t in (q, k, v)]
+    used_v, pad_v = [used[b] for b in valid], [pad[b] for b in valid]
+    expected = _reference(*(t.double() for t in cpu), used_v, pad_v, 0.25, BOTTOM_RIGHT, (-1, -1), None, 0.0)
+    same = _reference(*cpu, used_v, pad_v, 0.25, BOTTOM_RIGHT, (-1, -1), None, 0.0)
+    assert_accurate("out", out[valid].cpu(), expected[0], same[0], REL_ATOL[dtype])
+    assert_accurate("lse", lse[valid].cpu(), expected[1], same[1], REL_ATOL[lse_dtype(dtype)])
 
 
 def test_backward_is_refused(device):

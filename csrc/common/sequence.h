@@ -4,6 +4,7 @@
 // Variable-length batches: tensor batch 0, rows from the cumulative lengths.
 // Positions used for masks, ALiBi and dropout are those within the sequence.
 #pragma once
+#include <cmath>
 #include <cstdint>
 
 #include "../params.h"
@@ -19,6 +20,16 @@ struct Seq {
   int64_t len_q, len_k;
   int64_t rows_per_head;  // rows of one head in lse, dlse and the row-indexed workspaces
   Band band;
+  // False where the sequence's key range is out of range (seqused_k, leftpad_k not within
+  // 0 <= leftpad_k <= seqused_k <= len_k): it reads no key, and its out and lse rows are NaN, so
+  // that values nobody checked (CUDA, where the host never reads them) show instead of passing
+  // as a result.
+  bool valid = true;
+
+  // The row sum l an epilogue divides by (out = o / l, lse = m + log l): NaN for an invalid
+  // sequence, which makes its out and lse NaN through the epilogue's own arithmetic.
+  template <class A>
+  FLASHATTN_HD A row_sum(A l) const { return valid ? l : static_cast<A>(NAN); }
 
   FLASHATTN_HD int64_t key_begin(int64_t row) const { return band.key_begin(row, len_k); }
   FLASHATTN_HD int64_t key_end(int64_t row) const { return band.key_end(row, len_k); }
@@ -78,8 +89,10 @@ FLASHATTN_HD Seq sequence(const FwdParams& p, int64_t b) {
     s.len_k = p.len_k;
     s.rows_per_head = p.len_q;
     if (p.seqused_k) {
-      s.k0 = p.leftpad_k ? clamp_to(p.leftpad_k[b], 0, p.len_k) : 0;
-      s.len_k = clamp_to(p.seqused_k[b], s.k0, p.len_k) - s.k0;
+      const int64_t lo = p.leftpad_k ? p.leftpad_k[b] : 0, used = p.seqused_k[b];
+      s.valid = 0 <= lo && lo <= used && used <= p.len_k;
+      s.k0 = s.valid ? lo : 0;
+      s.len_k = s.valid ? used - lo : 0;
       causal_offset = p.causal_bottom_right ? s.len_k - s.len_q : 0;
     }
   }

@@ -90,6 +90,7 @@ void fwd_tile(const FwdParams& p, FwdScratch<A>& w, const Seq& sq, int64_t h, in
   }
 
   A* lse = static_cast<A*>(p.lse) + sq.row_index(p.heads_q, h, row0);
+  for (int64_t r = 0; r < rows; ++r) w.l[r] = sq.row_sum(w.l[r]);  // NaN rows for an invalid sequence
   sm.finish(w.o.data(), w.ld_v, lse, A(1) / A(1 - p.dropout_p));
   store_rows<A>(t, row_ptr(p.out, p.out_stride, t, sq.tb, h, sq.q0 + row0), p.out_stride.row, rows,
                 p.head_dim_v, A(1), w.o.data(), w.ld_v);

@@ -145,10 +145,11 @@ __global__ void __launch_bounds__(FwdTraits<T, kTier>::kThreads, 2)
   Acc* lse = static_cast<Acc*>(p.lse) + sq.row_index(p.heads_q, h, 0);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const Acc l = reduce_sum_lanes<16>(row_sum[i]);
+    const Acc l = sq.row_sum(reduce_sum_lanes<16>(row_sum[i]));
     const int64_t m = m0 + r * 4 + i;
     if (m >= sq.len_q) continue;
-    // l == 0 only when no key is visible: out = 0, lse = -inf. A NaN l propagates.
+    // l == 0 only when no key is visible: out = 0, lse = -inf. A NaN l (an invalid sequence's
+    // too) propagates.
     const bool empty = l == Acc(0);
     const Acc inv = empty ? Acc(0) : (kFeatures && drop.on ? drop.inv_keep : Acc(1)) / l;
     T* o = out + m * p.out_stride.row;

@@ -312,8 +312,10 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads)
     }
   }
 
-  // The output: O / l (0 and LSE -inf for a row that sees no key; a NaN sum propagates).
+  // The output: O / l (0 and LSE -inf for a row that sees no key; a NaN sum, an invalid
+  // sequence's too, propagates).
   if (row >= rows) return;
+  l = sq.row_sum(l);
   const int64_t h = head_of(r0 + row), m = row_of(r0 + row);
   const bool empty = l == 0.f;
   const float inv = empty ? 0.f : 1.f / l;

@@ -499,10 +499,11 @@ __device__ __forceinline__ void fwd_piece(const FwdParams& p, int num_m_tiles, c
     for (int mw = 0; mw < kMW; ++mw) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const Acc l = reduce_sum_lanes<4>(row_sum[mw][r]);
+        const Acc l = sq.row_sum(reduce_sum_lanes<4>(row_sum[mw][r]));
         const int64_t m = row_of(mw, r);
         if (m >= sq.len_q) continue;
-        // l == 0 only when no key is visible: out = 0, lse = -inf. A NaN l propagates.
+        // l == 0 only when no key is visible: out = 0, lse = -inf. A NaN l (an invalid sequence's
+        // too) propagates.
         const bool empty = l == Acc(0);
         const Acc inv = empty ? Acc(0) : (kFeatures && drop.on ? drop.inv_keep : Acc(1)) / l;
         Elem* o_row = out + m * p.out_stride.row;
