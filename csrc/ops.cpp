@@ -723,6 +723,101 @@ Error kernel_plan(Tensor q, Tensor k, Tensor v, int64_t causal, bool backward, b
 #endif
 }
 
+// An int32 tensor of `batch` values (a KV-cache step's per-sequence ones), contiguous, on the caches' device.
+Error check_per_sequence(const Tensor& t, const char* name, const Tensor& cache, int64_t batch) {
+  FA_CHECK(t.scalar_type() == ScalarType::Int, "flashattn: argument '", name, "' must have dtype int32, got ",
+           dtype_name(t.scalar_type()));
+  FA_CHECK(t.dim() == 1 && t.size(0) == batch && t.is_contiguous(), "flashattn: argument '", name,
+           "' must be a contiguous 1-D tensor of shape [", batch, "] (batch), got shape ", shape_str(t));
+  FA_CHECK(same_device(t, cache), "flashattn: argument '", name, "' is on device ", device_str(t),
+           " but 'k_cache' is on ", device_str(cache), "; they must be on the same device");
+  return {};
+}
+
+// The in-place append of a KV-cache step (flash_attn_with_kvcache's layout): k, v (batch, len_new,
+// heads_kv, dim) written into k_cache, v_cache (rows, keys, heads_kv, dim), or into their pages
+// (blocks, page_size, heads_kv, dim) through block_table, at keys seqlens[b].. of each sequence
+// (common/append.h). seqused gets where each sequence's keys end, -1 where its values allow no
+// append. The values are read only where the backends read them (a CUDA step never waits).
+Error kvcache_append(Tensor k_cache, Tensor v_cache, Tensor k, Tensor v, Tensor seqlens,
+                     const std::optional<Tensor>& batch_idx, const std::optional<Tensor>& block_table,
+                     Tensor& seqused) {
+  const std::pair<const Tensor*, const char*> named[] = {
+      {&k_cache, "k_cache"}, {&v_cache, "v_cache"}, {&k, "k"}, {&v, "v"}};
+  for (const auto& [t, name] : named) {
+    FA_CHECK(t->dim() == 4 && (t->size(3) <= 1 || t->stride(3) == 1), "flashattn: argument '", name,
+             "' must have 4 dimensions with a contiguous last one (stride 1), got shape ", shape_str(*t));
+    FA_CHECK(t->is_cpu() || t->is_cuda(), "flashattn: argument '", name, "' must be on a CPU or CUDA device");
+  }
+  AppendParams p;
+  FA_TRY(to_dtype(k_cache.scalar_type(), "k_cache", p.dtype));
+  FA_TRY(check_same_device_dtype(k_cache, "k_cache", v_cache, "v_cache"));
+  FA_TRY(check_same_device_dtype(k_cache, "k_cache", k, "k"));
+  FA_TRY(check_same_device_dtype(k_cache, "k_cache", v, "v"));
+  p.batch = k.size(0);
+  p.len_new = k.size(1);
+  p.heads_kv = k_cache.size(2);
+  p.head_dim = k_cache.size(3);
+  p.head_dim_v = v_cache.size(3);
+  for (int64_t i = 0; i < 3; ++i)
+    FA_TRY(check_size(v_cache, "v_cache", i, k_cache.size(i), "dimension size (must equal k_cache's)"));
+  const int64_t k_shape[4] = {p.batch, p.len_new, p.heads_kv, p.head_dim};
+  const int64_t v_shape[4] = {p.batch, p.len_new, p.heads_kv, p.head_dim_v};
+  for (int64_t i = 0; i < 4; ++i) {
+    FA_TRY(check_size(k, "k", i, k_shape[i], "dimension size"));
+    FA_TRY(check_size(v, "v", i, v_shape[i], "dimension size"));
+  }
+  FA_TRY(check_per_sequence(seqlens, "seqlens", k_cache, p.batch));
+  p.cache_rows = k_cache.size(0);
+  p.cache_len = k_cache.size(1);
+  if (block_table.has_value()) {
+    const Tensor& t = *block_table;
+    FA_CHECK(!batch_idx.has_value(), "flashattn: arguments 'batch_idx' and 'block_table' cannot be combined");
+    FA_CHECK(t.scalar_type() == ScalarType::Int && t.dim() == 2 && t.size(0) == p.batch && t.size(1) >= 1 &&
+                 t.stride(1) == 1 && same_device(t, k_cache),
+             "flashattn: argument 'block_table' must be an int32 (batch = ", p.batch, ", pages >= 1) tensor with a "
+             "contiguous last dimension on k_cache's device, got shape ", shape_str(t));
+    FA_CHECK(p.cache_rows >= 1 && p.cache_len >= 1, "flashattn: a paged k_cache needs at least one block of at "
+             "least one row, got shape ", shape_str(k_cache));
+    p.block_table = static_cast<const int32_t*>(t.const_data_ptr());
+    p.block_table_stride = t.stride(0);
+    p.page_size = p.cache_len;
+    p.cache_len = t.size(1) * p.page_size;
+  } else if (batch_idx.has_value()) {
+    FA_TRY(check_per_sequence(*batch_idx, "batch_idx", k_cache, p.batch));
+    p.batch_idx = static_cast<const int32_t*>(batch_idx->const_data_ptr());
+  } else {
+    FA_TRY(check_size(k_cache, "k_cache", 0, p.batch, "batch size (one cache row per sequence)"));
+  }
+  FA_TRY(allocate({p.batch}, ScalarType::Int, k_cache, "seqused", seqused));
+  p.k_cache = k_cache.mutable_data_ptr();
+  p.v_cache = v_cache.mutable_data_ptr();
+  // (batch, len, heads, dim) tensors: Strides' head and row are their dimensions 2 and 1.
+  const auto strides = [](const Tensor& t) { return Strides{t.stride(0), t.stride(2), t.stride(1)}; };
+  p.k_cache_stride = strides(k_cache);
+  p.v_cache_stride = strides(v_cache);
+  p.k = k.const_data_ptr();
+  p.v = v.const_data_ptr();
+  p.k_stride = strides(k);
+  p.v_stride = strides(v);
+  p.seqlens = static_cast<const int32_t*>(seqlens.const_data_ptr());
+  p.seqused = static_cast<int32_t*>(seqused.mutable_data_ptr());
+  if (k_cache.is_cpu()) {
+    cpu::run_append(p);
+    return {};
+  }
+#ifdef FLASHATTN_WITH_CUDA
+  torch::stable::accelerator::DeviceGuard guard(k_cache.get_device_index());
+  void* stream = nullptr;
+  FA_TRY(current_cuda_stream(k_cache, stream));
+  const std::string failure = cuda::run_append(p, stream);
+  FA_CHECK(failure.empty(), failure);
+  return {};
+#else
+  return error_of("RuntimeError", "flashattn: this build of flashattn_ext has no CUDA kernels");
+#endif
+}
+
 // The kernels registered as flashattn::_fwd, _bwd and _dropout_mask: the tensors and an error
 // string, empty on success. With an error, the tensors returned are placeholders (an input).
 // The backends throw only on a CUDA runtime failure (common/check.h); where torch carries
@@ -790,6 +885,14 @@ std::tuple<Tensor, std::string> dropout_mask_op(Tensor rng_state, int64_t batch,
   return {mask, error};
 }
 
+std::tuple<Tensor, std::string> kvcache_append_op(Tensor k_cache, Tensor v_cache, Tensor k, Tensor v, Tensor seqlens,
+                                                  std::optional<Tensor> batch_idx, std::optional<Tensor> block_table) {
+  Tensor seqused = seqlens;
+  std::string error =
+      guarded([&] { return kvcache_append(k_cache, v_cache, k, v, seqlens, batch_idx, block_table, seqused); });
+  return {seqused, error};
+}
+
 }  // namespace
 }  // namespace flashattn
 
@@ -822,6 +925,13 @@ STABLE_TORCH_LIBRARY(flashattn, m) {
         "Tensor? rng_state, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, "
         "Tensor? seqused_k, Tensor? leftpad_k, Tensor? block_table, bool bias_requires_grad, int[] device, "
         "str? kernels, str? smem_limit) -> (str plan, str error)");
+  // A KV-cache step's in-place append (flashattn_ext/_kvcache_compose.py): seqused = seqlens + new
+  // rows, -1 where a sequence's values allow no append. Its CPU and CUDA kernels are registered in
+  // flashattn_ext/ops.py, as fwd's.
+  m.def("kvcache_append(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor seqlens, "
+        "Tensor? batch_idx=None, Tensor? block_table=None) -> Tensor seqused");
+  m.def("_kvcache_append(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor seqlens, "
+        "Tensor? batch_idx=None, Tensor? block_table=None) -> (Tensor seqused, str error)");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(flashattn, CPU, m) {
@@ -829,6 +939,7 @@ STABLE_TORCH_LIBRARY_IMPL(flashattn, CPU, m) {
   m.impl("_bwd", TORCH_BOX(&flashattn::bwd_op));
   m.impl("_dropout_mask", TORCH_BOX(&flashattn::dropout_mask_op));
   m.impl("_kernel_plan", TORCH_BOX(&flashattn::kernel_plan_op));
+  m.impl("_kvcache_append", TORCH_BOX(&flashattn::kvcache_append_op));
 }
 
 #ifdef FLASHATTN_WITH_CUDA
@@ -836,5 +947,6 @@ STABLE_TORCH_LIBRARY_IMPL(flashattn, CUDA, m) {
   m.impl("_fwd", TORCH_BOX(&flashattn::fwd_op));
   m.impl("_bwd", TORCH_BOX(&flashattn::bwd_op));
   m.impl("_kernel_plan", TORCH_BOX(&flashattn::kernel_plan_op));
+  m.impl("_kvcache_append", TORCH_BOX(&flashattn::kvcache_append_op));
 }
 #endif

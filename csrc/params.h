@@ -154,6 +154,34 @@ struct BwdParams : FwdParams {
   void* dbias = nullptr;
 };
 
+// The in-place append of a KV-cache step (flash_attn_with_kvcache's new keys and values): row t
+// of sequence b's new k / v goes to key seqlens[b] + t of its cache (common/append.h). Caches are
+// addressed [row][key][head] through element strides, the new rows [batch][t][head]; the last
+// dimension (head_dim) is contiguous everywhere.
+struct AppendParams {
+  DType dtype = DType::kFloat32;
+  void* k_cache = nullptr;
+  void* v_cache = nullptr;
+  Strides k_cache_stride, v_cache_stride;  // batch = a cache row (dense) or block (paged)
+  const void* k = nullptr;
+  const void* v = nullptr;
+  Strides k_stride, v_stride;
+  int64_t batch = 0, len_new = 0, heads_kv = 0, head_dim = 0, head_dim_v = 0;
+  int64_t cache_rows = 0;  // rows of a dense cache, blocks of a paged one
+  int64_t cache_len = 0;   // keys each sequence can hold: C (dense), pages x page_size (paged)
+  // int32 (batch,) on the caches' device: keys in each sequence's cache before the append.
+  const int32_t* seqlens = nullptr;
+  // Optional, int32 on the caches' device: the cache row of each sequence (dense), or the block
+  // of each of its pages (paged: block_table[b * block_table_stride + page], pages of page_size keys).
+  const int32_t* batch_idx = nullptr;
+  const int32_t* block_table = nullptr;
+  int64_t block_table_stride = 0, page_size = 0;
+  // Output, int32 (batch,): seqlens[b] + len_new, where sequence b's keys end after the append
+  // (the attention's seqused_k), or -1 for a sequence whose values are out of range, which writes
+  // nothing (and whose attention rows the -1 turns to NaN).
+  int32_t* seqused = nullptr;
+};
+
 inline size_t dtype_size(DType t) {
   return t == DType::kFloat64 ? 8 : t == DType::kFloat32 ? 4 : 2;
 }

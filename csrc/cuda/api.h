@@ -14,6 +14,8 @@ size_t fwd_workspace_bytes(const FwdParams& p);
 std::string run_fwd(const FwdParams& p, void* stream);
 size_t bwd_workspace_bytes(const BwdParams& p);
 std::string run_bwd(const BwdParams& p, void* stream);
+// The in-place append of a KV-cache step and its seqused output (common/append.h), one launch.
+std::string run_append(const AppendParams& p, void* stream);
 
 // The kernels the plan (plan.h) chooses for the call on the current device under `ov`, as describe()
 // names them.
