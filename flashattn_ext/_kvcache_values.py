@@ -2,21 +2,42 @@
 cache_batch_idx, block_table, rotary positions), written as tensor ops that never wait for the
 device. On the CPU a broken rule raises, naming the sequence and its values; on CUDA the same
 rules give the mask of valid sequences, and the composition drops the writes of the others and
-returns NaN for their rows (so a bad value is visible, never an out-of-bounds access)."""
+returns NaN for their rows (so a bad value is visible, never an out-of-bounds access). The
+length rules are the ops' own (flashattn::kvcache_append writes nothing and flashattn::fwd
+gives NaN rows for a sequence that breaks them): the composition evaluates only the others."""
 import torch
 
 
-def _rules(a):
-    """[(ok, message)]: ok is a (B,) bool tensor, message(b) describes sequence b's violation."""
+def negative_length(b, length):
+    return f"cache_seqlens[{b}] = {length} must be >= 0"
+
+
+def too_long(b, length, len_new, cache_len):
+    return (f"cache_seqlens[{b}] = {length} plus the {len_new} new keys exceeds the cache length {cache_len}: the "
+            f"cache is too short for the append")
+
+
+def raise_on_bad_lengths(lengths, len_new, cache_len):
+    """The length rules on host values (a list of ints), in raise_on_invalid's order."""
+    for b, s in enumerate(lengths):
+        if s < 0:
+            raise ValueError(f"flashattn_ext: {negative_length(b, s)}")
+    for b, s in enumerate(lengths):
+        if s + len_new > cache_len:
+            raise ValueError(f"flashattn_ext: {too_long(b, s, len_new, cache_len)}")
+
+
+def _rules(a, lengths=True):
+    """[(ok, message)]: ok is a (B,) bool tensor, message(b) describes sequence b's violation;
+    lengths=False leaves out the rules of cache_seqlens alone."""
     seqlens = a.seqlens.long()
     leftpad = a.leftpad.long() if a.leftpad is not None else torch.zeros_like(seqlens)
     len_new, cache_len = a.len_new, a.cache_len
     end = seqlens + len_new
     rules = [
-        (seqlens >= 0, lambda b: f"cache_seqlens[{b}] = {int(seqlens[b])} must be >= 0"),
-        (end <= cache_len, lambda b: f"cache_seqlens[{b}] = {int(seqlens[b])} plus the {len_new} new keys exceeds "
-                                     f"the cache length {cache_len}: the cache is too short for the append"),
-    ]
+        (seqlens >= 0, lambda b: negative_length(b, int(seqlens[b]))),
+        (end <= cache_len, lambda b: too_long(b, int(seqlens[b]), len_new, cache_len)),
+    ] if lengths else []
     if a.leftpad is not None:
         rules.append(((leftpad >= 0) & (leftpad <= seqlens),
                       lambda b: f"cache_leftpad[{b}] = {int(leftpad[b])} must be in [0, cache_seqlens[{b}] = "
@@ -53,12 +74,16 @@ def _rules(a):
     return rules
 
 
-def valid_sequences(a):
-    """(B,) bool: the sequences whose every index value is in range."""
-    ok = torch.ones(a.q.shape[0], dtype=torch.bool, device=a.q.device)
-    for rule_ok, _ in _rules(a):
+def lengths_or_invalid(a):
+    """cache_seqlens (int32 (B,)) with -1 for the sequences that break a rule beyond the lengths:
+    the ops then treat them as out of range (no write, NaN rows)."""
+    rules = _rules(a, lengths=False)
+    if not rules:
+        return a.seqlens
+    ok = rules[0][0]
+    for rule_ok, _ in rules[1:]:
         ok = ok & rule_ok
-    return ok
+    return a.seqlens.masked_fill(~ok, -1)
 
 
 def raise_on_invalid(a):

@@ -100,6 +100,25 @@ def _eager(t):
     return type(t) is torch.Tensor and (t.is_cpu or t.is_cuda) and not torch.compiler.is_compiling()
 
 
+def run_kvcache_append(k_cache, v_cache, k, v, seqlens, batch_idx=None, block_table=None):
+    """The C++ KV-cache append on CPU/CUDA tensors (in place), its error raised in Python: seqused."""
+    seqused, error = torch.ops.flashattn._kvcache_append.default(k_cache, v_cache, k, v, seqlens, batch_idx,
+                                                                 block_table)
+    if error:
+        _raise(error)
+    return seqused
+
+
+def kvcache_append(k_cache, v_cache, k, v, seqlens, batch_idx=None, block_table=None):
+    """flashattn::kvcache_append: k, v (batch, len_new, heads_kv, dim) written into k_cache, v_cache
+    in place at keys seqlens[b].. of each sequence (its row batch_idx[b], or its pages through
+    block_table); returns seqused = seqlens + len_new (int32 (batch,)), -1 for a sequence whose
+    values allow no append (it writes nothing). Eager CPU/CUDA tensors take the C++ kernel directly."""
+    if _eager(k_cache):
+        return run_kvcache_append(k_cache, v_cache, k, v, seqlens, batch_idx, block_table)
+    return torch.ops.flashattn.kvcache_append.default(k_cache, v_cache, k, v, seqlens, batch_idx, block_table)
+
+
 def _check_cu_seqlens_on_device(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
     """The value checks C++ leaves to Python for CUDA offsets (it never copies them to the
     host): done here unless a CUDA graph is being captured, where they are trusted (the kernels
@@ -166,6 +185,7 @@ _lib = torch.library.Library("flashattn", "IMPL")
 for _key in ("CPU", "CUDA") if HAS_CUDA_KERNELS else ("CPU",):
     _lib.impl("fwd", _fwd_kernel, _key)
     _lib.impl("bwd", _bwd_kernel, _key)
+    _lib.impl("kvcache_append", run_kvcache_append, _key)
 _lib.impl("dropout_mask", _dropout_mask_kernel, "CPU")
 _lib.impl("fwd", _autocast_fwd("cpu"), "AutocastCPU")
 _lib.impl("fwd", _autocast_fwd("cuda"), "AutocastCUDA")
@@ -192,6 +212,11 @@ def _fwd_fake(q, k, v, scale, causal, deterministic=False, attn_bias=None, windo
     out = _empty_like_layout(q, q.shape[1], q.shape[2], v.shape[3])
     lse = q.new_empty((q.shape[0], q.shape[1], q.shape[2]), dtype=_lse_dtype(q.dtype))
     return out, lse
+
+
+@torch.library.register_fake("flashattn::kvcache_append")
+def _kvcache_append_fake(k_cache, v_cache, k, v, seqlens, batch_idx=None, block_table=None):
+    return seqlens.new_empty(seqlens.shape)
 
 
 @torch.library.register_fake("flashattn::bwd")
