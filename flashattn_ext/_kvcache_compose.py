@@ -46,6 +46,10 @@ def attend(a, q, k, v, seqused, leftpad):
                            CAUSAL_BOTTOM_RIGHT if a.causal else CAUSAL_NONE, window_left=a.window[0],
                            window_right=a.window[1], alibi_slopes=a.alibi_slopes, softcap=a.softcap,
                            seqused_k=seqused, leftpad_k=leftpad, block_table=a.block_table)
+    if k.shape[1] == 0:  # an empty dense cache: the op runs no kernel to mark lengths other than 0
+        bad = seqused != 0 if leftpad is None else (seqused != 0) | (leftpad != 0)
+        out = out.masked_fill(bad[:, None, None, None], float("nan"))
+        lse = lse.masked_fill(bad[:, None, None], float("nan"))
     return out.transpose(1, 2), lse
 
 

@@ -77,9 +77,9 @@ def _rules(a, lengths=True):
 def lengths_or_invalid(a):
     """cache_seqlens (int32 (B,)) with -1 for the sequences that break a rule beyond the lengths:
     the ops then treat them as out of range (no write, NaN rows)."""
+    if a.leftpad is None and a.batch_idx is None and not a.paged and a.rotary_cos is None:
+        return a.seqlens  # (no rule beyond the lengths)
     rules = _rules(a, lengths=False)
-    if not rules:
-        return a.seqlens
     ok = rules[0][0]
     for rule_ok, _ in rules[1:]:
         ok = ok & rule_ok
