@@ -759,13 +759,17 @@ Error kvcache_append(Tensor k_cache, Tensor v_cache, Tensor k, Tensor v, Tensor 
   p.heads_kv = k_cache.size(2);
   p.head_dim = k_cache.size(3);
   p.head_dim_v = v_cache.size(3);
-  for (int64_t i = 0; i < 3; ++i)
-    FA_TRY(check_size(v_cache, "v_cache", i, k_cache.size(i), "dimension size (must equal k_cache's)"));
+  const char* cache_dims[3] = {"number of rows (blocks when paged) (must equal k_cache's)",
+                               "number of keys (page size when paged) (must equal k_cache's)",
+                               "number of heads (must equal k_cache's)"};
+  for (int64_t i = 0; i < 3; ++i) FA_TRY(check_size(v_cache, "v_cache", i, k_cache.size(i), cache_dims[i]));
+  const char* new_dims[4] = {"batch size (must equal k's)", "number of new rows (must equal k's)",
+                             "number of heads (must equal k_cache's)", "head_dim (must equal its cache's)"};
   const int64_t k_shape[4] = {p.batch, p.len_new, p.heads_kv, p.head_dim};
   const int64_t v_shape[4] = {p.batch, p.len_new, p.heads_kv, p.head_dim_v};
   for (int64_t i = 0; i < 4; ++i) {
-    FA_TRY(check_size(k, "k", i, k_shape[i], "dimension size"));
-    FA_TRY(check_size(v, "v", i, v_shape[i], "dimension size"));
+    FA_TRY(check_size(k, "k", i, k_shape[i], new_dims[i]));
+    FA_TRY(check_size(v, "v", i, v_shape[i], new_dims[i]));
   }
   FA_TRY(check_per_sequence(seqlens, "seqlens", k_cache, p.batch));
   p.cache_rows = k_cache.size(0);
