@@ -19,7 +19,7 @@ import flashattn_ext
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--impl", default="ours", choices=("ours", "sdpa", "kvcache"))
+    p.add_argument("--impl", default="ours", choices=("ours", "sdpa", "kvcache", "kvcache-append"))
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--out-dir", default=".")
     args = p.parse_args()
@@ -30,13 +30,17 @@ def main():
     def step():
         attn(q, k, v, is_causal=True).sum().backward()
 
-    if args.impl == "kvcache":  # one decode step: B = 1, one new row, a 1024-key cache, H = 32, E = 128
+    if args.impl.startswith("kvcache"):  # one decode step: B = 1, one new row, a 1024-key cache, H = 32, E = 128
         qd = torch.randn(1, 1, 32, 128, device=args.device, dtype=dtype)
         kc, vc = (torch.randn(1, 1024, 32, 128, device=args.device, dtype=dtype) for _ in range(2))
-        seqlens = torch.full((1,), 1024, dtype=torch.int32, device=args.device)
+        # kvcache: a step that only reads the cache; kvcache-append: the new row's key and value
+        # appended first (benchmarks/bench_decode.py's step)
+        new = [torch.randn(1, 1, 32, 128, device=args.device, dtype=dtype) for _ in range(2)] \
+            if args.impl == "kvcache-append" else [None, None]
+        seqlens = torch.full((1,), 1024 - (new[0] is not None), dtype=torch.int32, device=args.device)
 
         def step():  # noqa: F811
-            flashattn_ext.flash_attn_with_kvcache(qd, kc, vc, cache_seqlens=seqlens)
+            flashattn_ext.flash_attn_with_kvcache(qd, kc, vc, *new, cache_seqlens=seqlens)
 
     for _ in range(50):
         step()
@@ -60,7 +64,8 @@ def main():
     pstats.Stats(prof_py, stream=s).sort_stats("tottime").print_stats(40)
     path = os.path.join(args.out_dir, f"host_profile_{args.impl}_{args.device}.txt")
     with open(path, "w") as f:
-        what = "a read-only decode step" if args.impl == "kvcache" else "fwd+bwd, 1x1x16x64 causal"
+        what = {"kvcache": "a read-only decode step", "kvcache-append": "a decode step with its append"}.get(
+            args.impl, "fwd+bwd, 1x1x16x64 causal")
         f.write(f"{args.calls} calls of {what}, {dtype}, {args.impl}\n\n")
         f.write(table + "\n\n" + s.getvalue())
     print(path)
