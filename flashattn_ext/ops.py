@@ -13,10 +13,10 @@ Optional features of both ops (keyword arguments; each default is "off"):
                  (1, heads, total, dim) views, lse is (1, heads_q, total_q)
   seqused_k, leftpad_k        per-sequence key ranges of a padded batch, int32 (batch,): sequence b's
                  keys are rows leftpad_k[b] <= j < seqused_k[b] of k, v (leftpad_k None: from 0);
-                 causal (bottom-right), window and ALiBi align against that length. CPU values
-                 must satisfy 0 <= leftpad_k <= seqused_k <= len_k; CUDA values are never read
-                 on the host (no wait for the device: decode steps, CUDA graphs) and are clamped
-                 into that range where the kernels read them. Forward only: a backward raises.
+                 causal (bottom-right), window and ALiBi align against that length. Values are
+                 read only by the kernels, on every device (no wait for the device: decode
+                 steps, CUDA graphs): a sequence outside 0 <= leftpad_k <= seqused_k <= len_k
+                 reads no key and gets NaN out and lse rows. Forward only: a backward raises.
   block_table    paged k / v, int32 (batch, pages): k and v are (num_blocks, heads_kv, page_size, dim)
                  pages, and key row j of sequence b is row j % page_size of block
                  block_table[b, j // page_size] (len_k = pages * page_size). CPU blocks of pages
@@ -24,10 +24,14 @@ Optional features of both ops (keyword arguments; each default is "off"):
                  only.
 flashattn::bwd also takes bias_requires_grad and returns the bias gradient as a fourth tensor.
 
+flashattn::kvcache_append(k_cache, v_cache, k, v, seqlens, batch_idx=None, block_table=None) ->
+seqused writes a KV-cache step's new keys and values into its caches in place (see
+kvcache_append below; flash_attn_with_kvcache calls it).
+
 The C++ library defines the ops and registers, for CPU and CUDA, the underscored kernels _fwd,
-_bwd and _dropout_mask, which throw nothing (on torch < 2.13 an exception leaving a stable-ABI
-kernel kills the process): they return an error string, which the kernels registered here for
-fwd, bwd and dropout_mask raise as a Python exception (torch.OutOfMemoryError for a failed
+_bwd, _dropout_mask and _kvcache_append, which throw nothing (on torch < 2.13 an exception
+leaving a stable-ABI kernel kills the process): they return an error string, which the kernels
+registered here for fwd, bwd, dropout_mask and kvcache_append raise as a Python exception (torch.OutOfMemoryError for a failed
 allocation). The public functions call the underscored kernels directly on eager CPU/CUDA
 tensors (one dispatch less), and the ops everywhere else (torch.compile, meta and fake tensors,
 tensor subclasses)."""
