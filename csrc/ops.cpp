@@ -737,11 +737,12 @@ Error check_per_sequence(const Tensor& t, const char* name, const Tensor& cache,
 // The in-place append of a KV-cache step (flash_attn_with_kvcache's layout): k, v (batch, len_new,
 // heads_kv, dim) written into k_cache, v_cache (rows, keys, heads_kv, dim), or into their pages
 // (blocks, page_size, heads_kv, dim) through block_table, at keys seqlens[b].. of each sequence
-// (common/append.h). seqused gets where each sequence's keys end, -1 where its values allow no
-// append. The values are read only where the backends read them (a CUDA step never waits).
+// (common/append.h). seqused gets where each sequence's keys end, -1 where its values (lengths,
+// left padding, cache row, the blocks of the pages that hold its keys) allow no step. The values
+// are read only where the backends read them (a CUDA step never waits).
 Error kvcache_append(Tensor k_cache, Tensor v_cache, Tensor k, Tensor v, Tensor seqlens,
                      const std::optional<Tensor>& batch_idx, const std::optional<Tensor>& block_table,
-                     Tensor& seqused) {
+                     const std::optional<Tensor>& leftpad, Tensor& seqused) {
   const std::pair<const Tensor*, const char*> named[] = {
       {&k_cache, "k_cache"}, {&v_cache, "v_cache"}, {&k, "k"}, {&v, "v"}};
   for (const auto& [t, name] : named) {
@@ -792,6 +793,10 @@ Error kvcache_append(Tensor k_cache, Tensor v_cache, Tensor k, Tensor v, Tensor 
     p.batch_idx = static_cast<const int32_t*>(batch_idx->const_data_ptr());
   } else {
     FA_TRY(check_size(k_cache, "k_cache", 0, p.batch, "batch size (one cache row per sequence)"));
+  }
+  if (leftpad.has_value()) {
+    FA_TRY(check_per_sequence(*leftpad, "leftpad", k_cache, p.batch));
+    p.leftpad = static_cast<const int32_t*>(leftpad->const_data_ptr());
   }
   FA_TRY(allocate({p.batch}, ScalarType::Int, k_cache, "seqused", seqused));
   p.k_cache = k_cache.mutable_data_ptr();
@@ -890,10 +895,11 @@ std::tuple<Tensor, std::string> dropout_mask_op(Tensor rng_state, int64_t batch,
 }
 
 std::tuple<Tensor, std::string> kvcache_append_op(Tensor k_cache, Tensor v_cache, Tensor k, Tensor v, Tensor seqlens,
-                                                  std::optional<Tensor> batch_idx, std::optional<Tensor> block_table) {
+                                                  std::optional<Tensor> batch_idx, std::optional<Tensor> block_table,
+                                                  std::optional<Tensor> leftpad) {
   Tensor seqused = seqlens;
-  std::string error =
-      guarded([&] { return kvcache_append(k_cache, v_cache, k, v, seqlens, batch_idx, block_table, seqused); });
+  std::string error = guarded(
+      [&] { return kvcache_append(k_cache, v_cache, k, v, seqlens, batch_idx, block_table, leftpad, seqused); });
   return {seqused, error};
 }
 
@@ -930,12 +936,12 @@ STABLE_TORCH_LIBRARY(flashattn, m) {
         "Tensor? seqused_k, Tensor? leftpad_k, Tensor? block_table, bool bias_requires_grad, int[] device, "
         "str? kernels, str? smem_limit) -> (str plan, str error)");
   // A KV-cache step's in-place append (flashattn_ext/_kvcache_compose.py): seqused = seqlens + new
-  // rows, -1 where a sequence's values allow no append. Its CPU and CUDA kernels are registered in
+  // rows, -1 where a sequence's values allow no step. Its CPU and CUDA kernels are registered in
   // flashattn_ext/ops.py, as fwd's.
   m.def("kvcache_append(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor seqlens, "
-        "Tensor? batch_idx=None, Tensor? block_table=None) -> Tensor seqused");
+        "Tensor? batch_idx=None, Tensor? block_table=None, Tensor? leftpad=None) -> Tensor seqused");
   m.def("_kvcache_append(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor seqlens, "
-        "Tensor? batch_idx=None, Tensor? block_table=None) -> (Tensor seqused, str error)");
+        "Tensor? batch_idx=None, Tensor? block_table=None, Tensor? leftpad=None) -> (Tensor seqused, str error)");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(flashattn, CPU, m) {

@@ -155,9 +155,10 @@ struct BwdParams : FwdParams {
 };
 
 // The in-place append of a KV-cache step (flash_attn_with_kvcache's new keys and values): row t
-// of sequence b's new k / v goes to key seqlens[b] + t of its cache (common/append.h). Caches are
-// addressed [row][key][head] through element strides, the new rows [batch][t][head]; the last
-// dimension (head_dim) is contiguous everywhere.
+// of sequence b's new k / v goes to key seqlens[b] + t of its cache, where the sequence's values
+// allow it (common/append.h). Caches are addressed [row][key][head] through element strides, the
+// new rows [batch][t][head]; the last dimension (head_dim) is contiguous everywhere. No new rows
+// (len_new = 0): the rules and seqused only.
 struct AppendParams {
   DType dtype = DType::kFloat32;
   void* k_cache = nullptr;
@@ -176,6 +177,9 @@ struct AppendParams {
   const int32_t* batch_idx = nullptr;
   const int32_t* block_table = nullptr;
   int64_t block_table_stride = 0, page_size = 0;
+  // Optional, int32 (batch,): the first key of each sequence that the attention reads (its left
+  // padding); its pages' blocks are checked from there.
+  const int32_t* leftpad = nullptr;
   // Output, int32 (batch,): seqlens[b] + len_new, where sequence b's keys end after the append
   // (the attention's seqused_k), or -1 for a sequence whose values are out of range, which writes
   // nothing (and whose attention rows the -1 turns to NaN).

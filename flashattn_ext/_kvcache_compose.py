@@ -1,17 +1,16 @@
-"""flash_attn_with_kvcache as at most two op calls, with torch ops around them only for the
-features that need them: rotary (torch ops on q and the new keys), then flashattn::kvcache_append
-(the new keys and values written into the cache in place, one launch, which returns where each
-sequence's keys end), then one flashattn::fwd on the cache itself (a paged one with its
-block_table; rows gathered only for cache_batch_idx) with each sequence's key range (seqused_k,
-leftpad_k), so that causal, window and ALiBi align against each sequence's own length and the
-kernels read only its keys (on CUDA, decode steps take the decode kernel: GQA rows packed, keys
-split over the GPU, pages read in place).
+"""flash_attn_with_kvcache as two op calls, with torch ops around them only for the features that
+need them: rotary (torch ops on q and the new keys), then flashattn::kvcache_append (the new keys
+and values written into the cache in place, and every value rule but the rotary positions
+checked, in one launch; it returns where each sequence's keys end, -1 for a sequence that breaks
+a rule), then one flashattn::fwd on the cache itself (a paged one with its block_table; rows
+gathered only for cache_batch_idx) with each sequence's key range (seqused_k, leftpad_k), so that
+causal, window and ALiBi align against each sequence's own length and the kernels read only its
+keys (on CUDA, decode steps take the decode kernel: GQA rows packed, keys split over the GPU,
+pages read in place), and that a sequence with -1 gets NaN rows.
 
-Out-of-range values cost no launch of their own: a sequence whose lengths are out of range is
-one the append skips (seqused -1) and the attention marks (NaN rows); the other rules
-(_kvcache_values.py) turn its lengths to -1 before the ops see them. Every shape comes from the
-tensors' shapes, never from index values, so nothing waits for the device and a CUDA graph can
-capture the call."""
+A step that only reads a dense cache with no cache_leftpad or cache_batch_idx needs no append
+call: the attention checks its lengths itself. Every shape comes from the tensors' shapes, never
+from index values, so nothing waits for the device and a CUDA graph can capture the call."""
 import torch
 
 from ._kvcache_values import lengths_or_invalid
@@ -22,22 +21,33 @@ from .ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, kvcache_append
 def forward(a):
     """(out (B, Lq, H, Ev), lse (B, H, Lq)) for resolved arguments `a` (kvcache.KVCacheArgs)."""
     seqlens = lengths_or_invalid(a)
-    q = a.q
+    q, k_new, v_new = a.q, a.k_new, a.v_new
     if a.rotary_cos is not None:
         positions = seqlens.long()[:, None]
         rows = torch.arange(q.shape[1], device=q.device) if a.rotary_rows_consecutive else \
             torch.zeros(q.shape[1], dtype=torch.long, device=q.device)
         q = _rotate(q, a, positions + rows)
-    if a.len_new:
-        k_new = a.k_new
-        if a.rotary_cos is not None:
-            k_new = _rotate(k_new, a, seqlens.long()[:, None] + torch.arange(a.len_new, device=q.device))
-        seqused = kvcache_append(a.k_cache, a.v_cache, k_new, a.v_new, seqlens.contiguous(), a.batch_idx,
-                                 a.block_table)
+        if a.len_new:
+            k_new = _rotate(k_new, a, positions + torch.arange(a.len_new, device=q.device))
+    leftpad = _unit_stride(a.leftpad)
+    if a.len_new or leftpad is not None or a.batch_idx is not None or a.paged:
+        # The append, or with nothing to append the rules alone: seqused = the lengths after the
+        # append, -1 where a sequence's values allow no step.
+        if not a.len_new:
+            batch, heads_kv = q.shape[0], a.k_cache.shape[2]
+            k_new = a.k_cache.new_empty((batch, 0, heads_kv, a.k_cache.shape[3]))
+            v_new = a.v_cache.new_empty((batch, 0, heads_kv, a.v_cache.shape[3]))
+        seqused = kvcache_append(a.k_cache, a.v_cache, k_new, v_new, _unit_stride(seqlens), _unit_stride(a.batch_idx),
+                                 _unit_stride(a.block_table), leftpad)
     else:
-        seqused = seqlens.contiguous()  # (a view the caller sliced: the op reads it as a plain array)
+        seqused = _unit_stride(seqlens)  # (a view the caller sliced: the op reads it as a plain array)
     k, v = _read_cache(a)
-    return attend(a, q, k, v, seqused, a.leftpad)
+    return attend(a, q, k, v, seqused, leftpad)
+
+
+def _unit_stride(t):
+    """t with a unit last stride (the ops read index tensors as plain arrays)."""
+    return t if t is None or t.stride(-1) == 1 else t.contiguous()
 
 
 def attend(a, q, k, v, seqused, leftpad):
@@ -45,7 +55,7 @@ def attend(a, q, k, v, seqused, leftpad):
     out, lse = checked_fwd(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), a.scale,
                            CAUSAL_BOTTOM_RIGHT if a.causal else CAUSAL_NONE, window_left=a.window[0],
                            window_right=a.window[1], alibi_slopes=a.alibi_slopes, softcap=a.softcap,
-                           seqused_k=seqused, leftpad_k=leftpad, block_table=a.block_table)
+                           seqused_k=seqused, leftpad_k=leftpad, block_table=_unit_stride(a.block_table))
     if k.shape[1] == 0:  # an empty dense cache: the op runs no kernel to mark lengths other than 0
         bad = seqused != 0 if leftpad is None else (seqused != 0) | (leftpad != 0)
         out = out.masked_fill(bad[:, None, None, None], float("nan"))

@@ -1,10 +1,11 @@
 """The per-sequence value rules of flash_attn_with_kvcache (cache_seqlens, cache_leftpad,
 cache_batch_idx, block_table, rotary positions), written as tensor ops that never wait for the
-device. On the CPU a broken rule raises, naming the sequence and its values; on CUDA the same
-rules give the mask of valid sequences, and the composition drops the writes of the others and
-returns NaN for their rows (so a bad value is visible, never an out-of-bounds access). The
-length rules are the ops' own (flashattn::kvcache_append writes nothing and flashattn::fwd
-gives NaN rows for a sequence that breaks them): the composition evaluates only the others."""
+device. On the CPU a broken rule raises, naming the sequence and its values. On every device the
+ops evaluate the rules themselves where they run (flashattn::kvcache_append: lengths, left
+padding, cache rows, the blocks of the pages that hold a sequence's keys; flashattn::fwd: the
+key range): a sequence that breaks one writes nothing and gets NaN rows (a bad value is visible,
+never an out-of-bounds access). Only the rotary positions are left to the composition, which
+turns a sequence that needs a position past the tables into -1 lengths."""
 import torch
 
 
@@ -27,9 +28,8 @@ def raise_on_bad_lengths(lengths, len_new, cache_len):
             raise ValueError(f"flashattn_ext: {too_long(b, s, len_new, cache_len)}")
 
 
-def _rules(a, lengths=True):
-    """[(ok, message)]: ok is a (B,) bool tensor, message(b) describes sequence b's violation;
-    lengths=False leaves out the rules of cache_seqlens alone."""
+def _rules(a):
+    """[(ok, message)]: ok is a (B,) bool tensor, message(b) describes sequence b's violation."""
     seqlens = a.seqlens.long()
     leftpad = a.leftpad.long() if a.leftpad is not None else torch.zeros_like(seqlens)
     len_new, cache_len = a.len_new, a.cache_len
@@ -37,7 +37,7 @@ def _rules(a, lengths=True):
     rules = [
         (seqlens >= 0, lambda b: negative_length(b, int(seqlens[b]))),
         (end <= cache_len, lambda b: too_long(b, int(seqlens[b]), len_new, cache_len)),
-    ] if lengths else []
+    ]
     if a.leftpad is not None:
         rules.append(((leftpad >= 0) & (leftpad <= seqlens),
                       lambda b: f"cache_leftpad[{b}] = {int(leftpad[b])} must be in [0, cache_seqlens[{b}] = "
@@ -53,7 +53,7 @@ def _rules(a, lengths=True):
         table = a.block_table.long()
         pages = torch.arange(table.shape[1], device=table.device)
         # Only the pages that hold keys of the sequence must name a block; the rest may be padding.
-        used = (pages >= (leftpad // page)[:, None]) & (pages * page < end[:, None])
+        used = (pages >= (leftpad // page)[:, None]) & (pages * page < end[:, None]) & (end > leftpad)[:, None]
         bad = used & ((table < 0) | (table >= blocks))
 
         def page_message(b):
@@ -63,9 +63,8 @@ def _rules(a, lengths=True):
                     f"{int(leftpad[b])}..{int(end[b]) - 1}")
         rules.append((~bad.any(1), page_message))
     if a.rotary_cos is not None:
-        positions = a.rotary_cos.shape[0]
+        positions, span = a.rotary_cos.shape[0], _rotary_span(a)
         len_q = a.q.shape[1]
-        span = max(len_new, len_q if a.rotary_rows_consecutive else min(len_q, 1))
         last = seqlens + span - 1
         rules.append((last < positions if span else torch.ones_like(seqlens, dtype=torch.bool),
                       lambda b: f"rotary_cos has {positions} positions but sequence {b} needs position "
@@ -74,16 +73,20 @@ def _rules(a, lengths=True):
     return rules
 
 
+def _rotary_span(a):
+    """Rotary positions a sequence uses from cache_seqlens on: its new keys', and its query rows'
+    (consecutive, or all at cache_seqlens)."""
+    len_q = a.q.shape[1]
+    return max(a.len_new, len_q if a.rotary_rows_consecutive else min(len_q, 1))
+
+
 def lengths_or_invalid(a):
-    """cache_seqlens (int32 (B,)) with -1 for the sequences that break a rule beyond the lengths:
-    the ops then treat them as out of range (no write, NaN rows)."""
-    if a.leftpad is None and a.batch_idx is None and not a.paged and a.rotary_cos is None:
-        return a.seqlens  # (no rule beyond the lengths)
-    rules = _rules(a, lengths=False)
-    ok = rules[0][0]
-    for rule_ok, _ in rules[1:]:
-        ok = ok & rule_ok
-    return a.seqlens.masked_fill(~ok, -1)
+    """cache_seqlens (int32 (B,)) with -1 for the sequences whose rotary positions pass the tables'
+    end: the one rule the ops do not evaluate (they then treat the sequence as out of range)."""
+    span = _rotary_span(a) if a.rotary_cos is not None else 0
+    if not span:
+        return a.seqlens
+    return a.seqlens.masked_fill(a.seqlens >= a.rotary_cos.shape[0] - span + 1, -1)
 
 
 def raise_on_invalid(a):

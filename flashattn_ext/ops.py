@@ -24,17 +24,17 @@ Optional features of both ops (keyword arguments; each default is "off"):
                  only.
 flashattn::bwd also takes bias_requires_grad and returns the bias gradient as a fourth tensor.
 
-flashattn::kvcache_append(k_cache, v_cache, k, v, seqlens, batch_idx=None, block_table=None) ->
-seqused writes a KV-cache step's new keys and values into its caches in place (see
-kvcache_append below; flash_attn_with_kvcache calls it).
+flashattn::kvcache_append(k_cache, v_cache, k, v, seqlens, batch_idx=None, block_table=None,
+leftpad=None) -> seqused writes a KV-cache step's new keys and values into its caches in place
+(see kvcache_append below; flash_attn_with_kvcache calls it).
 
 The C++ library defines the ops and registers, for CPU and CUDA, the underscored kernels _fwd,
 _bwd, _dropout_mask and _kvcache_append, which throw nothing (on torch < 2.13 an exception
 leaving a stable-ABI kernel kills the process): they return an error string, which the kernels
-registered here for fwd, bwd, dropout_mask and kvcache_append raise as a Python exception (torch.OutOfMemoryError for a failed
-allocation). The public functions call the underscored kernels directly on eager CPU/CUDA
-tensors (one dispatch less), and the ops everywhere else (torch.compile, meta and fake tensors,
-tensor subclasses)."""
+registered here for fwd, bwd, dropout_mask and kvcache_append raise as a Python exception
+(torch.OutOfMemoryError for a failed allocation). The public functions call the underscored
+kernels directly on eager CPU/CUDA tensors (one dispatch less), and the ops everywhere else
+(torch.compile, meta and fake tensors, tensor subclasses)."""
 import torch
 
 from . import _C  # noqa: F401  (loading the library registers the ops)
@@ -104,23 +104,27 @@ def _eager(t):
     return type(t) is torch.Tensor and (t.is_cpu or t.is_cuda) and not torch.compiler.is_compiling()
 
 
-def run_kvcache_append(k_cache, v_cache, k, v, seqlens, batch_idx=None, block_table=None):
+def run_kvcache_append(k_cache, v_cache, k, v, seqlens, batch_idx=None, block_table=None, leftpad=None):
     """The C++ KV-cache append on CPU/CUDA tensors (in place), its error raised in Python: seqused."""
     seqused, error = torch.ops.flashattn._kvcache_append.default(k_cache, v_cache, k, v, seqlens, batch_idx,
-                                                                 block_table)
+                                                                 block_table, leftpad)
     if error:
         _raise(error)
     return seqused
 
 
-def kvcache_append(k_cache, v_cache, k, v, seqlens, batch_idx=None, block_table=None):
+def kvcache_append(k_cache, v_cache, k, v, seqlens, batch_idx=None, block_table=None, leftpad=None):
     """flashattn::kvcache_append: k, v (batch, len_new, heads_kv, dim) written into k_cache, v_cache
     in place at keys seqlens[b].. of each sequence (its row batch_idx[b], or its pages through
     block_table); returns seqused = seqlens + len_new (int32 (batch,)), -1 for a sequence whose
-    values allow no append (it writes nothing). Eager CPU/CUDA tensors take the C++ kernel directly."""
+    values allow no step: 0 <= seqlens <= cache length - len_new, 0 <= leftpad <= seqlens, its row
+    a row of the cache, the blocks of the pages that hold its keys (leftpad.. seqused - 1) blocks
+    of the cache. Such a sequence writes nothing. Eager CPU/CUDA tensors take the C++ kernel
+    directly."""
     if _eager(k_cache):
-        return run_kvcache_append(k_cache, v_cache, k, v, seqlens, batch_idx, block_table)
-    return torch.ops.flashattn.kvcache_append.default(k_cache, v_cache, k, v, seqlens, batch_idx, block_table)
+        return run_kvcache_append(k_cache, v_cache, k, v, seqlens, batch_idx, block_table, leftpad)
+    return torch.ops.flashattn.kvcache_append.default(k_cache, v_cache, k, v, seqlens, batch_idx, block_table,
+                                                      leftpad)
 
 
 def _check_cu_seqlens_on_device(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
@@ -219,7 +223,7 @@ def _fwd_fake(q, k, v, scale, causal, deterministic=False, attn_bias=None, windo
 
 
 @torch.library.register_fake("flashattn::kvcache_append")
-def _kvcache_append_fake(k_cache, v_cache, k, v, seqlens, batch_idx=None, block_table=None):
+def _kvcache_append_fake(k_cache, v_cache, k, v, seqlens, batch_idx=None, block_table=None, leftpad=None):
     return seqlens.new_empty(seqlens.shape)
 
 

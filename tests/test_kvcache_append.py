@@ -1,7 +1,7 @@
 """flashattn::kvcache_append, the in-place append of a KV-cache step, against a row-by-row copy
-in Python: dense caches, cache_batch_idx rows, pages (a write crossing a page boundary), several
-new rows, every dtype's word size; sequences whose values allow no append write nothing and get
-seqused -1; argument errors; opcheck. And the common dense step of flash_attn_with_kvcache, which
+in Python: dense caches, cache_batch_idx rows, pages (a write crossing a page boundary, blocks of
+the pages a sequence reads), left padding, several new rows or none, every dtype's word size;
+sequences whose values allow no step write nothing and get seqused -1; argument errors; opcheck. And the common dense step of flash_attn_with_kvcache, which
 calls it directly: never resolved through the general path, equal to that path bit for bit, no
 host synchronisation on CUDA."""
 import pytest
@@ -19,21 +19,24 @@ def _i32(values, device):
     return torch.tensor(values, dtype=torch.int32, device=device)
 
 
-def _expected(k_cache, v_cache, k, v, seqlens, batch_idx=None, table=None, page=None):
-    """The caches after the append and seqused, row by row; (rows, key) of each write."""
+def _expected(k_cache, v_cache, k, v, seqlens, batch_idx=None, table=None, page=None, leftpad=None):
+    """The caches after the append and seqused, row by row."""
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
     rows, keys = k_cache.shape[:2]
     cache_len = keys if table is None else len(table[0]) * page
     seqused = []
     for b, s in enumerate(seqlens):
-        end = s + k.shape[1]
+        end, lo = s + k.shape[1], 0 if leftpad is None else leftpad[b]
+        ok = 0 <= s and end <= cache_len and 0 <= lo <= s
         places = []
         for key in range(s, end):
             if table is not None:
                 places.append((table[b][key // page] if 0 <= key < cache_len else -1, key % page))
             else:
                 places.append((b if batch_idx is None else batch_idx[b], key))
-        ok = s >= 0 and end <= cache_len and all(0 <= r < rows for r, _ in places)
+        ok = ok and all(0 <= r < rows for r, _ in places)
+        if ok and table is not None:  # every page that holds one of its keys names a block
+            ok = all(0 <= table[b][key // page] < rows for key in range(lo, end))
         seqused.append(end if ok else -1)
         for t, (r, key) in enumerate(places if ok else []):
             k_cache[r, key], v_cache[r, key] = k[b, t], v[b, t]
@@ -46,11 +49,14 @@ CASES = {
     "dense_one_row": dict(seqlens=[5, CACHE - 1, 0, 39], len_new=1),
     "batch_idx": dict(seqlens=[3, 9, 1, 30], len_new=3, batch_idx=[5, 0, 6, 2]),  # row 6 is not a row
     "paged": dict(seqlens=[15, 0, 30, 47], len_new=2, paged=True),  # 15..16 crosses a page; 47..48 too long
+    # sequence 1 reads its page 2, which names no block; sequence 2 has too much left padding
+    "paged_leftpad_no_new_rows": dict(seqlens=[20, 33, 4, 40], len_new=0, paged=True, leftpad=[17, 0, 5, 40]),
+    "leftpad": dict(seqlens=[3, 9, 1, 30], len_new=1, leftpad=[3, 0, 2, -1]),
     "no_new_rows": dict(seqlens=[3, -2, CACHE, CACHE + 1], len_new=0),
 }
 
 
-def _case(device, dtype, seqlens, len_new, batch_idx=None, paged=False):
+def _case(device, dtype, seqlens, len_new, batch_idx=None, paged=False, leftpad=None):
     make = lambda *shape: torch.randn(*shape).to(dtype).to(device)  # noqa: E731
     args = dict(k=make(BATCH, len_new, HEADS_KV, DIM), v=make(BATCH, len_new, HEADS_KV, DIM_V),
                 seqlens=_i32(seqlens, device))
@@ -65,6 +71,8 @@ def _case(device, dtype, seqlens, len_new, batch_idx=None, paged=False):
         shape = (7 if batch_idx else BATCH, CACHE, HEADS_KV)
     if batch_idx:
         args["batch_idx"], ref["batch_idx"] = _i32(batch_idx, device), batch_idx
+    if leftpad:
+        args["leftpad"], ref["leftpad"] = _i32(leftpad, device), leftpad
     args["k_cache"], args["v_cache"] = make(*shape, DIM), make(*shape, DIM_V)
     return args, ref
 

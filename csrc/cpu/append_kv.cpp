@@ -5,12 +5,23 @@
 
 namespace flashattn::cpu {
 
+namespace {
+bool allowed(const AppendParams& p, int64_t b) {
+  if (!append_lengths_allowed(p, b)) return false;
+  if (!p.block_table) return true;
+  const PageSpan pages = append_pages(p, b);
+  for (int64_t page = pages.first; page < pages.end; ++page)
+    if (!block_allowed(p, b, page)) return false;
+  return true;
+}
+}  // namespace
+
 void run_append(const AppendParams& p) {
   const int64_t elem = int64_t(dtype_size(p.dtype));
   for (int64_t b = 0; b < p.batch; ++b) {
-    const bool allowed = append_allowed(p, b);
-    p.seqused[b] = allowed ? int32_t(p.seqlens[b] + p.len_new) : -1;
-    if (!allowed) continue;
+    const bool ok = allowed(p, b);
+    p.seqused[b] = ok ? int32_t(p.seqlens[b] + p.len_new) : -1;
+    if (!ok) continue;
     for (int64_t t = 0; t < p.len_new; ++t)
       for (int64_t h = 0; h < p.heads_kv; ++h) {
         const int64_t k_from = b * p.k_stride.batch + t * p.k_stride.row + h * p.k_stride.head;

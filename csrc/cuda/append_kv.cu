@@ -10,11 +10,19 @@ namespace {
 
 // A block per (sequence, new row), its threads along the row's heads and features (k's, then
 // v's), in words of the dtype's size: a decode step appends a few KB, so this is one short launch.
-// With no new rows, a block per sequence writes its seqused only.
+// The block's threads check the sequence's pages together. With no new rows, a block per
+// sequence checks its rules and writes its seqused only.
 template <class Word>
 __global__ void append_kernel(const AppendParams p, int64_t rows) {
   const int64_t b = blockIdx.x / rows, t = blockIdx.x % rows;
-  const bool allowed = append_allowed(p, b);
+  const bool lengths_ok = append_lengths_allowed(p, b);
+  bool bad_page = false;
+  if (p.block_table && lengths_ok) {
+    const PageSpan pages = append_pages(p, b);
+    for (int64_t page = pages.first + threadIdx.x; page < pages.end; page += blockDim.x)
+      bad_page = bad_page || !block_allowed(p, b, page);
+  }
+  const bool allowed = !__syncthreads_or(!lengths_ok || bad_page);
   if (t == 0 && threadIdx.x == 0) p.seqused[b] = allowed ? int32_t(p.seqlens[b] + p.len_new) : -1;
   if (!allowed || t >= p.len_new) return;
   const int64_t k_words = p.heads_kv * p.head_dim, all_words = k_words + p.heads_kv * p.head_dim_v;
