@@ -8,6 +8,8 @@ never an out-of-bounds access). Only the rotary positions are left to the compos
 turns a sequence that needs a position past the tables into -1 lengths."""
 import torch
 
+PAGE_MULTIPLE = 16  # page sizes a paged cache may use: any multiple of this
+
 
 def negative_length(b, length):
     return f"cache_seqlens[{b}] = {length} must be >= 0"

@@ -14,8 +14,7 @@ import torch
 
 from . import _kvcache_compose, _kvcache_fast, _kvcache_values
 from ._checks import DTYPE_NAMES, MAX_HEAD_DIM
-
-PAGE_MULTIPLE = 16  # page sizes a paged cache may use: any multiple of this
+from ._kvcache_values import PAGE_MULTIPLE
 
 
 @dataclass(frozen=True)
@@ -94,11 +93,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     checked on the CPU; on CUDA they are trusted so that no call waits for the device (CUDA graphs
     capture it): a sequence whose values are out of range writes nothing, reads nothing out of
     bounds, and gets NaN in its out and lse rows."""
-    if (rotary_cos is None and rotary_sin is None and cache_batch_idx is None and cache_leftpad is None
-            and block_table is None and alibi_slopes is None and type(window_size) is tuple and window_size == (-1, -1)
-            and type(softcap) in (float, int) and softcap == 0 and type(num_splits) is int and num_splits >= 0):
-        result = _kvcache_fast.step(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal,
-                                    return_softmax_lse)
+    if (rotary_cos is None and rotary_sin is None and cache_batch_idx is None and alibi_slopes is None
+            and type(window_size) is tuple and window_size == (-1, -1) and type(softcap) in (float, int)
+            and softcap == 0 and type(num_splits) is int and num_splits >= 0):
+        result = _kvcache_fast.step(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad,
+                                    softmax_scale, causal, return_softmax_lse)
         if result is not None:
             return result
     args = _resolve(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,

@@ -1,9 +1,9 @@
 """flashattn::kvcache_append, the in-place append of a KV-cache step, against a row-by-row copy
 in Python: dense caches, cache_batch_idx rows, pages (a write crossing a page boundary, blocks of
 the pages a sequence reads), left padding, several new rows or none, every dtype's word size;
-sequences whose values allow no step write nothing and get seqused -1; argument errors; opcheck. And the common dense step of flash_attn_with_kvcache, which
-calls it directly: never resolved through the general path, equal to that path bit for bit, no
-host synchronisation on CUDA."""
+sequences whose values allow no step write nothing and get seqused -1; argument errors; opcheck. And the common step of flash_attn_with_kvcache, which calls
+it directly: never resolved through the general path, equal to that path bit for bit, no host
+synchronisation on CUDA, CUDA graph replay."""
 import pytest
 import torch
 
@@ -47,7 +47,7 @@ CASES = {
     # seqlens: sequence 2 too long for the append, sequence 3 negative (both write nothing)
     "dense": dict(seqlens=[0, 17, CACHE - 1, -1], len_new=2),
     "dense_one_row": dict(seqlens=[5, CACHE - 1, 0, 39], len_new=1),
-    "batch_idx": dict(seqlens=[3, 9, 1, 30], len_new=3, batch_idx=[5, 0, 6, 2]),  # row 6 is not a row
+    "batch_idx": dict(seqlens=[3, 9, 1, 30], len_new=3, batch_idx=[5, 0, 7, 2]),  # 7 is not a row (7 rows)
     "paged": dict(seqlens=[15, 0, 30, 47], len_new=2, paged=True),  # 15..16 crosses a page; 47..48 too long
     # sequence 1 reads its page 2, which names no block; sequence 2 has too much left padding
     "paged_leftpad_no_new_rows": dict(seqlens=[20, 33, 4, 40], len_new=0, paged=True, leftpad=[17, 0, 5, 40]),
@@ -133,38 +133,62 @@ def test_opcheck(device):
     torch.library.opcheck(op, (args["k_cache"], args["v_cache"], args["k"], args["v"], args["seqlens"]))
 
 
-# ---- the common dense step of flash_attn_with_kvcache ----
+# ---- the common step of flash_attn_with_kvcache ----
 
-STEPS = {"append": dict(len_new=2, causal=True), "read_only": dict(len_new=0), "no_seqlens": dict(len_new=0)}
+STEPS = {"append": dict(len_new=2, causal=True), "read_only": dict(len_new=0), "no_seqlens": dict(len_new=0),
+         "paged_append": dict(len_new=2, paged=True), "paged_read_only_leftpad": dict(len_new=0, paged=True, pad=True),
+         "leftpad_append": dict(len_new=1, pad=True, causal=True)}
+ON_CUDA_ONLY = ("paged_append", "paged_read_only_leftpad", "leftpad_append")  # the CPU's errors name pages, pads
 
 
-def _step(device, len_new, causal=False, lengths=(5, 17, 40, 0)):
+def _step(device, len_new, causal=False, lengths=(5, 17, 40, 0), paged=False, pad=False):
     make = lambda *shape: torch.randn(*shape, device=device, dtype=torch.bfloat16)  # noqa: E731
-    call = dict(q=make(BATCH, 2, 4, DIM), k_cache=make(BATCH, CACHE + 2, HEADS_KV, DIM),
-                v_cache=make(BATCH, CACHE + 2, HEADS_KV, DIM_V), cache_seqlens=_i32(lengths, device), causal=causal)
+    call = dict(q=make(BATCH, 2, 4, DIM), cache_seqlens=_i32(lengths, device), causal=causal)
+    if paged:  # 3 pages of 16 keys per sequence; pages past a sequence's keys name no block (-1)
+        table = torch.randperm(BATCH * 3 + 1)[:BATCH * 3].view(BATCH, 3).to(torch.int32)
+        for b, s in enumerate(lengths):
+            table[b, max(0, (s + len_new + PAGE - 1) // PAGE):] = -1
+        call["block_table"] = table.to(device)
+        call["k_cache"], call["v_cache"] = make(BATCH * 3 + 1, PAGE, HEADS_KV, DIM), make(BATCH * 3 + 1, PAGE,
+                                                                                         HEADS_KV, DIM_V)
+    else:
+        call["k_cache"], call["v_cache"] = make(BATCH, CACHE + 2, HEADS_KV, DIM), make(BATCH, CACHE + 2, HEADS_KV,
+                                                                                      DIM_V)
+    if pad:
+        call["cache_leftpad"] = _i32([min(3, s) for s in lengths], device)
     if len_new:
         call["k"], call["v"] = make(BATCH, len_new, HEADS_KV, DIM), make(BATCH, len_new, HEADS_KV, DIM_V)
     return call
 
 
+def _same(a, b):
+    """Equal bit for bit, NaN where the other is NaN."""
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
 @pytest.mark.parametrize("step", list(STEPS))
 def test_common_step_is_the_general_path(device, step, monkeypatch):
-    """The common step never resolves its arguments (it is the short path), and gives what the
-    general path gives, out, lse and caches bit for bit."""
-    call = _step(device, **STEPS[step])
+    """The common step never resolves its arguments (it is the short path; on the CPU only dense
+    steps without left padding take it), and gives what the general path gives, out, lse and
+    caches bit for bit. On CUDA sequence 2 is too long for the cache (NaN rows, no write)."""
+    lengths = (5, 17, 40, 0) if device == "cpu" else (5, 17, 49, 0)
+    call = _step(device, lengths=lengths, **STEPS[step])
     if step == "no_seqlens":
         call["cache_seqlens"] = None
     general = dict(call, k_cache=call["k_cache"].clone(), v_cache=call["v_cache"].clone())
-    resolved = kvcache._resolve(*(general.get(n) for n in ("q", "k_cache", "v_cache", "k", "v")), None, None,
-                                general["cache_seqlens"], None, None, None, None, general["causal"], (-1, -1), 0.0,
-                                True, None, 0)
+    resolved = kvcache._resolve(
+        general["q"], general["k_cache"], general["v_cache"], general.get("k"), general.get("v"), None, None,
+        general["cache_seqlens"], None, general.get("cache_leftpad"), general.get("block_table"), None,
+        general["causal"], (-1, -1), 0.0, True, None, 0)
     want_out, want_lse = _kvcache_compose.forward(resolved)
 
-    def refuse(*args):
-        raise AssertionError("the common step resolved its arguments")
-    monkeypatch.setattr(kvcache, "_resolve", refuse)
+    resolved_calls = []
+    resolve = kvcache._resolve
+    monkeypatch.setattr(kvcache, "_resolve", lambda *args: resolved_calls.append(1) or resolve(*args))
     out, lse = flashattn_ext.flash_attn_with_kvcache(**call, return_softmax_lse=True)
-    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    assert len(resolved_calls) == (device == "cpu" and step in ON_CUDA_ONLY)
+    assert _same(out, want_out) and _same(lse, want_lse)
+    assert out.isnan().any() == (device != "cpu" and step != "no_seqlens")
     assert torch.equal(call["k_cache"], general["k_cache"]) and torch.equal(call["v_cache"], general["v_cache"])
 
 
