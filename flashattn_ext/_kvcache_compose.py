@@ -42,7 +42,7 @@ def forward(a):
     else:
         seqused = _unit_stride(seqlens)  # (a view the caller sliced: the op reads it as a plain array)
     k, v = _read_cache(a)
-    return attend(a, q, k, v, seqused, leftpad)
+    return _attend(a, q, k, v, seqused, leftpad)
 
 
 def _unit_stride(t):
@@ -50,7 +50,7 @@ def _unit_stride(t):
     return t if t is None or t.stride(-1) == 1 else t.contiguous()
 
 
-def attend(a, q, k, v, seqused, leftpad):
+def _attend(a, q, k, v, seqused, leftpad):
     """The op on (B, L, heads, E) q and caches with the key ranges."""
     out, lse = checked_fwd(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), a.scale,
                            CAUSAL_BOTTOM_RIGHT if a.causal else CAUSAL_NONE, window_left=a.window[0],

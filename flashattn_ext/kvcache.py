@@ -4,7 +4,7 @@ left padding and cache row indirection, in flash-attn 2's layout and semantics.
 
 The public function validates and resolves its arguments into a KVCacheArgs (shape, dtype and
 device rules here; per-sequence value rules in _kvcache_values.py), then hands it to
-_kvcache_compose.forward. KVCacheArgs is the contract a dedicated decode kernel takes: every
+_kvcache_compose.forward; the common decode step takes a shorter path (_kvcache_fast.py). KVCacheArgs is the contract a dedicated decode kernel takes: every
 tensor checked, every default made explicit, no value read on the device."""
 import math
 from dataclasses import dataclass
@@ -93,6 +93,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     checked on the CPU; on CUDA they are trusted so that no call waits for the device (CUDA graphs
     capture it): a sequence whose values are out of range writes nothing, reads nothing out of
     bounds, and gets NaN in its out and lse rows."""
+    # The common decode step takes a short path where only its features are given (_kvcache_fast.py).
     if (rotary_cos is None and rotary_sin is None and cache_batch_idx is None and alibi_slopes is None
             and type(window_size) is tuple and window_size == (-1, -1) and type(softcap) in (float, int)
             and softcap == 0 and type(num_splits) is int and num_splits >= 0):
