@@ -46,8 +46,9 @@ def _plain(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad)
     if block_table is None:
         if rows != batch:
             return False
-    elif (not q.is_cuda or rows < 1 or cache_rows % PAGE_MULTIPLE or block_table.dim() != 2
-          or not _index(block_table, (batch, block_table.shape[1]), device) or block_table.shape[1] < 1):
+    elif (not q.is_cuda or rows < 1 or cache_rows % PAGE_MULTIPLE or type(block_table) is not _Tensor
+          or block_table.dim() != 2 or not _index(block_table, (batch, block_table.shape[1]), device)
+          or block_table.shape[1] < 1):
         return False
     if cache_leftpad is not None and not (q.is_cuda and _index(cache_leftpad, (batch,), device)):
         return False
