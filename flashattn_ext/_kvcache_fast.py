@@ -24,7 +24,7 @@ _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
 def _index(t, shape, device):
     """t is a plain int32 tensor of `shape` on `device` with a unit last stride."""
     return (type(t) is _Tensor and t.dtype == torch.int32 and t.shape == shape and t.device == device
-            and t.stride(-1) == 1)
+            and (t.is_contiguous() or t.stride()[-1] == 1))
 
 
 def _plain(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad):
@@ -32,16 +32,18 @@ def _plain(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad)
     a common step needs, with nothing to differentiate (the general path refuses that)."""
     if type(q) is not _Tensor or type(k_cache) is not _Tensor or type(v_cache) is not _Tensor:
         return False
-    if q.dim() != 4 or k_cache.dim() != 4 or v_cache.dim() != 4 or not (q.is_cuda or q.is_cpu):
+    q_shape, cache_shape, v_shape = q.shape, k_cache.shape, v_cache.shape
+    if len(q_shape) != 4 or len(cache_shape) != 4 or len(v_shape) != 4 or not (q.is_cuda or q.is_cpu):
         return False
     device, dtype = q.device, q.dtype
-    batch, _, heads, dim = q.shape
-    rows, cache_rows, heads_kv, dim_k = k_cache.shape
-    dim_v = v_cache.shape[3]
+    batch, _, heads, dim = q_shape
+    rows, cache_rows, heads_kv, dim_k = cache_shape
+    dim_v = v_shape[3]
     if (dtype not in DTYPE_NAMES or k_cache.dtype != dtype or v_cache.dtype != dtype or k_cache.device != device
-            or v_cache.device != device or cache_rows < 1 or dim_k != dim or v_cache.shape[:3] != k_cache.shape[:3]
-            or not 1 <= dim <= MAX_HEAD_DIM or not 1 <= dim_v <= MAX_HEAD_DIM or heads_kv < 1 or heads % heads_kv
-            or q.stride(3) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1):
+            or v_cache.device != device or cache_rows < 1 or dim_k != dim or v_shape[0] != rows
+            or v_shape[1] != cache_rows or v_shape[2] != heads_kv or not 1 <= dim <= MAX_HEAD_DIM
+            or not 1 <= dim_v <= MAX_HEAD_DIM or heads_kv < 1 or heads % heads_kv
+            or q.stride()[3] != 1 or k_cache.stride()[3] != 1 or v_cache.stride()[3] != 1):
         return False
     if block_table is None:
         if rows != batch:
@@ -53,12 +55,13 @@ def _plain(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad)
     if cache_leftpad is not None and not (q.is_cuda and _index(cache_leftpad, (batch,), device)):
         return False
     if k is not None:
-        if type(k) is not _Tensor or type(v) is not _Tensor or k.dim() != 4 or v.dim() != 4:
+        if type(k) is not _Tensor or type(v) is not _Tensor:
             return False
-        len_new = k.shape[1]
-        if (len_new < 1 or k.shape != (batch, len_new, heads_kv, dim) or v.shape != (batch, len_new, heads_kv, dim_v)
+        k_shape = k.shape
+        len_new = k_shape[1] if len(k_shape) == 4 else 0
+        if (len_new < 1 or k_shape != (batch, len_new, heads_kv, dim) or v.shape != (batch, len_new, heads_kv, dim_v)
                 or k.dtype != dtype or v.dtype != dtype or k.device != device or v.device != device
-                or k.stride(3) != 1 or v.stride(3) != 1):
+                or k.stride()[3] != 1 or v.stride()[3] != 1):
             return False
     if cache_seqlens is None:
         if k is not None or block_table is not None or cache_leftpad is not None:
