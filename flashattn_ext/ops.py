@@ -20,8 +20,8 @@ Optional features of both ops (keyword arguments; each default is "off"):
   block_table    paged k / v, int32 (batch, pages): k and v are (num_blocks, heads_kv, page_size, dim)
                  pages, and key row j of sequence b is row j % page_size of block
                  block_table[b, j // page_size] (len_k = pages * page_size). CPU blocks of pages
-                 that hold keys must be in [0, num_blocks); CUDA ones are clamped into it. Forward
-                 only.
+                 that hold keys (of a sequence whose key range is in range) must be in
+                 [0, num_blocks); CUDA ones are clamped into it. Forward only.
 flashattn::bwd also takes bias_requires_grad and returns the bias gradient as a fourth tensor.
 
 flashattn::kvcache_append(k_cache, v_cache, k, v, seqlens, batch_idx=None, block_table=None,
