@@ -1,7 +1,7 @@
 """The common decode step of flash_attn_with_kvcache in a few Python steps: one row per sequence in
 a dense cache, or (on CUDA) pages through a block_table and left padding; new keys and values to
-append or none; cache_seqlens an int32 tensor (or None with nothing else); softmax_scale and
-causal; nothing else. Such a call needs only the checks below, which read no tensor value and
+append or none; cache_seqlens an int32 tensor or an int (or None with nothing else);
+softmax_scale and causal; nothing else. Such a call needs only the checks below, which read no tensor value and
 cost a few microseconds, and runs as the C++ kernels of flashattn::kvcache_append (the append,
 and the value rules of pages and left padding) and flashattn::fwd, called directly: an eager step
 costs two op calls of host time. A call these checks do not pass, the invalid ones included,
@@ -66,7 +66,7 @@ def _plain(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad)
     if cache_seqlens is None:
         if k is not None or block_table is not None or cache_leftpad is not None:
             return False
-    elif not _index(cache_seqlens, (batch,), device):
+    elif type(cache_seqlens) is not int and not _index(cache_seqlens, (batch,), device):
         return False
     return not (torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad or (
         k is not None and (k.requires_grad or v.requires_grad))))
@@ -84,9 +84,18 @@ def step(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, s
         scale = float(softmax_scale)
     else:
         return None
+    len_new = 0 if k is None else k.shape[1]
+    if type(cache_seqlens) is int:  # (transformers' decode steps: the whole cache)
+        cache_len = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
+        if not 0 <= cache_seqlens <= cache_len - len_new:
+            return None  # (the general path's error)
+        if cache_seqlens == cache_len and block_table is None and cache_leftpad is None:
+            cache_seqlens = None  # every key of every row: no key ranges
+        else:
+            cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
+    elif q.is_cpu and cache_seqlens is not None:  # the values are on the host: an error, as the general path's
+        raise_on_bad_lengths(cache_seqlens.tolist(), len_new, k_cache.shape[1])
     seqused = cache_seqlens
-    if q.is_cpu and cache_seqlens is not None:  # the values are on the host: an error, as the general path's
-        raise_on_bad_lengths(cache_seqlens.tolist(), 0 if k is None else k.shape[1], k_cache.shape[1])
     if k is not None or block_table is not None or cache_leftpad is not None:
         # The append, or with nothing to append the rules of pages and left padding alone.
         if k is None:
