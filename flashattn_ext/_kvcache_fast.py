@@ -1,14 +1,14 @@
-"""The common decode step of flash_attn_with_kvcache in a few Python steps: one row per sequence in
-a dense cache, or (on CUDA) pages through a block_table and left padding; new keys and values to
-append or none; cache_seqlens an int32 tensor or an int (or None with nothing else);
-softmax_scale and causal; nothing else. Such a call needs only the checks below, which read no tensor value and
-cost a few microseconds, and runs as the C++ kernels of flashattn::kvcache_append (the append,
-and the value rules of pages and left padding) and flashattn::fwd, called directly: an eager step
-costs two op calls of host time. A call these checks do not pass, the invalid ones included,
-returns None here and takes the general path (kvcache._resolve), whose errors are the documented
-ones. Values out of range are the ops' own rules (no write, NaN rows); the CPU, where they are on
-the host, raises on the lengths as the general path does (and leaves pages and left padding to
-that path, whose messages name them)."""
+"""The common decode step of flash_attn_with_kvcache in a few Python steps: one row per sequence
+in a dense cache, or (on CUDA) pages through a block_table and left padding; new keys and values
+to append or none; cache_seqlens an int32 tensor or an int (or None with nothing else);
+softmax_scale and causal; nothing else. Such a call needs only the checks below, which read no
+tensor value and cost a few microseconds, and runs as the C++ kernels of flashattn::kvcache_append
+(the append, and the value rules of pages and left padding) and flashattn::fwd, called directly:
+an eager step costs two op calls of host time. A call these checks do not pass, the invalid ones
+included, returns None here and takes the general path (kvcache._resolve), whose errors are the
+documented ones. Values out of range are the ops' own rules (no write, NaN rows); the CPU, where
+they are on the host, raises on the lengths as the general path does (and leaves pages and left
+padding to that path, whose messages name them)."""
 import math
 
 import torch
