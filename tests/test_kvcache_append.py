@@ -1,9 +1,10 @@
 """flashattn::kvcache_append, the in-place append of a KV-cache step, against a row-by-row copy
 in Python: dense caches, cache_batch_idx rows, pages (a write crossing a page boundary, blocks of
 the pages a sequence reads), left padding, several new rows or none, every dtype's word size;
-sequences whose values allow no step write nothing and get seqused -1; argument errors; opcheck. And the common step of flash_attn_with_kvcache, which calls
-it directly: never resolved through the general path, equal to that path bit for bit, no host
-synchronisation on CUDA, CUDA graph replay."""
+sequences whose values allow no step write nothing and get seqused -1; argument errors; opcheck.
+And the common step of flash_attn_with_kvcache, which calls it directly: never resolved through
+the general path, equal to that path bit for bit, no host synchronisation on CUDA, CUDA graph
+replay."""
 import pytest
 import torch
 
