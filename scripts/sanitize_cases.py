@@ -49,7 +49,7 @@ CASES = [  # (dtype, batch, heads_q, heads_kv, len_q, len_k, head_dim, head_dim_
     (torch.float64, 1, 1, 1, 17, 40, 256, 32, 2),
     (torch.float64, 1, 2, 1, 70, 45, 64, 48, 1),
     (torch.float64, 1, 2, 1, 150, 260, 64, 64, 2),  # fp64 dim 64: 8 warps, several key tiles
-    # The wgmma forward on sm_90 (sm90/fwd_sm90.cuh; run with FLASHATTN_CUDA_KERNELS=wgmma, which
+    # The wgmma forward on sm_90 (sm90/fwd_ws_sm90.cuh; run with FLASHATTN_CUDA_KERNELS=wgmma, which
     # sends these small grids to it): ragged query and key tiles, GQA, both causal alignments. (On sm_90
     # every plain dim-64 / 128 case above runs the wgmma dK/dV kernel, sm90/bwd_sm90.cuh, by default;
     # FLASHATTN_CUDA_KERNELS=sm80 sends them to the sm80/ kernels their comments name.)

@@ -168,10 +168,9 @@ def test_forward_split_last_wave(device, dtype):
 @pytest.mark.parametrize("causal", CAUSAL_MODES, ids=CAUSAL_IDS)
 @pytest.mark.parametrize("len_q,heads_kv,group", [(2100, 20, 1), (2200, 4, 4)], ids=["mha", "gqa"])
 def test_forward_long_key_walks(device, dtype, head_dim, causal, len_q, heads_kv, group):
-    """The calls the wgmma forwards take on sm_90 (the sm80/ kernels elsewhere): non-causal ones at dims
-    64 / 128 (the warp-specialized kernel, fwd_ws_sm90.cuh; these grids of 288-340 blocks persistent,
-    2-3 query tiles per block), causal ones at 128 and both at 256 whose rows see on average 8 or more
-    key tiles (fwd_sm90.cuh). 2100 / 4200 keys: a ragged last key tile. CPU: one kv head, 130 rows."""
+    """The calls the wgmma forward (fwd_ws_sm90.cuh) takes on sm_90 (the sm80/ kernels elsewhere): at
+    dims 64 / 128 / 256, non-causal grids of 288-340 blocks persistent (2-3 query tiles per block),
+    causal ones a block per tile. 2100 / 4200 keys: a ragged last key tile. CPU: one kv head, 130 rows."""
     heads_kv, len_q = (heads_kv, len_q) if device == "cuda" else (1, 130)
     len_k = 4200 if head_dim == 64 else 2100
     q, k, v = make_qkv(1, heads_kv * group, heads_kv, len_q, len_k, head_dim, head_dim, dtype, device)

@@ -37,7 +37,7 @@ FWD_HALF = {
     96: ("sm80_plain/96", "sm80_plain/96", "sm80_plain/96", "sm80_plain/96", "simt/128", "sm80_plain/96"),
     128: ("sm90_wgmma_ws/128", "sm80_plain/128", "sm80_plain/128", "sm80_plain/128", "simt/128", "sm80_plain/128"),
     192: ("sm80_plain/192", "sm80_plain/192", "sm80_plain/192", "sm80_plain/192", "simt/256", "sm80_plain/192"),
-    256: ("sm90_wgmma/256", "sm80_plain/256", "sm80_plain/256", "sm80_plain/256", "simt/256", "sm80_plain/256"),
+    256: ("sm90_wgmma_ws/256", "sm80_plain/256", "sm80_plain/256", "sm80_plain/256", "simt/256", "sm80_plain/256"),
 }
 # The dK/dV step of the backward, same calls.
 BWD_HALF = {
@@ -109,9 +109,11 @@ def test_hopper_forward_by_shape():
     assert plan(64, "sm90", CAUSAL_TOP_LEFT, shape=dict(len_q=4096)) == "sm90_wgmma_ws/64"
     assert plan(64, "sm90", CAUSAL_TOP_LEFT, shape=dict(len_q=2048, len_k=8192)) == "sm80_plain/64"
     assert plan(64, "sm90", CAUSAL_BOTTOM_RIGHT, shape=dict(len_q=2048, len_k=8192)) == "sm90_wgmma_ws/64"
-    # Dim 256: the two-warpgroup kernel from 8 key tiles of 64.
-    assert plan(256, "sm90", shape=dict(len_q=512)) == "sm90_wgmma/256"
+    # Dim 256: from 512 keys per row (mean visible keys under a causal mask).
+    assert plan(256, "sm90", shape=dict(len_q=512)) == "sm90_wgmma_ws/256"
     assert plan(256, "sm90", shape=dict(len_q=256)) == "sm80_plain/256"
+    assert plan(256, "sm90", CAUSAL_TOP_LEFT, shape=dict(len_q=512)) == "sm80_plain/256"  # 256 on average
+    assert plan(256, "sm90", CAUSAL_TOP_LEFT, shape=dict(len_q=1024)) == "sm90_wgmma_ws/256"
 
 
 def test_decode_steps():
@@ -220,7 +222,8 @@ def test_overrides(gpu):
 
 def test_smem_limit_override():
     # A cap takes an H100 down the paths of an A100 (166912) or an RTX card (101376); larger or invalid: none.
-    assert plan(128, "sm90", smem_limit="166912") == "sm90_wgmma/128"  # 193 KB warp-specialized does not fit
+    assert plan(128, "sm90", smem_limit="166912") == "sm80_plain/128"  # the 193 KB Hopper forward does not fit
+    assert plan(64, "sm90", smem_limit="166912") == "sm90_wgmma_ws/64"  # 97 KB
     # The Hopper backward takes 194 KB.
     assert plan(128, "sm90", backward=True, smem_limit="166912") == "sm80_2d/128"
     assert plan(64, "sm90", backward=True, smem_limit="201000") == "sm90_wgmma/64"

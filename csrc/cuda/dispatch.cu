@@ -168,11 +168,10 @@ void fwd_typed(const FwdParams& paged_or_not, cudaStream_t stream) {
   bool launched = false;
   switch (plan.kernel) {
     case FwdKernel::kSm90WgmmaWs:
-    case FwdKernel::kSm90Wgmma:
       if constexpr (sizeof(T) == 2) {
         launched = on_tensor_core_tier<T>(plan.tier, [&](auto tier) {
           constexpr int kTier = decltype(tier)::value;
-          if constexpr (sm90::kFwdWgmmaTier<T, kTier>) return sm90::fwd_wgmma<T, kTier>(p, plan.kernel, stream);
+          if constexpr (sm90::kFwdWgmmaTier<T, kTier>) return sm90::fwd_wgmma<T, kTier>(p, stream);
           return false;
         });
       }

@@ -117,7 +117,6 @@ int64_t mean_visible_keys(const FwdParams& p) {
 template <class Elem, int kDim>
 std::optional<FwdKernel> sm90_fwd(const FwdParams& p, const Limits& lim) {
   using Ws = sm90::FwdWsConfig<Elem, kDim>;
-  using TwoWg = sm90::FwdWgmmaConfig<Elem, kDim>;
   if (!sm90::kFwdWgmmaTier<Elem, kDim> || p.has_features() || p.head_dim != kDim || p.head_dim_v != kDim ||
       !lim.sm90())
     return std::nullopt;
@@ -130,10 +129,6 @@ std::optional<FwdKernel> sm90_fwd(const FwdParams& p, const Limits& lim) {
     const int64_t min_keys = p.causal ? Ws::kMinCausalKeys : Ws::kMinKeys;
     if (Ws::kSmemBytes <= lim.smem && lim.dev.sm90_ws_ready && (forced || (keys >= min_keys && fills_gpu(Ws::kBM))))
       return FwdKernel::kSm90WgmmaWs;
-  }
-  if constexpr (TwoWg::kServed) {
-    if (TwoWg::kSmemBytes <= lim.smem && (forced || (keys >= TwoWg::kMinVisibleKeys && fills_gpu(TwoWg::kBM))))
-      return FwdKernel::kSm90Wgmma;
   }
   return std::nullopt;
 }
@@ -359,7 +354,6 @@ namespace {
 const char* name_of(FwdKernel k) {
   switch (k) {
     case FwdKernel::kSm90WgmmaWs: return "sm90_wgmma_ws";
-    case FwdKernel::kSm90Wgmma: return "sm90_wgmma";
     case FwdKernel::kSm80Decode: return "sm80_decode";
     case FwdKernel::kSm80Plain: return "sm80_plain";
     case FwdKernel::kSm80Features: return "sm80_features";

@@ -48,7 +48,6 @@ const Overrides& env_overrides();
 
 enum class FwdKernel {
   kSm90WgmmaWs,   // sm90/fwd_ws_sm90.cuh: warp-specialized, TMA producer
-  kSm90Wgmma,     // sm90/fwd_sm90.cuh: two warpgroups
   kSm80Decode,    // sm80/fwd_decode.cuh: few query rows per kv head
   kSm80Plain,     // sm80/fwd_sm80.cuh without optional features
   kSm80Features,  // sm80/fwd_sm80.cuh's feature variant (any call)

@@ -30,7 +30,7 @@
 #include "../common/tma.cuh"
 #include "../schedule/causal_order.cuh"
 #include "../schedule/key_tile_rounds.h"
-#include "fwd_sm90.cuh"
+#include "fwd_rows.cuh"
 #include "tile_config.h"
 
 namespace flashattn::cuda::sm90 {

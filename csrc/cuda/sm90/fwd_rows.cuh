@@ -1,5 +1,5 @@
-// A warpgroup's 64 query rows in the wgmma forwards (fwd_sm90.cuh, fwd_ws_sm90.cuh): their O
-// accumulators and online-softmax state, and the steps of the key loop that both kernels run over
+// A warpgroup's 64 query rows in the wgmma forward (fwd_ws_sm90.cuh): their O
+// accumulators and online-softmax state, and the steps of the key loop that it runs over
 // them (S = Q K^T and O += P V as wgmma products, the softmax, P packed for P V, the output).
 // Smem operands are in the panel layout of common/wgmma.cuh.
 // The online softmax is the sm80 forward's (scores scaled before the max; exp2 on the MUFU; the

@@ -1,6 +1,5 @@
-// Hopper forward kernels (wgmma): fp16 and bf16, the warp-specialized one at head dims 64, 128 and 256,
-// the two-warpgroup one at 128 and 256: their launchers, as the kernel plan (../plan.cpp) chose.
-#include "fwd_sm90.cuh"
+// The Hopper forward (wgmma, warp-specialized): fp16 and bf16 at head dims 64, 128 and 256, its launcher
+// as the kernel plan (../plan.cpp) chose, and the plan's question whether it can take a call.
 #include "fwd_ws_sm90.cuh"
 #include "launch.h"
 #include "tma_map.h"
@@ -70,42 +69,26 @@ bool fwd_ws_ready(const FwdParams& p) {
 }
 
 template <class Elem, int kDim>
-bool fwd_wgmma(const FwdParams& p, FwdKernel kernel, cudaStream_t stream) {
-  if constexpr (FwdWsConfig<Elem, kDim>::kServed) {
-    if (kernel == FwdKernel::kSm90WgmmaWs) {
-      using Cfg = FwdWsConfig<Elem, kDim>;
-      FwdPanelMaps maps;
-      if (!encode_ws_maps<Cfg>(p, maps)) return false;
-      const FwdGrid g = fwd_grid<Cfg, fwd_ws_kernel<Elem, kDim>>(p);
-      // Non-causal grids larger than the GPU: persistent, a block per SM slot walking several items.
-      const int64_t slots = int64_t(device_limits().sms) * (g.per_sm > 0 ? g.per_sm : 1);
-      const int64_t grid = !p.causal && g.blocks > slots ? slots : g.blocks;
-      fwd_ws_kernel<Elem, kDim>
-          <<<unsigned(grid), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, maps, g.num_m_tiles, unsigned(g.blocks),
-                                                                      g.order);
-      check_launch("sm90 forward");
-      return true;
-    }
-  }
-  if constexpr (FwdWgmmaConfig<Elem, kDim>::kServed) {
-    if (kernel == FwdKernel::kSm90Wgmma) {
-      using Cfg = FwdWgmmaConfig<Elem, kDim>;
-      const FwdGrid g = fwd_grid<Cfg, fwd_wgmma_kernel<Elem, kDim>>(p);
-      fwd_wgmma_kernel<Elem, kDim>
-          <<<unsigned(g.blocks), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, g.num_m_tiles, g.order);
-      check_launch("sm90 forward");
-      return true;
-    }
-  }
-  return false;
+bool fwd_wgmma(const FwdParams& p, cudaStream_t stream) {
+  using Cfg = FwdWsConfig<Elem, kDim>;
+  FwdPanelMaps maps;
+  if (!encode_ws_maps<Cfg>(p, maps)) return false;
+  const FwdGrid g = fwd_grid<Cfg, fwd_ws_kernel<Elem, kDim>>(p);
+  // Non-causal grids larger than the GPU: persistent, a block per SM slot walking several items.
+  const int64_t slots = int64_t(device_limits().sms) * (g.per_sm > 0 ? g.per_sm : 1);
+  const int64_t grid = !p.causal && g.blocks > slots ? slots : g.blocks;
+  fwd_ws_kernel<Elem, kDim><<<unsigned(grid), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, maps, g.num_m_tiles,
+                                                                                      unsigned(g.blocks), g.order);
+  check_launch("sm90 forward");
+  return true;
 }
 
-template bool fwd_wgmma<__nv_bfloat16, 64>(const FwdParams&, FwdKernel, cudaStream_t);
-template bool fwd_wgmma<__half, 64>(const FwdParams&, FwdKernel, cudaStream_t);
-template bool fwd_wgmma<__nv_bfloat16, 128>(const FwdParams&, FwdKernel, cudaStream_t);
-template bool fwd_wgmma<__half, 128>(const FwdParams&, FwdKernel, cudaStream_t);
-template bool fwd_wgmma<__nv_bfloat16, 256>(const FwdParams&, FwdKernel, cudaStream_t);
-template bool fwd_wgmma<__half, 256>(const FwdParams&, FwdKernel, cudaStream_t);
+template bool fwd_wgmma<__nv_bfloat16, 64>(const FwdParams&, cudaStream_t);
+template bool fwd_wgmma<__half, 64>(const FwdParams&, cudaStream_t);
+template bool fwd_wgmma<__nv_bfloat16, 128>(const FwdParams&, cudaStream_t);
+template bool fwd_wgmma<__half, 128>(const FwdParams&, cudaStream_t);
+template bool fwd_wgmma<__nv_bfloat16, 256>(const FwdParams&, cudaStream_t);
+template bool fwd_wgmma<__half, 256>(const FwdParams&, cudaStream_t);
 template bool fwd_ws_ready<__nv_bfloat16, 64>(const FwdParams&);
 template bool fwd_ws_ready<__half, 64>(const FwdParams&);
 template bool fwd_ws_ready<__nv_bfloat16, 128>(const FwdParams&);

@@ -4,7 +4,7 @@
 // each other at a block barrier: they take turns at issuing their products (two named barriers), so
 // that one's softmax runs while the other's products use the tensor cores (FlashAttention-3's
 // ping-pong), each besides overlapping its own softmax of tile i + 1 with its P V of tile i as
-// fwd_sm90.cuh does. The producer hands registers to the consumers (setmaxnreg): at the 168 per
+// a single warpgroup would. The producer hands registers to the consumers (setmaxnreg): at the 168 per
 // thread that 384 threads get, the consumers' key loop spilled.
 //
 // On non-causal grids larger than the GPU the grid is persistent (fwd_sm90.cu): a block per SM walks
@@ -12,9 +12,12 @@
 // item's Q and first K / V tiles while the consumers finish this one (its last P V and output); a block per item
 // otherwise (causal items differ in length, which fixed shares per block would leave unbalanced).
 #pragma once
+#include <cuda_runtime.h>
+
 #include "../common/barrier.cuh"
 #include "../common/tma.cuh"
-#include "fwd_sm90.cuh"
+#include "fwd_rows.cuh"
+#include "tile_config.h"
 
 namespace flashattn::cuda::sm90 {
 

@@ -11,10 +11,10 @@
 
 namespace flashattn::cuda::sm90 {
 
-// Forward on `kernel` (the plan's kSm90WgmmaWs or kSm90Wgmma) of plain fp16 / bf16 calls with
-// head_dim == head_dim_v == kDim on sm_90.
+// Forward (the plan's kSm90WgmmaWs) of plain fp16 / bf16 calls with head_dim == head_dim_v == kDim on
+// sm_90.
 template <class Elem, int kDim>
-bool fwd_wgmma(const FwdParams& p, FwdKernel kernel, cudaStream_t stream);
+bool fwd_wgmma(const FwdParams& p, cudaStream_t stream);
 // Whether the warp-specialized forward can take the call (the plan's DeviceInfo::sm90_ws_ready): the
 // driver encodes its tensor maps, and its warpgroups' registers fit the loaded kernel's pool.
 template <class Elem, int kDim>

@@ -6,34 +6,9 @@
 
 namespace flashattn::cuda::sm90 {
 
-// The head-dim tiers the wgmma forwards have (fp16 / bf16 at 64 and 128 (warp-specialized), 128 and 256).
+// The head-dim tiers the wgmma forward has (fp16 / bf16 at 64, 128 and 256).
 template <class Elem, int kDim>
 constexpr bool kFwdWgmmaTier = sizeof(Elem) == 2 && (kDim == 64 || kDim == 128 || kDim == 256);
-
-// Measured against it (H100, bf16, forward): one warpgroup per block (64-row query tiles, two
-// blocks per SM) 13-20% slower at every length; at dim 64 this shape, one with 64-key tiles and two
-// blocks per SM (128 registers), and three warpgroups (128- or 64-key tiles) ran 1.5-30% behind the
-// sm80/ kernel (dim 64 takes the warp-specialized kernel, fwd_ws_sm90.cuh); a persistent grid (the
-// next tile's copies under this one's last products) slowed the key loop 8-10% (docs/kernels/sm90_forward.md).
-template <class Elem, int kDim>
-struct FwdWgmmaConfig {
-  static constexpr bool kServed = kFwdWgmmaTier<Elem, kDim> && kDim != 64;  // dim 64: fwd_ws_sm90.cuh
-  static constexpr int kWarpGroups = 2;  // 64 query rows each
-  static constexpr int kThreads = 128 * kWarpGroups;
-  static constexpr int kBM = 64 * kWarpGroups;
-  // Dim 256: 64-key tiles (O takes 128 registers of a thread; S 32).
-  static constexpr int kBN = kDim == 256 ? 64 : 128;
-  static constexpr uint32_t kQBytes = kBM * kDim * 2, kKvBytes = kBN * kDim * 2;
-  // Q, two K and two V stages, and room to align the tiles to 1024 bytes (the swizzle's period):
-  // 161 KB at dim 128, 193 KB at 256: one block per SM.
-  static constexpr size_t kSmemBytes = kQBytes + 4 * size_t(kKvBytes) + 1024;
-  // Taken where rows see on average at least 8 key tiles: with fewer, the walks are too short to hide
-  // a block's first S and last P V (H100, bf16, forward, TFLOP/s wgmma / sm80 kernel; a row sees L keys
-  // non-causal, about L / 2 causal): dim 128 non-causal L = 512 268 / 285, 1024 328 / 329, 2048 397 /
-  // 356; causal L = 1024 257 / 252, 2048 334 / 306; dim 256 (64-key tiles) non-causal L = 512 248 /
-  // 226; causal L = 512 146 / 161, 1024 259 / 208.
-  static constexpr int64_t kMinVisibleKeys = 8 * kBN;
-};
 
 template <class Elem, int kDim>
 struct FwdWsConfig {
@@ -55,16 +30,11 @@ struct FwdWsConfig {
   // An item's last P V issued with the next item's S 0 (fwd_ws_kernel's consumers): at dim 128 the two
   // items' state does not fit in 240 registers (376 B of spills).
   static constexpr bool kCarryAcrossItems = kDim == 64;
-  // Taken (fwd_sm90.cu) where rows see at least kMinKeys keys, on causal grids kMinCausalKeys on
-  // average. H100, bf16, forward TFLOP/s, interleaved rounds (docs/kernels/sm90_forward_ws.md), this
-  // kernel (TMA producer) / what took the call before: non-causal dim 64 L = 512 304 / 286 (sm80/),
-  // 1024 354 / 309, 8192 388 / 359; dim 128 L = 512 454 / 356, 1024 518 / 397, 4096 553 / 434 (the
-  // kernel before TMA). Causal (a block per item) dim 128 L = 512 235 / 205 (fwd_sm90.cuh's kernel),
-  // 1024 351 / 273, 2048 439 / 376, 8192 515 / 418; dim 64 L = 512 150 / 187 (as dispatched before),
-  // 1024 222 / 249, 2048 292 / 295, 4096 345 / 314, 16384 380 / 380 (this kernel from 4096 mean keys
-  // before).
+  // Taken where rows see at least kMinKeys keys, on causal grids kMinCausalKeys on average: below, the
+  // block's first S and last P V, which nothing overlaps, cost more than the products gain against the
+  // sm80/ kernels (measurements: docs/kernels/sm90_forward_ws.md).
   static constexpr int64_t kMinKeys = 512;
-  static constexpr int64_t kMinCausalKeys = kDim == 64 ? 2048 : 0;
+  static constexpr int64_t kMinCausalKeys = kDim == 64 ? 2048 : kDim == 256 ? 512 : 0;
 };
 
 // The warp-specialized dK/dV kernel (bwd_sm90.cuh): 128-key blocks walking 64-row query tiles, a producer
