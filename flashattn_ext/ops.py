@@ -48,11 +48,11 @@ FEATURES = (("attn_bias", None), ("window_left", -1), ("window_right", -1), ("al
             ("softcap", 0.0), ("dropout_p", 0.0), ("rng_state", None), ("cu_seqlens_q", None),
             ("cu_seqlens_k", None), ("max_seqlen_q", 0), ("max_seqlen_k", 0), ("seqused_k", None),
             ("leftpad_k", None), ("block_table", None))
-_FEATURES_OFF = tuple(default for _, default in FEATURES)
+_FEATURE_NAMES = tuple(name for name, _ in FEATURES)
 _N_FIXED_FWD_ARGS = 6  # q, k, v, scale, causal, deterministic
 _BIAS_INDEX = _N_FIXED_FWD_ARGS  # attn_bias is the first feature argument
-# Indices among the features of cu_seqlens_q and of the forward-only seqused_k, leftpad_k, block_table.
-_CU_SEQLENS_Q, _SEQUSED_K = 7, 11
+# The underscored kernels (see the module docstring), looked up once.
+_FWD_KERNEL, _BWD_KERNEL = torch.ops.flashattn._fwd.default, torch.ops.flashattn._bwd.default
 
 
 def _lse_dtype(dtype):
@@ -83,17 +83,17 @@ def _raise(error):
     raise (torch.OutOfMemoryError if kind == "OutOfMemoryError" else RuntimeError)(message)
 
 
-def run_fwd(*args):
+def run_fwd(*args, **features):
     """The C++ forward on CPU/CUDA tensors, its error raised in Python."""
-    out, lse, error = torch.ops.flashattn._fwd.default(*args)
+    out, lse, error = _FWD_KERNEL(*args, **features)
     if error:
         _raise(error)
     return out, lse
 
 
-def run_bwd(*args):
+def run_bwd(*args, **features):
     """The C++ backward on CPU/CUDA tensors, its error raised in Python."""
-    dq, dk, dv, dbias, error = torch.ops.flashattn._bwd.default(*args)
+    dq, dk, dv, dbias, error = _BWD_KERNEL(*args, **features)
     if error:
         _raise(error)
     return dq, dk, dv, dbias
@@ -241,12 +241,26 @@ def _bwd_fake(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, attn_
             _empty_like_layout(v, v.shape[1], v.shape[2], v.shape[3]), dbias)
 
 
-def _save_for_backward(ctx, q, k, v, scale, causal, deterministic, features, out, lse):
-    """What the backward needs; `features` holds every feature argument in schema order."""
-    ctx.tensor_slots = tuple(i for i, x in enumerate(features) if isinstance(x, torch.Tensor))
-    ctx.save_for_backward(q, k, v, out, lse, *(features[i] for i in ctx.tensor_slots))
-    ctx.features = tuple(None if isinstance(x, torch.Tensor) else x for x in features)
-    ctx.scale, ctx.causal, ctx.deterministic = scale, causal, deterministic
+def _run_fwd_call(q, k, v, attn_bias, scale, causal, deterministic, features):
+    """run_fwd of one call; `features`: the feature arguments given besides attn_bias, by name.
+    A call with none passes the op only what it reads (each argument costs the dispatcher time)."""
+    if attn_bias is None and not features:
+        return run_fwd(q, k, v, scale, causal)
+    return run_fwd(q, k, v, scale, causal, deterministic, attn_bias, **features)
+
+
+def _save_for_backward(ctx, q, k, v, attn_bias, scale, causal, deterministic, features, out, lse):
+    """What the backward needs; `features` as in _run_fwd_call. Only the features given are
+    walked (none for a plain call)."""
+    if attn_bias is None and not features:
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.features = None
+    else:
+        given = dict(features, attn_bias=attn_bias)
+        ctx.tensor_names = tuple(name for name, x in given.items() if isinstance(x, torch.Tensor))
+        ctx.save_for_backward(q, k, v, out, lse, *(given[name] for name in ctx.tensor_names))
+        ctx.features = {name: x for name, x in given.items() if not isinstance(x, torch.Tensor)}
+    ctx.call = (scale, causal, deterministic)
     ctx.set_materialize_grads(False)
 
 
@@ -254,10 +268,10 @@ def _fwd_setup_context(ctx, inputs, output):
     # `inputs` holds the arguments as the caller passed them (trailing defaults left out).
     q, k, v, scale, causal = inputs[:5]
     deterministic = inputs[5] if len(inputs) > 5 else False
-    given = tuple(inputs[_N_FIXED_FWD_ARGS:])
+    features = dict(zip(_FEATURE_NAMES, inputs[_N_FIXED_FWD_ARGS:]))
     ctx.n_inputs = len(inputs)
-    _save_for_backward(ctx, q, k, v, scale, causal, deterministic,
-                       given + tuple(default for _, default in FEATURES[len(given):]), *output)
+    _save_for_backward(ctx, q, k, v, features.pop("attn_bias", None), scale, causal, deterministic, features,
+                       *output)
 
 
 def _last_dim_contiguous(t):
@@ -269,21 +283,31 @@ def _last_dim_contiguous(t):
 def _gradients(ctx, dout, dlse, bias_needs_grad):
     """dq, dk, dv and the bias gradient (None unless a float bias needs it)."""
     q, k, v, out, lse, *tensors = ctx.saved_tensors
-    features = list(ctx.features)
-    for i, t in zip(ctx.tensor_slots, tensors):
-        features[i] = t
-    refuse_forward_only_in_backward(*features[_SEQUSED_K:_SEQUSED_K + 3])
-    bias = features[0]  # attn_bias
+    scale, causal, deterministic = ctx.call
+    features = {}
+    if ctx.features is not None:
+        features = dict(ctx.features)
+        features.update(zip(ctx.tensor_names, tensors))
+        refuse_forward_only_in_backward(features.get("seqused_k"), features.get("leftpad_k"),
+                                        features.get("block_table"))
+    bias = features.get("attn_bias")
     bias_grad = bias is not None and bias.is_floating_point() and bias_needs_grad
-    if dout is None:
-        dout = torch.zeros_like(out)
+    dout = torch.zeros_like(out) if dout is None else _last_dim_contiguous(dout)
     if dlse is not None:
         dlse = dlse.contiguous()
-    bwd_op = (run_bwd if not torch.is_grad_enabled() else _BwdRecorded.apply) if _eager(q) else \
-        torch.ops.flashattn.bwd.default
-    dq, dk, dv, dbias = bwd_op(
-        _last_dim_contiguous(dout), q, k, v, out, lse, dlse, ctx.scale, ctx.causal,
-        ctx.deterministic or torch.are_deterministic_algorithms_enabled(), *features, bias_grad)
+    deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
+    if not _eager(q):
+        dq, dk, dv, dbias = torch.ops.flashattn.bwd.default(dout, q, k, v, out, lse, dlse, scale, causal,
+                                                           deterministic, **features, bias_requires_grad=bias_grad)
+    elif torch.is_grad_enabled():  # recorded (create_graph=True): positional, as autograd.Function takes them
+        dq, dk, dv, dbias = _BwdRecorded.apply(dout, q, k, v, out, lse, dlse, scale, causal, deterministic,
+                                               *(features.get(name, default) for name, default in FEATURES),
+                                               bias_grad)
+    elif ctx.features is None:
+        dq, dk, dv, dbias = run_bwd(dout, q, k, v, out, lse, dlse, scale, causal, deterministic)
+    else:
+        dq, dk, dv, dbias = run_bwd(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, **features,
+                                    bias_requires_grad=bias_grad)
     if not bias_grad:
         return dq, dk, dv, None
     # Summed where the bias broadcast, in the accumulation dtype, before rounding to the bias's dtype.
@@ -343,13 +367,12 @@ class _FwdWithGradForTransforms(torch.autograd.Function):
 
     @staticmethod
     def forward(q, k, v, attn_bias, rest):
-        scale, causal, deterministic, *others = rest
-        return run_fwd(q, k, v, scale, causal, deterministic, attn_bias, *others)
+        return _run_fwd_call(q, k, v, attn_bias, *rest)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, attn_bias, (scale, causal, deterministic, *others) = inputs
-        _save_for_backward(ctx, q, k, v, scale, causal, deterministic, (attn_bias, *others), *output)
+        q, k, v, attn_bias, rest = inputs
+        _save_for_backward(ctx, q, k, v, attn_bias, *rest, *output)
 
     @staticmethod
     def backward(ctx, dout, dlse):  # gradients of q, k, v, attn_bias (apply's index 3); none for rest
@@ -358,37 +381,48 @@ class _FwdWithGradForTransforms(torch.autograd.Function):
 
 class _FwdWithGrad(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, *inputs):
-        output = _FwdWithGradForTransforms.forward(*inputs)
-        _FwdWithGradForTransforms.setup_context(ctx, inputs, output)
+    def forward(ctx, q, k, v, attn_bias, scale, causal, deterministic, features):
+        output = _run_fwd_call(q, k, v, attn_bias, scale, causal, deterministic, features)
+        _save_for_backward(ctx, q, k, v, attn_bias, scale, causal, deterministic, features, *output)
         return output
 
-    backward = _FwdWithGradForTransforms.backward
+    @staticmethod
+    def backward(ctx, dout, dlse):  # gradients of q, k, v, attn_bias; none for the rest
+        return *_gradients(ctx, dout, dlse, ctx.needs_input_grad[3]), None, None, None, None
 
 
 _transforms_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: True)
+# autograd.Function.apply outside torch.func transforms, without its per-call Python: the C++
+# apply it ends in, after unwrapping tensors left over from an exited transform as it does.
+_apply_fwd_with_grad = super(torch.autograd.Function, _FwdWithGrad).apply
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 
 
 def fwd(q, k, v, scale, causal, deterministic=False, **features):
     """flashattn::fwd, differentiable; `features` as the op names them. Where autograd records
     the call (outside torch.compile, which traces the op's registered formula), through
     _FwdWithGrad."""
-    values = tuple(features.pop(name, default) for name, default in FEATURES) if features else _FEATURES_OFF
+    bias = None
     if features:
-        raise TypeError(f"flashattn_ext: unknown feature arguments {sorted(features)}")
-    bias = values[0]
+        unknown = features.keys() - _FEATURE_NAMES
+        if unknown:
+            raise TypeError(f"flashattn_ext: unknown feature arguments {sorted(unknown)}")
+        bias = features.pop("attn_bias", None)
     if _any_autocast():
         q, k, v, bias = autocast_inputs(q.device.type, q, k, v, bias)
-        values = (bias,) + values[1:]
     if not _eager(q):
-        return torch.ops.flashattn.fwd.default(q, k, v, scale, causal, deterministic, *values)
-    if values[_CU_SEQLENS_Q] is not None:  # CUDA offsets are checked in Python (see _fwd_kernel)
-        _check_cu_seqlens_on_device(q, k, *values[_CU_SEQLENS_Q:_CU_SEQLENS_Q + 4])
+        return torch.ops.flashattn.fwd.default(q, k, v, scale, causal, deterministic, bias, **features)
+    if features.get("cu_seqlens_q") is not None:  # CUDA offsets are checked in Python (see _fwd_kernel)
+        _check_cu_seqlens_on_device(q, k, features["cu_seqlens_q"], features.get("cu_seqlens_k"),
+                                    features.get("max_seqlen_q", 0), features.get("max_seqlen_k", 0))
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (
             bias is not None and bias.requires_grad)):
-        function = _FwdWithGradForTransforms if _transforms_active() else _FwdWithGrad
-        return function.apply(q, k, v, bias, (scale, causal, deterministic) + values[1:])
-    return run_fwd(q, k, v, scale, causal, deterministic, *values)
+        if _transforms_active():
+            return _FwdWithGradForTransforms.apply(q, k, v, bias, (scale, causal, deterministic, features))
+        return _apply_fwd_with_grad(_unwrap_if_dead(q), _unwrap_if_dead(k), _unwrap_if_dead(v),
+                                    bias if bias is None else _unwrap_if_dead(bias), scale, causal, deterministic,
+                                    features)
+    return _run_fwd_call(q, k, v, bias, scale, causal, deterministic, features)
 
 
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
