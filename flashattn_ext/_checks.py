@@ -264,3 +264,37 @@ def check_features(q, k, causal, attn_bias=None, window_left=-1, window_right=-1
             raise RuntimeError(f"flashattn: argument 'rng_state' must be a contiguous int64 tensor [seed, offset] on "
                                f"the CPU or on q's device, got shape {_shape(r)} and dtype {_dtype_name(r.dtype)} "
                                f"on {r.device}")
+
+
+# Signatures (call_signature) of calls whose argument checks all passed: a public function
+# repeating one skips its checks, ~10 us of Python per call (a 2-core CPU), longer than the
+# kernels of a small call. Bounded: emptied when full.
+_PASSED = set()
+_PASSED_MAX = 4096
+
+
+def call_signature(q, k, v, *flags):
+    """Everything the value-independent checks of a call read of q, k and v (shapes, strides,
+    dtypes, devices) with the call's other arguments that they read (`flags`, hashable); None
+    where they may read more: a traced call, a tensor subclass, a layout without strides."""
+    if torch.compiler.is_compiling() or not (type(q) is torch.Tensor and type(k) is torch.Tensor
+                                             and type(v) is torch.Tensor):
+        return None
+    if q.layout != torch.strided or k.layout != torch.strided or v.layout != torch.strided:
+        return None
+    return (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device, v.shape, v.stride(),
+            v.dtype, v.device, flags)
+
+
+def passed_before(signature):
+    """Whether a call of this signature passed every check before (None: never)."""
+    return signature in _PASSED
+
+
+def remember_passed(signature):
+    """Records that a call of this signature passed every check (None: not recorded)."""
+    if signature is None:
+        return
+    if len(_PASSED) >= _PASSED_MAX:
+        _PASSED.clear()
+    _PASSED.add(signature)

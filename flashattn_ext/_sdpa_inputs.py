@@ -30,7 +30,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     is a nested tensor like query, differentiable."""
     if getattr(query, "is_nested", False) or getattr(key, "is_nested", False) or getattr(value, "is_nested", False):
         return nested_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    if is_causal_bias(attn_mask):
+    if attn_mask is not None and is_causal_bias(attn_mask):
         return _causal_bias_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     return functional.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                                    enable_gqa)

@@ -5,7 +5,7 @@ import operator
 
 import torch
 
-from ._checks import check_features, check_fwd_args, check_layout
+from ._checks import call_signature, check_features, check_fwd_args, check_layout, passed_before, remember_passed
 from .ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, CAUSAL_TOP_LEFT, fwd, new_rng_state
 
 
@@ -42,11 +42,26 @@ def _window(window_size):
     return tuple(-1 if w >= _UNBOUNDED_WINDOW else w for w in (left, right))
 
 
+def default_scale(head_dim):
+    return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
+
+
+def _is_zero(x):
+    """x is a plain number equal to 0: an option left off (anything else goes through _real)."""
+    return type(x) in (float, int) and x == 0
+
+
+def _plain_options(scale, dropout_p, softcap=0.0):
+    """No option but the causal flag, and a scale that needs no conversion: a call the public
+    functions may take straight to the op once its signature passed the checks."""
+    return (scale is None or type(scale) is float) and _is_zero(dropout_p) and _is_zero(softcap)
+
+
 def _attention(q, k, v, scale, causal, deterministic, attn_bias=None, window_size=(-1, -1), alibi_slopes=None,
                softcap=0.0, dropout_p=0.0, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
                layout="bhld", scale_name="scale"):
     if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] > 0 else 1.0
+        scale = default_scale(q.shape[-1])
     else:
         scale = _real(scale, scale_name)
     if (attn_bias is None and alibi_slopes is None and cu_seqlens_q is None and cu_seqlens_k is None and not softcap
@@ -122,6 +137,13 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     probabilities (seeded from torch's generator). Key/value heads may divide the query heads
     when enable_gqa=True. The value head dim may differ from the query's. A row with no key
     to attend to gives 0."""
+    causal = CAUSAL_TOP_LEFT if is_causal else CAUSAL_NONE
+    signature = None
+    if attn_mask is None and _plain_options(scale, dropout_p):
+        signature = call_signature(query, key, value, "sdpa", causal, not enable_gqa)
+        if passed_before(signature):  # 4-D tensors that passed before (remembered below)
+            return fwd(query, key, value, default_scale(query.shape[-1]) if scale is None else scale, causal)[0]
+
     def at_least_3d(name, t):
         if t.dim() < 3:
             raise ValueError(f"flashattn_ext: {name} must have at least 3 dimensions (..., heads, seq_len, "
@@ -146,10 +168,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
     if attn_mask is not None:
         attn_mask = to_4d(_sdpa_mask(attn_mask, tuple(lead) + (hq, query.shape[-2], key.shape[-2]), query.dtype))
-    out, _ = _attention(to_4d(query), to_4d(key), to_4d(value), scale,
-                        CAUSAL_TOP_LEFT if is_causal else CAUSAL_NONE, False, attn_bias=attn_mask,
+    out, _ = _attention(to_4d(query), to_4d(key), to_4d(value), scale, causal, False, attn_bias=attn_mask,
                         dropout_p=dropout_p)
-    return out.reshape(tuple(lead) + tuple(out.shape[1:])) if query.dim() != 4 else out
+    if query.dim() != 4:
+        return out.reshape(tuple(lead) + tuple(out.shape[1:]))
+    remember_passed(signature)
+    return out
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -164,16 +188,28 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     probabilities (seeded from torch's generator). Returns out (batch, seq_len_q, heads,
     head_dim_v), and with return_lse=True also the row log-sum-exp (batch, heads, seq_len_q)
     of the scores the softmax took, in float32 (float64 for float64 inputs)."""
+    causal = CAUSAL_BOTTOM_RIGHT if causal else CAUSAL_NONE
+    signature = None
+    if (alibi_slopes is None and _plain_options(softmax_scale, dropout_p, softcap) and type(window_size) is tuple
+            and window_size == (-1, -1)):
+        signature = call_signature(q, k, v, "flash", causal)
+        if passed_before(signature):
+            out, lse = fwd(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                           default_scale(q.shape[-1]) if softmax_scale is None else softmax_scale, causal,
+                           bool(deterministic))
+            out = out.transpose(1, 2)
+            return (out, lse) if return_lse else out
+
     def four_d(name, t):
         if t.dim() != 4:
             raise ValueError(f"flashattn_ext: {name} must have 4 dimensions (batch, seq_len, heads, head_dim), "
                              f"got shape {tuple(t.shape)}")
 
     _check_tensors((("q", q), ("k", k), ("v", v)), four_d)
-    out, lse = _attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale,
-                          CAUSAL_BOTTOM_RIGHT if causal else CAUSAL_NONE, bool(deterministic),
-                          window_size=window_size, alibi_slopes=alibi_slopes, softcap=softcap,
+    out, lse = _attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale, causal,
+                          bool(deterministic), window_size=window_size, alibi_slopes=alibi_slopes, softcap=softcap,
                           dropout_p=dropout_p, layout="blhd", scale_name="softmax_scale")
+    remember_passed(signature)
     out = out.transpose(1, 2)
     return (out, lse) if return_lse else out
 
