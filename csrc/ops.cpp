@@ -1,10 +1,10 @@
 // The two attention ops, flashattn::fwd and flashattn::bwd: schemas, argument checks,
 // allocation, Params fill and dispatch by device. The only file that knows torch types.
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
 #ifdef FLASHATTN_WITH_CUDA
-#include <torch/csrc/inductor/aoti_torch/c/shim.h>
 #include <torch/csrc/stable/accelerator.h>
 #endif
 
@@ -190,22 +190,42 @@ std::string shape_str(const std::vector<int64_t>& shape) {
   return s + "]";
 }
 
-// torch::stable::empty on like's device, its failure (the only cause once the arguments are
-// checked: no memory left) returned as an OutOfMemoryError naming what was being allocated.
-Error allocate(const std::vector<int64_t>& shape, ScalarType dtype, const Tensor& like, const char* what, Tensor& t) {
-  std::array<StableIValue, 6> stack{
-      torch::stable::detail::from(torch::headeronly::IntHeaderOnlyArrayRef(shape)),
-      torch::stable::detail::from(std::optional<ScalarType>(dtype)),
-      torch::stable::detail::from(std::nullopt),
-      torch::stable::detail::from(std::optional<torch::stable::Device>(like.device())),
-      torch::stable::detail::from(std::nullopt),
-      torch::stable::detail::from(std::nullopt)};
-  if (torch_call_dispatcher("aten::empty", "memory_format", stack.data(), TORCH_ABI_VERSION) != AOTI_TORCH_SUCCESS) {
+// Row-major strides of a new tensor of `shape`, as torch gives them (a dimension of size 0 counts as 1).
+std::vector<int64_t> contiguous_strides(const std::vector<int64_t>& shape) {
+  std::vector<int64_t> strides(shape.size());
+  int64_t stride = 1;
+  for (size_t d = shape.size(); d-- > 0;) {
+    strides[d] = stride;
+    stride *= std::max<int64_t>(shape[d], 1);
+  }
+  return strides;
+}
+
+// A new tensor of `shape` and `strides` on like's device, from the C shim's empty_strided: no
+// lookup of the op by name and no boxed call (torch_call_dispatcher("aten::empty") cost the host
+// more than the allocation, on every output of every call). Its failure (the only cause once the
+// arguments are checked: no memory left) is returned as an OutOfMemoryError naming what was being
+// allocated.
+Error allocate_strided(const std::vector<int64_t>& shape, const std::vector<int64_t>& strides, ScalarType dtype,
+                       const Tensor& like, const char* what, Tensor& t) {
+  int32_t device_type = 0, device_index = 0;
+  AtenTensorHandle handle = nullptr;
+  const bool ok =
+      aoti_torch_get_device_type(like.get(), &device_type) == AOTI_TORCH_SUCCESS &&
+      aoti_torch_get_device_index(like.get(), &device_index) == AOTI_TORCH_SUCCESS &&
+      aoti_torch_empty_strided(int64_t(shape.size()), shape.data(), strides.data(),
+                               torch::stable::detail::to<int32_t>(torch::stable::detail::from(dtype)), device_type,
+                               device_index, &handle) == AOTI_TORCH_SUCCESS;
+  if (!ok) {
     return error_of("OutOfMemoryError", "flashattn: out of memory allocating ", what, " of shape ", shape_str(shape),
                     " on ", device_str(like));
   }
-  t = torch::stable::detail::to<Tensor>(stack[0]);
+  t = Tensor(handle);
   return {};
+}
+
+Error allocate(const std::vector<int64_t>& shape, ScalarType dtype, const Tensor& like, const char* what, Tensor& t) {
+  return allocate_strided(shape, contiguous_strides(shape), dtype, like, what, t);
 }
 
 // New (batch, heads, len, dim) tensor laid out in memory like `like`: (batch, len, heads, dim)
@@ -213,12 +233,15 @@ Error allocate(const std::vector<int64_t>& shape, ScalarType dtype, const Tensor
 // The fake kernels in flashattn_ext/ops.py follow the same rule.
 Error empty_like_layout(const Tensor& like, int64_t heads, int64_t len, int64_t dim, ScalarType dtype,
                         const char* what, Tensor& t) {
-  bool heads_inner = like.size(1) > 1 && like.size(2) > 1 && like.stride(1) < like.stride(2);
-  std::vector<int64_t> shape = heads_inner ? std::vector<int64_t>{like.size(0), len, heads, dim}
-                                           : std::vector<int64_t>{like.size(0), heads, len, dim};
-  FA_TRY(allocate(shape, dtype, like, what, t));
-  if (heads_inner) t = torch::stable::transpose(t, 1, 2);
-  return {};
+  const bool heads_inner = like.size(1) > 1 && like.size(2) > 1 && like.stride(1) < like.stride(2);
+  std::vector<int64_t> strides;
+  if (heads_inner) {
+    const std::vector<int64_t> stored = contiguous_strides({like.size(0), len, heads, dim});
+    strides = {stored[0], stored[2], stored[1], stored[3]};
+  } else {
+    strides = contiguous_strides({like.size(0), heads, len, dim});
+  }
+  return allocate_strided({like.size(0), heads, len, dim}, strides, dtype, like, what, t);
 }
 
 Error fill_common(FwdParams& p, const Tensor& q, const Tensor& k, const Tensor& v, const Dims& d, double scale,
@@ -596,7 +619,7 @@ Error bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, std
   FA_TRY(empty_like_layout(v, d.heads_kv, d.len_k, d.head_dim_v, q.scalar_type(), "dv", dv));
   FA_TRY(allocate({bias_requires_grad ? d.batch : 0, d.heads_q, d.len_q, d.len_k}, lse_type(q.scalar_type()), q,
                   "the attn_bias gradient", dbias));
-  torch::stable::zero_(dbias);  // the backend writes only the scores it visits
+  if (bias_requires_grad) torch::stable::zero_(dbias);  // the backend writes only the scores it visits
   if (d.batch * d.heads_q * d.len_q * d.len_k == 0) {  // nothing attends to anything
     torch::stable::zero_(dq);
     torch::stable::zero_(dk);

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <map>
 #include <string>
 #include <utility>
 
@@ -96,8 +97,16 @@ int blocks_per_sm(Kernel kernel, int threads, size_t smem) {
   return blocks;
 }
 
+// The dynamic shared memory this thread has opted `kernel` into on `device` (0: none yet).
+inline size_t& smem_opted_in(const void* kernel, int device) {
+  thread_local std::map<std::pair<const void*, int>, size_t> opted;  // per thread: no locking, no races
+  return opted[{kernel, device}];
+}
+
 // Opt a kernel into more than 48 KB of dynamic shared memory; false (a clear failure recorded)
-// when the device cannot provide it.
+// when the device cannot provide it. The attribute stays with the kernel on the device, so it is
+// set once per kernel, device and thread, and again only for more bytes: cudaFuncSetAttribute
+// costs host time on every call otherwise.
 template <class Kernel>
 bool set_smem(Kernel kernel, size_t bytes, const char* name) {
   if (bytes <= 48 * 1024) return true;
@@ -107,8 +116,13 @@ bool set_smem(Kernel kernel, size_t bytes, const char* name) {
          std::to_string(lim.device) + " allows " + std::to_string(lim.smem_optin));
     return false;
   }
-  return check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)),
-                    (std::string("cudaFuncSetAttribute(") + name + ")").c_str());
+  size_t& opted = smem_opted_in(reinterpret_cast<const void*>(kernel), lim.device);
+  if (bytes <= opted) return true;
+  if (!check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)),
+                  (std::string("cudaFuncSetAttribute(") + name + ")").c_str()))
+    return false;
+  opted = bytes;
+  return true;
 }
 
 // blocks_per_sm of kernel `kKernel`, its smem limit set first (set_smem), asked once per device and
