@@ -276,14 +276,18 @@ _PASSED_MAX = 4096
 def call_signature(q, k, v, *flags):
     """Everything the value-independent checks of a call read of q, k and v (shapes, strides,
     dtypes, devices) with the call's other arguments that they read (`flags`, hashable); None
-    where they may read more: a traced call, a tensor subclass, a layout without strides."""
-    if torch.compiler.is_compiling() or not (type(q) is torch.Tensor and type(k) is torch.Tensor
-                                             and type(v) is torch.Tensor):
+    where they may read more: a traced call, one inside a torch.func transform (its tensors
+    wrap others), a tensor subclass, a layout without strides."""
+    if torch.compiler.is_compiling() or _transforms_active() or not (
+            type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor):
         return None
     if q.layout != torch.strided or k.layout != torch.strided or v.layout != torch.strided:
         return None
     return (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device, v.shape, v.stride(),
             v.dtype, v.device, flags)
+
+
+_transforms_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: True)
 
 
 def passed_before(signature):

@@ -1,0 +1,169 @@
+"""The lean host path of small calls: a public call whose signature (shapes, strides, dtypes,
+devices and flags of q, k, v) passed every check before skips the checks and goes straight to
+the op; the autograd Function of a call without features saves and passes only q, k, v, out and
+lse; outputs are allocated with the fake kernels' strides. Each must give what the full path
+gives, bit for bit, and must never let a bad call through."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import flashattn_ext
+from flashattn_ext import _checks
+from reference import TOP_LEFT
+
+
+@pytest.fixture(autouse=True)
+def _no_signatures_remembered():
+    _checks._PASSED.clear()
+    yield
+    _checks._PASSED.clear()
+
+
+def _leaves(*shapes, device, dtype=torch.float64):
+    return [torch.randn(s, dtype=dtype, device=device, requires_grad=True) for s in shapes]
+
+
+def _out_and_grads(fn, inputs, dout):
+    out = fn(*inputs)
+    return (out, *torch.autograd.grad(out, inputs, dout))
+
+
+SDPA_CALLS = {
+    "plain": dict(),
+    "causal": dict(is_causal=True),
+    "scale": dict(scale=0.3, is_causal=True),
+    "gqa": dict(enable_gqa=True),
+}
+
+
+@pytest.mark.parametrize("call", SDPA_CALLS)
+def test_sdpa_repeated_call_equals_first(device, call):
+    """The first call takes the full path and remembers its signature; the second takes the
+    short one: same output and gradients, bit for bit, and as torch's SDPA."""
+    kw = SDPA_CALLS[call]
+    hk = 1 if kw.get("enable_gqa") else 4
+    q, k, v = _leaves((2, 4, 9, 16), (2, hk, 13, 16), (2, hk, 13, 8), device=device)
+    dout = torch.randn(2, 4, 9, 8, dtype=torch.float64, device=device)
+    fn = lambda *t: flashattn_ext.scaled_dot_product_attention(*t, **kw)  # noqa: E731
+    first = _out_and_grads(fn, (q, k, v), dout)
+    assert len(_checks._PASSED) == 1
+    second = _out_and_grads(fn, (q, k, v), dout)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+    expected = _out_and_grads(lambda *t: F.scaled_dot_product_attention(*t, **kw), (q, k, v), dout)
+    for a, e in zip(first, expected):
+        torch.testing.assert_close(a, e, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_attn_func_repeated_call_equals_first(device, causal):
+    q, k, v = _leaves((2, 9, 4, 16), (2, 13, 2, 16), (2, 13, 2, 8), device=device)
+    dout = torch.randn(2, 9, 4, 8, dtype=torch.float64, device=device)
+    results = []
+    for _ in range(2):
+        out, lse = flashattn_ext.flash_attn_func(q, k, v, softmax_scale=0.25, causal=causal, deterministic=True,
+                                                 return_lse=True)
+        results.append((out, lse, *torch.autograd.grad(out, (q, k, v), dout)))
+    assert len(_checks._PASSED) == 1
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def _count_checks(monkeypatch):
+    calls = []
+    check = flashattn_ext.functional.check_fwd_args
+    monkeypatch.setattr(flashattn_ext.functional, "check_fwd_args",
+                        lambda *args, **kw: calls.append(1) or check(*args, **kw))
+    return calls
+
+
+def test_repeated_call_skips_the_checks(device, monkeypatch):
+    calls = _count_checks(monkeypatch)
+    q = torch.randn(1, 2, 8, 16, device=device)
+    for n in range(3):
+        flashattn_ext.scaled_dot_product_attention(q, q, q, is_causal=True)
+        flashattn_ext.flash_attn_func(q, q, q)
+        assert len(calls) == 2  # each entry point checked its first call only
+    flashattn_ext.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(8, 8, dtype=torch.bool, device=device))
+    assert len(calls) == 3  # a call with a mask is checked every time
+
+
+def test_signature_of_each_entry_point_and_flag_apart(device, monkeypatch):
+    """A flag the checks read (enable_gqa) and the entry point are part of the signature: a
+    grouped-query call that passed does not let the same tensors through without enable_gqa,
+    and tensors that passed SDPA's checks are checked again by flash_attn_func."""
+    q = torch.randn(1, 4, 8, 16, dtype=torch.float64, device=device)
+    kv = torch.randn(1, 2, 8, 16, dtype=torch.float64, device=device)
+    flashattn_ext.scaled_dot_product_attention(q, kv, kv, enable_gqa=True)
+    flashattn_ext.scaled_dot_product_attention(q, kv, kv, enable_gqa=True)
+    with pytest.raises(ValueError, match="enable_gqa=True"):
+        flashattn_ext.scaled_dot_product_attention(q, kv, kv)
+    calls = _count_checks(monkeypatch)
+    # As flash_attn_func's (batch, len, heads, dim): 6 heads of q against 8 of k.
+    q6, k8 = (torch.randn(1, 4, n, 16, dtype=torch.float64, device=device) for n in (6, 8))
+    flashattn_ext.scaled_dot_product_attention(q6, k8, k8)
+    flashattn_ext.scaled_dot_product_attention(q6, k8, k8)
+    assert len(calls) == 1
+    with pytest.raises(RuntimeError, match="multiple of the number of key/value heads"):
+        flashattn_ext.flash_attn_func(q6, k8, k8)
+    assert len(calls) == 2
+
+
+def test_failed_call_is_not_remembered(device):
+    """A call that failed a check fails again the same way (nothing remembered), and a bad call
+    of another signature after a good one is checked."""
+    q = torch.randn(1, 2, 8, 300, device=device)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="head_dim of q and k must be between 1 and 256"):
+            flashattn_ext.scaled_dot_product_attention(q, q, q)
+    assert not _checks._PASSED
+    good = torch.randn(1, 2, 8, 16, device=device)
+    flashattn_ext.scaled_dot_product_attention(good, good, good)
+    flashattn_ext.scaled_dot_product_attention(good, good, good)
+    with pytest.raises(RuntimeError, match="dtype"):
+        flashattn_ext.scaled_dot_product_attention(good, good.double(), good)
+    strided = torch.randn(1, 2, 8, 32, device=device)[..., ::2]  # same shape, last dimension strided
+    with pytest.raises(RuntimeError, match="contiguous last dimension"):
+        flashattn_ext.scaled_dot_product_attention(good, strided, good)
+
+
+def test_no_signature_for_what_the_checks_cannot_summarize(device):
+    t = torch.randn(1, 2, 4, 8, device=device)
+    assert _checks.call_signature(t, t, t) is not None
+    assert _checks.call_signature(t, t.to_sparse(), t) is None  # no strides
+    assert _checks.call_signature(t, torch.nn.Parameter(t), t) is None  # a tensor subclass
+    assert _checks.call_signature(t, t, [1]) is None
+    seen = []
+    torch.func.grad(lambda x: seen.append(_checks.call_signature(x, t, t)) or x.sum())(t)
+    assert seen == [None]  # inside a torch.func transform
+
+
+def test_remembered_signatures_are_bounded(device, monkeypatch):
+    monkeypatch.setattr(_checks, "_PASSED_MAX", 3)
+    for n in range(1, 8):
+        t = torch.randn(1, 1, n, 8, device=device)
+        flashattn_ext.scaled_dot_product_attention(t, t, t)
+        assert 1 <= len(_checks._PASSED) <= 3
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 5, 8), (0, 3, 5, 8), (2, 3, 0, 8), (1, 1, 1, 8)],
+                         ids=["plain", "no_batch", "no_rows", "one_row"])
+@pytest.mark.parametrize("layout", ["bhld", "blhd"])
+def test_outputs_have_the_fake_kernels_strides(device, shape, layout):
+    """The ops allocate out, lse, dq, dk and dv with the strides their fake kernels give
+    (torch.compile plans with those), empty shapes included."""
+    def make():
+        t = torch.randn(shape, device=device)
+        if layout == "blhd":
+            t = torch.randn(shape[0], shape[2], shape[1], shape[3], device=device).transpose(1, 2)
+        return t
+
+    q, k, v = make(), make(), make()
+    out, lse = torch.ops.flashattn.fwd(q, k, v, 0.5, TOP_LEFT)
+    grads = torch.ops.flashattn.bwd(torch.ones_like(out), q, k, v, out, lse, None, 0.5, TOP_LEFT, False)
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        fq, fk, fv = (mode.from_tensor(t) for t in (q, k, v))
+        fout, flse = torch.ops.flashattn.fwd(fq, fk, fv, 0.5, TOP_LEFT)
+        fgrads = torch.ops.flashattn.bwd(torch.ones_like(fout), fq, fk, fv, fout, flse, None, 0.5, TOP_LEFT, False)
+    for real, fake in zip((out, lse, *grads), (fout, flse, *fgrads)):
+        assert (real.shape, real.stride(), real.dtype) == (fake.shape, fake.stride(), fake.dtype)
