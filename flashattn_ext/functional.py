@@ -69,7 +69,11 @@ def _attention(q, k, v, scale, causal, deterministic, attn_bias=None, window_siz
         # No optional feature: the op with its defaults, and only the checks that can fail then (the
         # feature checks pass on defaults). Passing on the eleven feature keywords and checking them
         # cost 8-10 us per call (2-core CPU, bench_overhead.py: forward under no_grad 69 -> 60 us).
-        check_fwd_args(q, k, v, causal, layout)
+        # Those checks run once per signature (the other entry points: attention(), the modules).
+        signature = call_signature(q, k, v, "attention", causal)
+        if not passed_before(signature):
+            check_fwd_args(q, k, v, causal, layout)
+            remember_passed(signature)
         return fwd(q, k, v, scale, causal, deterministic)
     dropout_p = _real(dropout_p, "dropout_p", " in [0, 1)")
     softcap = _real(softcap, "softcap", " >= 0 (0 = off)")

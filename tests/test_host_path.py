@@ -36,18 +36,27 @@ SDPA_CALLS = {
 }
 
 
+def _count_checks(monkeypatch):
+    calls = []
+    check = flashattn_ext.functional.check_fwd_args
+    monkeypatch.setattr(flashattn_ext.functional, "check_fwd_args",
+                        lambda *args, **kw: calls.append(1) or check(*args, **kw))
+    return calls
+
+
 @pytest.mark.parametrize("call", SDPA_CALLS)
-def test_sdpa_repeated_call_equals_first(device, call):
+def test_sdpa_repeated_call_equals_first(device, call, monkeypatch):
     """The first call takes the full path and remembers its signature; the second takes the
     short one: same output and gradients, bit for bit, and as torch's SDPA."""
+    checks = _count_checks(monkeypatch)
     kw = SDPA_CALLS[call]
     hk = 1 if kw.get("enable_gqa") else 4
     q, k, v = _leaves((2, 4, 9, 16), (2, hk, 13, 16), (2, hk, 13, 8), device=device)
     dout = torch.randn(2, 4, 9, 8, dtype=torch.float64, device=device)
     fn = lambda *t: flashattn_ext.scaled_dot_product_attention(*t, **kw)  # noqa: E731
     first = _out_and_grads(fn, (q, k, v), dout)
-    assert len(_checks._PASSED) == 1
     second = _out_and_grads(fn, (q, k, v), dout)
+    assert len(checks) == 1
     for a, b in zip(first, second):
         assert torch.equal(a, b)
     expected = _out_and_grads(lambda *t: F.scaled_dot_product_attention(*t, **kw), (q, k, v), dout)
@@ -56,7 +65,8 @@ def test_sdpa_repeated_call_equals_first(device, call):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_flash_attn_func_repeated_call_equals_first(device, causal):
+def test_flash_attn_func_repeated_call_equals_first(device, causal, monkeypatch):
+    checks = _count_checks(monkeypatch)
     q, k, v = _leaves((2, 9, 4, 16), (2, 13, 2, 16), (2, 13, 2, 8), device=device)
     dout = torch.randn(2, 9, 4, 8, dtype=torch.float64, device=device)
     results = []
@@ -64,17 +74,9 @@ def test_flash_attn_func_repeated_call_equals_first(device, causal):
         out, lse = flashattn_ext.flash_attn_func(q, k, v, softmax_scale=0.25, causal=causal, deterministic=True,
                                                  return_lse=True)
         results.append((out, lse, *torch.autograd.grad(out, (q, k, v), dout)))
-    assert len(_checks._PASSED) == 1
+    assert len(checks) == 1
     for a, b in zip(*results):
         assert torch.equal(a, b)
-
-
-def _count_checks(monkeypatch):
-    calls = []
-    check = flashattn_ext.functional.check_fwd_args
-    monkeypatch.setattr(flashattn_ext.functional, "check_fwd_args",
-                        lambda *args, **kw: calls.append(1) or check(*args, **kw))
-    return calls
 
 
 def test_repeated_call_skips_the_checks(device, monkeypatch):
@@ -86,6 +88,10 @@ def test_repeated_call_skips_the_checks(device, monkeypatch):
         assert len(calls) == 2  # each entry point checked its first call only
     flashattn_ext.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(8, 8, dtype=torch.bool, device=device))
     assert len(calls) == 3  # a call with a mask is checked every time
+    for n in range(2):
+        flashattn_ext.attention(q, q, q, causal="bottom_right")
+        flashattn_ext.scaled_dot_product_attention(q[0], q[0], q[0])  # 3-D: reshaped views
+    assert len(calls) == 5
 
 
 def test_signature_of_each_entry_point_and_flag_apart(device, monkeypatch):
