@@ -283,8 +283,11 @@ def call_signature(q, k, v, *flags):
         return None
     if q.layout != torch.strided or k.layout != torch.strided or v.layout != torch.strided:
         return None
-    return (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device, v.shape, v.stride(),
-            v.dtype, v.device, flags)
+    try:
+        return (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device, v.shape, v.stride(),
+                v.dtype, v.device, flags)
+    except RuntimeError:  # strides that cannot be read (a strided nested tensor): the checks say why
+        return None
 
 
 _transforms_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: True)

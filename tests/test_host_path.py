@@ -139,6 +139,8 @@ def test_no_signature_for_what_the_checks_cannot_summarize(device):
     assert _checks.call_signature(t, t.to_sparse(), t) is None  # no strides
     assert _checks.call_signature(t, torch.nn.Parameter(t), t) is None  # a tensor subclass
     assert _checks.call_signature(t, t, [1]) is None
+    nested = torch.nested.nested_tensor([t[0], t[0, :, :2]])  # strided layout, no strides
+    assert _checks.call_signature(t, nested, t) is None
     seen = []
     torch.func.grad(lambda x: seen.append(_checks.call_signature(x, t, t)) or x.sum())(t)
     assert seen == [None]  # inside a torch.func transform
