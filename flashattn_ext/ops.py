@@ -404,7 +404,7 @@ def fwd(q, k, v, scale, causal, deterministic=False, **features):
     _FwdWithGrad."""
     bias = None
     if features:
-        unknown = features.keys() - _FEATURE_NAMES
+        unknown = [name for name in features if name not in _FEATURE_NAMES]  # (no set ops: torch 2.11's dynamo)
         if unknown:
             raise TypeError(f"flashattn_ext: unknown feature arguments {sorted(unknown)}")
         bias = features.pop("attn_bias", None)
