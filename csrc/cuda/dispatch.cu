@@ -235,10 +235,8 @@ void bwd_typed(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) {
   const int accumulators = plan.dq_accumulators;
   const size_t accum_bytes = align_up(dq_accum_bytes(p));
   void* dq_accum = accumulators > 0 ? ws + align_up(size_t(stored_rows(p)) * acc_size(p.dtype)) : nullptr;
-  if (accumulators > 0 &&
-      !check_cuda(cudaMemsetAsync(dq_accum, 0, accumulators * accum_bytes, stream), "cudaMemsetAsync(dq accumulator)"))
-    return;
-  simt::bwd_dot_do_o<T>(p, dsum, stream);
+  // The accumulators (256-byte multiples at 256-byte offsets) start at zero: cleared by the D kernel.
+  simt::bwd_dot_do_o<T>(p, dsum, dq_accum, accumulators * accum_bytes, stream);
 
   const bool tensor_cores = is_tensor_core(plan.kernel);  // dK, dV and dQ (into the accumulators)
   bool dq_blocked = false;                                 // those fill the blocked layout (fp16/bf16)

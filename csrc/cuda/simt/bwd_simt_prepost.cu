@@ -1,4 +1,5 @@
-// Small backward kernels around the main ones: D = rowsum(dO * O) before, and the conversion of
+// Small backward kernels around the main ones: D = rowsum(dO * O) before (clearing the dQ
+// accumulator in the same launch: no cudaMemsetAsync call on the host), and the conversion of
 // the atomic dQ accumulator into dq after. Both walk the rows as stored (a variable-length
 // batch is one run of total_q rows per head), each row taken by a group of adjacent lanes that
 // move 16 bytes per load where the tensors allow it: at 2048 features per token these kernels
@@ -50,9 +51,12 @@ __device__ __forceinline__ int64_t row_offset(int64_t row, int64_t len, int64_t 
 }
 
 template <class T, int kVec>
-__global__ void __launch_bounds__(kThreads) dot_do_o_kernel(const BwdParams p, acc_t<T>* dsum, int lane_shift) {
+__global__ void __launch_bounds__(kThreads)
+    dot_do_o_kernel(const BwdParams p, acc_t<T>* dsum, uint4* zero, int64_t zero_vecs, int lane_shift) {
   using Acc = acc_t<T>;
   using V = Pack<T, kVec>;
+  for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < zero_vecs; i += int64_t(gridDim.x) * kThreads)
+    zero[i] = make_uint4(0, 0, 0, 0);
   const int64_t len = tensor_rows(p);
   const int64_t rows = tensor_batches(p) * p.heads_q * len;
   const int step = kVec << lane_shift, Ev = int(p.head_dim_v);
@@ -142,13 +146,14 @@ void launch_rows(bool wide, int64_t rows, int64_t width, const char* name, Launc
 }  // namespace
 
 template <class T>
-void bwd_dot_do_o(const BwdParams& p, void* dsum, cudaStream_t stream) {
+void bwd_dot_do_o(const BwdParams& p, void* dsum, void* zero, size_t zero_bytes, cudaStream_t stream) {
   constexpr int kVec = 16 / sizeof(T);
   const int64_t rows = tensor_batches(p) * p.heads_q * tensor_rows(p);
   const bool wide = vec_ok<T, kVec>(p.dout, p.dout_stride, p.head_dim_v) && vec_ok<T, kVec>(p.out, p.out_stride, 0);
   auto* d = static_cast<acc_t<T>*>(dsum);
   launch_rows<kVec>(wide, rows, p.head_dim_v, "dot_do_o_kernel", [&](auto vec, unsigned blocks, int shift) {
-    dot_do_o_kernel<T, decltype(vec)::value><<<blocks, kThreads, 0, stream>>>(p, d, shift);
+    dot_do_o_kernel<T, decltype(vec)::value><<<blocks, kThreads, 0, stream>>>(p, d, static_cast<uint4*>(zero),
+                                                                               int64_t(zero_bytes / 16), shift);
   });
 }
 
@@ -172,10 +177,10 @@ void bwd_dq_convert(const BwdParams& p, const void* dq_accum, bool blocked, int 
   run(DqRowMajor{p.head_dim});
 }
 
-template void bwd_dot_do_o<double>(const BwdParams&, void*, cudaStream_t);
-template void bwd_dot_do_o<float>(const BwdParams&, void*, cudaStream_t);
-template void bwd_dot_do_o<__nv_bfloat16>(const BwdParams&, void*, cudaStream_t);
-template void bwd_dot_do_o<__half>(const BwdParams&, void*, cudaStream_t);
+template void bwd_dot_do_o<double>(const BwdParams&, void*, void*, size_t, cudaStream_t);
+template void bwd_dot_do_o<float>(const BwdParams&, void*, void*, size_t, cudaStream_t);
+template void bwd_dot_do_o<__nv_bfloat16>(const BwdParams&, void*, void*, size_t, cudaStream_t);
+template void bwd_dot_do_o<__half>(const BwdParams&, void*, void*, size_t, cudaStream_t);
 template void bwd_dq_convert<double>(const BwdParams&, const void*, bool, int, int64_t, cudaStream_t);
 template void bwd_dq_convert<float>(const BwdParams&, const void*, bool, int, int64_t, cudaStream_t);
 template void bwd_dq_convert<__nv_bfloat16>(const BwdParams&, const void*, bool, int, int64_t, cudaStream_t);

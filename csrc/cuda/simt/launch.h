@@ -21,9 +21,10 @@ void fwd(const FwdParams& p, int num_splits, cudaStream_t stream);
 template <class T, int kDim>
 bool fwd_qres(const FwdParams& p, FwdKernel kernel, int tf32_keys, cudaStream_t stream);
 
-// D = rowsum(dO * O) into `d` (accumulator type, contiguous (batch, heads_q, len_q)).
+// D = rowsum(dO * O) into `d` (accumulator type, contiguous (batch, heads_q, len_q)), and
+// `zero_bytes` (a multiple of 16) at `zero` (16-byte aligned) set to 0 in the same launch.
 template <class T>
-void bwd_dot_do_o(const BwdParams& p, void* d, cudaStream_t stream);
+void bwd_dot_do_o(const BwdParams& p, void* d, void* zero, size_t zero_bytes, cudaStream_t stream);
 
 // dK, dV (and, when `dq_accum` is not null, atomically dQ / scale into it, accumulator type,
 // contiguous (batch, heads_q, len_q, head_dim)).
