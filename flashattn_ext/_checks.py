@@ -294,8 +294,9 @@ _transforms_active = getattr(torch._C, "_are_functorch_transforms_active", lambd
 
 
 def passed_before(signature):
-    """Whether a call of this signature passed every check before (None: never)."""
-    return signature in _PASSED
+    """Whether a call of this signature passed every check before (None: never; the set is not
+    read then, so that torch.compile traces no access to it)."""
+    return signature is not None and signature in _PASSED
 
 
 def remember_passed(signature):
