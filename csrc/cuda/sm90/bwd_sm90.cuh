@@ -61,6 +61,78 @@ struct QueryTileWalk {
   }
 };
 
+// Warpgroup 0 (the producer, after its register hand-over): warp 0 copies K and V once and each query
+// tile's Q, dO, LSE and D into the two-stage ring; warp 1 adds each staged dQ tile into the accumulator
+// with one bulk reduce-add.
+template <class Elem, int kDim>
+__device__ __forceinline__ void bwd_ws_producer(const BwdParams& p, const BwdPanelMaps& maps, const float* dsum_g,
+                                                const DqAccum& accum, const KeyTileRound& round, const Seq& sq,
+                                                int64_t n0, int rows_k, int64_t hk, int64_t group, bool dq_staged,
+                                                unsigned char* tiles, int warp, int lane) {
+  using Cfg = BwdWsConfig<Elem, kDim>;
+  constexpr int kBM = Cfg::kBM, kBN = Cfg::kBN, kPanels = kDim / 64;
+  unsigned char* const sK = tiles;
+  unsigned char* const sV = tiles + Cfg::kKvBytes;
+  auto sQ = [&](int s) { return tiles + 2 * Cfg::kKvBytes + s * Cfg::kQBytes; };
+  auto sdO = [&](int s) { return tiles + 2 * Cfg::kKvBytes + (2 + s) * Cfg::kQBytes; };
+  float* const sdQ = reinterpret_cast<float*>(tiles + Cfg::kDqOffset);
+  float* const sStats = reinterpret_cast<float*>(tiles + Cfg::kStatsOffset);
+  uint64_t* const bars = reinterpret_cast<uint64_t*>(tiles + Cfg::kBarOffset);  // as bwd_ws_kernel names them
+  uint64_t* const kv_full = bars;
+  uint64_t* const q_full = bars + 1;
+  uint64_t* const q_empty = bars + 3;
+  uint64_t* const dq_full = bars + 5;
+  uint64_t* const dq_empty = bars + 6;
+  QueryTileWalk walk(sq, n0, rows_k, hk * group, group, kBM);
+  if (warp == 0) {
+    if (lane == 0) {
+      tma_prefetch_map(&maps.q);
+      tma_prefetch_map(&maps.dout);
+      mbar_arrive_expect_tx(kv_full, 2 * Cfg::kKvBytes);
+#pragma unroll
+      for (int pn = 0; pn < kPanels; ++pn) {
+        tma_load_4d(sK + pn * kBN * 128, &maps.k, kv_full, 64 * pn, int(n0), int(hk), int(sq.tb));
+        tma_load_4d(sV + pn * kBN * 128, &maps.v, kv_full, 64 * pn, int(n0), int(hk), int(sq.tb));
+      }
+    }
+    for (int64_t it = 0; it < walk.iters; ++it, walk.advance(kBM)) {
+      const int s = int(it & 1);
+      if (it >= 2) mbar_wait(q_empty + s, uint32_t((it >> 1) - 1) & 1);
+      if (lane == 0) {
+        mbar_arrive_expect_tx(q_full + s, 2 * Cfg::kQBytes);
+#pragma unroll
+        for (int pn = 0; pn < kPanels; ++pn) {
+          tma_load_4d(sQ(s) + pn * kBM * 128, &maps.q, q_full + s, 64 * pn, int(walk.m0), int(walk.h), int(sq.tb));
+          tma_load_4d(sdO(s) + pn * kBM * 128, &maps.dout, q_full + s, 64 * pn, int(walk.m0), int(walk.h),
+                      int(sq.tb));
+        }
+      }
+      // LSE and D; rows past the sequence get 0 (with their zero Q and dO they add nothing).
+      const int rows = sq.q_tile_rows(walk.m0, kBM);
+      const int64_t r0 = sq.row_index(p.heads_q, walk.h, walk.m0);
+#pragma unroll
+      for (int i = 0; i < kBM / 32; ++i) {
+        const int m = lane + 32 * i;
+        cp_async_elem_zfill(sStats + s * 2 * kBM + m, static_cast<const float*>(p.lse) + r0 + m, m < rows);
+        cp_async_elem_zfill(sStats + s * 2 * kBM + kBM + m, dsum_g + r0 + m, m < rows);
+      }
+      cp_async_mbar_arrive(q_full + s);
+    }
+    cp_async_wait<0>();
+  } else if (warp == 1 && lane == 0 && dq_staged) {
+    float* const acc = accum.block_slice<float>(round.groups);
+    for (int64_t it = 0; it < walk.iters; ++it, walk.advance(kBM)) {
+      mbar_wait(dq_full, uint32_t(it) & 1);
+      const int rows16 = (sq.q_tile_rows(walk.m0, kBM) + 15) / 16 * 16;
+      bulk_reduce_add(acc + sq.row_index(p.heads_q, walk.h, walk.m0) * kDim, sdQ, uint32_t(rows16 * kDim * 4));
+      bulk_commit();
+      bulk_wait_read<0>();
+      mbar_arrive(dq_empty);
+    }
+    bulk_wait<0>();
+  }
+}
+
 template <class Elem, int kDim>
 __global__ void __launch_bounds__(BwdWsConfig<Elem, kDim>::kThreads, 1)
     bwd_ws_kernel(const BwdParams p, const __grid_constant__ BwdPanelMaps maps, const float* dsum_g,
@@ -69,7 +141,7 @@ __global__ void __launch_bounds__(BwdWsConfig<Elem, kDim>::kThreads, 1)
   using Cfg = BwdWsConfig<Elem, kDim>;
   using M = Mma<Elem>;
   using Exp = ExpDomain<float>;
-  constexpr int kBM = Cfg::kBM, kBN = Cfg::kBN, kPanels = kDim / 64;
+  constexpr int kBM = Cfg::kBM, kBN = Cfg::kBN;
   constexpr int kRA = kBM / 8, kDA = kDim / 8;  // S^T / dP^T atoms (over the rows), dK / dV atoms
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -114,54 +186,8 @@ __global__ void __launch_bounds__(BwdWsConfig<Elem, kDim>::kThreads, 1)
 
   if (wg == 0) {
     setmaxnreg_dec<Cfg::kProducerRegs>();
-    QueryTileWalk walk(sq, n0, rows_k, hk * group, group, kBM);
-    if (warp == 0) {
-      if (lane == 0) {
-        tma_prefetch_map(&maps.q);
-        tma_prefetch_map(&maps.dout);
-        mbar_arrive_expect_tx(kv_full, 2 * Cfg::kKvBytes);
-#pragma unroll
-        for (int pn = 0; pn < kPanels; ++pn) {
-          tma_load_4d(sK + pn * kBN * 128, &maps.k, kv_full, 64 * pn, int(n0), int(hk), int(sq.tb));
-          tma_load_4d(sV + pn * kBN * 128, &maps.v, kv_full, 64 * pn, int(n0), int(hk), int(sq.tb));
-        }
-      }
-      for (int64_t it = 0; it < walk.iters; ++it, walk.advance(kBM)) {
-        const int s = int(it & 1);
-        if (it >= 2) mbar_wait(q_empty + s, uint32_t((it >> 1) - 1) & 1);
-        if (lane == 0) {
-          mbar_arrive_expect_tx(q_full + s, 2 * Cfg::kQBytes);
-#pragma unroll
-          for (int pn = 0; pn < kPanels; ++pn) {
-            tma_load_4d(sQ(s) + pn * kBM * 128, &maps.q, q_full + s, 64 * pn, int(walk.m0), int(walk.h), int(sq.tb));
-            tma_load_4d(sdO(s) + pn * kBM * 128, &maps.dout, q_full + s, 64 * pn, int(walk.m0), int(walk.h),
-                        int(sq.tb));
-          }
-        }
-        // LSE and D; rows past the sequence get 0 (with their zero Q and dO they add nothing).
-        const int rows = sq.q_tile_rows(walk.m0, kBM);
-        const int64_t r0 = sq.row_index(p.heads_q, walk.h, walk.m0);
-#pragma unroll
-        for (int i = 0; i < kBM / 32; ++i) {
-          const int m = lane + 32 * i;
-          cp_async_elem_zfill(sStats + s * 2 * kBM + m, static_cast<const float*>(p.lse) + r0 + m, m < rows);
-          cp_async_elem_zfill(sStats + s * 2 * kBM + kBM + m, dsum_g + r0 + m, m < rows);
-        }
-        cp_async_mbar_arrive(q_full + s);
-      }
-      cp_async_wait<0>();
-    } else if (warp == 1 && lane == 0 && dq_staged) {
-      float* const acc = accum.block_slice<float>(round.groups);
-      for (int64_t it = 0; it < walk.iters; ++it, walk.advance(kBM)) {
-        mbar_wait(dq_full, uint32_t(it) & 1);
-        const int rows16 = (sq.q_tile_rows(walk.m0, kBM) + 15) / 16 * 16;
-        bulk_reduce_add(acc + sq.row_index(p.heads_q, walk.h, walk.m0) * kDim, sdQ, uint32_t(rows16 * kDim * 4));
-        bulk_commit();
-        bulk_wait_read<0>();
-        mbar_arrive(dq_empty);
-      }
-      bulk_wait<0>();
-    }
+    bwd_ws_producer<Elem, kDim>(p, maps, dsum_g, accum, round, sq, n0, rows_k, hk, group, dq_staged, tiles, warp,
+                                lane);
     return;
   }
 
