@@ -2,24 +2,12 @@
 // plan (../plan.cpp) chose; bwd_ws_ready answers the plan's question whether it can take a call.
 #include "bwd_sm90.cuh"
 #include "launch.h"
+#include "register_pool.h"
 #include "tma_map.h"
 
 namespace flashattn::cuda::sm90 {
 
 namespace {
-
-// Whether the block's register pool holds what the warpgroups take after their hand-over (as
-// fwd_sm90.cu checks for the forward).
-template <class Elem, int kDim>
-bool bwd_register_pool_holds() {
-  using Cfg = BwdWsConfig<Elem, kDim>;
-  static const bool holds = [] {
-    cudaFuncAttributes attr{};
-    if (cudaFuncGetAttributes(&attr, bwd_ws_kernel<Elem, kDim>) != cudaSuccess) return false;
-    return attr.numRegs * Cfg::kThreads >= 128 * Cfg::kProducerRegs + 256 * Cfg::kConsumerRegs;
-  }();
-  return holds;
-}
 
 template <class Cfg>
 bool encode_bwd_maps(const BwdParams& p, BwdPanelMaps& maps) {
@@ -31,14 +19,21 @@ bool encode_bwd_maps(const BwdParams& p, BwdPanelMaps& maps) {
          encode_panel_map(&maps.v, p.v, p.v_stride, p.batch, p.heads_kv, p.len_k, p.head_dim_v, Cfg::kBN);
 }
 
+// The kernel of element type Elem and dim kDim can take the call: its maps encode (the box sizes of its
+// tiles) and its register pool holds the hand-over.
+template <class Elem, int kDim>
+bool ws_ready(const BwdParams& p) {
+  using Cfg = BwdWsConfig<Elem, kDim>;
+  BwdPanelMaps maps;
+  return register_pool_holds<bwd_ws_kernel<Elem, kDim>, Cfg>() && encode_bwd_maps<Cfg>(p, maps);
+}
+
 }  // namespace
 
 bool bwd_ws_ready(const BwdParams& p, int dim) {
-  BwdPanelMaps maps;
   const bool bf16 = p.dtype == DType::kBFloat16;
-  const bool pool = dim == 64 ? (bf16 ? bwd_register_pool_holds<__nv_bfloat16, 64>() : bwd_register_pool_holds<__half, 64>())
-                              : (bf16 ? bwd_register_pool_holds<__nv_bfloat16, 128>() : bwd_register_pool_holds<__half, 128>());
-  return pool && encode_bwd_maps<BwdWsConfig<__half, 64>>(p, maps);
+  if (dim == 64) return bf16 ? ws_ready<__nv_bfloat16, 64>(p) : ws_ready<__half, 64>(p);
+  return bf16 ? ws_ready<__nv_bfloat16, 128>(p) : ws_ready<__half, 128>(p);
 }
 
 template <class Elem, int kDim>

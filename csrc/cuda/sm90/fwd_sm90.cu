@@ -2,26 +2,12 @@
 // as the kernel plan (../plan.cpp) chose, and the plan's question whether it can take a call.
 #include "fwd_ws_sm90.cuh"
 #include "launch.h"
+#include "register_pool.h"
 #include "tma_map.h"
 
 namespace flashattn::cuda::sm90 {
 
 namespace {
-
-// Whether the block's register pool holds what the warp-specialized kernel's warpgroups take after
-// their hand-over (setmaxnreg; an .inc beyond the pool would wait forever). ptxas gives a kernel that
-// moves registers the whole per-thread share its launch bounds allow (168 at 384 threads); checked
-// once, against the image loaded, in case a build does otherwise.
-template <class Elem, int kDim>
-bool register_pool_holds() {
-  using Cfg = FwdWsConfig<Elem, kDim>;
-  static const bool holds = [] {
-    cudaFuncAttributes attr{};
-    if (cudaFuncGetAttributes(&attr, fwd_ws_kernel<Elem, kDim>) != cudaSuccess) return false;
-    return attr.numRegs * Cfg::kThreads >= 128 * Cfg::kProducerRegs + 128 * Cfg::kConsumers * Cfg::kConsumerRegs;
-  }();
-  return holds;
-}
 
 // The warp-specialized kernel's tensor maps of q, k and v; false where the driver refuses one (or a
 // size exceeds the copies' 32-bit coordinates).
@@ -63,7 +49,7 @@ template <class Elem, int kDim>
 bool fwd_ws_ready(const FwdParams& p) {
   if constexpr (FwdWsConfig<Elem, kDim>::kServed) {
     FwdPanelMaps maps;
-    return register_pool_holds<Elem, kDim>() && encode_ws_maps<FwdWsConfig<Elem, kDim>>(p, maps);
+    return register_pool_holds<fwd_ws_kernel<Elem, kDim>, FwdWsConfig<Elem, kDim>>() && encode_ws_maps<FwdWsConfig<Elem, kDim>>(p, maps);
   }
   return false;
 }

@@ -42,7 +42,8 @@ struct FwdWsConfig {
 template <class Elem, int kDim>
 struct BwdWsConfig {
   static constexpr bool kServed = sizeof(Elem) == 2 && (kDim == 64 || kDim == 128);
-  static constexpr int kThreads = 384;
+  static constexpr int kConsumers = 2;
+  static constexpr int kThreads = 128 * (1 + kConsumers);
   // Query tiles of 128 rows at dim 64 (S^T / dP^T at m64n128 per consumer: fewer, fuller products per
   // exponential), 64 at 128 (dK and dV take 128 registers there).
   static constexpr int kBN = 128, kBM = kDim == 64 ? 128 : 64;
