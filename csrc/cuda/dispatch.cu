@@ -26,6 +26,7 @@
 #include "simt/launch.h"
 #include "sm80/launch.h"
 #include "sm90/launch.h"
+#include "tensor_core_tiers.h"
 
 namespace flashattn::cuda {
 
@@ -84,28 +85,7 @@ void on_dtype(DType dtype, Run&& run) {
   }
 }
 
-// Calls run(std::integral_constant<int, tier>) for a tensor-core tier of element type T (fp16 / bf16:
-// 32, 64, 96, 128, 192, 256; fp64: 64, 128); returns what run returns, false for a tier T has not.
-template <class T, class Run>
-bool on_tensor_core_tier(int tier, Run&& run) {
-  using std::integral_constant;
-  if constexpr (sizeof(T) == 2) {
-    switch (tier) {
-      case 32: return run(integral_constant<int, 32>{});
-      case 64: return run(integral_constant<int, 64>{});
-      case 96: return run(integral_constant<int, 96>{});
-      case 128: return run(integral_constant<int, 128>{});
-      case 192: return run(integral_constant<int, 192>{});
-      case 256: return run(integral_constant<int, 256>{});
-    }
-  } else if constexpr (std::is_same_v<T, double>) {
-    if (tier == 64) return run(integral_constant<int, 64>{});
-    if (tier == 128) return run(integral_constant<int, 128>{});
-  }
-  return false;
-}
-
-// The same for a SIMT tier up to kCap (32, 64, 128, 256).
+// Calls run(std::integral_constant<int, tier>) for a SIMT tier up to kCap (32, 64, 128, 256).
 template <int kCap, class Run>
 bool on_simt_tier(int tier, Run&& run) {
   using std::integral_constant;

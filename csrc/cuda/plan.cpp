@@ -13,6 +13,7 @@
 #include "simt/resident_config.h"
 #include "sm80/tile_config.h"
 #include "sm90/tile_config.h"
+#include "tensor_core_tiers.h"
 
 namespace flashattn::cuda {
 
@@ -47,31 +48,11 @@ bool is_half(DType t) { return t == DType::kBFloat16 || t == DType::kFloat16; }
 
 int64_t max_dim(const FwdParams& p) { return p.head_dim > p.head_dim_v ? p.head_dim : p.head_dim_v; }
 
-// The tensor-core kernels' head-dim tier for e_max (fp16 / bf16: 32, 64, 96, 128, 192, 256; fp64: 64,
-// 128; a dim between two tiers runs the upper one, zero-padded), 0 where there is none.
+// The tensor-core kernels' head-dim tier for e_max (tensor_core_tiers.h), 0 where there is none.
 int tensor_core_tier(DType t, int64_t e_max) {
-  if (is_half(t)) {
-    for (int tier : {32, 64, 96, 128, 192, 256})
-      if (e_max <= tier) return tier;
-  } else if (t == DType::kFloat64) {
-    for (int tier : {64, 128})
-      if (e_max <= tier) return tier;
-  }
+  if (is_half(t)) return cuda::tensor_core_tier<Half>(e_max);
+  if (t == DType::kFloat64) return cuda::tensor_core_tier<double>(e_max);
   return 0;
-}
-
-// Calls run(std::integral_constant<int, tier>) for a tensor-core tier.
-template <class Run>
-auto on_tier(int tier, Run&& run) {
-  using std::integral_constant;
-  switch (tier) {
-    case 32: return run(integral_constant<int, 32>{});
-    case 64: return run(integral_constant<int, 64>{});
-    case 96: return run(integral_constant<int, 96>{});
-    case 128: return run(integral_constant<int, 128>{});
-    case 192: return run(integral_constant<int, 192>{});
-    default: return run(integral_constant<int, 256>{});
-  }
 }
 
 // The smallest SIMT tier >= dim (32, 64, ...), capped; dims above the cap are cut into column slices.
@@ -243,14 +224,11 @@ FwdPlan choose_fwd_in_place(const FwdParams& p, const DeviceInfo& dev, const Ove
   // (scores ~1e4: tf32 pairs keep ~22 bits).
   const int tier = p.dtype == DType::kFloat32 || !lim.tensor_cores() ? 0 : tensor_core_tier(p.dtype, e_max);
   if (tier > 0 && fwd_operands_aligned(p)) {
-    const auto kernel = on_tier(tier, [&](auto t) {
-      constexpr int kDim = decltype(t)::value;
-      if (p.dtype == DType::kFloat64) {
-        if constexpr (kDim == 64 || kDim == 128) return tensor_core_fwd<double, kDim>(p, lim);
-        return std::optional<FwdKernel>{};
-      }
-      return tensor_core_fwd<Half, kDim>(p, lim);
-    });
+    auto on_elem = [&](auto elem) {  // the tier's kernel for element type T (fp64 or a 2-byte one)
+      using T = decltype(elem);
+      return on_tensor_core_tier<T>(tier, [&](auto t) { return tensor_core_fwd<T, decltype(t)::value>(p, lim); });
+    };
+    const auto kernel = p.dtype == DType::kFloat64 ? on_elem(double{}) : on_elem(Half{});
     if (kernel) {
       plan.kernel = *kernel;
       plan.tier = tier;
@@ -316,14 +294,11 @@ BwdPlan choose_bwd(const BwdParams& p, const DeviceInfo& dev, const Overrides& o
                        ? 0
                        : tensor_core_tier(p.dtype, e_max);
   if (tier > 0) {
-    const auto kernel = on_tier(tier, [&](auto t) {
-      constexpr int kDim = decltype(t)::value;
-      if (p.dtype == DType::kFloat64) {
-        if constexpr (kDim == 64 || kDim == 128) return tensor_core_bwd<double, kDim>(p, lim);
-        return std::optional<BwdKernel>{};
-      }
-      return tensor_core_bwd<Half, kDim>(p, lim);
-    });
+    auto on_elem = [&](auto elem) {  // the tier's kernel for element type T (fp64 or a 2-byte one)
+      using T = decltype(elem);
+      return on_tensor_core_tier<T>(tier, [&](auto t) { return tensor_core_bwd<T, decltype(t)::value>(p, lim); });
+    };
+    const auto kernel = p.dtype == DType::kFloat64 ? on_elem(double{}) : on_elem(Half{});
     if (kernel) {
       plan.kernel = *kernel;
       plan.tier = tier;
