@@ -15,6 +15,21 @@ namespace flashattn::cuda {
 template <class Elem>
 __host__ __device__ constexpr int chunk_elems() { return 16 / int(sizeof(Elem)); }
 
+// Calls chunk(r, c) for each 16-byte chunk c of each row r of a tile of kRows rows of kPerRow
+// chunks, the block's kThreads threads walking the tile's chunks in order, kThreads at a time (a
+// division by the constant kPerRow per chunk): the copies' layout where a row's chunks do not divide
+// the block (dims 96, 192).
+template <int kRows, int kPerRow, int kThreads, class Chunk>
+__device__ __forceinline__ void for_each_tile_chunk(int tid, Chunk&& chunk) {
+  constexpr int kIters = (kRows * kPerRow + kThreads - 1) / kThreads;
+#pragma unroll
+  for (int it = 0; it < kIters; ++it) {
+    const int i = tid + it * kThreads;
+    if ((kRows * kPerRow) % kThreads != 0 && i >= kRows * kPerRow) break;
+    chunk(i / kPerRow, i % kPerRow);
+  }
+}
+
 // Rows `kRows` x columns `kCols` from `g` (rows `g_ld` elements apart) into `s` (pitch `ld`).
 // Where a row's chunks divide the block (dims 32, 64, 128, 256), a thread copies one 16-byte
 // column chunk of every kThreads / kPerRow-th row: the trip count is a constant and the address
@@ -49,15 +64,11 @@ __device__ __forceinline__ void copy_tile_async(Elem* s, int ld, const Elem* g, 
   static_assert(kCols % kChunk == 0, "tile width is a whole number of 16-byte chunks");
   if constexpr (kThreads % kPerRow != 0) {
     static_assert(!kFullTilePath && !kSwizzle, "the full-tile path and the swizzle are written for the layout below");
-    constexpr int kIters = (kRows * kPerRow + kThreads - 1) / kThreads;
-#pragma unroll
-    for (int it = 0; it < kIters; ++it) {
-      const int i = tid + it * kThreads;
-      if ((kRows * kPerRow) % kThreads != 0 && i >= kRows * kPerRow) break;
-      const int r = i / kPerRow, c = (i % kPerRow) * kChunk;
+    for_each_tile_chunk<kRows, kPerRow, kThreads>(tid, [&](int r, int chunk) {
+      const int c = chunk * kChunk;
       const bool valid = c < cols && r < rows;
       cp_async_16_zfill(s + r * ld + c, valid ? g + r * g_ld + c : g, valid);
-    }
+    });
   } else {
     constexpr int kRowStep = kThreads / kPerRow;
     constexpr int kIters = (kRows + kRowStep - 1) / kRowStep;

@@ -35,12 +35,8 @@ __device__ __forceinline__ void copy_paged_kv_async(Elem* sK, Elem* sV, int ld, 
   };
   if constexpr (kThreads % kPerRow != 0) {
     static_assert(!kSwizzle, "the swizzle is written for the layout below");
-    constexpr int kIters = (kRows * kPerRow + kThreads - 1) / kThreads;
-#pragma unroll
-    for (int it = 0; it < kIters; ++it) {
-      const int i = tid + it * kThreads;
-      if ((kRows * kPerRow) % kThreads != 0 && i >= kRows * kPerRow) break;
-      const int r = i / kPerRow, c = (i % kPerRow) * kChunk;
+    for_each_tile_chunk<kRows, kPerRow, kThreads>(tid, [&](int r, int chunk) {
+      const int c = chunk * kChunk;
       const bool row_ok = r < rows;
       int64_t page = 0, block = 0;
       if (row_ok) {
@@ -48,7 +44,7 @@ __device__ __forceinline__ void copy_paged_kv_async(Elem* sK, Elem* sV, int ld, 
         block = block_of(p, b, page);
       }
       copy(r * ld + c, block, j0 + r - page * p.page_size, c, row_ok);
-    }
+    });
   } else {
     // A thread copies chunk c of rows r0, r0 + kRowStep, ... (as copy_tile_async).
     constexpr int kRowStep = kThreads / kPerRow;
