@@ -32,62 +32,34 @@
 #include "../schedule/causal_order.cuh"
 #include "../schedule/key_split.cuh"
 #include "fwd_decode.cuh"
+#include "fwd_steps.cuh"
 #include "launch.h"
 #include "tile_config.h"
 
 namespace flashattn::cuda::sm80 {
 
-// A query tile of a forward block: rows [m0, m0 + rows) of the sequence (m_last the last one)
-// and the key tiles [n_begin, n_end) that any of its rows sees.
-struct FwdQueryTile {
-  int64_t m0, m_last, n_begin, n_end;
-  int rows;
-  FLASHATTN_HD bool has_keys() const { return n_end > n_begin; }
-  // Its key tiles of kBN keys.
-  FLASHATTN_HD int64_t key_tiles(int kBN) const { return has_keys() ? (n_end - n_begin + kBN - 1) / kBN : 0; }
-};
-
-// The kBM-row query tile of sequence `sq` at row m0 (the kernels', and the host's for the split's
-// plan, launch_fwd).
-FLASHATTN_HD FwdQueryTile query_tile(const Seq& sq, int64_t m0, int kBM, int kBN) {
-  FwdQueryTile tile;
-  tile.m0 = m0;
-  tile.rows = sq.q_tile_rows(m0, kBM);
-  tile.m_last = m0 + tile.rows - 1;
-  tile.n_begin = sq.key_begin(m0) / kBN * kBN;
-  tile.n_end = sq.key_end(tile.m_last);
-  return tile;
-}
-
 // kFeatures: the variant for calls with optional features (masks, window, ALiBi, softcap,
 // dropout, varlen), with the per-score math of csrc/common/ (as the SIMT kernels and the CPU);
 // the plain variant keeps its registers and its per-tile mask test.
 // One piece of a block's work (`piece`: a whole walk, or with kSplit part of one where the grid's
-// last wave is split, key_split.cuh).
+// last wave is split, key_split.cuh). The steps on a warp's fragments are in fwd_steps.cuh.
 template <class Elem, int kDim, bool kFeatures, bool kSplit>
 __device__ __forceinline__ void fwd_piece(const FwdParams& p, int num_m_tiles, const KeySplit& split,
                                           const KeyPiece& piece) {
-  using Cfg = FwdConfig<Elem, kDim, kFeatures>;
-  using M = Mma<Elem>;
-  using Acc = typename M::Acc;
-  using Exp = ExpDomain<Acc>;
-  constexpr int kBM = Cfg::kBM, kBN = Cfg::kBN, kMW = Cfg::kMW, kLd = Cfg::kLd;
-  constexpr int kThreads = Cfg::kThreads;
-  constexpr int kNA = kBN / 8;   // S atoms per warp row group
-  constexpr int kDA = kDim / 8;  // O atoms per warp row group
-  // Up to dim 64 the warp's Q fragments (16 registers per 16-row group) stay in registers for
-  // the whole key loop instead of being re-read from smem for every key tile, except with the
-  // 128-key tiles at dim 64 (the S accumulators leave no room: 204 B of spills).
-  constexpr bool kQInRegs = sizeof(Elem) == 2 && (kDim <= 32 || (kDim <= 64 && kBN < 128));
-  constexpr int kKSteps = kDim / M::kK;
-  constexpr bool kSw = Cfg::kSwizzle;  // Q, K, V tiles swizzled (tile_copy.cuh)
+  using F = FwdShape<Elem, kDim, kFeatures>;
+  using Cfg = typename F::Cfg;
+  using M = typename F::M;
+  using Acc = typename F::Acc;
+  using Exp = typename F::Exp;
+  using TA = typename F::TA;
+  constexpr int kBM = F::kBM, kBN = F::kBN, kMW = F::kMW, kLd = F::kLd, kThreads = F::kThreads;
+  constexpr bool kSw = F::kSw, kQInRegs = F::kQInRegs;
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   Elem* sQ = reinterpret_cast<Elem*>(smem_raw);
   Elem* sK = sQ + kBM * kLd;
-  constexpr int kKvBufs = Cfg::kStaggered ? 1 : 2;
-  Elem* sV = sK + kKvBufs * kBN * kLd;
-  unsigned char* sBias = reinterpret_cast<unsigned char*>(sV + kKvBufs * kBN * kLd);  // [2] bias tiles
+  Elem* sV = sK + F::kKvBufs * kBN * kLd;
+  unsigned char* sBias = reinterpret_cast<unsigned char*>(sV + F::kKvBufs * kBN * kLd);  // [2] bias tiles
 
   // The piece's query tile: the last tiles first, a causal grid's last heads tile slowest
   // (fwd_kernel).
@@ -139,35 +111,10 @@ __device__ __forceinline__ void fwd_piece(const FwdParams& p, int num_m_tiles, c
         sV + buf * kBN * kLd, kLd, v + n0 * p.v_stride.row, p.v_stride.row, rows_k(n0), Ev, tid);
   };
 
-  Acc o[kMW][kDA][4];
-  Acc row_max[kMW][2], row_sum[kMW][2];
-
-  // The operand reads from smem: swizzled tiles through the lanes' smem addresses
-  // (SwizzledAddress; a K / V buffer lies whole lines further), padded ones through pointers
-  // (every Elem, fp64 included).
-  using TA = SwizzledAddress<kLd * int(sizeof(Elem))>;
-  constexpr uint32_t kKvBufBytes = kBN * kLd * sizeof(Elem);
-  uint32_t q_at = 0, k_at = 0, v_at = 0;
-  if constexpr (kSw) {
-    const auto rows_first = M::rows_first(lane), chunks_first = M::chunks_first(lane);
-    q_at = TA::base(sQ, wrow + rows_first.row, rows_first.chunk);
-    k_at = TA::base(sK, chunks_first.row, chunks_first.chunk);
-    v_at = TA::base(sV, rows_first.row, rows_first.chunk);
-  }
-  auto read_q = [&](typename M::A& a, int mw, int kk) {  // rows 16 mw.., k kk..
-    if constexpr (kSw) M::load_a(a, TA::at(q_at, 16 * mw, kk / 8));
-    else M::load_a(a, sQ + (wrow + 16 * mw) * kLd + kk, kLd, lane);
-  };
-  auto read_k = [&](typename M::B (&b)[2], int buf, int key, int kk) {  // keys key.., k kk..
-    if constexpr (kSw) M::load_b2_nk(b, TA::at(k_at + buf * kKvBufBytes, key, kk / 8));
-    else M::load_b2_nk(b, sK + buf * kBN * kLd + key * kLd + kk, kLd, lane);
-  };
-  auto read_v = [&](typename M::B (&b)[2], int buf, int key, int col) {  // keys key.., columns col..
-    if constexpr (kSw) M::load_b2_kn(b, TA::at(v_at + buf * kKvBufBytes, key, col / 8));
-    else M::load_b2_kn(b, sV + buf * kBN * kLd + key * kLd + col, kLd, lane);
-  };
-
-  typename M::A qa[kQInRegs ? kKSteps : 1][kMW];
+  typename F::O o;
+  typename F::RowStat row_max, row_sum;
+  const FwdOperandReads<F, Elem> read(sQ, sK, sV, wrow, lane);
+  typename M::A qa[kQInRegs ? F::kKSteps : 1][kMW];
 
   // A key offset from n0, clamped to the tile: the row's band as 32-bit column bounds.
   auto tile_column = [](int64_t x) { return int(x < 0 ? 0 : x > kBN ? kBN : x); };
@@ -176,141 +123,23 @@ __device__ __forceinline__ void fwd_piece(const FwdParams& p, int num_m_tiles, c
   // Tiles every row of the block sees in full (most of them) skip the per-element mask.
   auto all_visible = [&](int64_t n0) { return n0 >= sq.key_begin(tile.m_last) && n0 + kBN <= sq.key_end(tile.m0); };
 
-  // S = Q K^T for the key tile in K buffer kb.
-  auto compute_scores = [&](Acc (&s)[kMW][kNA][4], int kb) {
-#pragma unroll
-    for (int mw = 0; mw < kMW; ++mw)
-#pragma unroll
-      for (int j = 0; j < kNA; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[mw][j][e] = Acc(0);
-#pragma unroll
-    for (int ks = 0; ks < kKSteps; ++ks) {
-      const int kk = ks * M::kK;
-      typename M::A a[kMW];
-#pragma unroll
-      for (int mw = 0; mw < kMW; ++mw) {
-        if constexpr (kQInRegs) a[mw] = qa[ks][mw];
-        else read_q(a[mw], mw, kk);
-      }
-#pragma unroll
-      for (int j = 0; j < kNA; j += 2) {
-        typename M::B bf[2];
-        read_k(bf, kb, 8 * j, kk);
-#pragma unroll
-        for (int mw = 0; mw < kMW; ++mw) {
-          M::mma(s[mw][j], a[mw], bf[0]);
-          M::mma(s[mw][j + 1], a[mw], bf[1]);
-        }
-      }
-    }
-  };
-
-  // Scores outside each row's band (causal, window, sequence ends) -> -inf; a masked tile
-  // compares 32-bit column indices against each row's band.
-  auto mask_band = [&](Acc (&s)[kMW][kNA][4], int64_t n0) {
-    if (all_visible(n0)) return;
-#pragma unroll
-    for (int mw = 0; mw < kMW; ++mw)
-#pragma unroll
-      for (int r = 0; r < 2; ++r) mask_row_band<kBN>(s[mw], r, sq, row_of(mw, r), n0, t);
-  };
-
-  // The online softmax of tile n0's scores (in the exponent domain, masked ones -inf) and
-  // O = alpha O + P V with V from buffer vb. Staggered, the next K tile's copy starts where every
-  // warp is done with Q and K.
-  auto softmax_pv = [&](Acc (&s)[kMW][kNA][4], int vb, int64_t n0) {
-    // Each row's tile max over its quad, as a tree (depth log2(2 kNA), not a chain of 2 kNA
-    // dependent FMNMX).
-    Acc tile_max[kMW][2];
-#pragma unroll
-    for (int mw = 0; mw < kMW; ++mw)
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        Acc mx[kNA];
-#pragma unroll
-        for (int j = 0; j < kNA; ++j) mx[j] = acc_max(s[mw][j][2 * r], s[mw][j][2 * r + 1]);
-        tile_max[mw][r] = reduce_max_lanes<4>(tree_reduce(mx, [](Acc a, Acc b) { return acc_max(a, b); }));
-      }
-
-    // Online softmax. alpha differs from 1 only on tiles where the max of some row of the warp
-    // grew. The max is never left stale: with a lagging max the row's largest P is no longer
-    // exactly 1 and a one-hot row loses O = V exactly (see below).
-    bool grow = false;
-#pragma unroll
-    for (int mw = 0; mw < kMW; ++mw)
-#pragma unroll
-      for (int r = 0; r < 2; ++r) grow |= tile_max[mw][r] > row_max[mw][r];
-    grow = __any_sync(0xffffffffu, grow);
-    Acc alpha[kMW][2];
-#pragma unroll
-    for (int mw = 0; mw < kMW; ++mw) {
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        alpha[mw][r] = Acc(1);
-        if (grow) {
-          const Acc new_max = acc_max(row_max[mw][r], tile_max[mw][r]);
-          alpha[mw][r] = Exp::exp(row_max[mw][r] - exp_base(new_max));
-          row_max[mw][r] = new_max;
-        }
-        // A row with no visible key so far keeps max -inf; 0 as the base avoids (-inf) - (-inf).
-        const Acc base = exp_base(row_max[mw][r]);
-        Acc sums[kNA];
-#pragma unroll
-        for (int j = 0; j < kNA; ++j) {
-          Acc* x = s[mw][j] + 2 * r;
-          x[0] = Exp::exp(x[0] - base);
-          x[1] = Exp::exp(x[1] - base);
-          sums[j] = x[0] + x[1];
-        }
-        row_sum[mw][r] = row_sum[mw][r] * alpha[mw][r] + tree_reduce(sums, [](Acc a, Acc b) { return a + b; });
-        // Dropout: the row sum keeps every probability, only P V sees the dropped ones as 0.
-        if (kFeatures && drop.on) {
-          const int64_t m = row_of(mw, r);
-#pragma unroll
-          for (int j = 0; j < kNA; ++j)
-#pragma unroll
-            for (int cc = 0; cc < 2; ++cc)
-              if (!drop.keep(m, n0 + 8 * j + 2 * t + cc)) s[mw][j][2 * r + cc] = Acc(0);
-        }
-      }
-    }
-
+  // The online softmax of tile n0's scores and O = alpha O + P V with V from buffer vb. Staggered,
+  // the next K tile's copy starts where every warp is done with Q and K.
+  auto softmax_pv = [&](typename F::S& s, int vb, int64_t n0) {
+    typename F::RowStat alpha;
+    const bool grow =
+        online_softmax_tile<F>(s, row_max, row_sum, alpha, FwdDropout<F>{drop, tile.m0, n0, wrow, g, t});
     if constexpr (Cfg::kStaggered) {
       cp_async_wait<0>();
       __syncthreads();  // V landed for all; every warp is done with Q and K
       if (n0 + kBN < tile.n_end) load_k(n0 + kBN, 0);  // lands while P V runs
       cp_async_commit();
     }
-
-    // O = alpha O + P V, P taken straight from the S registers. Without the staggered loads O is
-    // rescaled on every tile (alpha is exactly 1 where no row grew): without the branch the
-    // FMULs fill the gaps between the P V HMMAs (forward +4-8% at dim 64, +2-5% at 128 for
-    // L <= 4096; H200, bf16). The staggered kernels (dims 192, 256) measured -1..-3% with it.
-    if (!Cfg::kStaggered || grow) {
-#pragma unroll
-      for (int mw = 0; mw < kMW; ++mw)
-#pragma unroll
-        for (int d = 0; d < kDA; ++d)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) o[mw][d][e] *= alpha[mw][e >> 1];
-    }
-#pragma unroll
-    for (int kk = 0; kk < kBN; kk += M::kK) {
-      typename M::A a[kMW];
-#pragma unroll
-      for (int mw = 0; mw < kMW; ++mw) M::a_from_acc(a[mw], &s[mw][kk / 8]);
-#pragma unroll
-      for (int d = 0; d < kDA; d += 2) {
-        typename M::B bf[2];
-        read_v(bf, vb, kk, 8 * d);
-#pragma unroll
-        for (int mw = 0; mw < kMW; ++mw) {
-          M::mma(o[mw][d], a[mw], bf[0]);
-          M::mma(o[mw][d + 1], a[mw], bf[1]);
-        }
-      }
-    }
+    // Without the staggered loads O is rescaled on every tile (alpha is exactly 1 where no row
+    // grew): without the branch the FMULs fill the gaps between the P V HMMAs (forward +4-8% at
+    // dim 64, +2-5% at 128 for L <= 4096; H200, bf16). The staggered kernels (dims 192, 256)
+    // measured -1..-3% with it.
+    add_pv<F>(o, s, alpha, !Cfg::kStaggered || grow, read, vb);
   };
 
   // The first copies, Q to registers (kQInRegs), the key loop and the output.
@@ -321,27 +150,14 @@ __device__ __forceinline__ void fwd_piece(const FwdParams& p, int num_m_tiles, c
     if (!Cfg::kStaggered) load_v(tile.n_begin, buf);
   }
   cp_async_commit();
-
-#pragma unroll
-  for (int mw = 0; mw < kMW; ++mw) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      row_max[mw][r] = neg_inf<Acc>();
-      row_sum[mw][r] = Acc(0);
-    }
-#pragma unroll
-    for (int d = 0; d < kDA; ++d)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) o[mw][d][e] = Acc(0);
-  }
-
+  init_rows<F>(o, row_max, row_sum);
   if (kQInRegs && tile.has_keys()) {
     cp_async_wait<0>();
     __syncthreads();
 #pragma unroll
-    for (int kk = 0; kk < (kQInRegs ? kKSteps : 0); ++kk)
+    for (int kk = 0; kk < (kQInRegs ? F::kKSteps : 0); ++kk)
 #pragma unroll
-      for (int mw = 0; mw < kMW; ++mw) read_q(qa[kk][mw], mw, kk * M::kK);
+      for (int mw = 0; mw < kMW; ++mw) read.q(qa[kk][mw], mw, kk * M::kK);
   }
 
   for (int64_t n0 = tile.n_begin; n0 < tile.n_end; n0 += kBN, buf = Cfg::kStaggered ? 0 : buf ^ 1) {
@@ -355,8 +171,8 @@ __device__ __forceinline__ void fwd_piece(const FwdParams& p, int num_m_tiles, c
     }
     cp_async_commit();
 
-    Acc s[kMW][kNA][4];
-    compute_scores(s, buf);
+    typename F::S s;
+    tile_scores<F>(s, qa, read, buf);
     // Scores -> exponent domain (masked ones -inf). The scale is applied before the max, not
     // folded into the exp2 argument (s * c - max * c as one FFMA): that leaves the row's
     // largest P at 2^(rounding error) instead of exactly 1, and a one-hot row then loses O = V
@@ -364,62 +180,19 @@ __device__ __forceinline__ void fwd_piece(const FwdParams& p, int num_m_tiles, c
     // Softcap and ALiBi take the general path of ScoreMods; a bias alone is one add per score.
     const unsigned char* bias_s = sBias + buf * bias_tile.buffer_bytes();
     if (kFeatures && mods_beyond_bias(p)) {
-      const bool tile_all_visible = all_visible(n0);
-#pragma unroll
-      for (int mw = 0; mw < kMW; ++mw)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          // The lane's scores of one row a set: columns [lo, hi) of the tile are in the row's
-          // band (all on an all-visible tile, none for rows past the sequence); the mods may
-          // still mask.
-          const int tr = wrow + 16 * mw + g + 8 * r;
-          const int64_t m = tile.m0 + tr;
-          int lo = 0, hi = tr < tile.rows ? kBN : 0;
-          if (!tile_all_visible && hi > 0) {
-            lo = tile_column(sq.key_begin(m) - n0);
-            hi = tile_column(sq.key_end(m) - n0);
-          }
-          auto col = [&](int i) { return 8 * (i >> 1) + 2 * t + (i & 1); };
-          Acc x[2 * kNA];
-          bool in[2 * kNA];
-#pragma unroll
-          for (int i = 0; i < 2 * kNA; ++i) {
-            x[i] = s[mw][i >> 1][2 * r + (i & 1)];
-            in[i] = col(i) >= lo && col(i) < hi;
-          }
-          mods.scores(x, in, m, n0, [&](int i) { return int2{0, col(i)}; },
-                      [&](int i) { return bias_s + bias_tile.offset(tr, col(i)); }, static_cast<Acc*>(nullptr));
-#pragma unroll
-          for (int i = 0; i < 2 * kNA; ++i) s[mw][i >> 1][2 * r + (i & 1)] = x[i] * Exp::score_scale(1.0);
-        }
+      tile_scores_with_mods<F>(s, mods, sq, tile, n0, all_visible(n0), wrow, g, t, tile_column, bias_s, bias_tile);
     } else {
+      tile_scores_scaled<F, Elem>(s, score_scale, p, bias_s, bias_tile, wrow, g, t);
+      // Scores outside each row's band (causal, window, sequence ends) -> -inf; a masked tile
+      // compares 32-bit column indices against each row's band.
+      if (!all_visible(n0)) {
 #pragma unroll
-      for (int mw = 0; mw < kMW; ++mw)
+        for (int mw = 0; mw < kMW; ++mw)
 #pragma unroll
-        for (int j = 0; j < kNA; ++j)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) s[mw][j][e] *= score_scale;
-      if constexpr (kFeatures) {
-        with_bias_reader<Elem>(p.bias_kind, p.bias_dtype, [&](auto reader) {
-          using R = decltype(reader);
-          if constexpr (R::kBytes > 0) {
-#pragma unroll
-            for (int mw = 0; mw < kMW; ++mw)
-#pragma unroll
-              for (int r = 0; r < 2; ++r) {
-                const unsigned char* row = bias_s + bias_tile.row_offset(wrow + 16 * mw + g + 8 * r);
-#pragma unroll
-                for (int j = 0; j < kNA; ++j)
-#pragma unroll
-                  for (int cc = 0; cc < 2; ++cc)
-                    s[mw][j][2 * r + cc] +=
-                        Exp::score_scale(1.0) * reader.template value<Acc>(row + (8 * j + 2 * t + cc) * R::kBytes);
-              }
-          }
-        });
+          for (int r = 0; r < 2; ++r) mask_row_band<kBN>(s[mw], r, sq, row_of(mw, r), n0, t);
       }
-      mask_band(s, n0);
     }
+
     softmax_pv(s, buf, n0);
   }
 
@@ -431,18 +204,17 @@ __device__ __forceinline__ void fwd_piece(const FwdParams& p, int num_m_tiles, c
     if (blockIdx.x >= split.whole && !settle_piece(split, tile.rows - wrow, tid, kThreads, o, row_max, row_sum))
       return;
   }
-
-  // The tile's output.
-  Elem* out = sq.q_rows<Elem>(p.out, p.out_stride, h, 0);
-  Acc* lse = static_cast<Acc*>(p.lse);
-  // Staged (plain swizzled kernels): a warp writes its rows into its
-  // own rows of sQ, which only it read and its last S products are done with, and copies them out a
-  // 16-byte chunk per lane, a row's chunks across lanes (4-byte stores from the accumulators
-  // write half sectors of 8 rows, with a column test per store). Measured (H200, bf16, key loops'
-  // SASS unchanged): forward +1.7..+4% at L = 512 at dims 128 / 256, +1..+2% at 1024, within
-  // noise from 4096. In the feature variant staging moved the key loops (dim 256: 2 more
-  // registers), not measured: it keeps the stores from registers.
+  // The tile's output. Staged (plain swizzled kernels): a warp writes its rows into its own rows
+  // of sQ, which only it read and its last S products are done with, and copies them out a 16-byte
+  // chunk per lane, a row's chunks across lanes (4-byte stores from the accumulators write half
+  // sectors of 8 rows, with a column test per store). Measured (H200, bf16, key loops' SASS
+  // unchanged): forward +1.7..+4% at L = 512 at dims 128 / 256, +1..+2% at 1024, within noise
+  // from 4096. In the feature variant staging moved the key loops (dim 256: 2 more registers), not
+  // measured: it keeps the stores from registers (store_rows). (Here, not in a function of
+  // fwd_steps.cuh: there it moved the dim-256 kernels' register assignment.)
   if constexpr (kSw && !kFeatures) {
+    Elem* out = sq.q_rows<Elem>(p.out, p.out_stride, h, 0);
+    Acc* lse = static_cast<Acc*>(p.lse);
     // (opaque: formed here, not ahead of the key loop and held across it)
     const uint32_t out_at = TA::base(sQ, opaque(wrow + g), 0);  // the lane's row g of the warp's rows
     __syncwarp();  // every lane's reads of these rows (ldmatrix serves other lanes) are done
@@ -455,7 +227,7 @@ __device__ __forceinline__ void fwd_piece(const FwdParams& p, int num_m_tiles, c
         const bool empty = l == Acc(0);
         const Acc inv = empty ? Acc(0) : Acc(1) / l;
 #pragma unroll
-        for (int d = 0; d < kDA; ++d) {  // row 16 mw + 8 r + g, chunk d, bytes 4t.. of the warp's rows
+        for (int d = 0; d < F::kDA; ++d) {  // row 16 mw + 8 r + g, chunk d, bytes 4t.. of the warp's rows
           const uint32_t at = TA::at(out_at, 16 * mw + 8 * r, d) + 4 * t;
           *reinterpret_cast<uint32_t*>(smem_raw + (at - smem_addr(smem_raw))) =
               M::pack(o[mw][d][2 * r] * inv, o[mw][d][2 * r + 1] * inv);
@@ -495,26 +267,7 @@ __device__ __forceinline__ void fwd_piece(const FwdParams& p, int num_m_tiles, c
           *reinterpret_cast<uint4*>(dst + (i0 + j) * dst_step) = chunk[j];
     }
   } else {
-#pragma unroll
-    for (int mw = 0; mw < kMW; ++mw) {
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const Acc l = sq.row_sum(reduce_sum_lanes<4>(row_sum[mw][r]));
-        const int64_t m = row_of(mw, r);
-        if (m >= sq.len_q) continue;
-        // l == 0 only when no key is visible: out = 0, lse = -inf. A NaN l (an invalid sequence's
-        // too) propagates.
-        const bool empty = l == Acc(0);
-        const Acc inv = empty ? Acc(0) : (kFeatures && drop.on ? drop.inv_keep : Acc(1)) / l;
-        Elem* o_row = out + m * p.out_stride.row;
-#pragma unroll
-        for (int d = 0; d < kDA; ++d) {
-          const int col = 8 * d + 2 * t;
-          if (col < Ev) M::store_pair(o_row + col, o[mw][d][2 * r] * inv, o[mw][d][2 * r + 1] * inv);
-        }
-        if (t == 0) lse[sq.row_index(p.heads_q, h, m)] = empty ? neg_inf<Acc>() : Exp::lse(row_max[mw][r], l);
-      }
-    }
+    store_rows<F, Elem>(o, row_max, row_sum, p, sq, tile, h, drop, wrow, g, t, Ev);
   }
 }
 
