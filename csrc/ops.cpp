@@ -757,15 +757,80 @@ Error check_per_sequence(const Tensor& t, const char* name, const Tensor& cache,
   return {};
 }
 
+// The rotary arguments of a KV-cache append (AppendParams' rotary fields; p's sizes already set):
+// tables (positions >= 1, rotary_dim / 2) in the caches' dtype or float32, and q (batch, len_q,
+// heads_q, head_dim) with q_rotated, its output, given together and only with the tables.
+Error check_rotary(const Tensor& k_cache, const std::optional<Tensor>& rotary_cos,
+                   const std::optional<Tensor>& rotary_sin, bool rotary_interleaved, const std::optional<Tensor>& q,
+                   const std::optional<Tensor>& q_rotated, bool q_rows_consecutive, AppendParams& p) {
+  FA_CHECK(rotary_cos.has_value() == rotary_sin.has_value(),
+           "flashattn: arguments 'rotary_cos' and 'rotary_sin' must be given together");
+  FA_CHECK(q.has_value() == q_rotated.has_value(), "flashattn: arguments 'q' and 'q_rotated' must be given together");
+  FA_CHECK(!q.has_value() || rotary_cos.has_value(),
+           "flashattn: argument 'q' needs 'rotary_cos' and 'rotary_sin' (q is passed to be rotated)");
+  if (!rotary_cos.has_value()) return {};
+  const std::pair<const Tensor*, const char*> tables[] = {{&*rotary_cos, "rotary_cos"}, {&*rotary_sin, "rotary_sin"}};
+  for (const auto& [t, name] : tables) {
+    FA_CHECK(t->dim() == 2 && (t->size(1) <= 1 || t->stride(1) == 1), "flashattn: argument '", name,
+             "' must have 2 dimensions (positions, rotary_dim / 2) with a contiguous last one (stride 1), got shape ",
+             shape_str(*t));
+    FA_CHECK(t->scalar_type() == k_cache.scalar_type() || t->scalar_type() == ScalarType::Float,
+             "flashattn: argument '", name, "' has dtype ", dtype_name(t->scalar_type()), "; it must be k_cache's (",
+             dtype_name(k_cache.scalar_type()), ") or float32");
+    FA_CHECK(same_device(*t, k_cache), "flashattn: argument '", name, "' is on device ", device_str(*t),
+             " but 'k_cache' is on ", device_str(k_cache), "; they must be on the same device");
+  }
+  const Tensor& cos = *rotary_cos;
+  const Tensor& sin = *rotary_sin;
+  FA_CHECK(sin.size(0) == cos.size(0) && sin.size(1) == cos.size(1) && sin.scalar_type() == cos.scalar_type(),
+           "flashattn: argument 'rotary_sin' has shape ", shape_str(sin), " and dtype ", dtype_name(sin.scalar_type()),
+           " but 'rotary_cos' has ", shape_str(cos), " and ", dtype_name(cos.scalar_type()), "; they must match");
+  FA_CHECK(cos.size(0) >= 1 && cos.size(1) >= 1 && 2 * cos.size(1) <= p.head_dim,
+           "flashattn: argument 'rotary_cos' must hold at least one position and rotary_dim = 2 * ", cos.size(1),
+           " between 2 and head_dim = ", p.head_dim, ", got shape ", shape_str(cos));
+  p.rotary_cos = cos.const_data_ptr();
+  p.rotary_sin = sin.const_data_ptr();
+  p.rotary_cos_stride = cos.stride(0);
+  p.rotary_sin_stride = sin.stride(0);
+  p.rotary_positions = cos.size(0);
+  p.rotary_half = cos.size(1);
+  p.rotary_table_f32 = cos.scalar_type() == ScalarType::Float;
+  p.rotary_interleaved = rotary_interleaved;
+  if (!q.has_value()) return {};
+  const std::pair<const Tensor*, const char*> queries[] = {{&*q, "q"}, {&*q_rotated, "q_rotated"}};
+  for (const auto& [t, name] : queries) {
+    FA_CHECK(t->dim() == 4 && (t->size(3) <= 1 || t->stride(3) == 1), "flashattn: argument '", name,
+             "' must have 4 dimensions (batch, len_q, heads_q, head_dim) with a contiguous last one (stride 1), got "
+             "shape ", shape_str(*t));
+    FA_TRY(check_same_device_dtype(k_cache, "k_cache", *t, name));
+    FA_TRY(check_size(*t, name, 0, p.batch, "batch size (must equal k's)"));
+    FA_TRY(check_size(*t, name, 3, p.head_dim, "head_dim (must equal k_cache's)"));
+  }
+  FA_TRY(check_size(*q_rotated, "q_rotated", 1, q->size(1), "number of rows (must equal q's)"));
+  FA_TRY(check_size(*q_rotated, "q_rotated", 2, q->size(2), "number of heads (must equal q's)"));
+  // (batch, len, heads, dim) tensors: Strides' head and row are their dimensions 2 and 1.
+  p.q = q->const_data_ptr();
+  p.q_rotated = q_rotated->mutable_data_ptr();
+  p.q_stride = Strides{q->stride(0), q->stride(2), q->stride(1)};
+  p.q_rotated_stride = Strides{q_rotated->stride(0), q_rotated->stride(2), q_rotated->stride(1)};
+  p.len_q = q->size(1);
+  p.heads_q = q->size(2);
+  p.q_rows_consecutive = q_rows_consecutive;
+  return {};
+}
+
 // The in-place append of a KV-cache step (flash_attn_with_kvcache's layout): k, v (batch, len_new,
 // heads_kv, dim) written into k_cache, v_cache (rows, keys, heads_kv, dim), or into their pages
 // (blocks, page_size, heads_kv, dim) through block_table, at keys seqlens[b].. of each sequence
 // (common/append.h). seqused gets where each sequence's keys end, -1 where its values (lengths,
 // left padding, cache row, the blocks of the pages that hold its keys) allow no step. The values
-// are read only where the backends read them (a CUDA step never waits).
+// are read only where the backends read them (a CUDA step never waits). With rotary tables the new
+// keys are written rotated, and q's rows rotated into q_rotated, in the same launch (check_rotary).
 Error kvcache_append(Tensor k_cache, Tensor v_cache, Tensor k, Tensor v, Tensor seqlens,
                      const std::optional<Tensor>& batch_idx, const std::optional<Tensor>& block_table,
-                     const std::optional<Tensor>& leftpad, Tensor& seqused) {
+                     const std::optional<Tensor>& leftpad, const std::optional<Tensor>& rotary_cos,
+                     const std::optional<Tensor>& rotary_sin, bool rotary_interleaved, const std::optional<Tensor>& q,
+                     const std::optional<Tensor>& q_rotated, bool q_rows_consecutive, Tensor& seqused) {
   const std::pair<const Tensor*, const char*> named[] = {
       {&k_cache, "k_cache"}, {&v_cache, "v_cache"}, {&k, "k"}, {&v, "v"}};
   for (const auto& [t, name] : named) {
@@ -821,6 +886,7 @@ Error kvcache_append(Tensor k_cache, Tensor v_cache, Tensor k, Tensor v, Tensor 
     FA_TRY(check_per_sequence(*leftpad, "leftpad", k_cache, p.batch));
     p.leftpad = static_cast<const int32_t*>(leftpad->const_data_ptr());
   }
+  FA_TRY(check_rotary(k_cache, rotary_cos, rotary_sin, rotary_interleaved, q, q_rotated, q_rows_consecutive, p));
   FA_TRY(allocate({p.batch}, ScalarType::Int, k_cache, "seqused", seqused));
   p.k_cache = k_cache.mutable_data_ptr();
   p.v_cache = v_cache.mutable_data_ptr();
@@ -919,10 +985,15 @@ std::tuple<Tensor, std::string> dropout_mask_op(Tensor rng_state, int64_t batch,
 
 std::tuple<Tensor, std::string> kvcache_append_op(Tensor k_cache, Tensor v_cache, Tensor k, Tensor v, Tensor seqlens,
                                                   std::optional<Tensor> batch_idx, std::optional<Tensor> block_table,
-                                                  std::optional<Tensor> leftpad) {
+                                                  std::optional<Tensor> leftpad, std::optional<Tensor> rotary_cos,
+                                                  std::optional<Tensor> rotary_sin, bool rotary_interleaved,
+                                                  std::optional<Tensor> q, std::optional<Tensor> q_rotated,
+                                                  bool q_rows_consecutive) {
   Tensor seqused = seqlens;
-  std::string error = guarded(
-      [&] { return kvcache_append(k_cache, v_cache, k, v, seqlens, batch_idx, block_table, leftpad, seqused); });
+  std::string error = guarded([&] {
+    return kvcache_append(k_cache, v_cache, k, v, seqlens, batch_idx, block_table, leftpad, rotary_cos, rotary_sin,
+                          rotary_interleaved, q, q_rotated, q_rows_consecutive, seqused);
+  });
   return {seqused, error};
 }
 
@@ -959,12 +1030,15 @@ STABLE_TORCH_LIBRARY(flashattn, m) {
         "Tensor? seqused_k, Tensor? leftpad_k, Tensor? block_table, bool bias_requires_grad, int[] device, "
         "str? kernels, str? smem_limit) -> (str plan, str error)");
   // A KV-cache step's in-place append (flashattn_ext/_kvcache_compose.py): seqused = seqlens + new
-  // rows, -1 where a sequence's values allow no step. Its CPU and CUDA kernels are registered in
+  // rows, -1 where a sequence's values allow no step; with rotary tables the new keys go in rotated
+  // and q's rows are written rotated into q_rotated. Its CPU and CUDA kernels are registered in
   // flashattn_ext/ops.py, as fwd's.
-  m.def("kvcache_append(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor seqlens, "
-        "Tensor? batch_idx=None, Tensor? block_table=None, Tensor? leftpad=None) -> Tensor seqused");
-  m.def("_kvcache_append(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor seqlens, "
-        "Tensor? batch_idx=None, Tensor? block_table=None, Tensor? leftpad=None) -> (Tensor seqused, str error)");
+#define FLASHATTN_APPEND_ARGS                                                                                    \
+  "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor seqlens, Tensor? batch_idx=None, "        \
+  "Tensor? block_table=None, Tensor? leftpad=None, Tensor? rotary_cos=None, Tensor? rotary_sin=None, "          \
+  "bool rotary_interleaved=True, Tensor? q=None, Tensor(c!)? q_rotated=None, bool q_rows_consecutive=False"
+  m.def("kvcache_append(" FLASHATTN_APPEND_ARGS ") -> Tensor seqused");
+  m.def("_kvcache_append(" FLASHATTN_APPEND_ARGS ") -> (Tensor seqused, str error)");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(flashattn, CPU, m) {

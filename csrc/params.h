@@ -180,6 +180,22 @@ struct AppendParams {
   // Optional, int32 (batch,): the first key of each sequence that the attention reads (its left
   // padding); its pages' blocks are checked from there.
   const int32_t* leftpad = nullptr;
+  // Optional rotary embedding (common/rotary.h) of the first 2 * rotary_half features of the new
+  // keys (row t at position seqlens[b] + t) and of q's rows (row i at seqlens[b] + i when
+  // q_rows_consecutive, else at seqlens[b]), written rotated into the cache and into q_rotated.
+  // Tables (rotary_positions, rotary_half) with row strides, in `dtype` or float32
+  // (rotary_table_f32). A sequence that needs a position past the tables' end breaks a rule.
+  const void* rotary_cos = nullptr;
+  const void* rotary_sin = nullptr;
+  int64_t rotary_cos_stride = 0, rotary_sin_stride = 0, rotary_positions = 0, rotary_half = 0;
+  bool rotary_table_f32 = false, rotary_interleaved = true;
+  // Optional (with the tables): q (batch, len_q, heads_q, head_dim) in `dtype`, and q_rotated,
+  // the same shape, written. A sequence that breaks a rule gets q's rows unrotated.
+  const void* q = nullptr;
+  void* q_rotated = nullptr;
+  Strides q_stride, q_rotated_stride;
+  int64_t len_q = 0, heads_q = 0;
+  bool q_rows_consecutive = false;
   // Output, int32 (batch,): seqlens[b] + len_new, where sequence b's keys end after the append
   // (the attention's seqused_k), or -1 for a sequence whose values are out of range, which writes
   // nothing (and whose attention rows the -1 turns to NaN).

@@ -2,10 +2,9 @@
 cache_batch_idx, block_table, rotary positions), written as tensor ops that never wait for the
 device. On the CPU a broken rule raises, naming the sequence and its values. On every device the
 ops evaluate the rules themselves where they run (flashattn::kvcache_append: lengths, left
-padding, cache rows, the blocks of the pages that hold a sequence's keys; flashattn::fwd: the
-key range): a sequence that breaks one writes nothing and gets NaN rows (a bad value is visible,
-never an out-of-bounds access). Only the rotary positions are left to the composition, which
-turns a sequence that needs a position past the tables into -1 lengths."""
+padding, cache rows, the blocks of the pages that hold a sequence's keys, the rotary positions;
+flashattn::fwd: the key range): a sequence that breaks one writes nothing and gets NaN rows (a
+bad value is visible, never an out-of-bounds access)."""
 import torch
 
 PAGE_MULTIPLE = 16  # page sizes a paged cache may use: any multiple of this
@@ -80,15 +79,6 @@ def _rotary_span(a):
     (consecutive, or all at cache_seqlens)."""
     len_q = a.q.shape[1]
     return max(a.len_new, len_q if a.rotary_rows_consecutive else min(len_q, 1))
-
-
-def lengths_or_invalid(a):
-    """cache_seqlens (int32 (B,)) with -1 for the sequences whose rotary positions pass the tables'
-    end: the one rule the ops do not evaluate (they then treat the sequence as out of range)."""
-    span = _rotary_span(a) if a.rotary_cos is not None else 0
-    if not span:
-        return a.seqlens
-    return a.seqlens.masked_fill(a.seqlens >= a.rotary_cos.shape[0] - span + 1, -1)
 
 
 def raise_on_invalid(a):

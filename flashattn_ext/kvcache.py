@@ -294,6 +294,14 @@ def _last_dim_contiguous(t):
     return t if t is None or t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
 
 
+def _rotary_tables(rotary_cos, rotary_sin):
+    """The tables as the op reads them: one dtype (float32, exactly, where they differ) and a
+    contiguous last dimension."""
+    if rotary_cos is not None and rotary_cos.dtype != rotary_sin.dtype:
+        rotary_cos, rotary_sin = rotary_cos.float(), rotary_sin.float()
+    return _last_dim_contiguous(rotary_cos), _last_dim_contiguous(rotary_sin)
+
+
 def _resolve(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
              block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
              num_splits):
@@ -319,6 +327,7 @@ def _resolve(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, c
     if not softcap >= 0.0:
         _fail(f"softcap must be >= 0 (0 = off), got {softcap}")
     _int(num_splits, "num_splits", "an int >= 0 (0 = automatic)", lambda x: x >= 0)
+    rotary_cos, rotary_sin = _rotary_tables(rotary_cos, rotary_sin)
     return KVCacheArgs(
         q=_last_dim_contiguous(q), k_cache=k_cache, v_cache=v_cache, k_new=_last_dim_contiguous(k),
         v_new=_last_dim_contiguous(v), seqlens=seqlens, batch_idx=cache_batch_idx,

@@ -25,8 +25,10 @@ Optional features of both ops (keyword arguments; each default is "off"):
 flashattn::bwd also takes bias_requires_grad and returns the bias gradient as a fourth tensor.
 
 flashattn::kvcache_append(k_cache, v_cache, k, v, seqlens, batch_idx=None, block_table=None,
-leftpad=None) -> seqused writes a KV-cache step's new keys and values into its caches in place
-(see kvcache_append below; flash_attn_with_kvcache calls it).
+leftpad=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=True, q=None, q_rotated=None,
+q_rows_consecutive=False) -> seqused writes a KV-cache step's new keys and values into its caches
+in place, rotated with rotary tables, and q rotated into q_rotated (see kvcache_append below;
+flash_attn_with_kvcache calls it).
 
 The C++ library defines the ops and registers, for CPU and CUDA, the underscored kernels _fwd,
 _bwd, _dropout_mask and _kvcache_append, which throw nothing (on torch < 2.13 an exception
@@ -104,27 +106,40 @@ def _eager(t):
     return type(t) is torch.Tensor and (t.is_cpu or t.is_cuda) and not torch.compiler.is_compiling()
 
 
-def run_kvcache_append(k_cache, v_cache, k, v, seqlens, batch_idx=None, block_table=None, leftpad=None):
+def run_kvcache_append(k_cache, v_cache, k, v, seqlens, batch_idx=None, block_table=None, leftpad=None,
+                       rotary_cos=None, rotary_sin=None, rotary_interleaved=True, q=None, q_rotated=None,
+                       q_rows_consecutive=False):
     """The C++ KV-cache append on CPU/CUDA tensors (in place), its error raised in Python: seqused."""
-    seqused, error = torch.ops.flashattn._kvcache_append.default(k_cache, v_cache, k, v, seqlens, batch_idx,
-                                                                 block_table, leftpad)
+    seqused, error = torch.ops.flashattn._kvcache_append.default(
+        k_cache, v_cache, k, v, seqlens, batch_idx, block_table, leftpad, rotary_cos, rotary_sin, rotary_interleaved,
+        q, q_rotated, q_rows_consecutive)
     if error:
         _raise(error)
     return seqused
 
 
-def kvcache_append(k_cache, v_cache, k, v, seqlens, batch_idx=None, block_table=None, leftpad=None):
+def kvcache_append(k_cache, v_cache, k, v, seqlens, batch_idx=None, block_table=None, leftpad=None, rotary_cos=None,
+                   rotary_sin=None, rotary_interleaved=True, q=None, q_rotated=None, q_rows_consecutive=False):
     """flashattn::kvcache_append: k, v (batch, len_new, heads_kv, dim) written into k_cache, v_cache
     in place at keys seqlens[b].. of each sequence (its row batch_idx[b], or its pages through
     block_table); returns seqused = seqlens + len_new (int32 (batch,)), -1 for a sequence whose
     values allow no step: 0 <= seqlens <= cache length - len_new, 0 <= leftpad <= seqlens, its row
     a row of the cache, the blocks of the pages that hold its keys (leftpad.. seqused - 1) blocks
-    of the cache. Such a sequence writes nothing. Eager CPU/CUDA tensors take the C++ kernel
-    directly."""
+    of the cache, and with rotary tables every position it uses below their rows. Such a sequence
+    writes nothing.
+
+    rotary_cos, rotary_sin (positions, rotary_dim / 2), in the caches' dtype or float32: the first
+    rotary_dim features of new key row t are written rotated at position seqlens[b] + t, pairs
+    (2m, 2m + 1) when rotary_interleaved, else (m, m + rotary_dim / 2), computed in float32
+    (float64 for float64) and rounded once; q (batch, len_q, heads_q, dim) is written rotated into
+    q_rotated (its shape, written here), row i at seqlens[b] + i when q_rows_consecutive, else at
+    seqlens[b] (q's rows unrotated for a sequence that breaks a rule). One launch on CUDA. Eager
+    CPU/CUDA tensors take the C++ kernel directly."""
+    args = (k_cache, v_cache, k, v, seqlens, batch_idx, block_table, leftpad, rotary_cos, rotary_sin,
+            rotary_interleaved, q, q_rotated, q_rows_consecutive)
     if _eager(k_cache):
-        return run_kvcache_append(k_cache, v_cache, k, v, seqlens, batch_idx, block_table, leftpad)
-    return torch.ops.flashattn.kvcache_append.default(k_cache, v_cache, k, v, seqlens, batch_idx, block_table,
-                                                      leftpad)
+        return run_kvcache_append(*args)
+    return torch.ops.flashattn.kvcache_append.default(*args)
 
 
 def _check_cu_seqlens_on_device(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
@@ -223,7 +238,9 @@ def _fwd_fake(q, k, v, scale, causal, deterministic=False, attn_bias=None, windo
 
 
 @torch.library.register_fake("flashattn::kvcache_append")
-def _kvcache_append_fake(k_cache, v_cache, k, v, seqlens, batch_idx=None, block_table=None, leftpad=None):
+def _kvcache_append_fake(k_cache, v_cache, k, v, seqlens, batch_idx=None, block_table=None, leftpad=None,
+                         rotary_cos=None, rotary_sin=None, rotary_interleaved=True, q=None, q_rotated=None,
+                         q_rows_consecutive=False):
     return seqlens.new_empty(seqlens.shape)
 
 

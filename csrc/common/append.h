@@ -7,14 +7,16 @@
 
 #include "../params.h"
 #include "hd.h"
+#include "rotary.h"
 
 namespace flashattn {
 
 // The rules of sequence b that need no page: 0 <= seqlens[b], seqlens[b] + len_new <= cache_len,
-// 0 <= leftpad[b] <= seqlens[b], its cache row in [0, cache_rows) (batch_idx).
+// 0 <= leftpad[b] <= seqlens[b], its cache row in [0, cache_rows) (batch_idx), and with rotary
+// tables every position it uses a row of them (common/rotary.h).
 FLASHATTN_HD bool append_lengths_allowed(const AppendParams& p, int64_t b) {
   const int64_t start = p.seqlens[b], end = start + p.len_new;
-  if (start < 0 || end > p.cache_len) return false;
+  if (start < 0 || end > p.cache_len || !rotary_positions_allowed(p, b)) return false;
   if (p.leftpad && (p.leftpad[b] < 0 || p.leftpad[b] > start)) return false;
   return !p.batch_idx || (p.batch_idx[b] >= 0 && p.batch_idx[b] < p.cache_rows);
 }
