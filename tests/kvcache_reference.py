@@ -22,6 +22,20 @@ def rotate(x, cos, sin, positions, interleaved):
     return torch.cat((rotated, x[..., 2 * half:]), dim=-1)
 
 
+def rotate_rounded_once(x, cos, sin, positions, interleaved):
+    """x (L, heads, E) rotated at positions (L,) with torch's elementwise ops in float32 (float64
+    for float64 inputs), each product and sum rounded on its own, then rounded once to x's dtype:
+    the bits the rotary inside flashattn::kvcache_append must give."""
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    half = cos.shape[1]
+    c, s = cos[positions].to(acc)[:, None, :], sin[positions].to(acc)[:, None, :]
+    part = x[..., :2 * half].to(acc)
+    x1, x2 = (part[..., 0::2], part[..., 1::2]) if interleaved else (part[..., :half], part[..., half:])
+    first, second = x1 * c - x2 * s, x1 * s + x2 * c
+    rotated = torch.stack((first, second), dim=-1).flatten(-2) if interleaved else torch.cat((first, second), dim=-1)
+    return torch.cat((rotated.to(x.dtype), x[..., 2 * half:]), dim=-1)
+
+
 def sequence_cache(cache, b, batch_idx, block_table):
     """(C, Hkv, E) copy of sequence b's keys (or values)."""
     if block_table is not None:

@@ -21,9 +21,12 @@ DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16, 
 
 
 def make_case(device, dtype, heads_kv=2, len_q=1, len_new=1, dim_v=DIM, paged=False, batch_idx=False, leftpad=False,
-              rotary=False, interleaved=True, seqlens=(7, 33, None), alibi=None, page=PAGE, cache=CACHE, **options):
+              rotary=False, interleaved=True, rotary_half=DIM // 4, rotary_f32=False, seqlens=(7, 33, None), alibi=None,
+              page=PAGE, cache=CACHE, **options):
     """(kwargs of flash_attn_with_kvcache, kwargs of kvcache_ref); seqlens None = fill the cache
-    (`cache` keys per sequence: cache / page pages of `page` keys when paged)."""
+    (`cache` keys per sequence: cache / page pages of `page` keys when paged). Rotary tables of
+    rotary_dim = 2 * rotary_half (default 8 < DIM: the last features pass through), in float32
+    with rotary_f32."""
     make = lambda *shape: torch.randn(*shape, dtype=torch.float32).to(dtype)
     seqlens = [cache - len_new if s is None else s for s in seqlens]
     ours = dict(q=make(BATCH, len_q, HEADS, DIM), **options)
@@ -52,9 +55,10 @@ def make_case(device, dtype, heads_kv=2, len_q=1, len_new=1, dim_v=DIM, paged=Fa
         pad = torch.tensor([min(3, s) for s in seqlens], dtype=torch.int32)
         ours["cache_leftpad"], ref["leftpad"] = pad, pad.tolist()
     if rotary:
-        half = DIM // 4  # rotary_dim = 8 < DIM: the last features pass through
+        half = rotary_half
         angle = torch.arange(cache + 2, dtype=torch.float64)[:, None] / 10000 ** (torch.arange(half) / half)
-        ours["rotary_cos"], ours["rotary_sin"] = angle.cos().to(dtype), angle.sin().to(dtype)
+        table = torch.float32 if rotary_f32 else dtype
+        ours["rotary_cos"], ours["rotary_sin"] = angle.cos().to(table), angle.sin().to(table)
         ours["rotary_interleaved"] = ref["interleaved"] = interleaved
     if alibi is not None:
         ours["alibi_slopes"] = ref["alibi"] = 0.3 * torch.rand(alibi if alibi == (HEADS,) else (BATCH, HEADS))
@@ -108,6 +112,11 @@ CASES = {
     "leftpad": dict(leftpad=True, len_q=2, causal=True),
     "batch_idx": dict(batch_idx=True, len_q=2),
     "batch_idx_rotary": dict(batch_idx=True, rotary=True, interleaved=False),
+    "rotary_full_dim_gqa_rows": dict(rotary=True, rotary_half=DIM // 2, len_q=3, len_new=3, causal=True),
+    "rotary_f32_tables_paged_halves": dict(paged=True, rotary=True, rotary_f32=True, interleaved=False, leftpad=True,
+                                           len_q=2, len_new=3, causal=True, seqlens=(14, 30, None)),
+    "rotary_mqa_batch_idx_no_append": dict(batch_idx=True, rotary=True, rotary_half=3, heads_kv=1, len_new=0,
+                                           len_q=2, leftpad=True),
     "window": dict(window_size=(5, 0), len_q=3, len_new=2),
     "window_both_sides": dict(window_size=(4, 2), len_q=3, len_new=0, leftpad=True),
     "window_causal_rotary": dict(window_size=(6, -1), causal=True, rotary=True, len_q=2),
@@ -143,7 +152,7 @@ def test_kvcache_fp32(device, case):
 
 @pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
 @pytest.mark.parametrize("case", ["append_causal_spec_rows", "paged_rotary_leftpad", "everything_paged",
-                                  "batch_idx_rotary"])
+                                  "batch_idx_rotary", "rotary_f32_tables_paged_halves"])
 def test_kvcache_dtypes(device, case, dtype):
     run_and_check(*make_case(device, dtype, **CASES[case]))
 
