@@ -1,20 +1,21 @@
 """The common decode step of flash_attn_with_kvcache in a few Python steps: one row per sequence
 in a dense cache, or (on CUDA) pages through a block_table and left padding; new keys and values
-to append or none; cache_seqlens an int32 tensor or an int (or None with nothing else);
-softmax_scale and causal; nothing else. Such a call needs only the checks below, which read no
-tensor value and cost a few microseconds, and runs as the C++ kernels of flashattn::kvcache_append
-(the append, and the value rules of pages and left padding) and flashattn::fwd, called directly:
+to append or none; rotary tables; cache_seqlens an int32 tensor or an int (or None with nothing
+else); softmax_scale and causal; nothing else. Such a call needs only the checks below, which read
+no tensor value and cost a few microseconds, and runs as the C++ kernels of
+flashattn::kvcache_append (the append, the rotary embedding of q and the new keys, and the value
+rules of lengths, pages, left padding and rotary positions) and flashattn::fwd, called directly:
 an eager step costs two op calls of host time. A call these checks do not pass, the invalid ones
 included, returns None here and takes the general path (kvcache._resolve), whose errors are the
 documented ones. Values out of range are the ops' own rules (no write, NaN rows); the CPU, where
-they are on the host, raises on the lengths as the general path does (and leaves pages and left
-padding to that path, whose messages name them)."""
+they are on the host, raises on the lengths and rotary positions as the general path does (and
+leaves pages and left padding to that path, whose messages name them)."""
 import math
 
 import torch
 
 from ._checks import DTYPE_NAMES, MAX_HEAD_DIM
-from ._kvcache_values import PAGE_MULTIPLE, raise_on_bad_lengths
+from ._kvcache_values import PAGE_MULTIPLE, raise_on_bad_lengths, raise_on_bad_positions
 from .ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, run_fwd, run_kvcache_append
 
 _Tensor = torch.Tensor
@@ -72,11 +73,28 @@ def _plain(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad)
         k is not None and (k.requires_grad or v.requires_grad))))
 
 
+def _rotary_plain(q, rotary_cos, rotary_sin, rotary_interleaved):
+    """Rotary tables as the op takes them: plain tensors of one shape (positions >= 1,
+    1 <= rotary_dim / 2 <= head_dim / 2) and one dtype (q's or float32) on q's device, last
+    dimension contiguous, nothing to differentiate."""
+    if type(rotary_cos) is not _Tensor or type(rotary_sin) is not _Tensor or type(rotary_interleaved) is not bool:
+        return False
+    shape = rotary_cos.shape
+    return (len(shape) == 2 and rotary_sin.shape == shape and shape[0] >= 1 and 1 <= 2 * shape[1] <= q.shape[3]
+            and rotary_cos.dtype in (q.dtype, torch.float32) and rotary_sin.dtype == rotary_cos.dtype
+            and rotary_cos.device == q.device and rotary_sin.device == q.device
+            and rotary_cos.stride()[1] == 1 and rotary_sin.stride()[1] == 1
+            and not (torch.is_grad_enabled() and (rotary_cos.requires_grad or rotary_sin.requires_grad)))
+
+
 def step(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, softmax_scale, causal,
-         return_softmax_lse):
+         return_softmax_lse, rotary_cos=None, rotary_sin=None, rotary_interleaved=True):
     """(out[, lse]) of a common step, or None where the general path takes the call."""
     if (torch.compiler.is_compiling() or _any_autocast()
             or not _plain(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad)):
+        return None
+    rotary = rotary_cos is not None or rotary_sin is not None
+    if rotary and (cache_seqlens is None or not _rotary_plain(q, rotary_cos, rotary_sin, rotary_interleaved)):
         return None
     if softmax_scale is None:
         scale = 1.0 / math.sqrt(q.shape[3])
@@ -89,19 +107,31 @@ def step(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, s
         cache_len = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
         if not 0 <= cache_seqlens <= cache_len - len_new:
             return None  # (the general path's error)
-        if cache_seqlens == cache_len and block_table is None and cache_leftpad is None:
+        if q.is_cpu and rotary:
+            raise_on_bad_positions([cache_seqlens] * q.shape[0], rotary_cos.shape[0], len_new, q.shape[1], causal)
+        if cache_seqlens == cache_len and block_table is None and cache_leftpad is None and not rotary:
             cache_seqlens = None  # every key of every row: no key ranges
         else:
             cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
     elif q.is_cpu and cache_seqlens is not None:  # the values are on the host: an error, as the general path's
-        raise_on_bad_lengths(cache_seqlens.tolist(), len_new, k_cache.shape[1])
+        lengths = cache_seqlens.tolist()
+        raise_on_bad_lengths(lengths, len_new, k_cache.shape[1])
+        if rotary:
+            raise_on_bad_positions(lengths, rotary_cos.shape[0], len_new, q.shape[1], causal)
     seqused = cache_seqlens
-    if k is not None or block_table is not None or cache_leftpad is not None:
-        # The append, or with nothing to append the rules of pages and left padding alone.
+    if k is not None or rotary or block_table is not None or cache_leftpad is not None:
+        # The append (with the rotary embedding of the new keys and of q), or with nothing to append
+        # the rules of pages, left padding and rotary positions alone.
         if k is None:
             k = k_cache.new_empty((q.shape[0], 0) + k_cache.shape[2:])
             v = v_cache.new_empty((q.shape[0], 0) + v_cache.shape[2:])
-        seqused = run_kvcache_append(k_cache, v_cache, k, v, cache_seqlens, None, block_table, cache_leftpad)
+        if rotary:
+            q_rotated = torch.empty_like(q)
+            seqused = run_kvcache_append(k_cache, v_cache, k, v, cache_seqlens, None, block_table, cache_leftpad,
+                                         rotary_cos, rotary_sin, rotary_interleaved, q, q_rotated, causal)
+            q = q_rotated
+        else:
+            seqused = run_kvcache_append(k_cache, v_cache, k, v, cache_seqlens, None, block_table, cache_leftpad)
     out, lse = run_fwd(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2), scale,
                        CAUSAL_BOTTOM_RIGHT if causal else CAUSAL_NONE, False, None, -1, -1, None, 0.0, 0.0, None,
                        None, None, 0, 0, seqused, cache_leftpad, block_table)

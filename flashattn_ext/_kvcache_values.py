@@ -19,6 +19,25 @@ def too_long(b, length, len_new, cache_len):
             f"cache is too short for the append")
 
 
+def past_tables(b, length, positions, span, len_new, len_q):
+    return (f"rotary_cos has {positions} positions but sequence {b} needs position {length + span - 1} "
+            f"(cache_seqlens[{b}] = {length}, {len_new} new keys, {len_q} query rows)")
+
+
+def rotary_span(len_new, len_q, consecutive):
+    """Rotary positions a sequence uses from cache_seqlens on: its new keys', and its query rows'
+    (consecutive, or all at cache_seqlens)."""
+    return max(len_new, len_q if consecutive else min(len_q, 1))
+
+
+def raise_on_bad_positions(lengths, positions, len_new, len_q, consecutive):
+    """The rotary position rule on host values (lengths: a list of valid ints)."""
+    span = rotary_span(len_new, len_q, consecutive)
+    for b, s in enumerate(lengths):
+        if span and s + span > positions:
+            raise ValueError(f"flashattn_ext: {past_tables(b, s, positions, span, len_new, len_q)}")
+
+
 def raise_on_bad_lengths(lengths, len_new, cache_len):
     """The length rules on host values (a list of ints), in raise_on_invalid's order."""
     for b, s in enumerate(lengths):
@@ -64,21 +83,11 @@ def _rules(a):
                     f"{int(leftpad[b])}..{int(end[b]) - 1}")
         rules.append((~bad.any(1), page_message))
     if a.rotary_cos is not None:
-        positions, span = a.rotary_cos.shape[0], _rotary_span(a)
-        len_q = a.q.shape[1]
-        last = seqlens + span - 1
-        rules.append((last < positions if span else torch.ones_like(seqlens, dtype=torch.bool),
-                      lambda b: f"rotary_cos has {positions} positions but sequence {b} needs position "
-                                f"{int(last[b])} (cache_seqlens[{b}] = {int(seqlens[b])}, {len_new} new keys, "
-                                f"{len_q} query rows)"))
+        positions, len_q = a.rotary_cos.shape[0], a.q.shape[1]
+        span = rotary_span(len_new, len_q, a.rotary_rows_consecutive)
+        rules.append((seqlens + span <= positions if span else torch.ones_like(seqlens, dtype=torch.bool),
+                      lambda b: past_tables(b, int(seqlens[b]), positions, span, len_new, len_q)))
     return rules
-
-
-def _rotary_span(a):
-    """Rotary positions a sequence uses from cache_seqlens on: its new keys', and its query rows'
-    (consecutive, or all at cache_seqlens)."""
-    len_q = a.q.shape[1]
-    return max(a.len_new, len_q if a.rotary_rows_consecutive else min(len_q, 1))
 
 
 def raise_on_invalid(a):

@@ -94,11 +94,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     capture it): a sequence whose values are out of range writes nothing, reads nothing out of
     bounds, and gets NaN in its out and lse rows."""
     # The common decode step takes a short path where only its features are given (_kvcache_fast.py).
-    if (rotary_cos is None and rotary_sin is None and cache_batch_idx is None and alibi_slopes is None
-            and type(window_size) is tuple and window_size == (-1, -1) and type(softcap) in (float, int)
-            and softcap == 0 and type(num_splits) is int and num_splits >= 0):
+    if (cache_batch_idx is None and alibi_slopes is None and type(window_size) is tuple and window_size == (-1, -1)
+            and type(softcap) in (float, int) and softcap == 0 and type(num_splits) is int and num_splits >= 0):
         result = _kvcache_fast.step(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad,
-                                    softmax_scale, causal, return_softmax_lse)
+                                    softmax_scale, causal, return_softmax_lse, rotary_cos, rotary_sin,
+                                    rotary_interleaved)
         if result is not None:
             return result
     args = _resolve(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,

@@ -139,16 +139,27 @@ def test_opcheck(device):
 STEPS = {"append": dict(len_new=2, causal=True), "read_only": dict(len_new=0), "no_seqlens": dict(len_new=0),
          "int_seqlens_whole_cache": dict(len_new=0), "int_seqlens_append": dict(len_new=1),
          "paged_append": dict(len_new=2, paged=True), "paged_read_only_leftpad": dict(len_new=0, paged=True, pad=True),
-         "leftpad_append": dict(len_new=1, pad=True, causal=True)}
+         "leftpad_append": dict(len_new=1, pad=True, causal=True),
+         "rotary_append": dict(len_new=2, causal=True, rotary=True),
+         "rotary_read_only_halves": dict(len_new=0, rotary=True, interleaved=False),
+         "int_seqlens_rotary": dict(len_new=1, rotary=True, interleaved=False),
+         "paged_rotary_leftpad": dict(len_new=1, paged=True, pad=True, causal=True, rotary=True)}
 # Steps over every key of the cache: the common step then passes no key ranges (the general path passes
 # lengths equal to the cache's), so the kernels may round differently.
 ALL_KEYS = {"no_seqlens": None, "int_seqlens_whole_cache": CACHE + 2}
-ON_CUDA_ONLY = ("paged_append", "paged_read_only_leftpad", "leftpad_append")  # the CPU's errors name pages, pads
+ON_CUDA_ONLY = ("paged_append", "paged_read_only_leftpad", "leftpad_append",  # the CPU's errors name pages, pads
+                "paged_rotary_leftpad")
+ROTARY_POSITIONS = CACHE + 4
 
 
-def _step(device, len_new, causal=False, lengths=(5, 17, 40, 0), paged=False, pad=False):
+def _step(device, len_new, causal=False, lengths=(5, 17, 40, 0), paged=False, pad=False, rotary=False,
+          interleaved=True):
     make = lambda *shape: torch.randn(*shape, device=device, dtype=torch.bfloat16)  # noqa: E731
     call = dict(q=make(BATCH, 2, 4, DIM), cache_seqlens=_i32(lengths, device), causal=causal)
+    if rotary:  # rotary_dim 6 of DIM 8, float32 tables
+        angle = torch.arange(ROTARY_POSITIONS, dtype=torch.float64)[:, None] / 10000 ** (torch.arange(3) / 3)
+        call["rotary_cos"], call["rotary_sin"] = angle.cos().float().to(device), angle.sin().float().to(device)
+        call["rotary_interleaved"] = interleaved
     if paged:  # 3 pages of 16 keys per sequence; pages past a sequence's keys name no block (-1)
         table = torch.randperm(BATCH * 3 + 1)[:BATCH * 3].view(BATCH, 3).to(torch.int32)
         for b, s in enumerate(lengths):
@@ -180,13 +191,14 @@ def test_common_step_is_the_general_path(device, step, monkeypatch):
     call = _step(device, lengths=lengths, **STEPS[step])
     if step in ALL_KEYS:
         call["cache_seqlens"] = ALL_KEYS[step]
-    elif step == "int_seqlens_append":
+    elif step in ("int_seqlens_append", "int_seqlens_rotary"):
         call["cache_seqlens"] = 30
     general = dict(call, k_cache=call["k_cache"].clone(), v_cache=call["v_cache"].clone())
     resolved = kvcache._resolve(
-        general["q"], general["k_cache"], general["v_cache"], general.get("k"), general.get("v"), None, None,
-        general["cache_seqlens"], None, general.get("cache_leftpad"), general.get("block_table"), None,
-        general["causal"], (-1, -1), 0.0, True, None, 0)
+        general["q"], general["k_cache"], general["v_cache"], general.get("k"), general.get("v"),
+        general.get("rotary_cos"), general.get("rotary_sin"), general["cache_seqlens"], None,
+        general.get("cache_leftpad"), general.get("block_table"), None, general["causal"], (-1, -1), 0.0,
+        general.get("rotary_interleaved", True), None, 0)
     want_out, want_lse = _kvcache_compose.forward(resolved)
 
     resolved_calls = []
@@ -219,9 +231,28 @@ def test_common_step_out_of_range_rows(device):
     assert torch.equal(call["k_cache"][1], before[1]) and not torch.equal(call["k_cache"][0], before[0])
 
 
+def test_common_step_rotary_past_tables(device):
+    """A sequence whose rotary positions pass the tables' end: on the CPU the error names it (and
+    nothing is written); on CUDA it writes nothing and gets NaN rows, the others are unaffected."""
+    call = _step(device, len_new=2, causal=True, rotary=True, lengths=(5, ROTARY_POSITIONS - 1, 0, 7))
+    call["k_cache"], call["v_cache"] = (torch.randn(BATCH, ROTARY_POSITIONS + 4, HEADS_KV, d, device=device,
+                                                    dtype=torch.bfloat16) for d in (DIM, DIM_V))
+    before = call["k_cache"].clone()
+    if device == "cpu":
+        with pytest.raises(ValueError, match=r"rotary_cos has 44 positions but sequence 1 needs position 44 "
+                                             r"\(cache_seqlens\[1\] = 43, 2 new keys, 2 query rows\)"):
+            flashattn_ext.flash_attn_with_kvcache(**call)
+        assert torch.equal(call["k_cache"], before)
+        return
+    out, lse = flashattn_ext.flash_attn_with_kvcache(**call, return_softmax_lse=True)
+    assert out[1].isnan().all() and lse[1].isnan().all() and not out[[0, 2, 3]].isnan().any()
+    assert torch.equal(call["k_cache"][1], before[1]) and not torch.equal(call["k_cache"][0], before[0])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or not flashattn_ext.has_cuda_kernels(), reason="needs CUDA")
-def test_common_step_no_host_sync():
-    call = _step("cuda", len_new=1)
+@pytest.mark.parametrize("rotary", [False, True], ids=["plain", "rotary"])
+def test_common_step_no_host_sync(rotary):
+    call = _step("cuda", len_new=1, rotary=rotary)
     flashattn_ext.flash_attn_with_kvcache(**call)  # lazy initialisation may synchronise once
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -231,9 +262,10 @@ def test_common_step_no_host_sync():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not flashattn_ext.has_cuda_kernels(), reason="needs CUDA")
-def test_common_step_cuda_graph():
+@pytest.mark.parametrize("rotary", [False, True], ids=["plain", "rotary"])
+def test_common_step_cuda_graph(rotary):
     """Captured once, replayed with new q, k, v and lengths (one out of range): equal to eager calls."""
-    static = _step("cuda", len_new=1, causal=True)
+    static = _step("cuda", len_new=1, causal=True, rotary=rotary)
     caches = (static["k_cache"].clone(), static["v_cache"].clone())
     flashattn_ext.flash_attn_with_kvcache(**static)  # lazy initialisation outside the graph
     static["k_cache"].copy_(caches[0])
