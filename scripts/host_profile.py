@@ -2,7 +2,8 @@
 calls on a tiny shape (or decode steps on a small cache) (the kernels take microseconds, so the table is the host's Python, dispatcher,
 autograd and CUDA runtime calls), and cProfile's Python view of the same calls.
 
-    python scripts/host_profile.py [--device cuda] [--impl ours|sdpa] [--out-dir DIR]
+    python scripts/host_profile.py [--device cuda] [--out-dir DIR]
+        [--impl ours|sdpa|kvcache|kvcache-append|kvcache-rotary]
 """
 import argparse
 import cProfile
@@ -19,7 +20,7 @@ import flashattn_ext
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--impl", default="ours", choices=("ours", "sdpa", "kvcache", "kvcache-append"))
+    p.add_argument("--impl", default="ours", choices=("ours", "sdpa", "kvcache", "kvcache-append", "kvcache-rotary"))
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--out-dir", default=".")
     args = p.parse_args()
@@ -34,13 +35,19 @@ def main():
         qd = torch.randn(1, 1, 32, 128, device=args.device, dtype=dtype)
         kc, vc = (torch.randn(1, 1024, 32, 128, device=args.device, dtype=dtype) for _ in range(2))
         # kvcache: a step that only reads the cache; kvcache-append: the new row's key and value
-        # appended first (benchmarks/bench_decode.py's step)
+        # appended first (benchmarks/bench_decode.py's step); kvcache-rotary: appended rotated, q
+        # rotated too (float32 tables of 2048 positions over the whole head, causal)
         new = [torch.randn(1, 1, 32, 128, device=args.device, dtype=dtype) for _ in range(2)] \
-            if args.impl == "kvcache-append" else [None, None]
+            if args.impl != "kvcache" else [None, None]
         seqlens = torch.full((1,), 1024 - (new[0] is not None), dtype=torch.int32, device=args.device)
+        rotary = {}
+        if args.impl == "kvcache-rotary":
+            angle = torch.arange(2048, device=args.device)[:, None] / 10000 ** (
+                torch.arange(64, device=args.device) / 64)
+            rotary = dict(rotary_cos=angle.cos(), rotary_sin=angle.sin(), causal=True)
 
         def step():  # noqa: F811
-            flashattn_ext.flash_attn_with_kvcache(qd, kc, vc, *new, cache_seqlens=seqlens)
+            flashattn_ext.flash_attn_with_kvcache(qd, kc, vc, *new, cache_seqlens=seqlens, **rotary)
 
     for _ in range(50):
         step()
@@ -64,7 +71,8 @@ def main():
     pstats.Stats(prof_py, stream=s).sort_stats("tottime").print_stats(40)
     path = os.path.join(args.out_dir, f"host_profile_{args.impl}_{args.device}.txt")
     with open(path, "w") as f:
-        what = {"kvcache": "a read-only decode step", "kvcache-append": "a decode step with its append"}.get(
+        what = {"kvcache": "a read-only decode step", "kvcache-append": "a decode step with its append",
+                "kvcache-rotary": "a decode step with its append and rotary"}.get(
             args.impl, "fwd+bwd, 1x1x16x64 causal")
         f.write(f"{args.calls} calls of {what}, {dtype}, {args.impl}\n\n")
         f.write(table + "\n\n" + s.getvalue())
