@@ -16,6 +16,10 @@ would pass --max-gb are skipped.
     python benchmarks/bench_decode.py                       # the default grid (bf16, E=128)
     python benchmarks/bench_decode.py --full                # B 1..64, C 1k..128k, E 64/128/256
     python benchmarks/bench_decode.py --device cpu --quick  # tiny sizes on the CPU (code paths only)
+
+--impls may also name ours-rotary and ours-rotary-graph (not in the default list): the dense step
+with rotary tables (float32, the whole head, causal), q and the new keys rotated inside the
+append's launch.
 """
 import argparse
 import datetime
@@ -32,6 +36,7 @@ import flashattn_ext
 from flashattn_ext import _measure as M
 
 IMPLS = ("ours", "ours-graph", "ours-paged", "ours-paged-graph", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "copy")
+OPTIONAL_IMPLS = ("ours-rotary", "ours-rotary-graph")
 KINDS = {"mha": 1, "gqa": 4, "mqa": None}  # query heads per key/value head (None: one key/value head)
 
 
@@ -69,7 +74,7 @@ def parse_args(argv):
     args.head_dims = [int(x) for x in args.head_dims.split(",")]
     args.kinds = args.kinds.split(",")
     args.impls = args.impls.split(",")
-    for name, given, known in (("kinds", args.kinds, KINDS), ("impls", args.impls, IMPLS)):
+    for name, given, known in (("kinds", args.kinds, KINDS), ("impls", args.impls, IMPLS + OPTIONAL_IMPLS)):
         if set(given) - set(known):
             p.error(f"unknown {name} {sorted(set(given) - set(known))}; choose from {tuple(known)}")
     return args
@@ -100,7 +105,15 @@ def step_fn(impl, t):
     if impl == "ours":
         return lambda: flashattn_ext.flash_attn_with_kvcache(t["q"], t["k_cache"], t["v_cache"], t["k"], t["v"],
                                                              cache_seqlens=t["cache_seqlens"])
-    if impl in ("ours-graph", "ours-paged-graph"):  # captured in a CUDA graph: no Python or launch overhead
+    if impl == "ours-rotary":
+        cache, dim = t["k_cache"].shape[1], t["q"].shape[3]
+        angle = torch.arange(cache, device=t["q"].device)[:, None] / 10000 ** (
+            torch.arange(dim // 2, device=t["q"].device) / (dim // 2))
+        cos, sin = angle.cos(), angle.sin()
+        return lambda: flashattn_ext.flash_attn_with_kvcache(t["q"], t["k_cache"], t["v_cache"], t["k"], t["v"],
+                                                             cache_seqlens=t["cache_seqlens"], rotary_cos=cos,
+                                                             rotary_sin=sin, causal=True)
+    if impl in ("ours-graph", "ours-paged-graph", "ours-rotary-graph"):  # no Python or launch overhead
         step = step_fn(impl[:-len("-graph")], t)
         step()  # lazy initialisation outside the capture
         graph = torch.cuda.CUDAGraph()
