@@ -504,33 +504,39 @@ Error current_cuda_stream(const Tensor& t, void*& stream) {
 }
 #endif
 
-// The backend of q's device runs p, with the workspace it asks for allocated here.
-template <class Params, class CpuBytes, class RunCpu, class CudaBytes, class RunCuda>
-Error run_backend(Params& p, const Tensor& q, CpuBytes cpu_bytes, RunCpu run_cpu, CudaBytes cuda_bytes,
-                  RunCuda run_cuda) {
-  Tensor ws;  // held until the kernels are queued: the allocator's stream order covers them
-  const auto take_workspace = [&](size_t bytes) -> Error {
-    p.workspace_bytes = bytes;
-    if (bytes == 0) return {};
-    FA_TRY(allocate({static_cast<int64_t>(bytes)}, ScalarType::Byte, q, "the workspace", ws));
-    p.workspace = ws.mutable_data_ptr();
-    return {};
+// The backend of q's device runs p, with the workspace it asks for allocated here: the CPU's sized
+// first; the CUDA backend asks for its own once it has planned the call (cuda::AllocateWorkspace).
+template <class Params, class CpuBytes, class RunCpu, class RunCuda>
+Error run_backend(Params& p, const Tensor& q, CpuBytes cpu_bytes, RunCpu run_cpu, RunCuda run_cuda) {
+  struct Workspace {
+    const Tensor& like;
+    Tensor tensor;  // held until the kernels are queued: the allocator's stream order covers them
+    Error error;
+  } ws{q, {}, {}};
+  // (One capture: std::function keeps it without allocating.)
+  const auto allocate_workspace = [&ws](size_t bytes, void*& workspace) {
+    workspace = nullptr;
+    if (bytes == 0) return true;
+    ws.error = allocate({static_cast<int64_t>(bytes)}, ScalarType::Byte, ws.like, "the workspace", ws.tensor);
+    if (ws.error) return false;
+    workspace = ws.tensor.mutable_data_ptr();
+    return true;
   };
   if (q.is_cpu()) {
-    FA_TRY(take_workspace(cpu_bytes(p)));
+    p.workspace_bytes = cpu_bytes(p);
+    if (!allocate_workspace(p.workspace_bytes, p.workspace)) return ws.error;
     run_cpu(p);
     return {};
   }
 #ifdef FLASHATTN_WITH_CUDA
   torch::stable::accelerator::DeviceGuard guard(q.get_device_index());
-  FA_TRY(take_workspace(cuda_bytes(p)));
   void* stream = nullptr;
   FA_TRY(current_cuda_stream(q, stream));
-  const std::string failure = run_cuda(p, stream);
+  const std::string failure = run_cuda(p, stream, allocate_workspace);
+  FA_TRY(ws.error);
   FA_CHECK(failure.empty(), failure);
   return {};
 #else
-  (void)cuda_bytes;
   (void)run_cuda;
   return error_of("RuntimeError", "flashattn: this build of flashattn_ext has no CUDA kernels; reinstall it with nvcc "
                   "and a CUDA build of torch present");
@@ -538,11 +544,11 @@ Error run_backend(Params& p, const Tensor& q, CpuBytes cpu_bytes, RunCpu run_cpu
 }
 
 #ifdef FLASHATTN_WITH_CUDA
-#define FLASHATTN_CUDA_FWD cuda::fwd_workspace_bytes, cuda::run_fwd
-#define FLASHATTN_CUDA_BWD cuda::bwd_workspace_bytes, cuda::run_bwd
+#define FLASHATTN_CUDA_FWD cuda::run_fwd
+#define FLASHATTN_CUDA_BWD cuda::run_bwd
 #else
-#define FLASHATTN_CUDA_FWD [](const FwdParams&) { return size_t(0); }, [](const FwdParams&, void*) { return std::string(); }
-#define FLASHATTN_CUDA_BWD [](const BwdParams&) { return size_t(0); }, [](const BwdParams&, void*) { return std::string(); }
+#define FLASHATTN_CUDA_FWD nullptr
+#define FLASHATTN_CUDA_BWD nullptr
 #endif
 
 // `deterministic` is kept for the backward (autograd passes it on); the forward has no
@@ -573,12 +579,12 @@ Error fwd(Tensor q, Tensor k, Tensor v, double scale, int64_t causal, const Feat
   return run_backend(p, q, cpu::fwd_workspace_bytes, cpu::run_fwd, FLASHATTN_CUDA_FWD);
 }
 
-// dq, dk, dv and the gradient of a float attn_bias: (batch, heads_q, len_q, len_k) in lse's
-// dtype when bias_requires_grad (the caller sums it over the bias's broadcast dimensions), else
-// an empty tensor.
+// dq, dk, dv and, where `dbias` is given, the gradient of a float attn_bias: (batch, heads_q, len_q,
+// len_k) in lse's dtype when bias_requires_grad (the caller sums it over the bias's broadcast
+// dimensions), else an empty tensor. (Without `dbias`, bias_requires_grad must be false.)
 Error bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, std::optional<Tensor> dlse, double scale,
           int64_t causal, bool deterministic, const Features& f, bool bias_requires_grad, Tensor& dq, Tensor& dk,
-          Tensor& dv, Tensor& dbias) {
+          Tensor& dv, Tensor* dbias) {
   FA_CHECK(!f.block_table.has_value(), "flashattn: the backward of a call with a 'block_table' (paged k / v) is not "
            "supported: such calls are forward only (decode steps)");
   Dims d;
@@ -617,16 +623,18 @@ Error bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, std
   FA_TRY(empty_like_layout(q, d.heads_q, d.len_q, d.head_dim, q.scalar_type(), "dq", dq));
   FA_TRY(empty_like_layout(k, d.heads_kv, d.len_k, d.head_dim, q.scalar_type(), "dk", dk));
   FA_TRY(empty_like_layout(v, d.heads_kv, d.len_k, d.head_dim_v, q.scalar_type(), "dv", dv));
-  FA_TRY(allocate({bias_requires_grad ? d.batch : 0, d.heads_q, d.len_q, d.len_k}, lse_type(q.scalar_type()), q,
-                  "the attn_bias gradient", dbias));
-  if (bias_requires_grad) torch::stable::zero_(dbias);  // the backend writes only the scores it visits
+  if (dbias != nullptr) {
+    FA_TRY(allocate({bias_requires_grad ? d.batch : 0, d.heads_q, d.len_q, d.len_k}, lse_type(q.scalar_type()), q,
+                    "the attn_bias gradient", *dbias));
+    if (bias_requires_grad) torch::stable::zero_(*dbias);  // the backend writes only the scores it visits
+  }
   if (d.batch * d.heads_q * d.len_q * d.len_k == 0) {  // nothing attends to anything
     torch::stable::zero_(dq);
     torch::stable::zero_(dk);
     torch::stable::zero_(dv);
     return {};
   }
-  p.dbias = bias_requires_grad ? dbias.mutable_data_ptr() : nullptr;
+  p.dbias = bias_requires_grad ? dbias->mutable_data_ptr() : nullptr;
   p.out = const_cast<void*>(out.const_data_ptr());
   p.out_stride = strides_of(out);
   p.lse = const_cast<void*>(lse.const_data_ptr());
@@ -943,6 +951,15 @@ std::tuple<Tensor, Tensor, std::string> fwd_op(
   return {out, lse, error};
 }
 
+// _fwd of a call without optional features: each argument of a schema costs the dispatcher time on
+// every call (parsed from Python, boxed, converted through the stable ABI), more than such a call's
+// kernel takes on a GPU.
+std::tuple<Tensor, Tensor, std::string> fwd_plain_op(Tensor q, Tensor k, Tensor v, double scale, int64_t causal) {
+  Tensor out = q, lse = q;
+  std::string error = guarded([&] { return fwd(q, k, v, scale, causal, Features{}, out, lse); });
+  return {out, lse, error};
+}
+
 std::tuple<Tensor, Tensor, Tensor, Tensor, std::string> bwd_op(
     Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, std::optional<Tensor> dlse, double scale,
     int64_t causal, bool deterministic, std::optional<Tensor> attn_bias, int64_t window_left, int64_t window_right,
@@ -954,9 +971,20 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, std::string> bwd_op(
                    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, leftpad_k, block_table};
   Tensor dq = q, dk = q, dv = q, dbias = q;
   std::string error = guarded([&] {
-    return bwd(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, f, bias_requires_grad, dq, dk, dv, dbias);
+    return bwd(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, f, bias_requires_grad, dq, dk, dv, &dbias);
   });
   return {dq, dk, dv, dbias, error};
+}
+
+// _bwd of a call without optional features (as fwd_plain_op), with no bias gradient to return.
+std::tuple<Tensor, Tensor, Tensor, std::string> bwd_plain_op(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out,
+                                                            Tensor lse, std::optional<Tensor> dlse, double scale,
+                                                            int64_t causal, bool deterministic) {
+  Tensor dq = q, dk = q, dv = q;
+  std::string error = guarded([&] {
+    return bwd(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, Features{}, false, dq, dk, dv, nullptr);
+  });
+  return {dq, dk, dv, error};
 }
 
 std::tuple<std::string, std::string> kernel_plan_op(
@@ -1021,6 +1049,10 @@ STABLE_TORCH_LIBRARY(flashattn, m) {
   m.def("dropout_mask(Tensor rng_state, int batch, int heads, int len_q, int len_k, float dropout_p) -> Tensor");
   m.def("_fwd(" FLASHATTN_FWD_ARGS ") -> (Tensor out, Tensor lse, str error)");
   m.def("_bwd(" FLASHATTN_BWD_ARGS ") -> (Tensor dq, Tensor dk, Tensor dv, Tensor dbias, str error)");
+  // _fwd and _bwd of calls without optional features, with only the arguments those read.
+  m.def("_fwd_plain(Tensor q, Tensor k, Tensor v, float scale, int causal) -> (Tensor out, Tensor lse, str error)");
+  m.def("_bwd_plain(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, float scale, "
+        "int causal, bool deterministic) -> (Tensor dq, Tensor dk, Tensor dv, str error)");
   m.def("_dropout_mask(Tensor rng_state, int batch, int heads, int len_q, int len_k, float dropout_p) -> "
         "(Tensor mask, str error)");
   // The CUDA kernel the plan chooses for a call (flashattn_ext.kernel_plan): "family/tier".
@@ -1044,6 +1076,8 @@ STABLE_TORCH_LIBRARY(flashattn, m) {
 STABLE_TORCH_LIBRARY_IMPL(flashattn, CPU, m) {
   m.impl("_fwd", TORCH_BOX(&flashattn::fwd_op));
   m.impl("_bwd", TORCH_BOX(&flashattn::bwd_op));
+  m.impl("_fwd_plain", TORCH_BOX(&flashattn::fwd_plain_op));
+  m.impl("_bwd_plain", TORCH_BOX(&flashattn::bwd_plain_op));
   m.impl("_dropout_mask", TORCH_BOX(&flashattn::dropout_mask_op));
   m.impl("_kernel_plan", TORCH_BOX(&flashattn::kernel_plan_op));
   m.impl("_kvcache_append", TORCH_BOX(&flashattn::kvcache_append_op));
@@ -1053,6 +1087,8 @@ STABLE_TORCH_LIBRARY_IMPL(flashattn, CPU, m) {
 STABLE_TORCH_LIBRARY_IMPL(flashattn, CUDA, m) {
   m.impl("_fwd", TORCH_BOX(&flashattn::fwd_op));
   m.impl("_bwd", TORCH_BOX(&flashattn::bwd_op));
+  m.impl("_fwd_plain", TORCH_BOX(&flashattn::fwd_plain_op));
+  m.impl("_bwd_plain", TORCH_BOX(&flashattn::bwd_plain_op));
   m.impl("_kernel_plan", TORCH_BOX(&flashattn::kernel_plan_op));
   m.impl("_kvcache_append", TORCH_BOX(&flashattn::kvcache_append_op));
 }

@@ -6,7 +6,7 @@ import operator
 import torch
 
 from ._checks import call_signature, check_features, check_fwd_args, check_layout, passed_before, remember_passed
-from .ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, CAUSAL_TOP_LEFT, fwd, new_rng_state
+from .ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, CAUSAL_TOP_LEFT, fwd, fwd_plain, new_rng_state
 
 
 def checked_fwd(q, k, v, scale, causal, deterministic=False, layout="bhld", **features):
@@ -74,7 +74,7 @@ def _attention(q, k, v, scale, causal, deterministic, attn_bias=None, window_siz
         if not passed_before(signature):
             check_fwd_args(q, k, v, causal, layout)
             remember_passed(signature)
-        return fwd(q, k, v, scale, causal, deterministic)
+        return fwd_plain(q, k, v, scale, causal, deterministic)
     dropout_p = _real(dropout_p, "dropout_p", " in [0, 1)")
     softcap = _real(softcap, "softcap", " >= 0 (0 = off)")
     left, right = _window(window_size)
@@ -146,7 +146,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if attn_mask is None and _plain_options(scale, dropout_p):
         signature = call_signature(query, key, value, "sdpa", causal, not enable_gqa)
         if passed_before(signature):  # 4-D tensors that passed before (remembered below)
-            return fwd(query, key, value, default_scale(query.shape[-1]) if scale is None else scale, causal)[0]
+            return fwd_plain(query, key, value, default_scale(query.shape[-1]) if scale is None else scale, causal)[0]
 
     def at_least_3d(name, t):
         if t.dim() < 3:
@@ -198,9 +198,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             and window_size == (-1, -1)):
         signature = call_signature(q, k, v, "flash", causal)
         if passed_before(signature):
-            out, lse = fwd(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                           default_scale(q.shape[-1]) if softmax_scale is None else softmax_scale, causal,
-                           bool(deterministic))
+            out, lse = fwd_plain(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                 default_scale(q.shape[-1]) if softmax_scale is None else softmax_scale, causal,
+                                 bool(deterministic))
             out = out.transpose(1, 2)
             return (out, lse) if return_lse else out
 

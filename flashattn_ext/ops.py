@@ -31,7 +31,8 @@ in place, rotated with rotary tables, and q rotated into q_rotated (see kvcache_
 flash_attn_with_kvcache calls it).
 
 The C++ library defines the ops and registers, for CPU and CUDA, the underscored kernels _fwd,
-_bwd, _dropout_mask and _kvcache_append, which throw nothing (on torch < 2.13 an exception
+_bwd, _fwd_plain, _bwd_plain (a call without optional features: only the arguments it reads),
+_dropout_mask and _kvcache_append, which throw nothing (on torch < 2.13 an exception
 leaving a stable-ABI kernel kills the process): they return an error string, which the kernels
 registered here for fwd, bwd, dropout_mask and kvcache_append raise as a Python exception
 (torch.OutOfMemoryError for a failed allocation). The public functions call the underscored
@@ -53,8 +54,17 @@ FEATURES = (("attn_bias", None), ("window_left", -1), ("window_right", -1), ("al
 _FEATURE_NAMES = tuple(name for name, _ in FEATURES)
 _N_FIXED_FWD_ARGS = 6  # q, k, v, scale, causal, deterministic
 _BIAS_INDEX = _N_FIXED_FWD_ARGS  # attn_bias is the first feature argument
-# The underscored kernels (see the module docstring), looked up once.
-_FWD_KERNEL, _BWD_KERNEL = torch.ops.flashattn._fwd.default, torch.ops.flashattn._bwd.default
+
+
+def _kernel(name):
+    """The C++ callable of underscored kernel `name` (see the module docstring), looked up once; its
+    OpOverload's __call__ is a Python frame around it."""
+    overload = getattr(torch.ops.flashattn, name).default
+    return getattr(overload, "_op", overload)
+
+
+_FWD_KERNEL, _BWD_KERNEL = _kernel("_fwd"), _kernel("_bwd")
+_FWD_PLAIN_KERNEL, _BWD_PLAIN_KERNEL = _kernel("_fwd_plain"), _kernel("_bwd_plain")
 
 
 def _lse_dtype(dtype):
@@ -99,6 +109,22 @@ def run_bwd(*args, **features):
     if error:
         _raise(error)
     return dq, dk, dv, dbias
+
+
+def run_fwd_plain(q, k, v, scale, causal):
+    """run_fwd of a call without optional features."""
+    out, lse, error = _FWD_PLAIN_KERNEL(q, k, v, scale, causal)
+    if error:
+        _raise(error)
+    return out, lse
+
+
+def run_bwd_plain(dout, q, k, v, out, lse, dlse, scale, causal, deterministic):
+    """run_bwd of a call without optional features: dq, dk, dv."""
+    dq, dk, dv, error = _BWD_PLAIN_KERNEL(dout, q, k, v, out, lse, dlse, scale, causal, deterministic)
+    if error:
+        _raise(error)
+    return dq, dk, dv
 
 
 def _eager(t):
@@ -260,23 +286,31 @@ def _bwd_fake(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, attn_
 
 def _run_fwd_call(q, k, v, attn_bias, scale, causal, deterministic, features):
     """run_fwd of one call; `features`: the feature arguments given besides attn_bias, by name.
-    A call with none passes the op only what it reads (each argument costs the dispatcher time)."""
+    A call with none takes the plain kernel (each argument costs the dispatcher time)."""
     if attn_bias is None and not features:
-        return run_fwd(q, k, v, scale, causal)
+        return run_fwd_plain(q, k, v, scale, causal)
     return run_fwd(q, k, v, scale, causal, deterministic, attn_bias, **features)
+
+
+def _save_plain(ctx, q, k, v, out, lse, call):
+    """What the backward of a call without optional features needs; `call` = (scale, causal,
+    deterministic)."""
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.features = None
+    ctx.call = call
+    ctx.set_materialize_grads(False)
 
 
 def _save_for_backward(ctx, q, k, v, attn_bias, scale, causal, deterministic, features, out, lse):
     """What the backward needs; `features` as in _run_fwd_call. Only the features given are
     walked (none for a plain call)."""
     if attn_bias is None and not features:
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.features = None
-    else:
-        given = dict(features, attn_bias=attn_bias)
-        ctx.tensor_names = tuple(name for name, x in given.items() if isinstance(x, torch.Tensor))
-        ctx.save_for_backward(q, k, v, out, lse, *(given[name] for name in ctx.tensor_names))
-        ctx.features = {name: x for name, x in given.items() if not isinstance(x, torch.Tensor)}
+        _save_plain(ctx, q, k, v, out, lse, (scale, causal, deterministic))
+        return
+    given = dict(features, attn_bias=attn_bias)
+    ctx.tensor_names = tuple(name for name, x in given.items() if isinstance(x, torch.Tensor))
+    ctx.save_for_backward(q, k, v, out, lse, *(given[name] for name in ctx.tensor_names))
+    ctx.features = {name: x for name, x in given.items() if not isinstance(x, torch.Tensor)}
     ctx.call = (scale, causal, deterministic)
     ctx.set_materialize_grads(False)
 
@@ -321,7 +355,7 @@ def _gradients(ctx, dout, dlse, bias_needs_grad):
                                                *(features.get(name, default) for name, default in FEATURES),
                                                bias_grad)
     elif ctx.features is None:
-        dq, dk, dv, dbias = run_bwd(dout, q, k, v, out, lse, dlse, scale, causal, deterministic)
+        return (*run_bwd_plain(dout, q, k, v, out, lse, dlse, scale, causal, deterministic), None)
     else:
         dq, dk, dv, dbias = run_bwd(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, **features,
                                     bias_requires_grad=bias_grad)
@@ -408,23 +442,56 @@ class _FwdWithGrad(torch.autograd.Function):
         return *_gradients(ctx, dout, dlse, ctx.needs_input_grad[3]), None, None, None, None
 
 
+class _PlainFwdWithGrad(torch.autograd.Function):
+    """_FwdWithGrad of a call without optional features: apply() takes fewer arguments, and the
+    forward calls the plain kernel directly."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, causal, deterministic):
+        out, lse, error = _FWD_PLAIN_KERNEL(q, k, v, scale, causal)
+        if error:
+            _raise(error)
+        _save_plain(ctx, q, k, v, out, lse, (scale, causal, deterministic))
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):  # gradients of q, k, v; none for the rest
+        return *_gradients(ctx, dout, dlse, False)[:3], None, None, None
+
+
 _transforms_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: True)
 # autograd.Function.apply outside torch.func transforms, without its per-call Python: the C++
 # apply it ends in, after unwrapping tensors left over from an exited transform as it does.
 _apply_fwd_with_grad = super(torch.autograd.Function, _FwdWithGrad).apply
+_apply_plain_fwd_with_grad = super(torch.autograd.Function, _PlainFwdWithGrad).apply
 _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+
+
+def fwd_plain(q, k, v, scale, causal, deterministic=False):
+    """fwd of a call without optional features (where the public functions take a call whose
+    signature passed the checks before)."""
+    if _any_autocast():
+        q, k, v, _ = autocast_inputs(q.device.type, q, k, v, None)
+    if not _eager(q):
+        return torch.ops.flashattn.fwd.default(q, k, v, scale, causal, deterministic)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        if _transforms_active():
+            return _FwdWithGradForTransforms.apply(q, k, v, None, (scale, causal, deterministic, {}))
+        return _apply_plain_fwd_with_grad(_unwrap_if_dead(q), _unwrap_if_dead(k), _unwrap_if_dead(v), scale, causal,
+                                          deterministic)
+    return run_fwd_plain(q, k, v, scale, causal)
 
 
 def fwd(q, k, v, scale, causal, deterministic=False, **features):
     """flashattn::fwd, differentiable; `features` as the op names them. Where autograd records
     the call (outside torch.compile, which traces the op's registered formula), through
-    _FwdWithGrad."""
-    bias = None
-    if features:
-        unknown = [name for name in features if name not in _FEATURE_NAMES]  # (no set ops: torch 2.11's dynamo)
-        if unknown:
-            raise TypeError(f"flashattn_ext: unknown feature arguments {sorted(unknown)}")
-        bias = features.pop("attn_bias", None)
+    _FwdWithGrad (_PlainFwdWithGrad without features: fwd_plain)."""
+    if not features:
+        return fwd_plain(q, k, v, scale, causal, deterministic)
+    unknown = [name for name in features if name not in _FEATURE_NAMES]  # (no set ops: torch 2.11's dynamo)
+    if unknown:
+        raise TypeError(f"flashattn_ext: unknown feature arguments {sorted(unknown)}")
+    bias = features.pop("attn_bias", None)
     if _any_autocast():
         q, k, v, bias = autocast_inputs(q.device.type, q, k, v, bias)
     if not _eager(q):

@@ -1,5 +1,7 @@
 // Entry points of the CUDA backend. Plain C++: included by ops.cpp, which knows no CUDA types.
 #pragma once
+#include <cstddef>
+#include <functional>
 #include <string>
 
 #include "../params.h"
@@ -7,13 +9,16 @@
 
 namespace flashattn::cuda {
 
-// `stream` is a cudaStream_t; kernels run on the caller's current device. A call is
-// fwd_workspace_bytes then run_fwd (bwd_...: the same); run_* return "" or the first CUDA
-// failure of the call (nothing here throws: see common/check.h).
-size_t fwd_workspace_bytes(const FwdParams& p);
-std::string run_fwd(const FwdParams& p, void* stream);
-size_t bwd_workspace_bytes(const BwdParams& p);
-std::string run_bwd(const BwdParams& p, void* stream);
+// Allocates a call's workspace of `bytes` bytes (ops.cpp, through torch; null for none) into
+// `workspace`; false where it could not, the failure kept by the caller to raise.
+using AllocateWorkspace = std::function<bool(size_t bytes, void*& workspace)>;
+
+// `stream` is a cudaStream_t; kernels run on the caller's current device. A call is planned once:
+// the plan's kernel sizes the workspace, `allocate` provides it (run_* set p.workspace and
+// p.workspace_bytes), and the kernels are queued. run_* return "" or the first CUDA failure of the
+// call (nothing here throws: see common/check.h); "" too where `allocate` failed (its caller raises that).
+std::string run_fwd(FwdParams& p, void* stream, const AllocateWorkspace& allocate);
+std::string run_bwd(BwdParams& p, void* stream, const AllocateWorkspace& allocate);
 // The in-place append of a KV-cache step and its seqused output (common/append.h), one launch.
 std::string run_append(const AppendParams& p, void* stream);
 

@@ -1,5 +1,7 @@
-// CUDA backend entry points: ask the kernel plan (plan.h) which kernel serves the call, lay out
-// the backward workspace, and run the kernel sequence on the caller's stream.
+// CUDA backend entry points: ask the kernel plan (plan.h) which kernel serves the call, once per call
+// (the Hopper kernels' tensor maps, encoded when the plan asks whether they can take it, are the maps
+// their launch passes), size the workspace, have the caller allocate it, and run the kernel sequence on
+// the caller's stream.
 //
 // Backward workspace: [D = rowsum(dO * O): acc, (batch, heads_q, len_q)] padded to 256 bytes,
 // then the dQ accumulator [acc, (batch, heads_q, len_q, head_dim)] that the dK/dV kernels add
@@ -70,8 +72,9 @@ bool check_dims(const FwdParams& p) {
 
 // A launcher that launched nothing for the kernel the plan chose (a failure it recorded, or the plan
 // and the launcher disagree): the call fails.
-void check_launched(bool launched, const std::string& plan) {
-  if (!launched) fail("the kernel planned for the call (" + plan + ") did not launch");
+template <class Plan>
+void check_launched(bool launched, const Plan& plan) {
+  if (!launched) fail("the kernel planned for the call (" + describe(plan) + ") did not launch");
 }
 
 // Calls run(T{}) with T the element type of `dtype`.
@@ -118,40 +121,72 @@ FwdParams planned_call(const FwdParams& p, const FwdPlan& plan) {
   return plan.gather_pages ? with_gathered_pages(p) : p;
 }
 
+// A forward call as planned: its kernel and, where that is the Hopper forward, the tensor maps encoded
+// when the plan asked it, which its launch passes.
+struct FwdCall {
+  FwdPlan plan;
+  sm90::FwdPanelMaps maps;
+};
+
+// Whether the Hopper forward of tier `tier` (64, 128, 256) can take `call`, its maps encoded into `maps`.
+template <class T>
+bool sm90_fwd_ready(const FwdParams& call, int tier, sm90::FwdPanelMaps& maps) {
+  return tier == 64    ? sm90::fwd_ws_ready<T, 64>(call, maps)
+         : tier == 128 ? sm90::fwd_ws_ready<T, 128>(call, maps)
+                       : sm90::fwd_ws_ready<T, 256>(call, maps);
+}
+
 // The plan of a forward call on the current GPU. Where it chooses the warp-specialized Hopper kernel,
 // that kernel is asked whether it can take the call (its tensor maps, its register pool), and the call
 // planned again without it where it cannot.
 template <class T>
-FwdPlan plan_fwd_typed(const FwdParams& p, const Overrides& ov = env_overrides()) {
+FwdCall plan_fwd_typed(const FwdParams& p, const Overrides& ov = env_overrides()) {
   DeviceInfo dev = device_info();
-  FwdPlan plan = choose_fwd(p, dev, ov);
+  FwdCall call;
+  call.plan = choose_fwd(p, dev, ov);
   if constexpr (sizeof(T) == 2) {
-    if (plan.kernel == FwdKernel::kSm90WgmmaWs) {
-      const FwdParams call = planned_call(p, plan);
-      const bool ready = plan.tier == 64    ? sm90::fwd_ws_ready<T, 64>(call)
-                         : plan.tier == 128 ? sm90::fwd_ws_ready<T, 128>(call)
-                                            : sm90::fwd_ws_ready<T, 256>(call);
-      if (!ready) {
-        dev.sm90_ws_ready = false;
-        plan = choose_fwd(p, dev, ov);
-      }
+    if (call.plan.kernel == FwdKernel::kSm90WgmmaWs &&
+        !sm90_fwd_ready<T>(planned_call(p, call.plan), call.plan.tier, call.maps)) {
+      dev.sm90_ws_ready = false;
+      call.plan = choose_fwd(p, dev, ov);
     }
   }
-  return plan;
+  return call;
+}
+
+// The forward's workspace: a paged call's gathered copy (when the decode kernel does not take it), then
+// the sm80/ kernel's part.
+template <class T>
+size_t fwd_workspace_bytes(const FwdParams& p, const FwdPlan& plan) {
+  size_t bytes = plan.gather_pages ? gathered_bytes(p) : 0;
+  if constexpr (sizeof(T) == 2) {
+    if (plan.kernel == FwdKernel::kSm80Decode || plan.kernel == FwdKernel::kSm80Plain)
+      on_tensor_core_tier<T>(plan.tier, [&](auto tier) {
+        bytes += sm80::fwd_workspace_bytes<T, decltype(tier)::value>(planned_call(p, plan), plan.kernel);
+        return true;
+      });
+  }
+  return bytes;
 }
 
 template <class T>
-void fwd_typed(const FwdParams& paged_or_not, cudaStream_t stream) {
-  const FwdPlan plan = plan_fwd_typed<T>(paged_or_not);
+void fwd_typed(FwdParams& paged_or_not, cudaStream_t stream, const AllocateWorkspace& allocate) {
+  FwdCall call = plan_fwd_typed<T>(paged_or_not);
+  const FwdPlan& plan = call.plan;
+  const size_t bytes = fwd_workspace_bytes<T>(paged_or_not, plan);
+  if (failed() || !allocate(bytes, paged_or_not.workspace)) return;
+  paged_or_not.workspace_bytes = bytes;
   if (plan.gather_pages) gather_pages(paged_or_not, stream);
   const FwdParams p = planned_call(paged_or_not, plan);
   bool launched = false;
   switch (plan.kernel) {
     case FwdKernel::kSm90WgmmaWs:
       if constexpr (sizeof(T) == 2) {
+        // A gathered call's maps were encoded before the workspace held its copy: again, on the copy.
+        if (plan.gather_pages && !sm90_fwd_ready<T>(p, plan.tier, call.maps)) break;
         launched = on_tensor_core_tier<T>(plan.tier, [&](auto tier) {
           constexpr int kTier = decltype(tier)::value;
-          if constexpr (sm90::kFwdWgmmaTier<T, kTier>) return sm90::fwd_wgmma<T, kTier>(p, stream);
+          if constexpr (sm90::kFwdWgmmaTier<T, kTier>) return sm90::fwd_wgmma<T, kTier>(p, call.maps, stream);
           return false;
         });
       }
@@ -179,18 +214,25 @@ void fwd_typed(const FwdParams& paged_or_not, cudaStream_t stream) {
       });
       break;
   }
-  check_launched(launched, describe(plan));
+  check_launched(launched, plan);
 }
 
+// A backward call as planned: its kernel and the Hopper kernel's maps, as FwdCall.
+struct BwdCall {
+  BwdPlan plan;
+  sm90::BwdPanelMaps maps;
+};
+
 // The backward's plan on the current GPU; where it chooses the Hopper kernel, asked as the forward's.
-BwdPlan plan_bwd(const BwdParams& p, const Overrides& ov = env_overrides()) {
+BwdCall plan_bwd(const BwdParams& p, const Overrides& ov = env_overrides()) {
   DeviceInfo dev = device_info();
-  BwdPlan plan = choose_bwd(p, dev, ov);
-  if (plan.kernel == BwdKernel::kSm90Wgmma && !sm90::bwd_ws_ready(p, plan.tier)) {
+  BwdCall call;
+  call.plan = choose_bwd(p, dev, ov);
+  if (call.plan.kernel == BwdKernel::kSm90Wgmma && !sm90::bwd_ws_ready(p, call.plan.tier, call.maps)) {
     dev.sm90_ws_ready = false;
-    plan = choose_bwd(p, dev, ov);
+    call.plan = choose_bwd(p, dev, ov);
   }
-  return plan;
+  return call;
 }
 
 size_t dkdv_tail_bytes(const BwdParams& p, const BwdPlan& plan) {
@@ -209,7 +251,8 @@ size_t bwd_workspace_bytes(const BwdParams& p, const BwdPlan& plan) {
 bool is_tensor_core(BwdKernel k) { return k != BwdKernel::kSimt && k != BwdKernel::kSimtKvres; }
 
 template <class T>
-void bwd_typed(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) {
+void bwd_typed(const BwdParams& p, const BwdCall& call, cudaStream_t stream) {
+  const BwdPlan& plan = call.plan;
   char* ws = static_cast<char*>(p.workspace);
   void* dsum = ws;
   const int accumulators = plan.dq_accumulators;
@@ -229,7 +272,8 @@ void bwd_typed(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) {
       launched = on_tensor_core_tier<T>(plan.tier, [&](auto tier) {
         constexpr int kTier = decltype(tier)::value;
         if constexpr (sizeof(T) == 2 && (kTier == 64 || kTier == 128)) {
-          if (plan.kernel == BwdKernel::kSm90Wgmma) return sm90::bwd_wgmma<T, kTier>(p, dsum, accum, stream);
+          if (plan.kernel == BwdKernel::kSm90Wgmma)
+            return sm90::bwd_wgmma<T, kTier>(p, call.maps, dsum, accum, stream);
         }
         return plan.kernel != BwdKernel::kSm90Wgmma &&
                sm80::bwd_dkdv<T, kTier>(p, plan.kernel, dsum, accum, tail, stream);
@@ -259,62 +303,37 @@ void bwd_typed(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) {
       });
     }
   }
-  check_launched(launched, describe(plan));
+  check_launched(launched, plan);
   if (tensor_cores || !p.deterministic)
     simt::bwd_dq_convert<T>(p, dq_accum, dq_blocked, accum.slices > 0 ? accum.slices : 1, accum.slice_elems, stream);
 }
 
 }  // namespace
 
-size_t fwd_workspace_bytes(const FwdParams& p) {
+std::string run_fwd(FwdParams& p, void* stream, const AllocateWorkspace& allocate) {
   take_error();  // a new call: nothing recorded yet
-  if (!check_dims(p)) return 0;
-  size_t bytes = 0;
-  on_dtype(p.dtype, [&](auto elem) {
-    using T = decltype(elem);
-    const FwdPlan plan = plan_fwd_typed<T>(p);
-    // A paged call the decode kernel does not take: the gathered copy first, the kernel's part after it.
-    if (plan.gather_pages) bytes = gathered_bytes(p);
-    if constexpr (sizeof(T) == 2) {
-      if (plan.kernel == FwdKernel::kSm80Decode || plan.kernel == FwdKernel::kSm80Plain)
-        on_tensor_core_tier<T>(plan.tier, [&](auto tier) {
-          bytes += sm80::fwd_workspace_bytes<T, decltype(tier)::value>(planned_call(p, plan), plan.kernel);
-          return true;
-        });
-    }
-  });
-  return bytes;
-}
-
-std::string run_fwd(const FwdParams& p, void* stream) {
-  if (failed() || !check_dims(p)) return take_error();
-  on_dtype(p.dtype, [&](auto elem) { fwd_typed<decltype(elem)>(p, static_cast<cudaStream_t>(stream)); });
+  if (!check_dims(p)) return take_error();
+  on_dtype(p.dtype, [&](auto elem) { fwd_typed<decltype(elem)>(p, static_cast<cudaStream_t>(stream), allocate); });
   return take_error();
 }
 
-size_t bwd_workspace_bytes(const BwdParams& p) {
+std::string run_bwd(BwdParams& p, void* stream, const AllocateWorkspace& allocate) {
   take_error();  // a new call: nothing recorded yet
-  return bwd_workspace_bytes(p, plan_bwd(p));
-}
-
-std::string run_bwd(const BwdParams& p, void* stream) {
-  if (failed() || !check_dims(p)) return take_error();
-  const BwdPlan plan = plan_bwd(p);
-  if (p.workspace_bytes < bwd_workspace_bytes(p, plan) || p.workspace == nullptr) {
-    fail("backward workspace of " + std::to_string(p.workspace_bytes) + " bytes, needs " +
-         std::to_string(bwd_workspace_bytes(p, plan)));
-    return take_error();
-  }
-  on_dtype(p.dtype, [&](auto elem) { bwd_typed<decltype(elem)>(p, plan, static_cast<cudaStream_t>(stream)); });
+  if (!check_dims(p)) return take_error();
+  const BwdCall call = plan_bwd(p);
+  const size_t bytes = bwd_workspace_bytes(p, call.plan);
+  if (failed() || !allocate(bytes, p.workspace)) return take_error();
+  p.workspace_bytes = bytes;
+  on_dtype(p.dtype, [&](auto elem) { bwd_typed<decltype(elem)>(p, call, static_cast<cudaStream_t>(stream)); });
   return take_error();
 }
 
 std::string planned_fwd(const FwdParams& p, const Overrides& ov) {
   std::string plan;
-  on_dtype(p.dtype, [&](auto elem) { plan = describe(plan_fwd_typed<decltype(elem)>(p, ov)); });
+  on_dtype(p.dtype, [&](auto elem) { plan = describe(plan_fwd_typed<decltype(elem)>(p, ov).plan); });
   return plan;
 }
 
-std::string planned_bwd(const BwdParams& p, const Overrides& ov) { return describe(plan_bwd(p, ov)); }
+std::string planned_bwd(const BwdParams& p, const Overrides& ov) { return describe(plan_bwd(p, ov).plan); }
 
 }  // namespace flashattn::cuda

@@ -1,5 +1,6 @@
 // Hopper dK/dV kernel (wgmma, warp-specialized): fp16 and bf16 at head dims 64 and 128, as the kernel
-// plan (../plan.cpp) chose; bwd_ws_ready answers the plan's question whether it can take a call.
+// plan (../plan.cpp) chose; bwd_ws_ready answers the plan's question whether it can take a call, and
+// its maps are the ones the launch passes.
 #include "bwd_sm90.cuh"
 #include "launch.h"
 #include "register_pool.h"
@@ -22,25 +23,23 @@ bool encode_bwd_maps(const BwdParams& p, BwdPanelMaps& maps) {
 // The kernel of element type Elem and dim kDim can take the call: its maps encode (the box sizes of its
 // tiles) and its register pool holds the hand-over.
 template <class Elem, int kDim>
-bool ws_ready(const BwdParams& p) {
+bool ws_ready(const BwdParams& p, BwdPanelMaps& maps) {
   using Cfg = BwdWsConfig<Elem, kDim>;
-  BwdPanelMaps maps;
   return register_pool_holds<bwd_ws_kernel<Elem, kDim>, Cfg>() && encode_bwd_maps<Cfg>(p, maps);
 }
 
 }  // namespace
 
-bool bwd_ws_ready(const BwdParams& p, int dim) {
+bool bwd_ws_ready(const BwdParams& p, int dim, BwdPanelMaps& maps) {
   const bool bf16 = p.dtype == DType::kBFloat16;
-  if (dim == 64) return bf16 ? ws_ready<__nv_bfloat16, 64>(p) : ws_ready<__half, 64>(p);
-  return bf16 ? ws_ready<__nv_bfloat16, 128>(p) : ws_ready<__half, 128>(p);
+  if (dim == 64) return bf16 ? ws_ready<__nv_bfloat16, 64>(p, maps) : ws_ready<__half, 64>(p, maps);
+  return bf16 ? ws_ready<__nv_bfloat16, 128>(p, maps) : ws_ready<__half, 128>(p, maps);
 }
 
 template <class Elem, int kDim>
-bool bwd_wgmma(const BwdParams& p, const void* dsum, const DqAccum& accum, cudaStream_t stream) {
+bool bwd_wgmma(const BwdParams& p, const BwdPanelMaps& maps, const void* dsum, const DqAccum& accum,
+               cudaStream_t stream) {
   using Cfg = BwdWsConfig<Elem, kDim>;
-  BwdPanelMaps maps;
-  if (!encode_bwd_maps<Cfg>(p, maps)) return false;
   constexpr auto kernel = bwd_ws_kernel<Elem, kDim>;
   if (!set_smem(kernel, Cfg::kSmemBytes, "sm90::bwd_ws_kernel")) return true;
   const int per_sm = heavy_last_serves(p) ? 1 : 0;
@@ -53,8 +52,12 @@ bool bwd_wgmma(const BwdParams& p, const void* dsum, const DqAccum& accum, cudaS
   return true;
 }
 
-template bool bwd_wgmma<__nv_bfloat16, 128>(const BwdParams&, const void*, const DqAccum&, cudaStream_t);
-template bool bwd_wgmma<__half, 128>(const BwdParams&, const void*, const DqAccum&, cudaStream_t);
-template bool bwd_wgmma<__nv_bfloat16, 64>(const BwdParams&, const void*, const DqAccum&, cudaStream_t);
-template bool bwd_wgmma<__half, 64>(const BwdParams&, const void*, const DqAccum&, cudaStream_t);
+template bool bwd_wgmma<__nv_bfloat16, 128>(const BwdParams&, const BwdPanelMaps&, const void*, const DqAccum&,
+                                            cudaStream_t);
+template bool bwd_wgmma<__half, 128>(const BwdParams&, const BwdPanelMaps&, const void*, const DqAccum&,
+                                     cudaStream_t);
+template bool bwd_wgmma<__nv_bfloat16, 64>(const BwdParams&, const BwdPanelMaps&, const void*, const DqAccum&,
+                                           cudaStream_t);
+template bool bwd_wgmma<__half, 64>(const BwdParams&, const BwdPanelMaps&, const void*, const DqAccum&,
+                                    cudaStream_t);
 }  // namespace flashattn::cuda::sm90

@@ -32,13 +32,9 @@
 #include "../schedule/key_tile_rounds.h"
 #include "fwd_rows.cuh"
 #include "tile_config.h"
+#include "tma_map.h"
 
 namespace flashattn::cuda::sm90 {
-
-// Tensor maps of q, dout (64-row boxes), k and v (128-row boxes): sm90/tma_map.h.
-struct BwdPanelMaps {
-  CUtensorMap q, dout, k, v;
-};
 
 // The query tiles a key tile [n0, n0 + rows_k) is seen by, in the order every warp of the block walks
 // them: the rows of one head, then the next (query_walk.cuh's order).

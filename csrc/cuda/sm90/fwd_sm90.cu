@@ -1,5 +1,6 @@
 // The Hopper forward (wgmma, warp-specialized): fp16 and bf16 at head dims 64, 128 and 256, its launcher
-// as the kernel plan (../plan.cpp) chose, and the plan's question whether it can take a call.
+// as the kernel plan (../plan.cpp) chose, and the plan's question whether it can take a call (whose
+// maps the launch passes).
 #include "fwd_ws_sm90.cuh"
 #include "launch.h"
 #include "register_pool.h"
@@ -46,19 +47,16 @@ FwdGrid fwd_grid(const FwdParams& p) {
 }  // namespace
 
 template <class Elem, int kDim>
-bool fwd_ws_ready(const FwdParams& p) {
+bool fwd_ws_ready(const FwdParams& p, FwdPanelMaps& maps) {
   if constexpr (FwdWsConfig<Elem, kDim>::kServed) {
-    FwdPanelMaps maps;
     return register_pool_holds<fwd_ws_kernel<Elem, kDim>, FwdWsConfig<Elem, kDim>>() && encode_ws_maps<FwdWsConfig<Elem, kDim>>(p, maps);
   }
   return false;
 }
 
 template <class Elem, int kDim>
-bool fwd_wgmma(const FwdParams& p, cudaStream_t stream) {
+bool fwd_wgmma(const FwdParams& p, const FwdPanelMaps& maps, cudaStream_t stream) {
   using Cfg = FwdWsConfig<Elem, kDim>;
-  FwdPanelMaps maps;
-  if (!encode_ws_maps<Cfg>(p, maps)) return false;
   const FwdGrid g = fwd_grid<Cfg, fwd_ws_kernel<Elem, kDim>>(p);
   // Non-causal grids larger than the GPU: persistent, a block per SM slot walking several items.
   const int64_t slots = int64_t(device_limits().sms) * (g.per_sm > 0 ? g.per_sm : 1);
@@ -69,17 +67,17 @@ bool fwd_wgmma(const FwdParams& p, cudaStream_t stream) {
   return true;
 }
 
-template bool fwd_wgmma<__nv_bfloat16, 64>(const FwdParams&, cudaStream_t);
-template bool fwd_wgmma<__half, 64>(const FwdParams&, cudaStream_t);
-template bool fwd_wgmma<__nv_bfloat16, 128>(const FwdParams&, cudaStream_t);
-template bool fwd_wgmma<__half, 128>(const FwdParams&, cudaStream_t);
-template bool fwd_wgmma<__nv_bfloat16, 256>(const FwdParams&, cudaStream_t);
-template bool fwd_wgmma<__half, 256>(const FwdParams&, cudaStream_t);
-template bool fwd_ws_ready<__nv_bfloat16, 64>(const FwdParams&);
-template bool fwd_ws_ready<__half, 64>(const FwdParams&);
-template bool fwd_ws_ready<__nv_bfloat16, 128>(const FwdParams&);
-template bool fwd_ws_ready<__half, 128>(const FwdParams&);
-template bool fwd_ws_ready<__nv_bfloat16, 256>(const FwdParams&);
-template bool fwd_ws_ready<__half, 256>(const FwdParams&);
+template bool fwd_wgmma<__nv_bfloat16, 64>(const FwdParams&, const FwdPanelMaps&, cudaStream_t);
+template bool fwd_wgmma<__half, 64>(const FwdParams&, const FwdPanelMaps&, cudaStream_t);
+template bool fwd_wgmma<__nv_bfloat16, 128>(const FwdParams&, const FwdPanelMaps&, cudaStream_t);
+template bool fwd_wgmma<__half, 128>(const FwdParams&, const FwdPanelMaps&, cudaStream_t);
+template bool fwd_wgmma<__nv_bfloat16, 256>(const FwdParams&, const FwdPanelMaps&, cudaStream_t);
+template bool fwd_wgmma<__half, 256>(const FwdParams&, const FwdPanelMaps&, cudaStream_t);
+template bool fwd_ws_ready<__nv_bfloat16, 64>(const FwdParams&, FwdPanelMaps&);
+template bool fwd_ws_ready<__half, 64>(const FwdParams&, FwdPanelMaps&);
+template bool fwd_ws_ready<__nv_bfloat16, 128>(const FwdParams&, FwdPanelMaps&);
+template bool fwd_ws_ready<__half, 128>(const FwdParams&, FwdPanelMaps&);
+template bool fwd_ws_ready<__nv_bfloat16, 256>(const FwdParams&, FwdPanelMaps&);
+template bool fwd_ws_ready<__half, 256>(const FwdParams&, FwdPanelMaps&);
 
 }  // namespace flashattn::cuda::sm90

@@ -18,13 +18,9 @@
 #include "../common/tma.cuh"
 #include "fwd_rows.cuh"
 #include "tile_config.h"
+#include "tma_map.h"
 
 namespace flashattn::cuda::sm90 {
-
-// Tensor maps of q, k and v (sm90/tma_map.h): 64-column boxes of kBM query rows, of kBN keys.
-struct FwdPanelMaps {
-  CUtensorMap q, k, v;
-};
 
 template <class Elem, int kDim>
 __global__ void __launch_bounds__(FwdWsConfig<Elem, kDim>::kThreads, 1)

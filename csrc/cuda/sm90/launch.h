@@ -1,6 +1,9 @@
 // Host launchers of the Hopper kernels (sm90/, wgmma on sm_90a), instantiated in fwd_sm90.cu and
 // bwd_sm90.cu. Each launches what the kernel plan (../plan.h) chose and returns true; false,
 // launching nothing, would mean the plan chose a kernel that cannot take the call.
+//
+// A call's tensor maps are encoded once: by the plan's question whether the kernel can take the call
+// (*_ready), whose maps the launch then reads.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -8,24 +11,28 @@
 #include "../plan.h"
 #include "../schedule/key_tile_rounds.h"
 #include "tile_config.h"
+#include "tma_map.h"
 
 namespace flashattn::cuda::sm90 {
 
-// Forward (the plan's kSm90WgmmaWs) of plain fp16 / bf16 calls with head_dim == head_dim_v == kDim on
-// sm_90.
-template <class Elem, int kDim>
-bool fwd_wgmma(const FwdParams& p, cudaStream_t stream);
 // Whether the warp-specialized forward can take the call (the plan's DeviceInfo::sm90_ws_ready): the
-// driver encodes its tensor maps, and its warpgroups' registers fit the loaded kernel's pool.
+// driver encodes its tensor maps (into `maps`), and its warpgroups' registers fit the loaded kernel's
+// pool.
 template <class Elem, int kDim>
-bool fwd_ws_ready(const FwdParams& p);
+bool fwd_ws_ready(const FwdParams& p, FwdPanelMaps& maps);
+// Forward (the plan's kSm90WgmmaWs) of plain fp16 / bf16 calls with head_dim == head_dim_v == kDim on
+// sm_90, from the maps fwd_ws_ready encoded for p.
+template <class Elem, int kDim>
+bool fwd_wgmma(const FwdParams& p, const FwdPanelMaps& maps, cudaStream_t stream);
 
+// Whether the dK / dV kernel can take the call at head dim `dim` (the plan's DeviceInfo::sm90_ws_ready):
+// the driver encodes its tensor maps (into `maps`), and its warpgroups' registers fit the loaded
+// kernel's pool.
+bool bwd_ws_ready(const BwdParams& p, int dim, BwdPanelMaps& maps);
 // dK / dV and dQ (added into the accumulator) of plain fp16 / bf16 calls with head_dim == head_dim_v ==
-// kDim (64, 128) on sm_90 (the plan's kSm90Wgmma).
+// kDim (64, 128) on sm_90 (the plan's kSm90Wgmma), from the maps bwd_ws_ready encoded for p.
 template <class Elem, int kDim>
-bool bwd_wgmma(const BwdParams& p, const void* dsum, const DqAccum& accum, cudaStream_t stream);
-// Whether that kernel can take the call at head dim `dim` (the plan's DeviceInfo::sm90_ws_ready): the
-// driver encodes its tensor maps, and its warpgroups' registers fit the loaded kernel's pool.
-bool bwd_ws_ready(const BwdParams& p, int dim);
+bool bwd_wgmma(const BwdParams& p, const BwdPanelMaps& maps, const void* dsum, const DqAccum& accum,
+               cudaStream_t stream);
 
 }  // namespace flashattn::cuda::sm90

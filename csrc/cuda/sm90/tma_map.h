@@ -1,5 +1,6 @@
 // Host side of the TMA copies (common/tma.cuh): tensor maps of the 16-bit (batch, heads, rows, dim)
-// operands, encoded per call through the driver's cuTensorMapEncodeTiled.
+// operands, encoded once per call through the driver's cuTensorMapEncodeTiled (when the kernel plan
+// asks whether a kernel can take the call) and passed to the kernel's launch.
 #pragma once
 #include <cuda.h>
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
@@ -10,6 +11,16 @@
 #include "../../params.h"
 
 namespace flashattn::cuda::sm90 {
+
+// The forward's maps of q, k and v: 64-column boxes of kBM query rows, of kBN keys (sm90/tile_config.h).
+struct FwdPanelMaps {
+  CUtensorMap q, k, v;
+};
+
+// The backward's maps of q, dout (kBM-row boxes), k and v (kBN-row boxes).
+struct BwdPanelMaps {
+  CUtensorMap q, dout, k, v;
+};
 
 // The driver's cuTensorMapEncodeTiled, looked up through the runtime (the extension does not link
 // libcuda), or null where the driver has none.
