@@ -55,9 +55,10 @@ def test_gradcheck_sdpa(device, is_causal):
 @pytest.mark.parametrize("features", [{}, {"attn_bias": "float", "softcap": 3.0}, {"attn_bias": "bool",
                                                                               "window_left": 2}])
 def test_functions_take_the_ops_formula(device, features):
-    """The Python functions apply the op's registered formula directly (ops._FwdWithGrad: no
-    per-call walk over the op's schema); gradients of out and lse, the bias gradient included,
-    equal those through the op's registration bit for bit."""
+    """The Python functions apply the op's registered formula directly (ops._FwdWithGrad, and
+    ops._PlainFwdWithGrad without features: no per-call walk over the op's schema); gradients of
+    out and lse, the bias gradient included, equal those through the op's registration bit for
+    bit."""
     q, k, v = _fp64_leaves(4, 2, 9, 11, 8, 6, device)
     features = dict(features)
     if features.get("attn_bias") == "float":
@@ -70,7 +71,7 @@ def test_functions_take_the_ops_formula(device, features):
     grads = {}
     for name, fn in (("functions", flashattn_ext.ops.fwd), ("registered", torch.ops.flashattn.fwd)):
         out, lse = fn(q, k, v, 0.4, TOP_LEFT, True, **features)
-        assert ("_FwdWithGrad" in type(out.grad_fn).__name__) == (name == "functions")
+        assert ("FwdWithGrad" in type(out.grad_fn).__name__) == (name == "functions")
         grads[name] = torch.autograd.grad((out * w_out).sum() + (lse * w_lse).sum(), leaves)
     for a, b in zip(grads["functions"], grads["registered"]):
         assert torch.equal(a, b)

@@ -175,3 +175,84 @@ def test_outputs_have_the_fake_kernels_strides(device, shape, layout):
         fgrads = torch.ops.flashattn.bwd(torch.ones_like(fout), fq, fk, fv, fout, flse, None, 0.5, TOP_LEFT, False)
     for real, fake in zip((out, lse, *grads), (fout, flse, *fgrads)):
         assert (real.shape, real.stride(), real.dtype) == (fake.shape, fake.stride(), fake.dtype)
+
+
+# ---- the plain kernels (flashattn::_fwd_plain / _bwd_plain: only the arguments a call without
+# optional features reads) against the general ones ----
+
+PLAIN_CASES = {
+    # name: (batch, heads_q, heads_kv, len_q, len_k, head_dim, head_dim_v, causal, blhd layout)
+    "mha": (2, 2, 2, 7, 9, 16, 16, 0, False),
+    "gqa_top_left": (1, 4, 2, 9, 6, 8, 12, 1, False),
+    "bottom_right_blhd": (2, 3, 1, 5, 11, 32, 32, 2, True),
+}
+
+
+def _plain_case(name, dtype, device):
+    b, hq, hk, lq, lk, e, ev, causal, blhd = PLAIN_CASES[name]
+
+    def make(heads, length, dim):
+        if blhd:
+            return torch.randn(b, length, heads, dim, dtype=dtype, device=device).transpose(1, 2)
+        return torch.randn(b, heads, length, dim, dtype=dtype, device=device)
+
+    return make(hq, lq, e), make(hk, lk, e), make(hk, lk, ev), causal
+
+
+@pytest.mark.parametrize("case", PLAIN_CASES)
+@pytest.mark.parametrize("dlse", [False, True], ids=["no_dlse", "dlse"])
+def test_plain_kernels_equal_the_general_ones(device, case, dlse):
+    """Same outputs and gradients bit for bit, with the same strides, from the same C++ forward
+    and backward: only the schema differs."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float64
+    q, k, v, causal = _plain_case(case, dtype, device)
+    plain = torch.ops.flashattn._fwd_plain(q, k, v, 0.3, causal)
+    general = torch.ops.flashattn._fwd(q, k, v, 0.3, causal)
+    assert plain[2] == general[2] == ""
+    out, lse = general[:2]
+    dout = torch.randn_like(out)
+    g = torch.randn_like(lse) if dlse else None
+    for deterministic in (False, True):
+        grads_plain = torch.ops.flashattn._bwd_plain(dout, q, k, v, out, lse, g, 0.3, causal, deterministic)
+        grads = torch.ops.flashattn._bwd(dout, q, k, v, out, lse, g, 0.3, causal, deterministic)
+        assert grads_plain[3] == grads[4] == ""
+        results = [(plain[:2], general[:2])]
+        # The general backward's dq, dk, dv are not deterministic by default on CUDA: compare the
+        # deterministic ones there.
+        if deterministic or device == "cpu":
+            results.append((grads_plain[:3], grads[:3]))
+        for pair in results:
+            for a, b in zip(*pair):
+                assert torch.equal(a, b) and a.stride() == b.stride()
+
+
+def _bad_plain_calls(device):
+    """(q, k, v, causal) of calls the checks refuse, one rule each."""
+    q = torch.randn(1, 2, 4, 8, device=device)
+    return {
+        "dtype": (q, q.double(), q, 0),
+        "rank": (q[0], q[0], q[0], 0),
+        "heads": (q, q[:, :1].expand(1, 3, 4, 8), q[:, :1].expand(1, 3, 4, 8), 0),
+        "head_dim": (torch.randn(1, 2, 4, 300, device=device),) * 3 + (0,),
+        "last_dim_strided": (q, torch.randn(1, 2, 4, 16, device=device)[..., ::2], q, 0),
+        "causal": (q, q, q, 3),
+        "int_dtype": (q.int(),) * 3 + (0,),
+    }
+
+
+@pytest.mark.parametrize("call", list(_bad_plain_calls("cpu")))
+def test_plain_kernels_refuse_what_the_general_ones_refuse(device, call):
+    """Every wrong argument gets the general kernels' message from the plain ones too (they
+    return it; ops.run_fwd_plain / run_bwd_plain raise it)."""
+    q, k, v, causal = _bad_plain_calls(device)[call]
+    error = torch.ops.flashattn._fwd(q, k, v, 0.5, causal)[2]
+    assert error and torch.ops.flashattn._fwd_plain(q, k, v, 0.5, causal)[2] == error
+    out = torch.zeros(q.shape[:-1] + v.shape[-1:], dtype=q.dtype, device=device) if q.dim() == 4 else q
+    lse = torch.zeros(q.shape[:-1], dtype=torch.float32, device=device) if q.dim() == 4 else q
+    args = (out, q, k, v, out, lse, None, 0.5, causal, False)
+    error = torch.ops.flashattn._bwd(*args)[4]
+    assert error and torch.ops.flashattn._bwd_plain(*args)[3] == error
+    with pytest.raises(RuntimeError, match="flashattn"):
+        flashattn_ext.ops.run_fwd_plain(q, k, v, 0.5, causal)
+    with pytest.raises(RuntimeError, match="flashattn"):
+        flashattn_ext.ops.run_bwd_plain(*args)
