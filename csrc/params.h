@@ -112,8 +112,8 @@ struct FwdParams {
   const int32_t* block_table = nullptr;
   int64_t block_table_stride = 0, page_size = 0, num_blocks = 0;
 
-  // Scratch of `workspace_bytes` bytes, as the backend's fwd_workspace_bytes / bwd_workspace_bytes
-  // asked for (none: null); its contents on entry are undefined.
+  // Scratch of `workspace_bytes` bytes, as the backend sized it for the call's kernels (none: null);
+  // its contents on entry are undefined.
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
 
