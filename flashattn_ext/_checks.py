@@ -281,7 +281,7 @@ def call_signature(q, k, v, *flags):
     if torch.compiler.is_compiling() or _transforms_active() or not (
             type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor):
         return None
-    if q.layout != torch.strided or k.layout != torch.strided or v.layout != torch.strided:
+    if q.layout is not _STRIDED or k.layout is not _STRIDED or v.layout is not _STRIDED:
         return None
     try:
         return (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device, v.shape, v.stride(),
@@ -291,6 +291,7 @@ def call_signature(q, k, v, *flags):
 
 
 _transforms_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: True)
+_STRIDED = torch.strided  # (layouts are singletons: compared by identity, without a lookup in torch)
 
 
 def passed_before(signature):

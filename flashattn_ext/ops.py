@@ -341,21 +341,22 @@ def _gradients(ctx, dout, dlse, bias_needs_grad):
         features.update(zip(ctx.tensor_names, tensors))
         refuse_forward_only_in_backward(features.get("seqused_k"), features.get("leftpad_k"),
                                         features.get("block_table"))
-    bias = features.get("attn_bias")
-    bias_grad = bias is not None and bias.is_floating_point() and bias_needs_grad
     dout = torch.zeros_like(out) if dout is None else _last_dim_contiguous(dout)
     if dlse is not None:
         dlse = dlse.contiguous()
     deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
-    if not _eager(q):
+    eager, recorded = _eager(q), torch.is_grad_enabled()  # recorded: create_graph=True
+    if eager and not recorded and ctx.features is None:
+        return (*run_bwd_plain(dout, q, k, v, out, lse, dlse, scale, causal, deterministic), None)
+    bias = features.get("attn_bias")
+    bias_grad = bias is not None and bias.is_floating_point() and bias_needs_grad
+    if not eager:
         dq, dk, dv, dbias = torch.ops.flashattn.bwd.default(dout, q, k, v, out, lse, dlse, scale, causal,
                                                            deterministic, **features, bias_requires_grad=bias_grad)
-    elif torch.is_grad_enabled():  # recorded (create_graph=True): positional, as autograd.Function takes them
+    elif recorded:  # positional, as autograd.Function takes them
         dq, dk, dv, dbias = _BwdRecorded.apply(dout, q, k, v, out, lse, dlse, scale, causal, deterministic,
                                                *(features.get(name, default) for name, default in FEATURES),
                                                bias_grad)
-    elif ctx.features is None:
-        return (*run_bwd_plain(dout, q, k, v, out, lse, dlse, scale, causal, deterministic), None)
     else:
         dq, dk, dv, dbias = run_bwd(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, **features,
                                     bias_requires_grad=bias_grad)
