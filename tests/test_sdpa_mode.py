@@ -36,9 +36,10 @@ class Block(torch.nn.Module):
         return self.o(out.transpose(1, 2).reshape(b, n, -1))
 
 
-# The public functions call the guarded kernels (flashattn::_fwd) directly in eager mode, the
-# ops (flashattn::fwd) elsewhere: either is ours.
-OUR_FWD, OUR_BWD = {"flashattn::fwd", "flashattn::_fwd"}, {"flashattn::bwd", "flashattn::_bwd"}
+# The public functions call the guarded kernels (flashattn::_fwd, or _fwd_plain for a call without
+# optional features) directly in eager mode, the ops (flashattn::fwd) elsewhere: any is ours.
+OUR_FWD = {"flashattn::fwd", "flashattn::_fwd", "flashattn::_fwd_plain"}
+OUR_BWD = {"flashattn::bwd", "flashattn::_bwd", "flashattn::_bwd_plain"}
 
 
 def _ran_ours(fn):
