@@ -3,7 +3,9 @@ calls on a tiny shape (or decode steps on a small cache) (the kernels take micro
 autograd and CUDA runtime calls), and cProfile's Python view of the same calls.
 
     python scripts/host_profile.py [--device cuda] [--out-dir DIR]
-        [--impl ours|sdpa|kvcache|kvcache-append|kvcache-rotary]
+        [--impl ours|sdpa|kvcache|kvcache-append|kvcache-rotary] [--forward-only]
+
+--forward-only (ours, sdpa): the forward alone, its inputs requiring grad (bench_overhead.py's "fwd" row).
 """
 import argparse
 import cProfile
@@ -23,13 +25,16 @@ def main():
     p.add_argument("--impl", default="ours", choices=("ours", "sdpa", "kvcache", "kvcache-append", "kvcache-rotary"))
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--out-dir", default=".")
+    p.add_argument("--forward-only", action="store_true")
     args = p.parse_args()
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     q, k, v = (torch.randn(1, 1, 16, 64, device=args.device, dtype=dtype, requires_grad=True) for _ in range(3))
     attn = flashattn_ext.scaled_dot_product_attention if args.impl == "ours" else F.scaled_dot_product_attention
 
     def step():
-        attn(q, k, v, is_causal=True).sum().backward()
+        out = attn(q, k, v, is_causal=True)
+        if not args.forward_only:
+            out.sum().backward()
 
     if args.impl.startswith("kvcache"):  # one decode step: B = 1, one new row, a 1024-key cache, H = 32, E = 128
         qd = torch.randn(1, 1, 32, 128, device=args.device, dtype=dtype)
@@ -69,11 +74,12 @@ def main():
     prof_py.disable()
     s = io.StringIO()
     pstats.Stats(prof_py, stream=s).sort_stats("tottime").print_stats(40)
-    path = os.path.join(args.out_dir, f"host_profile_{args.impl}_{args.device}.txt")
+    forward_only = args.forward_only and not args.impl.startswith("kvcache")
+    path = os.path.join(args.out_dir, f"host_profile_{args.impl}{'_fwd' if forward_only else ''}_{args.device}.txt")
     with open(path, "w") as f:
         what = {"kvcache": "a read-only decode step", "kvcache-append": "a decode step with its append",
                 "kvcache-rotary": "a decode step with its append and rotary"}.get(
-            args.impl, "fwd+bwd, 1x1x16x64 causal")
+            args.impl, f"{'fwd' if forward_only else 'fwd+bwd'}, 1x1x16x64 causal")
         f.write(f"{args.calls} calls of {what}, {dtype}, {args.impl}\n\n")
         f.write(table + "\n\n" + s.getvalue())
     print(path)
