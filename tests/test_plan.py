@@ -33,7 +33,7 @@ def plan(dim, gpu, causal=CAUSAL_NONE, backward=False, dtype=torch.bfloat16, sha
 FWD_HALF = {
     #      sm90                sm90 without sm_90a sm80 (163 KB)    sm86 (99 KB)     sm75        sm100
     32: ("sm80_plain/32", "sm80_plain/32", "sm80_plain/32", "sm80_plain/32", "simt/32", "sm80_plain/32"),
-    64: ("sm90_wgmma_ws/64", "sm80_plain/64", "sm80_plain/64", "sm80_plain/64", "simt/64", "sm80_plain/64"),
+    64: ("sm90_wgmma_ws3/64", "sm80_plain/64", "sm80_plain/64", "sm80_plain/64", "simt/64", "sm80_plain/64"),
     96: ("sm80_plain/96", "sm80_plain/96", "sm80_plain/96", "sm80_plain/96", "simt/128", "sm80_plain/96"),
     128: ("sm90_wgmma_ws/128", "sm80_plain/128", "sm80_plain/128", "sm80_plain/128", "simt/128", "sm80_plain/128"),
     192: ("sm80_plain/192", "sm80_plain/192", "sm80_plain/192", "sm80_plain/192", "simt/256", "sm80_plain/192"),
@@ -104,11 +104,16 @@ def test_hopper_forward_by_shape():
     assert plan(128, "sm90", shape=dict(len_q=256)) == "sm80_plain/128"  # rows see < 512 keys
     assert plan(128, "sm90", shape=dict(small, len_q=4096)) == "sm80_plain/128"  # fewer blocks than SMs
     assert plan(128, "sm90", CAUSAL_TOP_LEFT) == "sm90_wgmma_ws/128"
+    # Dim 64: two consumer warpgroups below 2048 keys per row, three from there.
+    assert plan(64, "sm90", shape=dict(len_q=1024)) == "sm90_wgmma_ws/64"
+    assert plan(64, "sm90", shape=dict(len_q=1024, len_k=2048)) == "sm90_wgmma_ws3/64"
+    assert plan(64, "sm90", shape=dict(small, len_q=300, len_k=3000), kernels="wgmma") == "sm90_wgmma_ws3/64"
+    assert plan(64, "sm90", shape=dict(small, len_q=300, len_k=1000), kernels="wgmma") == "sm90_wgmma_ws/64"
     # Causal at 64: the warp-specialized kernel from 2048 mean visible keys.
     assert plan(64, "sm90", CAUSAL_TOP_LEFT, shape=dict(len_q=2048)) == "sm80_plain/64"  # 1024 on average
-    assert plan(64, "sm90", CAUSAL_TOP_LEFT, shape=dict(len_q=4096)) == "sm90_wgmma_ws/64"
+    assert plan(64, "sm90", CAUSAL_TOP_LEFT, shape=dict(len_q=4096)) == "sm90_wgmma_ws3/64"
     assert plan(64, "sm90", CAUSAL_TOP_LEFT, shape=dict(len_q=2048, len_k=8192)) == "sm80_plain/64"
-    assert plan(64, "sm90", CAUSAL_BOTTOM_RIGHT, shape=dict(len_q=2048, len_k=8192)) == "sm90_wgmma_ws/64"
+    assert plan(64, "sm90", CAUSAL_BOTTOM_RIGHT, shape=dict(len_q=2048, len_k=8192)) == "sm90_wgmma_ws3/64"
     # Dim 256: from 512 keys per row (mean visible keys under a causal mask).
     assert plan(256, "sm90", shape=dict(len_q=512)) == "sm90_wgmma_ws/256"
     assert plan(256, "sm90", shape=dict(len_q=256)) == "sm80_plain/256"
@@ -223,7 +228,7 @@ def test_overrides(gpu):
 def test_smem_limit_override():
     # A cap takes an H100 down the paths of an A100 (166912) or an RTX card (101376); larger or invalid: none.
     assert plan(128, "sm90", smem_limit="166912") == "sm80_plain/128"  # the 193 KB Hopper forward does not fit
-    assert plan(64, "sm90", smem_limit="166912") == "sm90_wgmma_ws/64"  # 97 KB
+    assert plan(64, "sm90", smem_limit="166912") == "sm90_wgmma_ws3/64"  # 97 KB
     # The Hopper backward takes 194 KB.
     assert plan(128, "sm90", backward=True, smem_limit="166912") == "sm80_2d/128"
     assert plan(64, "sm90", backward=True, smem_limit="201000") == "sm90_wgmma/64"

@@ -128,12 +128,14 @@ struct FwdCall {
   sm90::FwdPanelMaps maps;
 };
 
-// Whether the Hopper forward of tier `tier` (64, 128, 256) can take `call`, its maps encoded into `maps`.
+// Whether the Hopper forward the plan chose (two consumers at tier 64, 128 or 256; three at 64) can take
+// `call`, its maps encoded into `maps`.
 template <class T>
-bool sm90_fwd_ready(const FwdParams& call, int tier, sm90::FwdPanelMaps& maps) {
-  return tier == 64    ? sm90::fwd_ws_ready<T, 64>(call, maps)
-         : tier == 128 ? sm90::fwd_ws_ready<T, 128>(call, maps)
-                       : sm90::fwd_ws_ready<T, 256>(call, maps);
+bool sm90_fwd_ready(const FwdParams& call, const FwdPlan& plan, sm90::FwdPanelMaps& maps) {
+  if (plan.kernel == FwdKernel::kSm90WgmmaWs3) return sm90::fwd_ws_ready<T, 64, 3>(call, maps);
+  return plan.tier == 64    ? sm90::fwd_ws_ready<T, 64>(call, maps)
+         : plan.tier == 128 ? sm90::fwd_ws_ready<T, 128>(call, maps)
+                            : sm90::fwd_ws_ready<T, 256>(call, maps);
 }
 
 // The plan of a forward call on the current GPU. Where it chooses the warp-specialized Hopper kernel,
@@ -145,8 +147,8 @@ FwdCall plan_fwd_typed(const FwdParams& p, const Overrides& ov = env_overrides()
   FwdCall call;
   call.plan = choose_fwd(p, dev, ov);
   if constexpr (sizeof(T) == 2) {
-    if (call.plan.kernel == FwdKernel::kSm90WgmmaWs &&
-        !sm90_fwd_ready<T>(planned_call(p, call.plan), call.plan.tier, call.maps)) {
+    const bool hopper = call.plan.kernel == FwdKernel::kSm90WgmmaWs || call.plan.kernel == FwdKernel::kSm90WgmmaWs3;
+    if (hopper && !sm90_fwd_ready<T>(planned_call(p, call.plan), call.plan, call.maps)) {
       dev.sm90_ws_ready = false;
       call.plan = choose_fwd(p, dev, ov);
     }
@@ -183,12 +185,18 @@ void fwd_typed(FwdParams& paged_or_not, cudaStream_t stream, const AllocateWorks
     case FwdKernel::kSm90WgmmaWs:
       if constexpr (sizeof(T) == 2) {
         // A gathered call's maps were encoded before the workspace held its copy: again, on the copy.
-        if (plan.gather_pages && !sm90_fwd_ready<T>(p, plan.tier, call.maps)) break;
+        if (plan.gather_pages && !sm90_fwd_ready<T>(p, plan, call.maps)) break;
         launched = on_tensor_core_tier<T>(plan.tier, [&](auto tier) {
           constexpr int kTier = decltype(tier)::value;
           if constexpr (sm90::kFwdWgmmaTier<T, kTier>) return sm90::fwd_wgmma<T, kTier>(p, call.maps, stream);
           return false;
         });
+      }
+      break;
+    case FwdKernel::kSm90WgmmaWs3:
+      if constexpr (sizeof(T) == 2) {
+        if (plan.gather_pages && !sm90_fwd_ready<T>(p, plan, call.maps)) break;
+        launched = plan.tier == 64 && sm90::fwd_wgmma<T, 64, 3>(p, call.maps, stream);
       }
       break;
     case FwdKernel::kSm80Decode:

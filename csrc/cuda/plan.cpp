@@ -107,6 +107,12 @@ std::optional<FwdKernel> sm90_fwd(const FwdParams& p, const Limits& lim) {
     return (p.len_q + rows_per_block - 1) / rows_per_block * p.heads_q * p.batch >= lim.dev.sms;
   };
   if constexpr (Ws::kServed) {
+    using Ws3 = sm90::FwdWsConfig<Elem, kDim, 3>;
+    if constexpr (Ws3::kServed) {
+      if (keys >= Ws::kThreeConsumerKeys && Ws3::kSmemBytes <= lim.smem && lim.dev.sm90_ws_ready &&
+          (forced || fills_gpu(Ws3::kBM)))
+        return FwdKernel::kSm90WgmmaWs3;
+    }
     const int64_t min_keys = p.causal ? Ws::kMinCausalKeys : Ws::kMinKeys;
     if (Ws::kSmemBytes <= lim.smem && lim.dev.sm90_ws_ready && (forced || (keys >= min_keys && fills_gpu(Ws::kBM))))
       return FwdKernel::kSm90WgmmaWs;
@@ -329,6 +335,7 @@ namespace {
 const char* name_of(FwdKernel k) {
   switch (k) {
     case FwdKernel::kSm90WgmmaWs: return "sm90_wgmma_ws";
+    case FwdKernel::kSm90WgmmaWs3: return "sm90_wgmma_ws3";
     case FwdKernel::kSm80Decode: return "sm80_decode";
     case FwdKernel::kSm80Plain: return "sm80_plain";
     case FwdKernel::kSm80Features: return "sm80_features";

@@ -47,7 +47,8 @@ Overrides parse_overrides(const char* kernels, const char* smem_limit);
 const Overrides& env_overrides();
 
 enum class FwdKernel {
-  kSm90WgmmaWs,   // sm90/fwd_ws_sm90.cuh: warp-specialized, TMA producer
+  kSm90WgmmaWs,   // sm90/fwd_ws_sm90.cuh: warp-specialized, TMA producer, two 64-row consumers
+  kSm90WgmmaWs3,  // ... three 64-row consumers on 96-key tiles (dim 64, rows that see >= 2048 keys)
   kSm80Decode,    // sm80/fwd_decode.cuh: few query rows per kv head
   kSm80Plain,     // sm80/fwd_sm80.cuh without optional features
   kSm80Features,  // sm80/fwd_sm80.cuh's feature variant (any call)

@@ -9,12 +9,9 @@
 namespace flashattn::cuda {
 
 // Row half r (elements 2r, 2r + 1 of each 8-column atom: row g + 8r of the atoms) of the scores s of
-// the kBN-key tile at n0 that query row m sees; lane column offset 2t. Keys outside [key_begin(m),
-// key_end(m)) -> -inf, compared as 32-bit columns of the tile.
+// a kBN-key tile; lane column offset 2t. Columns outside [lo, hi) -> -inf.
 template <int kBN, int kNA, class Acc>
-__device__ __forceinline__ void mask_row_band(Acc (&s)[kNA][4], int r, const Seq& sq, int64_t m, int64_t n0, int t) {
-  auto column = [](int64_t x) { return int(x < 0 ? 0 : x > kBN ? kBN : x); };
-  const int lo = column(sq.key_begin(m) - n0), hi = column(sq.key_end(m) - n0);
+__device__ __forceinline__ void mask_columns(Acc (&s)[kNA][4], int r, int lo, int hi, int t) {
 #pragma unroll
   for (int j = 0; j < kNA; ++j)
 #pragma unroll
@@ -22,6 +19,14 @@ __device__ __forceinline__ void mask_row_band(Acc (&s)[kNA][4], int r, const Seq
       const int col = 8 * j + 2 * t + c;
       if (col < lo || col >= hi) s[j][2 * r + c] = neg_inf<Acc>();
     }
+}
+
+// The scores of row half r of the kBN-key tile at n0 that query row m sees: keys outside
+// [key_begin(m), key_end(m)) -> -inf, compared as 32-bit columns of the tile.
+template <int kBN, int kNA, class Acc>
+__device__ __forceinline__ void mask_row_band(Acc (&s)[kNA][4], int r, const Seq& sq, int64_t m, int64_t n0, int t) {
+  auto column = [](int64_t x) { return int(x < 0 ? 0 : x > kBN ? kBN : x); };
+  mask_columns<kBN>(s, r, column(sq.key_begin(m) - n0), column(sq.key_end(m) - n0), t);
 }
 
 }  // namespace flashattn::cuda

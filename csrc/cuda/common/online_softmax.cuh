@@ -62,11 +62,10 @@ template <class Acc> __device__ __forceinline__ Acc exp_base(Acc row_max) {
   return row_max == neg_inf<Acc>() ? Acc(0) : row_max;
 }
 
-// Reduces x[0..N) with `op` pairwise (N a power of two), leaving independent operations for the
-// scheduler at every level; the result is in x[0].
+// Reduces x[0..N) with `op` pairwise, leaving independent operations for the scheduler at every
+// level (an element without a partner at a level is carried up); the result is in x[0].
 template <class Acc, int N, class Op>
 __device__ __forceinline__ Acc tree_reduce(Acc (&x)[N], Op op) {
-  static_assert((N & (N - 1)) == 0, "power of two");
 #pragma unroll
   for (int w = 1; w < N; w *= 2)
 #pragma unroll

@@ -103,7 +103,7 @@ __device__ __forceinline__ void setmaxnreg_inc() {
 #endif
 }
 
-// m64nNk16 with fp32 accumulators (N = 32, 64, 128, 256): ss<kAccumulate, kTransA, kTransB>(d, a, b):
+// m64nNk16 with fp32 accumulators (N = 32, 64, 96, 128, 256): ss<kAccumulate, kTransA, kTransB>(d, a, b):
 // D = A B (+ D where kAccumulate), A and B from descriptors, K-major (MN-major where kTrans*);
 // rs(d, a, b): D += A B, A from registers, B MN-major.
 template <class Elem, int N>
@@ -136,6 +136,14 @@ struct Wgmma;
   "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]),  \
   "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),  \
   "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+
+#define FLASHATTN_WGMMA_R96 FLASHATTN_WGMMA_R64 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47"
+
+#define FLASHATTN_WGMMA_C96                                                                        \
+  FLASHATTN_WGMMA_C64,                                                                             \
+  "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]),        \
+  "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]),    \
+  "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3])
 
 #define FLASHATTN_WGMMA_R128                                                          \
   FLASHATTN_WGMMA_R64 ", "                                                            \
@@ -196,6 +204,8 @@ struct Wgmma<ELEM, N> {                                                         
                         "{%16, %17, %18, %19}, %20, 1, 1, 1, 1;\n")                                    \
   FLASHATTN_WGMMA_SHAPE(ELEM, TYPE, 64, "%32, %33, %34, 1, 1, %35, %36;\n",                            \
                         "{%32, %33, %34, %35}, %36, 1, 1, 1, 1;\n")                                    \
+  FLASHATTN_WGMMA_SHAPE(ELEM, TYPE, 96, "%48, %49, %50, 1, 1, %51, %52;\n",                            \
+                        "{%48, %49, %50, %51}, %52, 1, 1, 1, 1;\n")                                    \
   FLASHATTN_WGMMA_SHAPE(ELEM, TYPE, 128, "%64, %65, %66, 1, 1, %67, %68;\n",                           \
                         "{%64, %65, %66, %67}, %68, 1, 1, 1, 1;\n")                                    \
   FLASHATTN_WGMMA_SHAPE(ELEM, TYPE, 256, "%128, %129, %130, 1, 1, %131, %132;\n",                      \

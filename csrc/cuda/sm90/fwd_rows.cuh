@@ -19,6 +19,27 @@
 
 namespace flashattn::cuda::sm90 {
 
+// A consumer's compact view of its work item (FwdTile::keys), for the kernels whose consumers have
+// few registers to spare: in 32 bits (the tensor maps limit batch, heads and sequences to 2^31), the
+// first key tile and their count, the keys that the lane's two rows see (row r: lo[r] <= key <
+// hi[r]) and those that every row of the block's tile sees (all_lo <= key < all_hi), and where the
+// output goes (batch b, head h, rows m0 ... m0 + rows - 1).
+struct FwdKeys {
+  int n_begin, n_tiles;
+  int lo[2], hi[2], all_lo, all_hi;
+  int b, h, m0, rows;
+
+  // The scores of the kBN-key tile at n0 outside each row's keys -> -inf (tiles every row of the
+  // block sees in full are left as they are); t = lane % 4.
+  template <int kBN, int kNA>
+  __device__ __forceinline__ void mask(float (&s)[kNA][4], int /*row0*/, int n, int t) const {
+    if (n >= all_lo && n + kBN <= all_hi) return;
+    auto column = [](int x) { return x < 0 ? 0 : x > kBN ? kBN : x; };
+#pragma unroll
+    for (int r = 0; r < 2; ++r) mask_columns<kBN>(s, r, column(lo[r] - n), column(hi[r] - n), t);
+  }
+};
+
 // The block's query tile of kBM rows (the last tiles first; a causal grid's last heads tile slowest,
 // schedule/causal_order.cuh) and the key tiles of kBN keys that its rows see.
 template <int kBM, int kBN>
@@ -41,6 +62,25 @@ struct FwdTile {
     n_begin = sq.key_begin(m0) / kBN * kBN;
     const int64_t n_end = sq.key_end(m_last);
     n_tiles = n_end > n_begin ? int((n_end - n_begin + kBN - 1) / kBN) : 0;
+  }
+  // The scores of the key tile at n0 outside the rows' keys -> -inf, the lane's rows row0 and
+  // row0 + 8 (tiles every row of the block sees in full are left as they are).
+  template <int kBNT, int kNA>
+  __device__ __forceinline__ void mask(float (&s)[kNA][4], int64_t row0, int64_t n0, int t) const {
+    if (n0 >= sq.key_begin(m_last) && n0 + kBNT <= sq.key_end(m0)) return;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) mask_row_band<kBNT>(s, r, sq, row0 + 8 * r, n0, t);
+  }
+  // The compact view of the item for the lane whose rows are row0 and row0 + 8.
+  __device__ __forceinline__ FwdKeys keys(int64_t row0) const {
+    FwdKeys k{int(n_begin), n_tiles, {}, {}, int(sq.key_begin(m_last)), int(sq.key_end(m0)), int(sq.tb), int(h), int(m0),
+              rows};
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      k.lo[r] = int(sq.key_begin(row0 + 8 * r));
+      k.hi[r] = int(sq.key_end(row0 + 8 * r));
+    }
+    return k;
   }
 };
 
@@ -90,19 +130,16 @@ struct FwdRows {
   }
 
   // The online softmax of the key tile at n0, in place (scaled, masked outside each row's band,
-  // exponentiated); returns through alpha the factor that rescales O. The block's rows are
-  // m0 ... m_last, the lane's rows row0 and row0 + 8; t = lane % 4.
-  __device__ __forceinline__ void softmax(Scores& s, const Seq& sq, int64_t m0, int64_t m_last, int64_t row0,
-                                          int64_t n0, int t, float score_scale, float (&alpha)[2]) {
+  // exponentiated); returns through alpha the factor that rescales O. `item` (FwdTile or FwdKeys) is
+  // the block's work item, the lane's rows row0 and row0 + 8; t = lane % 4.
+  template <class Item, class Index>
+  __device__ __forceinline__ void softmax(Scores& s, const Item& item, Index row0, Index n0, int t, float score_scale,
+                                          float (&alpha)[2]) {
 #pragma unroll
     for (int j = 0; j < kNA; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[j][e] *= score_scale;
-    // Tiles every row of the block sees in full skip the per-element mask.
-    if (!(n0 >= sq.key_begin(m_last) && n0 + kBN <= sq.key_end(m0))) {
-#pragma unroll
-      for (int r = 0; r < 2; ++r) mask_row_band<kBN>(s, r, sq, row0 + 8 * r, n0, t);
-    }
+    item.template mask<kBN>(s, row0, n0, t);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       float mx[kNA];
@@ -150,6 +187,11 @@ struct FwdRows {
   static __device__ __forceinline__ Dest dest(const FwdParams& p, const Tile& tile) {
     return {tile.sq.template q_rows<Elem>(p.out, p.out_stride, tile.h, tile.m0),
             static_cast<float*>(p.lse) + tile.sq.row_index(p.heads_q, tile.h, tile.m0), tile.rows};
+  }
+  static __device__ __forceinline__ Dest dest(const FwdParams& p, const FwdKeys& k) {
+    const Seq sq = plain_sequence(p, k.b);
+    return {sq.template q_rows<Elem>(p.out, p.out_stride, k.h, k.m0),
+            static_cast<float*>(p.lse) + sq.row_index(p.heads_q, k.h, k.m0), k.rows};
   }
 
   // The output of the warp's 16 rows (from `wrow` in the block's tile), staged through those rows of

@@ -46,38 +46,41 @@ FwdGrid fwd_grid(const FwdParams& p) {
 
 }  // namespace
 
-template <class Elem, int kDim>
+template <class Elem, int kDim, int kConsumers>
 bool fwd_ws_ready(const FwdParams& p, FwdPanelMaps& maps) {
-  if constexpr (FwdWsConfig<Elem, kDim>::kServed) {
-    return register_pool_holds<fwd_ws_kernel<Elem, kDim>, FwdWsConfig<Elem, kDim>>() && encode_ws_maps<FwdWsConfig<Elem, kDim>>(p, maps);
-  }
+  using Cfg = FwdWsConfig<Elem, kDim, kConsumers>;
+  if constexpr (Cfg::kServed) return register_pool_holds<fwd_ws_kernel<Elem, kDim, Cfg>, Cfg>() && encode_ws_maps<Cfg>(p, maps);
   return false;
 }
 
-template <class Elem, int kDim>
+template <class Elem, int kDim, int kConsumers>
 bool fwd_wgmma(const FwdParams& p, const FwdPanelMaps& maps, cudaStream_t stream) {
-  using Cfg = FwdWsConfig<Elem, kDim>;
-  const FwdGrid g = fwd_grid<Cfg, fwd_ws_kernel<Elem, kDim>>(p);
+  using Cfg = FwdWsConfig<Elem, kDim, kConsumers>;
+  const FwdGrid g = fwd_grid<Cfg, fwd_ws_kernel<Elem, kDim, Cfg>>(p);
   // Non-causal grids larger than the GPU: persistent, a block per SM slot walking several items.
   const int64_t slots = int64_t(device_limits().sms) * (g.per_sm > 0 ? g.per_sm : 1);
   const int64_t grid = !p.causal && g.blocks > slots ? slots : g.blocks;
-  fwd_ws_kernel<Elem, kDim><<<unsigned(grid), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, maps, g.num_m_tiles,
-                                                                                      unsigned(g.blocks), g.order);
+  fwd_ws_kernel<Elem, kDim, Cfg><<<unsigned(grid), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, maps, g.num_m_tiles,
+                                                                                           unsigned(g.blocks), g.order);
   check_launch("sm90 forward");
   return true;
 }
 
-template bool fwd_wgmma<__nv_bfloat16, 64>(const FwdParams&, const FwdPanelMaps&, cudaStream_t);
-template bool fwd_wgmma<__half, 64>(const FwdParams&, const FwdPanelMaps&, cudaStream_t);
-template bool fwd_wgmma<__nv_bfloat16, 128>(const FwdParams&, const FwdPanelMaps&, cudaStream_t);
-template bool fwd_wgmma<__half, 128>(const FwdParams&, const FwdPanelMaps&, cudaStream_t);
-template bool fwd_wgmma<__nv_bfloat16, 256>(const FwdParams&, const FwdPanelMaps&, cudaStream_t);
-template bool fwd_wgmma<__half, 256>(const FwdParams&, const FwdPanelMaps&, cudaStream_t);
-template bool fwd_ws_ready<__nv_bfloat16, 64>(const FwdParams&, FwdPanelMaps&);
-template bool fwd_ws_ready<__half, 64>(const FwdParams&, FwdPanelMaps&);
-template bool fwd_ws_ready<__nv_bfloat16, 128>(const FwdParams&, FwdPanelMaps&);
-template bool fwd_ws_ready<__half, 128>(const FwdParams&, FwdPanelMaps&);
-template bool fwd_ws_ready<__nv_bfloat16, 256>(const FwdParams&, FwdPanelMaps&);
-template bool fwd_ws_ready<__half, 256>(const FwdParams&, FwdPanelMaps&);
+template bool fwd_wgmma<__nv_bfloat16, 64, 2>(const FwdParams&, const FwdPanelMaps&, cudaStream_t);
+template bool fwd_wgmma<__half, 64, 2>(const FwdParams&, const FwdPanelMaps&, cudaStream_t);
+template bool fwd_wgmma<__nv_bfloat16, 64, 3>(const FwdParams&, const FwdPanelMaps&, cudaStream_t);
+template bool fwd_wgmma<__half, 64, 3>(const FwdParams&, const FwdPanelMaps&, cudaStream_t);
+template bool fwd_wgmma<__nv_bfloat16, 128, 2>(const FwdParams&, const FwdPanelMaps&, cudaStream_t);
+template bool fwd_wgmma<__half, 128, 2>(const FwdParams&, const FwdPanelMaps&, cudaStream_t);
+template bool fwd_wgmma<__nv_bfloat16, 256, 2>(const FwdParams&, const FwdPanelMaps&, cudaStream_t);
+template bool fwd_wgmma<__half, 256, 2>(const FwdParams&, const FwdPanelMaps&, cudaStream_t);
+template bool fwd_ws_ready<__nv_bfloat16, 64, 2>(const FwdParams&, FwdPanelMaps&);
+template bool fwd_ws_ready<__half, 64, 2>(const FwdParams&, FwdPanelMaps&);
+template bool fwd_ws_ready<__nv_bfloat16, 64, 3>(const FwdParams&, FwdPanelMaps&);
+template bool fwd_ws_ready<__half, 64, 3>(const FwdParams&, FwdPanelMaps&);
+template bool fwd_ws_ready<__nv_bfloat16, 128, 2>(const FwdParams&, FwdPanelMaps&);
+template bool fwd_ws_ready<__half, 128, 2>(const FwdParams&, FwdPanelMaps&);
+template bool fwd_ws_ready<__nv_bfloat16, 256, 2>(const FwdParams&, FwdPanelMaps&);
+template bool fwd_ws_ready<__half, 256, 2>(const FwdParams&, FwdPanelMaps&);
 
 }  // namespace flashattn::cuda::sm90

@@ -1,18 +1,22 @@
 // Warp-specialized forward on wgmma (sm_90a): plain fp16 / bf16 calls at head dims 64, 128 and 256. A
-// block of three warpgroups: in the first one thread copies Q, K and V tiles into smem (TMA, each
-// copy completing an mbarrier's phase), the other two take 64 query rows each and never wait for
-// each other at a block barrier: they take turns at issuing their products (two named barriers), so
-// that one's softmax runs while the other's products use the tensor cores (FlashAttention-3's
-// ping-pong), each besides overlapping its own softmax of tile i + 1 with its P V of tile i as
-// a single warpgroup would. The producer hands registers to the consumers (setmaxnreg): at the 168 per
-// thread that 384 threads get, the consumers' key loop spilled.
+// block of a producer warpgroup and 64-row consumer warpgroups (three at dim 64, two at 128 and 256).
+// In the producer one thread copies Q, K and V tiles into smem (TMA, each copy completing an
+// mbarrier's phase); the consumers never wait for each other at a block barrier: they take turns at
+// issuing their products (a named barrier each), so that one's softmax runs while the others' products
+// use the tensor cores (FlashAttention-3's ping-pong), each besides overlapping its own softmax of tile
+// i + 1 with its P V of tile i as a single warpgroup would. The producer hands registers to the
+// consumers (setmaxnreg): at the launch's even share (168 per thread at 384 threads) their key loop
+// spilled.
 //
 // On non-causal grids larger than the GPU the grid is persistent (fwd_sm90.cu): a block per SM walks
-// several 128-row work items, with two Q buffers (one at dim 256), so the producer copies the next
-// item's Q and first K / V tiles while the consumers finish this one (its last P V and output); a block per item
-// otherwise (causal items differ in length, which fixed shares per block would leave unbalanced).
+// several work items of 64 rows per consumer, with two Q buffers (one at dim 256), so the producer
+// copies the next item's Q and first K / V tiles while the consumers finish this one (its last P V and
+// output); a block per item otherwise (causal items differ in length, which fixed shares per block
+// would leave unbalanced).
 #pragma once
 #include <cuda_runtime.h>
+
+#include <type_traits>
 
 #include "../common/barrier.cuh"
 #include "../common/tma.cuh"
@@ -22,12 +26,11 @@
 
 namespace flashattn::cuda::sm90 {
 
-template <class Elem, int kDim>
-__global__ void __launch_bounds__(FwdWsConfig<Elem, kDim>::kThreads, 1)
+template <class Elem, int kDim, class Cfg = FwdWsConfig<Elem, kDim>>
+__global__ void __launch_bounds__(Cfg::kThreads, 1)
     fwd_ws_kernel(const FwdParams p, const __grid_constant__ FwdPanelMaps maps, int num_m_tiles, unsigned num_work,
                   HeavyLast order) {
 #ifdef FLASHATTN_WGMMA
-  using Cfg = FwdWsConfig<Elem, kDim>;
   using Exp = ExpDomain<float>;
   constexpr int kBM = Cfg::kBM, kBN = Cfg::kBN, kStages = Cfg::kStages, kQBuffers = Cfg::kQBuffers;
   using Rows = FwdRows<Elem, kDim, kBN, kBM>;
@@ -108,11 +111,12 @@ __global__ void __launch_bounds__(FwdWsConfig<Elem, kDim>::kThreads, 1)
   const int wrow = cwg * 64 + warp * 16;
   const float score_scale = Exp::score_scale(p.scale);
   // The consumers' turns at the tensor cores over the block's whole stream of issues (every item's,
-  // the same for both): warpgroup c issues after bar_sync(1 + c), then lets the other one issue
-  // (bar_arrive(2 - c)). The second lends the first its first turn; the first takes the second's last
-  // hand-over at the end.
-  const int my_turn = 1 + cwg, other_turn = 2 - cwg;
-  if (cwg == 1) bar_arrive(other_turn, 256);
+  // the same for all): warpgroup c issues after bar_sync(1 + c), then lets the next one issue
+  // (bar_arrive(1 + (c + 1) % kConsumers)). The last lends the first its first turn; the first takes
+  // the last one's final hand-over at the end.
+  constexpr int kConsumers = Cfg::kConsumers;
+  const int my_turn = 1 + cwg, next_turn = kConsumers == 2 ? 2 - cwg : 1 + (cwg + 1) % kConsumers;
+  if (cwg == kConsumers - 1) bar_arrive(next_turn, 256);
 
   // Where an item's next item has keys, its last P V is issued with the next item's S 0, whose softmax
   // then runs under that P V (the output of the item after it): `started` marks an item whose S 0 is
@@ -126,13 +130,22 @@ __global__ void __launch_bounds__(FwdWsConfig<Elem, kDim>::kThreads, 1)
   Rows w;
   typename Rows::Probs pa;
   float alpha[2] = {1.f, 1.f};  // rescales O before the next P V
-  auto softmax = [&](typename Rows::Scores& s, const Tile& tile, int i) {
-    w.softmax(s, tile.sq, tile.m0, tile.m_last, tile.m0 + wrow + g, tile.n_begin + int64_t(i) * kBN, t, score_scale,
-              alpha);
+  // The work item's state through the key loop: the whole FwdTile, or where the consumers have few
+  // registers to spare (Cfg::kCompactItems) its 32-bit view, FwdKeys.
+  using Item = std::conditional_t<Cfg::kCompactItems, FwdKeys, Tile>;
+  auto item_at = [&](unsigned index) -> Item {
+    const Tile tile(p, num_m_tiles, order, index);
+    if constexpr (Cfg::kCompactItems)
+      return tile.keys(tile.m0 + wrow + g);
+    else
+      return tile;
   };
-  auto store = [&](const Tile& tile, unsigned item) {
-    // (only this warpgroup's products read its rows of the Q tile)
-    w.store(sQ(item % kQBuffers), p, Rows::dest(p, tile), wrow, lane);
+  auto softmax = [&](typename Rows::Scores& s, const Item& tile, int i) {
+    w.softmax(s, tile, tile.m0 + wrow + g, tile.n_begin + decltype(tile.n_begin)(i) * kBN, t, score_scale, alpha);
+  };
+  auto store = [&](const Item& tile, unsigned item) {
+    // (only this warpgroup's products read its rows of the Q tile; one with no rows in the item stores none)
+    if (cwg * 64 < tile.rows) w.store(sQ(item % kQBuffers), p, Rows::dest(p, tile), wrow, lane);
     fence_proxy_async();  // the staging's smem writes before the producer's next TMA copy there
     mbar_arrive(q_empty + item % kQBuffers);
   };
@@ -149,7 +162,7 @@ __global__ void __launch_bounds__(FwdWsConfig<Elem, kDim>::kThreads, 1)
     wait_v(vc);
     wgmma_fence();
     w.issue_pv(pa, smem_addr(sV(vc % kStages)));
-    bar_arrive(other_turn, 256);
+    bar_arrive(next_turn, 256);
     wgmma_wait<1>();
     pin(s);
     release_k(kc);
@@ -159,20 +172,45 @@ __global__ void __launch_bounds__(FwdWsConfig<Elem, kDim>::kThreads, 1)
     pin(pa);
     release_v(vc);
   };
+  // The turns of a warpgroup without rows in an item (at a sequence's end), where items are not
+  // carried: the active ones' first S, n_tiles - 1 turns of S and P V, and the last P V, with no
+  // product; each tile released once it has landed (so that the arrival cannot count towards the
+  // stage's previous use).
+  auto idle_turns = [&](int c0, int n_tiles) {
+    for (int i = 0; i <= n_tiles; ++i) {
+      if (i < n_tiles) wait_k(c0 + i);
+      bar_sync(my_turn, 256);
+      bar_arrive(next_turn, 256);
+      if (i < n_tiles) release_k(c0 + i);
+      if (i > 0) {
+        wait_v(c0 + i - 1);
+        release_v(c0 + i - 1);
+      }
+    }
+  };
 
   int c = 0;  // the block's key tiles before this item
   unsigned item = 0;
   bool started = false;
-  Tile tile(p, num_m_tiles, order, blockIdx.x);
+  Item tile = item_at(blockIdx.x);
   for (unsigned index = blockIdx.x; index < num_work; index += gridDim.x, ++item) {
     const int n_tiles = tile.n_tiles;
+    if constexpr (kConsumers == 3) {
+      if (cwg * 64 >= tile.rows) {
+        if (n_tiles > 0) idle_turns(c, n_tiles);
+        store(tile, item);
+        c += n_tiles;
+        if (index + gridDim.x < num_work) tile = item_at(index + gridDim.x);
+        continue;
+      }
+    }
     if (n_tiles > 0 && !started) {
       typename Rows::Scores s;
       wait_k(c);  // Q and K 0
       bar_sync(my_turn, 256);
       wgmma_fence();
       Rows::issue_scores(s, q_at(item), k_at(c));
-      bar_arrive(other_turn, 256);
+      bar_arrive(next_turn, 256);
       wgmma_wait<0>();
       pin(s);
       release_k(c);
@@ -189,7 +227,7 @@ __global__ void __launch_bounds__(FwdWsConfig<Elem, kDim>::kThreads, 1)
     bool carried = false;  // this item's last P V issued with the next item's S 0, whose softmax runs under it
     if constexpr (Cfg::kCarryAcrossItems) {
       if (n_tiles > 0 && next_index < num_work) {
-        const Tile next(p, num_m_tiles, order, next_index);
+        const Item next = item_at(next_index);
         if (next.n_tiles > 0) {
           typename Rows::Scores s;
           // The row maxima and sums not in w: this item's while the next item's start afresh in w, then
@@ -227,7 +265,7 @@ __global__ void __launch_bounds__(FwdWsConfig<Elem, kDim>::kThreads, 1)
         wait_v(last);
         wgmma_fence();
         w.issue_pv(pa, smem_addr(sV(last % kStages)));
-        bar_arrive(other_turn, 256);
+        bar_arrive(next_turn, 256);
         wgmma_wait<0>();
         pin(w.o);
         release_v(last);
@@ -236,12 +274,12 @@ __global__ void __launch_bounds__(FwdWsConfig<Elem, kDim>::kThreads, 1)
       } else {
         store(tile, item);  // no key: zeros, lse -inf
       }
-      if (next_index < num_work) tile = Tile(p, num_m_tiles, order, next_index);
+      if (next_index < num_work) tile = item_at(next_index);
     }
     started = carried;
     c += n_tiles;
   }
-  if (cwg == 0) bar_sync(my_turn, 256);  // the second warpgroup's last hand-over
+  if (cwg == 0) bar_sync(my_turn, 256);  // the last warpgroup's final hand-over
 #endif
 }
 

@@ -15,14 +15,14 @@
 
 namespace flashattn::cuda::sm90 {
 
-// Whether the warp-specialized forward can take the call (the plan's DeviceInfo::sm90_ws_ready): the
-// driver encodes its tensor maps (into `maps`), and its warpgroups' registers fit the loaded kernel's
-// pool.
-template <class Elem, int kDim>
+// Whether the warp-specialized forward with kConsumers consumer warpgroups can take the call (the plan's
+// DeviceInfo::sm90_ws_ready): the driver encodes its tensor maps (into `maps`), and its warpgroups'
+// registers fit the loaded kernel's pool.
+template <class Elem, int kDim, int kConsumers = 2>
 bool fwd_ws_ready(const FwdParams& p, FwdPanelMaps& maps);
-// Forward (the plan's kSm90WgmmaWs) of plain fp16 / bf16 calls with head_dim == head_dim_v == kDim on
-// sm_90, from the maps fwd_ws_ready encoded for p.
-template <class Elem, int kDim>
+// Forward (the plan's kSm90WgmmaWs: two consumers; kSm90WgmmaWs3: three, at dim 64) of plain fp16 / bf16
+// calls with head_dim == head_dim_v == kDim on sm_90, from the maps fwd_ws_ready encoded for p.
+template <class Elem, int kDim, int kConsumers = 2>
 bool fwd_wgmma(const FwdParams& p, const FwdPanelMaps& maps, cudaStream_t stream);
 
 // Whether the dK / dV kernel can take the call at head dim `dim` (the plan's DeviceInfo::sm90_ws_ready):

@@ -10,31 +10,45 @@ namespace flashattn::cuda::sm90 {
 template <class Elem, int kDim>
 constexpr bool kFwdWgmmaTier = sizeof(Elem) == 2 && (kDim == 64 || kDim == 128 || kDim == 256);
 
-template <class Elem, int kDim>
+template <class Elem, int kDim, int kConsumersT = 2>
 struct FwdWsConfig {
-  static constexpr bool kServed = kFwdWgmmaTier<Elem, kDim>;
-  static constexpr int kConsumers = 2;
+  // Consumers of 64 rows each: two, or three at dim 64 (where one 128 x 128 tile's exponentials take
+  // as long as its products, so that a consumer's softmax runs under two others' products). At 128
+  // and 256 O alone takes 64 / 128 registers of a consumer thread, more than three consumers' share of
+  // the pool leaves for S and P.
+  static constexpr int kConsumers = kConsumersT;
+  static constexpr bool kServed = kFwdWgmmaTier<Elem, kDim> && (kConsumers == 2 || kDim == 64);
   static constexpr int kThreads = 128 * (1 + kConsumers);
   // Dim 256: 64-key tiles (O takes 128 registers of a consumer thread, S 32) and one Q buffer (a 64 KB
-  // tile), so the next item's Q waits for this one's output.
-  static constexpr int kBM = 64 * kConsumers, kBN = kDim == 256 ? 64 : 128, kStages = 2;
+  // tile), so the next item's Q waits for this one's output. Three consumers: 96-key tiles (S, P and O
+  // of 128-key tiles spill 264 B in their 160 registers).
+  static constexpr int kBM = 64 * kConsumers, kBN = kDim == 256 ? 64 : kConsumers == 3 ? 96 : 128, kStages = 2;
   static constexpr int kQBuffers = kDim == 256 ? 1 : 2;
   static constexpr uint32_t kQBytes = kBM * kDim * 2, kKvBytes = kBN * kDim * 2;
   static constexpr uint32_t kBarOffset = kQBuffers * kQBytes + 2 * kStages * kKvBytes;
   // The Q buffers, the K and V stages, the mbarriers (K / V full and empty per stage, Q empty per
-  // buffer), and room to align to 1024: 97 KB at dim 64, 193 KB at 128 and 256.
+  // buffer), and room to align to 1024: 97 KB at dim 64 (three consumers: 97 KB), 193 KB at 128 and 256.
   static constexpr size_t kSmemBytes = kBarOffset + (4 * kStages + kQBuffers) * 8 + 1024;
-  // Registers per thread after the hand-over (128 x producer + 256 x consumer <= 384 x 168, the
+  // Registers per thread after the hand-over (128 x producer + 128 x kConsumers x consumer <= 65536, the
   // launch's pool; the consumers need ~230 at dim 128).
-  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+  static constexpr int kProducerRegs = 24, kConsumerRegs = kConsumers == 3 ? 160 : 240;
   // An item's last P V issued with the next item's S 0 (fwd_ws_kernel's consumers): at dim 128 the two
-  // items' state does not fit in 240 registers (376 B of spills).
-  static constexpr bool kCarryAcrossItems = kDim == 64;
+  // items' state does not fit in 240 registers (376 B of spills); three consumers: slower (fewer
+  // registers), and without it a consumer with no rows in an item (at a sequence's end) skips its products.
+  static constexpr bool kCarryAcrossItems = kDim == 64 && kConsumers == 2;
+  // The consumers keep their work item in 32-bit fields (FwdKeys) where that measured faster: three
+  // consumers (the full item spills in their 160 registers: -5..-8% at L >= 4096) and dim 256 (+2..6%);
+  // at 128 the full one (the compact one measured -10..-13% at L <= 1024).
+  static constexpr bool kCompactItems = kConsumers == 3 || kDim == 256;
   // Taken where rows see at least kMinKeys keys, on causal grids kMinCausalKeys on average: below, the
   // block's first S and last P V, which nothing overlaps, cost more than the products gain against the
   // sm80/ kernels (measurements: docs/kernels/sm90_forward_ws.md).
   static constexpr int64_t kMinKeys = 512;
   static constexpr int64_t kMinCausalKeys = kDim == 64 ? 2048 : kDim == 256 ? 512 : 0;
+  // Dim 64: three consumers where rows see at least this many keys (on average, causal); two below, where
+  // 192-row items leave more of the last item of each head idle and the block's first and last products
+  // weigh more.
+  static constexpr int64_t kThreeConsumerKeys = 2048;
 };
 
 // The warp-specialized dK/dV kernel (bwd_sm90.cuh): 128-key blocks walking 64-row query tiles, a producer
