@@ -170,7 +170,9 @@ def test_forward_split_last_wave(device, dtype):
 def test_forward_long_key_walks(device, dtype, head_dim, causal, len_q, heads_kv, group):
     """The calls the wgmma forward (fwd_ws_sm90.cuh) takes on sm_90 (the sm80/ kernels elsewhere): at
     dims 64 / 128 / 256, non-causal grids of 288-340 blocks persistent (2-3 query tiles per block),
-    causal ones a block per tile. 2100 / 4200 keys: a ragged last key tile. CPU: one kv head, 130 rows."""
+    causal ones a block per tile. 2100 / 4200 keys: a ragged last key tile. At dim 64 the three-consumer
+    form (192-row items): 2200 rows leave the last consumer of a head's last item no row. CPU: one kv
+    head, 130 rows."""
     heads_kv, len_q = (heads_kv, len_q) if device == "cuda" else (1, 130)
     len_k = 4200 if head_dim == 64 else 2100
     q, k, v = make_qkv(1, heads_kv * group, heads_kv, len_q, len_k, head_dim, head_dim, dtype, device)
