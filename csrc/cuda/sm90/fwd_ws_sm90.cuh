@@ -145,7 +145,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   };
   auto store = [&](const Item& tile, unsigned item) {
     // (only this warpgroup's products read its rows of the Q tile; one with no rows in the item stores none)
-    if (cwg * 64 < tile.rows) w.store(sQ(item % kQBuffers), p, Rows::dest(p, tile), wrow, lane);
+    if (kConsumers == 2 || cwg * 64 < tile.rows) w.store(sQ(item % kQBuffers), p, Rows::dest(p, tile), wrow, lane);
     fence_proxy_async();  // the staging's smem writes before the producer's next TMA copy there
     mbar_arrive(q_empty + item % kQBuffers);
   };
