@@ -35,6 +35,7 @@
 #include "../plan.h"
 #include "../schedule/query_walk.cuh"
 #include "../schedule/tail_split.cuh"
+#include "bwd_2d_steps.cuh"
 #include "launch.h"
 #include "tile_config.h"
 
@@ -70,20 +71,17 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim, kOneSync, kTwoBlocks>:
     return;
   }
 #endif
-  using Cfg = Bwd2dConfig<Elem, kDim, kOneSync, kTwoBlocks>;
-  using M = Mma<Elem>;
+  using W = Bwd2dShape<Elem, kDim, kOneSync, kTwoBlocks>;
+  using Cfg = typename W::Cfg;
+  using M = typename W::M;
   using Acc = float;
   using Exp = ExpDomain<Acc>;
   constexpr int kBM = Cfg::kBM, kBN = Cfg::kBN, kLd = Cfg::kLd, kLdP = Cfg::kLdP, kThreads = Cfg::kThreads;
   constexpr bool kSw = Cfg::kSwizzle;  // K, V, Q, dO tiles swizzled (tile_copy.cuh)
-  constexpr int kKeyW = Cfg::kKeyWarps, kRowW = Cfg::kWarps / kKeyW;  // S / dP: kRowW x kKeyW
-  constexpr int kColW = Cfg::kWarps / kKeyW;                          // dK / dV: kKeyW x kColW
-  constexpr int kKA = kDim / kColW / 8;  // dK / dV atoms per 16-key group of a warp
-  constexpr int kRA = kBM / kRowW / 16;  // 16-row groups of a warp in S / dP
-  constexpr int kQCW = Cfg::kDqColWarps, kQRW = Cfg::kWarps / kQCW;  // the dQ warp grid
-  constexpr int kQA = kDim / kQCW / 8;  // dQ atoms per 16-row group of a warp
-  constexpr int kRQ = kBM / kQRW / 16;  // 16-row groups of a warp in dQ
-  static_assert(kKA % 2 == 0 && kQA % 2 == 0, "B atoms load in pairs");
+  // The warp grids: S / dP kRowW x kKeyW, dK / dV kKeyW x kColW, dQ kQRW x kQCW (Bwd2dShape).
+  constexpr int kKeyW = W::kKeyW, kRowW = W::kRowW, kColW = W::kColW;
+  constexpr int kKA = W::kKA, kQA = W::kQA;
+  constexpr int kQCW = W::kQCW, kQRW = W::kQRW;
   constexpr int kQBufs = Cfg::kQBufs, kPBufs = Cfg::kPBufs, kStatsBufs = Cfg::kStatsBufs;
   using Stats = std::conditional_t<Cfg::kSlabStats, SlabStats<kBM, kBM / kRowW, kStatsBufs>, RowStats<kBM, kQBufs>>;
   static_assert(!Cfg::kSlabStats || (kQBufs == 2 && Cfg::kStatsOffset % 16 == 0),
@@ -141,11 +139,10 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim, kOneSync, kTwoBlocks>:
   // offset is a multiple of its span (a power of two, or of 8 chunks), so that no step carries in
   // the swizzle. Padded, the reads take pointers (the same addresses formed this way measured
   // 2-4% slower at dim 64: ptxas schedules the loop differently).
-  using TA = SwizzledAddress<kLd * int(sizeof(Elem))>;
+  using TA = typename W::TA;
   static_assert(!kSw || ((kKA % 8 == 0 || (kKA & (kKA - 1)) == 0) && (kQA % 8 == 0 || (kQA & (kQA - 1)) == 0)),
                 "a warp's chunk span in dK / dV and dQ is a power of two or whole lines");
-  constexpr uint32_t kRowBytes = kLd * sizeof(Elem), kBufBytes = kBM * kRowBytes;
-  constexpr uint32_t kVBytes = kBN * kRowBytes, kDoBytes = kQBufs * kBufBytes;  // sV - sK, sdO - sQ
+  constexpr uint32_t kBufBytes = W::kBufBytes;
   uint32_t q_of_s = 0, k_of_s = 0, q_of_dk = 0, k_of_dq = 0;
   if constexpr (kSw) {
     const auto rows_first = M::rows_first(lane), chunks_first = M::chunks_first(lane);
@@ -155,10 +152,11 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim, kOneSync, kTwoBlocks>:
     k_of_dq = TA::base(sK, rows_first.row, q_col / 8 + rows_first.chunk);  // dQ: B
   }
 
-  // P and dS: a buffer's dS lies kDsBytes after its P, the next buffer kPBufBytes further.
-  // Swizzled (kOneSync), the lanes' addresses as for K / V / Q / dO: rows of kBN elements.
-  using TP = SwizzledAddress<Cfg::kSwizzleP ? kLdP * int(sizeof(Elem)) : 128>;
-  constexpr uint32_t kDsBytes = kBM * kLdP * sizeof(Elem), kPBufBytes = 2 * kDsBytes;
+  // P and dS: a buffer's dS lies kDsBytes after its P, the next buffer kPBufBytes further
+  // (Bwd2dShape). Swizzled (kOneSync), the lanes' addresses as for K / V / Q / dO: rows of kBN
+  // elements.
+  using TP = typename W::TP;
+  constexpr uint32_t kPBufBytes = W::kPBufBytes;
   uint32_t p_of_dk = 0, ds_of_dq = 0;
   if constexpr (Cfg::kSwizzleP) {
     const auto rows_first = M::rows_first(lane), chunks_first = M::chunks_first(lane);
@@ -167,7 +165,7 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim, kOneSync, kTwoBlocks>:
   }
   int pbuf = 0;  // this tile's P / dS buffer
 
-  Acc dk[2][kKA][4], dv[2][kKA][4];
+  typename W::DkDv dk, dv;
 #pragma unroll
   for (int i = 0; i < 2; ++i)
 #pragma unroll
@@ -178,112 +176,28 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim, kOneSync, kTwoBlocks>:
   constexpr QueryBuffers kBuffers =
       Cfg::kRing3 ? QueryBuffers::kRingOfThree : Cfg::kTracked ? QueryBuffers::kTwoTracked : QueryBuffers::kTwo;
   walk_query_tiles<kBM, kBuffers>(sq, n0, rows_k, hk * group, group, load, [&](int64_t h, int64_t m0, int buf, auto start_next) {
-    // (each read in some variants only; the body is a generic lambda, so unused ones would warn)
-    [[maybe_unused]] const uint32_t q_buf_s = q_of_s + buf * kBufBytes, q_buf_dk = q_of_dk + buf * kBufBytes;
-    [[maybe_unused]] const Elem* q_s = sQ + buf * kBM * kLd;
-    [[maybe_unused]] const Elem* do_s = sdO + buf * kBM * kLd;
-    [[maybe_unused]] const Acc* stats_s = sStats + Stats::lse(buf, s_row) + 4 * g;  // SlabStats: row group 0's chunk
-    [[maybe_unused]] const Acc* lse_s = sStats + Stats::lse(buf, 0);                    // RowStats
-    [[maybe_unused]] const Acc* d_s = sStats + Stats::d(buf, 0);
-    [[maybe_unused]] const uint32_t p_buf_bytes = pbuf * kPBufBytes;  // this tile's P / dS buffer, from buffer 0
-    [[maybe_unused]] Elem* p_s = sP + pbuf * 2 * kBM * kLdP;
-    [[maybe_unused]] Elem* ds_s = sdS + pbuf * 2 * kBM * kLdP;
+    // The tile's buffers: swizzled operands through the lanes' addresses, padded ones through
+    // pointers (each step reads the ones of its variant).
+    const uint32_t q_buf_s = q_of_s + buf * kBufBytes, q_buf_dk = q_of_dk + buf * kBufBytes;
+    const Elem* q_s = sQ + buf * kBM * kLd;
+    const Elem* do_s = sdO + buf * kBM * kLd;
+    const Acc* stats_s = sStats + Stats::lse(buf, s_row) + 4 * g;  // SlabStats: row group 0's chunk
+    const Acc* lse_s = sStats + Stats::lse(buf, 0);                 // RowStats
+    const Acc* d_s = sStats + Stats::d(buf, 0);
+    const uint32_t p_buf_bytes = pbuf * kPBufBytes;  // this tile's P / dS buffer, from buffer 0
+    Elem* p_s = sP + pbuf * 2 * kBM * kLdP;
+    Elem* ds_s = sdS + pbuf * 2 * kBM * kLdP;
 
-    // S and dP of the warp's rows x 32 keys: [row group][key atom].
-    Acc s[kRA][4][4], dp[kRA][4][4];
-#pragma unroll
-    for (int i = 0; i < kRA; ++i)
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[i][j][e] = dp[i][j][e] = Acc(0);
-#pragma unroll
-    for (int kk = 0; kk < kDim; kk += M::kK) {
-      typename M::A aq[kRA], ado[kRA];
-#pragma unroll
-      for (int i = 0; i < kRA; ++i) {
-        if constexpr (kSw) {
-          const uint32_t at = TA::at(q_buf_s, 16 * i, kk / 8);
-          M::load_a(aq[i], at);
-          M::load_a(ado[i], at + kDoBytes);
-        } else {
-          M::load_a(aq[i], q_s + (s_row + 16 * i) * kLd + kk, kLd, lane);
-          M::load_a(ado[i], do_s + (s_row + 16 * i) * kLd + kk, kLd, lane);
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < 4; j += 2) {
-        typename M::B bk[2], bv[2];
-        if constexpr (kSw) {
-          const uint32_t at = TA::at(k_of_s, 8 * j, kk / 8);
-          M::load_b2_nk(bk, at);
-          M::load_b2_nk(bv, at + kVBytes);
-        } else {
-          M::load_b2_nk(bk, sK + (s_key + 8 * j) * kLd + kk, kLd, lane);
-          M::load_b2_nk(bv, sV + (s_key + 8 * j) * kLd + kk, kLd, lane);
-        }
-#pragma unroll
-        for (int i = 0; i < kRA; ++i) {
-          M::mma(s[i][j], aq[i], bk[0]);
-          M::mma(s[i][j + 1], aq[i], bk[1]);
-          M::mma(dp[i][j], ado[i], bv[0]);
-          M::mma(dp[i][j + 1], ado[i], bv[1]);
-        }
-      }
-    }
+    typename W::SdP s, dp;
+    scores_and_dp<W>(s, dp, q_buf_s, k_of_s, q_s, do_s, sK, sV, s_row, s_key, lane);
 
-    // P and dS, 0 wherever the key is not visible. Written once, instantiated for tiles every
-    // row sees in full and for masked ones (which test (row, key) against the band, with bases
-    // clamped so that every comparison stays in 32 bits), and per bias element type: the common
-    // case carries no test. A bias term of -inf makes P 0 through the exp.
+    // P and dS (probs_and_ds), instantiated for tiles every row sees in full and for masked ones,
+    // and per bias element type: the common case carries no test.
     const bool all_visible = n0 >= sq.key_begin(m0 + kBM - 1) && n0 + kBN <= sq.key_end(m0);
     auto probs = [&](auto masked_tag, auto reader) {
-      constexpr bool kMasked = decltype(masked_tag)::value;
-      using R = decltype(reader);
-      const unsigned char* bias_s = sBias + buf * bias_tile.buffer_bytes();
-      int lo0 = 0, hi0 = 0, k_lim = 0;
-      if constexpr (kMasked) {
-        auto clamp_base = [](int64_t x) { return int(x < -kBM - 1 ? -kBM - 1 : x > kBN + 1 ? kBN + 1 : x); };
-        lo0 = clamp_base(m0 - n0 + sq.band.lo);  // visible: key - row >= lo0
-        hi0 = clamp_base(m0 - n0 + sq.band.hi);  // and key - row <= hi0
-        k_lim = clamp_base(sq.len_k - n0);       // and key < k_lim
-      }
-#pragma unroll
-      for (int i = 0; i < kRA; ++i) {
-        float4 slab;  // SlabStats: LSE and D of rows g and g + 8
-        if constexpr (Cfg::kSlabStats) slab = *reinterpret_cast<const float4*>(stats_s + 32 * i);
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int row = s_row + 16 * i + g + 8 * r;
-          // A row that sees no key (LSE -inf) takes +inf: its exponentials are then 0, and its
-          // dS 0, without a select per score where the tile is not masked.
-          const Acc lse_row = Exp::from_lse(Cfg::kSlabStats ? (r ? slab.z : slab.x) : lse_s[row]);
-          const Acc dsum = Cfg::kSlabStats ? (r ? slab.w : slab.y) : d_s[row];
-          const Acc lse = lse_row == neg_inf<Acc>() ? -neg_inf<Acc>() : lse_row;
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-#pragma unroll
-            for (int c = 0; c < 2; ++c) {
-              const int key = s_key + 8 * j + 2 * t + c, e = 2 * r + c;
-              Acc x = s[i][j][e] * score_scale - lse;
-              if constexpr (R::kBytes > 0)
-                x += Exp::score_scale(1.0) * reader.template value<Acc>(bias_s + bias_tile.offset(row, key));
-              if constexpr (kMasked) {
-                const bool vis = key - row >= lo0 && key - row <= hi0 && key < k_lim;
-                const Acc pr = Exp::exp_if(vis, x);
-                s[i][j][e] = pr;
-                dp[i][j][e] = vis ? pr * (dp[i][j][e] - dsum) : Acc(0);
-              } else {
-                constexpr int kEvery = Cfg::kFmaExpEvery;
-                const bool on_fma = kEvery > 0 && (2 * j + c) % (kEvery > 0 ? kEvery : 1) == kEvery - 1;
-                const Acc pr = on_fma ? Exp::exp_fma(x) : Exp::exp(x);
-                s[i][j][e] = pr;
-                dp[i][j][e] = pr * (dp[i][j][e] - dsum);
-              }
-            }
-          }
-        }
-      }
+      probs_and_ds<W, decltype(masked_tag)::value>(s, dp, reader, sq, m0, n0, stats_s, lse_s, d_s,
+                                                   sBias + buf * bias_tile.buffer_bytes(), bias_tile, score_scale,
+                                                   s_row, s_key, g, t);
     };
     auto probs_of_tile = [&](auto masked_tag) {
       if constexpr (kFeatures)
@@ -293,44 +207,7 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim, kOneSync, kTwoBlocks>:
     };
     if (all_visible) probs_of_tile(std::false_type{});
     else probs_of_tile(std::true_type{});
-#ifdef FLASHATTN_STMATRIX
-    constexpr bool kStmatrix = Cfg::kStmatrixStores;
-#else
-    constexpr bool kStmatrix = false;
-#endif
-    if constexpr (kStmatrix) {
-      // Two accumulator atoms (16 rows x 16 keys) per stmatrix, the inverse of load_a: the lane's
-      // row address is M::rows_first's spot (written out: as lane & 15 the SASS changed, untimed) and
-      // the registers those of an A fragment (a_from_acc). 16 instructions per warp and tile at
-      // kRA = 4 where 32-bit stores take 64.
-      const int mi = lane >> 3;  // row lane % 8 of matrix mi
-      const int st_row = s_row + (lane & 7) + 8 * (mi & 1);
-      const uint32_t p_at = (Cfg::kSwizzleP ? TP::base(sP, st_row, s_key / 8 + (mi >> 1))
-                                            : smem_addr(sP + st_row * kLdP + s_key + 8 * (mi >> 1))) +
-                            p_buf_bytes;
-#pragma unroll
-      for (int i = 0; i < kRA; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; j += 2) {
-          const uint32_t at = Cfg::kSwizzleP ? TP::at(p_at, 16 * i, j) : p_at + uint32_t((16 * i * kLdP + 8 * j) * sizeof(Elem));
-          typename M::A pa, dsa;
-          M::a_from_acc(pa, &s[i][j]);
-          M::a_from_acc(dsa, &dp[i][j]);
-          stmatrix_x4(at, pa.r);
-          stmatrix_x4(at + kDsBytes, dsa.r);
-        }
-    } else {
-#pragma unroll
-      for (int i = 0; i < kRA; ++i)
-#pragma unroll
-        for (int r = 0; r < 2; ++r)
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const int off = (s_row + 16 * i + g + 8 * r) * kLdP + s_key + 8 * j + 2 * t;
-            M::store_pair(p_s + off, s[i][j][2 * r], s[i][j][2 * r + 1]);
-            M::store_pair(ds_s + off, dp[i][j][2 * r], dp[i][j][2 * r + 1]);
-          }
-    }
+    store_p_ds<W>(s, dp, sP, p_s, ds_s, p_buf_bytes, s_row, s_key, lane, g, t);
     // P, dS of the whole tile in smem for all. The next query tile's copies start here rather than
     // at the top of the iteration: there they followed the previous tile's dQ atomics (ncu at dim
     // 256: lg-throttle stalls, none in FlashAttention-2's kernel). H200, bf16: backward +0.3..+1.3%
@@ -339,73 +216,14 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim, kOneSync, kTwoBlocks>:
     if constexpr (!Cfg::kRing3) __syncthreads();
     start_next();
 
-    // dV += P^T dO and dK += dS^T Q over the tile's rows, for the warp's 32 keys x kDim / kColW dims.
-#pragma unroll
-    for (int kk = 0; kk < kBM; kk += M::kK) {
-      typename M::A ap[2], ads[2];
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        if constexpr (Cfg::kSwizzleP) {
-          const uint32_t at = TP::at(p_of_dk + p_buf_bytes, kk, 2 * i);
-          M::load_a_kn(ap[i], at);
-          M::load_a_kn(ads[i], at + kDsBytes);
-        } else {
-          M::load_a_kn(ap[i], p_s + kk * kLdP + k_key + 16 * i, kLdP, lane);
-          M::load_a_kn(ads[i], ds_s + kk * kLdP + k_key + 16 * i, kLdP, lane);
-        }
-      }
-#pragma unroll
-      for (int d = 0; d < kKA; d += 2) {
-        typename M::B bo[2], bq[2];
-        if constexpr (kSw) {
-          const uint32_t at = TA::at(q_buf_dk, kk, d);
-          M::load_b2_kn(bo, at + kDoBytes);
-          M::load_b2_kn(bq, at);
-        } else {
-          M::load_b2_kn(bo, do_s + kk * kLd + k_col + 8 * d, kLd, lane);
-          M::load_b2_kn(bq, q_s + kk * kLd + k_col + 8 * d, kLd, lane);
-        }
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          M::mma(dv[i][d], ap[i], bo[0]);
-          M::mma(dv[i][d + 1], ap[i], bo[1]);
-          M::mma(dk[i][d], ads[i], bq[0]);
-          M::mma(dk[i][d + 1], ads[i], bq[1]);
-        }
-      }
-    }
+    add_dkdv<W>(dk, dv, p_of_dk, p_buf_bytes, p_s, ds_s, q_buf_dk, q_s, do_s, k_key, k_col, lane);
 
     // dQ += dS K for the warp's kBM / kQRW rows x kDim / kQCW dims, added into the accumulator.
     // (accum.base is never null; without the test, ptxas allocates the dim-256 feature variant
     // with 112 bytes of spills instead of none.)
     if (accum.base != nullptr) {
-      Acc dq[kRQ][kQA][4];
-#pragma unroll
-      for (int i = 0; i < kRQ; ++i)
-#pragma unroll
-        for (int d = 0; d < kQA; ++d)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) dq[i][d][e] = Acc(0);
-#pragma unroll
-      for (int kk = 0; kk < kBN; kk += M::kK) {
-        typename M::A a[kRQ];
-#pragma unroll
-        for (int i = 0; i < kRQ; ++i) {
-          if constexpr (Cfg::kSwizzleP) M::load_a(a[i], TP::at(ds_of_dq + p_buf_bytes, 16 * i, kk / 8));
-          else M::load_a(a[i], ds_s + (q_row + 16 * i) * kLdP + kk, kLdP, lane);
-        }
-#pragma unroll
-        for (int d = 0; d < kQA; d += 2) {
-          typename M::B bk[2];
-          if constexpr (kSw) M::load_b2_kn(bk, TA::at(k_of_dq, kk, d));
-          else M::load_b2_kn(bk, sK + kk * kLd + q_col + 8 * d, kLd, lane);
-#pragma unroll
-          for (int i = 0; i < kRQ; ++i) {
-            M::mma(dq[i][d], a[i], bk[0]);
-            M::mma(dq[i][d + 1], a[i], bk[1]);
-          }
-        }
-      }
+      Acc dq[W::kRQ][kQA][4];
+      dq_products<W>(dq, ds_of_dq, p_buf_bytes, ds_s, k_of_dq, sK, q_row, q_col, lane);
       const int64_t tile_row = sq.row_index(p.heads_q, h, m0);
       const int rows_valid = sq.q_tile_rows(m0, kBM);
       add_dq_atoms(accum.block_slice<float>(round.groups), tile_row, dq, q_row, q_col, rows_valid, E, lane);
@@ -413,24 +231,10 @@ __global__ void __launch_bounds__(Bwd2dConfig<Elem, kDim, kOneSync, kTwoBlocks>:
     if constexpr (kPBufs == 2) pbuf ^= 1;
   }, sLanded, seg.first, seg.count);
 
-  // The lane's dK (scaled) and dV pairs of keys below rows_k: put_k(key, col, x, y) for columns
-  // below E, put_v for those below Ev.
+  // The lane's dK (scaled) and dV pairs: into the tail area, or stored.
   const Acc scale = Acc(p.scale);
   auto each_pair = [&](auto put_k, auto put_v) {
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int key = k_key + 16 * i + g + 8 * r;
-        if (key >= rows_k) continue;
-#pragma unroll
-        for (int d = 0; d < kKA; ++d) {
-          const int col = k_col + 8 * d + 2 * t;
-          if (col < E) put_k(key, col, dk[i][d][2 * r] * scale, dk[i][d][2 * r + 1] * scale);
-          if (col < Ev) put_v(key, col, dv[i][d][2 * r], dv[i][d][2 * r + 1]);
-        }
-      }
-    }
+    each_dkdv_pair<W>(dk, dv, scale, rows_k, k_key, k_col, g, t, E, Ev, put_k, put_v);
   };
   if (kSplit && seg.tail >= 0) {  // a part of a split walk: added into the tail area
     float* dk_t = round.tail.dkdv + int64_t(seg.tail) * kBN * (E + Ev);
