@@ -38,55 +38,10 @@
 #include "../schedule/causal_order.cuh"
 #include "../schedule/query_walk.cuh"
 #include "bwd_sm80_2d.cuh"
+#include "bwd_steps.cuh"
 #include "tile_config.h"
 
 namespace flashattn::cuda::sm80 {
-
-// An accumulator atom (4 values of a lane) to / added from smem, 16 bytes (fp64: 2 x 16) at a time.
-__device__ __forceinline__ void store_atom(float* dst, const float (&c)[4]) {
-  *reinterpret_cast<float4*>(dst) = make_float4(c[0], c[1], c[2], c[3]);
-}
-__device__ __forceinline__ void store_atom(double* dst, const double (&c)[4]) {
-  reinterpret_cast<double2*>(dst)[0] = make_double2(c[0], c[1]);
-  reinterpret_cast<double2*>(dst)[1] = make_double2(c[2], c[3]);
-}
-__device__ __forceinline__ void add_atom(float (&c)[4], const float* src) {
-  const float4 v = *reinterpret_cast<const float4*>(src);
-  c[0] += v.x; c[1] += v.y; c[2] += v.z; c[3] += v.w;
-}
-__device__ __forceinline__ void add_atom(double (&c)[4], const double* src) {
-  const double2 a = reinterpret_cast<const double2*>(src)[0], b = reinterpret_cast<const double2*>(src)[1];
-  c[0] += a.x; c[1] += a.y; c[2] += b.x; c[3] += b.y;
-}
-
-// The two products of the backward that share their shape, over the kDim head dims in smem
-// rows of pitch kLd: s = A_s B_s^T and dp = A_dp B_dp^T for a warp's 16 A rows and kN B rows
-// (8 per atom). The dK/dV kernel takes A = its keys of K, V and B = the query tile's Q, dO
-// (S^T, dP^T).
-template <class M, int kDim, int kLd, class Elem, class Acc, int kNA>
-__device__ __forceinline__ void scores_and_dp(Acc (&s)[kNA][4], Acc (&dp)[kNA][4], const Elem* a_s,
-                                              const Elem* a_dp, const Elem* b_s, const Elem* b_dp, int lane) {
-#pragma unroll
-  for (int j = 0; j < kNA; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) s[j][e] = dp[j][e] = Acc(0);
-#pragma unroll
-  for (int kk = 0; kk < kDim; kk += M::kK) {
-    typename M::A as, adp;
-    M::load_a(as, a_s + kk, kLd, lane);
-    M::load_a(adp, a_dp + kk, kLd, lane);
-#pragma unroll
-    for (int j = 0; j < kNA; j += 2) {
-      typename M::B bs[2], bdp[2];
-      M::load_b2_nk(bs, b_s + 8 * j * kLd + kk, kLd, lane);
-      M::load_b2_nk(bdp, b_dp + 8 * j * kLd + kk, kLd, lane);
-      M::mma(s[j], as, bs[0]);
-      M::mma(s[j + 1], as, bs[1]);
-      M::mma(dp[j], adp, bdp[0]);
-      M::mma(dp[j + 1], adp, bdp[1]);
-    }
-  }
-}
 
 // kFeatures: the variant for calls with optional features (see fwd_sm80.cuh). kGeneral: with
 // the per-score step for softcap, ALiBi, dropout and the bias gradient (needs_general_step),
@@ -179,22 +134,7 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim, kGeneral, kCompact>::kTh
 
     Acc st[kQA][4], dpt[kQA][4];
     scores_and_dp<M, kDimOut, kLd>(st, dpt, sK + wkey * kLd + c0, sV + wkey * kLd + c0, q_s + c0, do_s + c0, lane);
-    if constexpr (kPair > 1) {
-      // Add the partner's partial sums (the other half of the dims), atom by atom as held.
-      auto atom = [&](int w, int i) { return sX + ((w * 2 * kQA + i) * 32 + lane) * 4; };
-#pragma unroll
-      for (int i = 0; i < kQA; ++i) {
-        store_atom(atom(warp, i), st[i]);
-        store_atom(atom(warp, kQA + i), dpt[i]);
-      }
-      __syncthreads();
-      const int partner = (warp + kKeyGroups) % kWarps;
-#pragma unroll
-      for (int i = 0; i < kQA; ++i) {
-        add_atom(st[i], atom(partner, i));
-        add_atom(dpt[i], atom(partner, kQA + i));
-      }
-    }
+    if constexpr (kPair > 1) add_partner_sums<kKeyGroups, kWarps>(st, dpt, sX, warp, lane);
 
     // P^T and dS^T, both 0 wherever the key is not visible (so values there, even NaN or
     // inf, never reach a gradient). Tiles every row sees in full skip the per-element mask.
@@ -220,32 +160,8 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim, kGeneral, kCompact>::kTh
       featured = mods_beyond_bias(p) || drop.on || p.dbias != nullptr;
       if (featured) {
         band_bases();
-        const int q_lim = sq.q_tile_rows(m0, kBM);  // rows past it are padding
-        const unsigned char* bias_s = sBias + buf * bias_tile.buffer_bytes();
-        // Sets of up to 8 scores (few registers beside dK, dV): per key of the lane (kw = g,
-        // g + 8), its rows 8j + 2t (+1) of kSet / 2 consecutive j.
-        constexpr int kSet = 2 * kQA < 8 ? 2 * kQA : 8, kHalves = 2 * kQA / kSet;
-        static_assert(kSet * kHalves == 2 * kQA, "the sets cover the lane's rows");
-#pragma unroll
-        for (int set = 0; set < 2 * kHalves; ++set) {
-          const int kh = set / kHalves, j0 = (set % kHalves) * (kSet / 2), kw = g + 8 * kh;
-          auto row = [&](int i) { return 8 * (j0 + (i >> 1)) + 2 * t + (i & 1); };
-          Acc x[kSet], th[kSet];
-          bool in[kSet];
-#pragma unroll
-          for (int i = 0; i < kSet; ++i) {
-            x[i] = st[j0 + (i >> 1)][2 * kh + (i & 1)];
-            in[i] = lse_s[row(i)] != neg_inf<Acc>() && row(i) < q_lim && kw >= lo0 + row(i) &&
-                    kw <= hi0 + row(i) && kw < k_lim;
-          }
-          mods.scores(x, in, m0, n0 + wkey + kw, [&](int i) { return int2{row(i), 0}; },
-                      [&](int i) { return bias_s + bias_tile.offset(row(i), wkey + kw); }, th);
-#pragma unroll
-          for (int i = 0; i < kSet; ++i)
-            feature_grad(st[j0 + (i >> 1)][2 * kh + (i & 1)], dpt[j0 + (i >> 1)][2 * kh + (i & 1)], x[i], in[i],
-                         th[i], Exp::from_lse(lse_s[row(i)]), d_s[row(i)], m0 + row(i), n0 + wkey + kw, sq, mods,
-                         drop, dbias);
-        }
+        general_probs_and_ds<kBM>(st, dpt, mods, drop, dbias, sq, m0, n0, wkey, lse_s, d_s,
+                                  sBias + buf * bias_tile.buffer_bytes(), bias_tile, lo0, hi0, k_lim, g, t);
       }
     }
     if (!featured) {
@@ -254,31 +170,8 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim, kGeneral, kCompact>::kTh
       // so the per-score code of the common case carries no branch (a branch inside it cost
       // ~12 instructions a score). A bias term of -inf makes P 0 through the exp.
       auto probs = [&](auto masked_tag, auto reader) {
-        constexpr bool kMasked = decltype(masked_tag)::value;
-        using R = decltype(reader);
-        const unsigned char* bias_s = sBias + buf * bias_tile.buffer_bytes() + (wkey + g) * R::kBytes;
-#pragma unroll
-        for (int j = 0; j < kQA; ++j) {
-          // The lane's two query rows 8j + 2t, 8j + 2t + 1 (element e holds row e & 1).
-          const auto lse2 = load_vec2(lse_s + 8 * j + 2 * t);
-          const auto d2 = load_vec2(d_s + 8 * j + 2 * t);
-          const Acc lse_pair[2] = {Exp::from_lse(lse2.x), Exp::from_lse(lse2.y)};
-          const Acc d_pair[2] = {d2.x, d2.y};
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const Acc lse = lse_pair[e & 1];
-            bool vis = lse != neg_inf<Acc>();
-            const int row = 8 * j + 2 * t + (e & 1), kw = g + 8 * (e >> 1);
-            if constexpr (kMasked) vis = vis && kw >= lo0 + row && kw <= hi0 + row && kw < k_lim;
-            Acc x = st[j][e] * score_scale - lse;
-            if constexpr (R::kBytes > 0)
-              x += Exp::score_scale(1.0) *
-                   reader.template value<Acc>(bias_s + bias_tile.row_offset(row) + 8 * (e >> 1) * R::kBytes);
-            const Acc pr = Exp::exp_if(vis, x);
-            st[j][e] = pr;
-            dpt[j][e] = vis ? pr * (dpt[j][e] - d_pair[e & 1]) : Acc(0);
-          }
-        }
+        probs_and_ds_t<decltype(masked_tag)::value>(st, dpt, reader, lse_s, d_s, sBias, buf, bias_tile, score_scale,
+                                                    wkey, lo0, hi0, k_lim, g, t);
       };
       auto probs_of_tile = [&](auto masked_tag) {
         if constexpr (kFeatures)
@@ -289,6 +182,9 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim, kGeneral, kCompact>::kTh
       else probs_of_tile(std::true_type{});
     }
 
+    // dV += P^T dO and dK += dS^T Q over the tile's rows, the A operands straight from the P^T /
+    // dS^T registers. (Here, not in a function of bwd_steps.cuh: there the compact kernels' code
+    // changed.)
 #pragma unroll
     for (int kk = 0; kk < kBM; kk += M::kK) {
       typename M::A ap, ads;
@@ -320,22 +216,7 @@ __global__ void __launch_bounds__(BwdConfig<Elem, kDim, kGeneral, kCompact>::kTh
       if (warp >= kRowGroups * kColGroups) return;
       const int rg = warp % kRowGroups, cg = warp / kRowGroups;
       Acc dq[1][kQCA][4];  // one row group (add_dq_atoms takes several)
-#pragma unroll
-      for (int d = 0; d < kQCA; ++d)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) dq[0][d][e] = Acc(0);
-#pragma unroll
-      for (int kk = 0; kk < kBN; kk += M::kK) {
-        typename M::A a;
-        M::load_a_kn(a, sdSt + kk * kLdS + 16 * rg, kLdS, lane);
-#pragma unroll
-        for (int d = 0; d < kQCA; d += 2) {
-          typename M::B bk[2];
-          M::load_b2_kn(bk, sK + kk * kLd + cg * kQCols + 8 * d, kLd, lane);
-          M::mma(dq[0][d], a, bk[0]);
-          M::mma(dq[0][d + 1], a, bk[1]);
-        }
-      }
+      dq_of_row_group<M, kBN, kLd, kLdS, kQCols>(dq[0], sdSt, sK, rg, cg, lane);
       add_dq_atoms(accum.block_slice<Acc>(round.groups), sq.row_index(p.heads_q, h, m0), dq, 16 * rg, cg * kQCols,
                    sq.q_tile_rows(m0, kBM), E, lane);
     }
