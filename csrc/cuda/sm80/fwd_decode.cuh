@@ -31,6 +31,7 @@
 #include "../common/fragments.cuh"
 #include "../common/online_softmax.cuh"
 #include "../common/tile_copy.cuh"
+#include "fwd_decode_steps.cuh"
 #include "paged_copy.cuh"
 #include "tile_config.h"
 
@@ -52,10 +53,8 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads)
   using Cfg = DecodeConfig<Elem, kDim>;
   using M = Mma<Elem>;
   using Exp = ExpDomain<float>;
-  using TA = SwizzledAddress<Cfg::kLd * int(sizeof(Elem))>;
   constexpr int kRows = Cfg::kRows, kBN = Cfg::kBN, kLd = Cfg::kLd, kStages = Cfg::kStages;
-  constexpr int kThreads = Cfg::kThreads, kDA = kDim / 8, kKSteps = kDim / 16;
-  constexpr uint32_t kTileBytes = kBN * kLd * sizeof(Elem);
+  constexpr int kThreads = Cfg::kThreads, kDA = kDim / 8;
   constexpr bool kSw = Cfg::kSwizzle;
 
   // (16 as every kernel declares it: one declaration per file; the window starts 128-byte aligned)
@@ -91,19 +90,7 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads)
   // Tiles every row of the chunk sees whole skip the per-score mask.
   auto all_visible = [&](int64_t n0) { return n0 >= sq.key_begin(m_hi) && n0 + kBN <= sq.key_end(m_lo); };
 
-  // The chunk's Q rows (one query head and row each); past the chunk's rows zeros.
-  {
-    constexpr int kPerRow = kDim / chunk_elems<Elem>();
-#pragma unroll
-    for (int i = tid; i < kRows * kPerRow; i += kThreads) {
-      const int r = i / kPerRow, c = i % kPerRow;
-      const bool valid = r < rows && c * chunk_elems<Elem>() < E;
-      const Elem* src = valid ? sq.q_rows<const Elem>(p.q, p.q_stride, head_of(r0 + r), row_of(r0 + r)) +
-                                    c * chunk_elems<Elem>()
-                              : static_cast<const Elem*>(p.q);
-      cp_async_16_zfill(sQ + r * kLd + (kSw ? (c & ~7) | ((c ^ r) & 7) : c) * chunk_elems<Elem>(), src, valid);
-    }
-  }
+  load_chunk_q<kDim>(sQ, p, sq, r0, rows, E, head_of, row_of, tid);  // past the chunk's rows zeros
   // The sequence's first key row (dense: paged tiles are addressed row by row).
   const Elem* k = kPaged ? nullptr : sq.k_rows<const Elem>(p.k, p.k_stride, hk, 0);
   const Elem* v = kPaged ? nullptr : sq.k_rows<const Elem>(p.v, p.v_stride, hk, 0);
@@ -129,27 +116,7 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads)
     cp_async_commit();
   }
 
-  // The operand reads: Q rows 0-15 and the warp's 16 keys of a K / V tile, swizzled tiles through
-  // the lane's smem addresses, padded ones through pointers (fragments.cuh).
-  uint32_t q_at = 0, k_at = 0, v_at = 0;
-  if constexpr (kSw) {
-    const auto rows_first = M::rows_first(lane), chunks_first = M::chunks_first(lane);
-    q_at = TA::base(sQ, rows_first.row, rows_first.chunk);
-    k_at = TA::base(sK, 16 * warp + chunks_first.row, chunks_first.chunk);
-    v_at = TA::base(sV, 16 * warp + rows_first.row, rows_first.chunk);
-  }
-  auto read_q = [&](typename M::A& a, int kk) {  // rows 0-15, k kk..
-    if constexpr (kSw) M::load_a(a, TA::at(q_at, 0, kk / 8));
-    else M::load_a(a, sQ + kk, kLd, lane);
-  };
-  auto read_k = [&](typename M::B (&b)[2], int stage, int kk) {  // the warp's keys, k kk..
-    if constexpr (kSw) M::load_b2_nk(b, TA::at(k_at + stage * kTileBytes, 0, kk / 8));
-    else M::load_b2_nk(b, sK + (stage * kBN + 16 * warp) * kLd + kk, kLd, lane);
-  };
-  auto read_v = [&](typename M::B (&b)[2], int stage, int col) {  // the warp's keys, columns col..
-    if constexpr (kSw) M::load_b2_kn(b, TA::at(v_at + stage * kTileBytes, 0, col / 8));
-    else M::load_b2_kn(b, sV + (stage * kBN + 16 * warp) * kLd + col, kLd, lane);
-  };
+  const DecodeOperandReads<Cfg, Elem> read(sQ, sK, sV, warp, lane);
 
   // The lane's rows g and g + 8: their bands (none past the chunk's rows).
   int64_t lo[2], hi[2];
@@ -176,81 +143,21 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads)
     }
     const int64_t n0 = n_begin + int64_t(j) * kBN;
 
-    // S = Q K^T for the warp's 16 keys.
+    // S = Q K^T for the warp's 16 keys; the online softmax over them; O rescaled, then O += P V.
     float s[2][4] = {};
-#pragma unroll
-    for (int ks = 0; ks < kKSteps; ++ks) {
-      typename M::A a;
-      typename M::B bk[2];
-      read_q(a, 16 * ks);
-      read_k(bk, stage, 16 * ks);
-      M::mma(s[0], a, bk[0]);
-      M::mma(s[1], a, bk[1]);
-    }
-    const bool visible = all_visible(n0);
-#pragma unroll
-    for (int jn = 0; jn < 2; ++jn)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int64_t col = n0 + 16 * warp + 8 * jn + 2 * t + (e & 1);
-        const int r = e >> 1;
-        s[jn][e] = visible || (col >= lo[r] && col < hi[r]) ? s[jn][e] * score_scale : neg_inf<float>();
-      }
-
-    // Online softmax over the warp's keys; O rescaled, then O += P V.
+    warp_scores<kDim>(s, read, stage, n0, all_visible, lo, hi, score_scale, warp, t);
     float alpha[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float mx = acc_max(acc_max(s[0][2 * r], s[0][2 * r + 1]), acc_max(s[1][2 * r], s[1][2 * r + 1]));
-      mx = reduce_max_lanes<4>(mx);
-      const float new_max = acc_max(row_max[r], mx), base = exp_base(new_max);
-      alpha[r] = Exp::exp(row_max[r] - base);
-      row_max[r] = new_max;
-      float sum = 0.f;
-#pragma unroll
-      for (int jn = 0; jn < 2; ++jn)
-#pragma unroll
-        for (int cc = 0; cc < 2; ++cc) {
-          float& x = s[jn][2 * r + cc];
-          x = Exp::exp(x - base);
-          sum += x;
-        }
-      row_sum[r] = row_sum[r] * alpha[r] + sum;
-    }
-    typename M::A pa;
-    M::a_from_acc(pa, s);
-#pragma unroll
-    for (int d = 0; d < kDA; d += 2) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        o[d][e] *= alpha[e >> 1];
-        o[d + 1][e] *= alpha[e >> 1];
-      }
-      typename M::B bv[2];
-      read_v(bv, stage, 8 * d);
-      M::mma(o[d], pa, bv[0]);
-      M::mma(o[d + 1], pa, bv[1]);
-    }
+    warp_softmax(s, row_max, row_sum, alpha);
+    warp_pv(o, s, alpha, read, stage);
     stage = stage == kStages - 1 ? 0 : stage + 1;
   }
   cp_async_wait<0>();
   __syncthreads();  // every warp done with the K / V buffers, which the merge takes
 
-  // The warps' rows into smem: O [warp][row][kOLd], then max and sum [warp][2][row].
+  // The warps' rows into smem (reusing the K / V buffers).
   float* sO = reinterpret_cast<float*>(sK);
   float* sStats = sO + Cfg::kWarps * kRows * Cfg::kOLd;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int row = g + 8 * r;
-    const float l = reduce_sum_lanes<4>(row_sum[r]);
-    float* dst = sO + (warp * kRows + row) * Cfg::kOLd + 2 * t;
-#pragma unroll
-    for (int d = 0; d < kDA; ++d) *reinterpret_cast<float2*>(dst + 8 * d) = make_float2(o[d][2 * r], o[d][2 * r + 1]);
-    if (t == 0) {
-      sStats[(2 * warp) * kRows + row] = row_max[r];
-      sStats[(2 * warp + 1) * kRows + row] = l;
-    }
-  }
+  stash_warp_rows<Cfg>(sO, sStats, o, row_max, row_sum, warp, g, t);
   __syncthreads();
 
   // A thread's share of the block's rows: row tid / 8, columns 4 (tid % 8) + 32 c.
@@ -258,15 +165,15 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads)
   const int row = tid / 8, col0 = 4 * (tid % 8);
   float mx = neg_inf<float>(), l = 0.f;
   float4 acc[kCols];
-  // Adds rows of max m_i, sum l_i and O o_i (read by `read`) in turn, rescaled to the running max.
-  auto add_rows = [&](float m_i, float l_i, auto read) {
+  // Adds rows of max m_i, sum l_i and O o_i (read by `load`) in turn, rescaled to the running max.
+  auto add_rows = [&](float m_i, float l_i, auto load) {
     const float new_max = acc_max(mx, m_i), base = exp_base(new_max);
     const float a = Exp::exp(mx - base), f = Exp::exp(m_i - base);
     mx = new_max;
     l = l * a + l_i * f;
 #pragma unroll
     for (int c = 0; c < kCols; ++c) {
-      const float4 x = read(c);
+      const float4 x = load(c);
       acc[c] = make_float4(acc[c].x * a + x.x * f, acc[c].y * a + x.y * f, acc[c].z * a + x.z * f,
                            acc[c].w * a + x.w * f);
     }

@@ -1,0 +1,170 @@
+// The steps of the decode kernel (fwd_decode.cuh): the chunk's Q rows into smem, per key tile a
+// warp's S over its 16 keys, the online softmax and P V, then the warps' rows merged through smem,
+// a walk's parts merged through the workspace, and the output.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "../../common/sequence.h"
+#include "../../params.h"
+#include "../common/fragments.cuh"
+#include "../common/online_softmax.cuh"
+#include "../common/tile_copy.cuh"
+#include "tile_config.h"
+
+namespace flashattn::cuda::sm80 {
+
+// The chunk's Q rows (packed row r: query head head_of(r0 + r), row row_of(r0 + r)) into sQ;
+// past the chunk's `rows` zeros.
+template <int kDim, class Elem, class HeadOf, class RowOf>
+__device__ __forceinline__ void load_chunk_q(Elem* sQ, const FwdParams& p, const Seq& sq, int64_t r0, int rows, int E,
+                                             const HeadOf& head_of, const RowOf& row_of, int tid) {
+  using Cfg = DecodeConfig<Elem, kDim>;
+  constexpr int kRows = Cfg::kRows, kLd = Cfg::kLd, kThreads = Cfg::kThreads;
+  constexpr int kPerRow = kDim / chunk_elems<Elem>();
+#pragma unroll
+  for (int i = tid; i < kRows * kPerRow; i += kThreads) {
+    const int r = i / kPerRow, c = i % kPerRow;
+    const bool valid = r < rows && c * chunk_elems<Elem>() < E;
+    const Elem* src = valid ? sq.q_rows<const Elem>(p.q, p.q_stride, head_of(r0 + r), row_of(r0 + r)) +
+                                  c * chunk_elems<Elem>()
+                            : static_cast<const Elem*>(p.q);
+    cp_async_16_zfill(sQ + r * kLd + (Cfg::kSwizzle ? (c & ~7) | ((c ^ r) & 7) : c) * chunk_elems<Elem>(), src,
+                      valid);
+  }
+}
+
+// The operand reads: Q rows 0-15 and the warp's 16 keys of a K / V tile, swizzled tiles through
+// the lane's smem addresses, padded ones through pointers (fragments.cuh).
+template <class Cfg, class Elem>
+struct DecodeOperandReads {
+  using M = Mma<Elem>;
+  using TA = SwizzledAddress<Cfg::kLd * int(sizeof(Elem))>;
+  static constexpr int kBN = Cfg::kBN, kLd = Cfg::kLd;
+  static constexpr uint32_t kTileBytes = kBN * kLd * sizeof(Elem);
+  static constexpr bool kSw = Cfg::kSwizzle;
+  Elem *sQ, *sK, *sV;
+  int warp, lane;
+  uint32_t q_at = 0, k_at = 0, v_at = 0;
+
+  __device__ __forceinline__ DecodeOperandReads(Elem* sQ_, Elem* sK_, Elem* sV_, int warp_, int lane_)
+      : sQ(sQ_), sK(sK_), sV(sV_), warp(warp_), lane(lane_) {
+    if constexpr (kSw) {
+      const auto rows_first = M::rows_first(lane), chunks_first = M::chunks_first(lane);
+      q_at = TA::base(sQ, rows_first.row, rows_first.chunk);
+      k_at = TA::base(sK, 16 * warp + chunks_first.row, chunks_first.chunk);
+      v_at = TA::base(sV, 16 * warp + rows_first.row, rows_first.chunk);
+    }
+  }
+  __device__ __forceinline__ void q(typename M::A& a, int kk) const {  // rows 0-15, k kk..
+    if constexpr (kSw) M::load_a(a, TA::at(q_at, 0, kk / 8));
+    else M::load_a(a, sQ + kk, kLd, lane);
+  }
+  __device__ __forceinline__ void k(typename M::B (&b)[2], int stage, int kk) const {  // the warp's keys, k kk..
+    if constexpr (kSw) M::load_b2_nk(b, TA::at(k_at + stage * kTileBytes, 0, kk / 8));
+    else M::load_b2_nk(b, sK + (stage * kBN + 16 * warp) * kLd + kk, kLd, lane);
+  }
+  // the warp's keys, columns col..
+  __device__ __forceinline__ void v(typename M::B (&b)[2], int stage, int col) const {
+    if constexpr (kSw) M::load_b2_kn(b, TA::at(v_at + stage * kTileBytes, 0, col / 8));
+    else M::load_b2_kn(b, sV + (stage * kBN + 16 * warp) * kLd + col, kLd, lane);
+  }
+};
+
+// S = Q K^T for the warp's 16 keys of the tile in buffer `stage` (keys from n0 + 16 warp), scaled,
+// and -inf outside the lane's rows' bands [lo[r], hi[r]) unless every row sees the tile whole
+// (all_visible(n0)).
+template <int kDim, class Reads, class AllVisible>
+__device__ __forceinline__ void warp_scores(float (&s)[2][4], const Reads& read, int stage, int64_t n0,
+                                            const AllVisible& all_visible, const int64_t (&lo)[2],
+                                            const int64_t (&hi)[2], float score_scale, int warp, int t) {
+  using M = typename Reads::M;
+  constexpr int kKSteps = kDim / 16;
+#pragma unroll
+  for (int ks = 0; ks < kKSteps; ++ks) {
+    typename M::A a;
+    typename M::B bk[2];
+    read.q(a, 16 * ks);
+    read.k(bk, stage, 16 * ks);
+    M::mma(s[0], a, bk[0]);
+    M::mma(s[1], a, bk[1]);
+  }
+  const bool visible = all_visible(n0);
+#pragma unroll
+  for (int jn = 0; jn < 2; ++jn)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int64_t col = n0 + 16 * warp + 8 * jn + 2 * t + (e & 1);
+      const int r = e >> 1;
+      s[jn][e] = visible || (col >= lo[r] && col < hi[r]) ? s[jn][e] * score_scale : neg_inf<float>();
+    }
+}
+
+// The online softmax over the warp's keys of a tile (s: scaled scores, masked ones -inf; becomes
+// the unnormalised P), the lane's rows' max and sum updated; alpha rescales O.
+__device__ __forceinline__ void warp_softmax(float (&s)[2][4], float (&row_max)[2], float (&row_sum)[2],
+                                             float (&alpha)[2]) {
+  using Exp = ExpDomain<float>;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float mx = acc_max(acc_max(s[0][2 * r], s[0][2 * r + 1]), acc_max(s[1][2 * r], s[1][2 * r + 1]));
+    mx = reduce_max_lanes<4>(mx);
+    const float new_max = acc_max(row_max[r], mx), base = exp_base(new_max);
+    alpha[r] = Exp::exp(row_max[r] - base);
+    row_max[r] = new_max;
+    float sum = 0.f;
+#pragma unroll
+    for (int jn = 0; jn < 2; ++jn)
+#pragma unroll
+      for (int cc = 0; cc < 2; ++cc) {
+        float& x = s[jn][2 * r + cc];
+        x = Exp::exp(x - base);
+        sum += x;
+      }
+    row_sum[r] = row_sum[r] * alpha[r] + sum;
+  }
+}
+
+// O = alpha O + P V over the warp's 16 keys (V from buffer `stage`).
+template <int kDA, class Reads>
+__device__ __forceinline__ void warp_pv(float (&o)[kDA][4], float (&s)[2][4], const float (&alpha)[2],
+                                        const Reads& read, int stage) {
+  using M = typename Reads::M;
+  typename M::A pa;
+  M::a_from_acc(pa, s);
+#pragma unroll
+  for (int d = 0; d < kDA; d += 2) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      o[d][e] *= alpha[e >> 1];
+      o[d + 1][e] *= alpha[e >> 1];
+    }
+    typename M::B bv[2];
+    read.v(bv, stage, 8 * d);
+    M::mma(o[d], pa, bv[0]);
+    M::mma(o[d + 1], pa, bv[1]);
+  }
+}
+
+// The warp's rows into smem for the merge: O [warp][row][kOLd], then max and sum [warp][2][row].
+template <class Cfg, int kDA>
+__device__ __forceinline__ void stash_warp_rows(float* sO, float* sStats, const float (&o)[kDA][4],
+                                                const float (&row_max)[2], const float (&row_sum)[2], int warp, int g,
+                                                int t) {
+  constexpr int kRows = Cfg::kRows;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = g + 8 * r;
+    const float l = reduce_sum_lanes<4>(row_sum[r]);
+    float* dst = sO + (warp * kRows + row) * Cfg::kOLd + 2 * t;
+#pragma unroll
+    for (int d = 0; d < kDA; ++d) *reinterpret_cast<float2*>(dst + 8 * d) = make_float2(o[d][2 * r], o[d][2 * r + 1]);
+    if (t == 0) {
+      sStats[(2 * warp) * kRows + row] = row_max[r];
+      sStats[(2 * warp + 1) * kRows + row] = l;
+    }
+  }
+}
+
+}  // namespace flashattn::cuda::sm80
