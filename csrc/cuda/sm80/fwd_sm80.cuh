@@ -92,24 +92,7 @@ __device__ __forceinline__ void fwd_piece(const FwdParams& p, int num_m_tiles, c
 
   const BiasTileLayout bias_tile = kFeatures ? bias_tile_layout<kBM, kBN>(p) : BiasTileLayout{};
   const bool bias_chunked = kFeatures && bias_rows_chunked(p);
-  auto rows_k = [&](int64_t n0) { return sq.k_tile_rows(n0, kBN); };
-  constexpr bool kClampSource = true;  // copies past the valid rows name a valid source (tile_copy.cuh: measured)
-  auto load_q = [&] {
-    copy_tile_async<kBM, kDim, kThreads, false, kSw, kClampSource>(
-        sQ, kLd, sq.q_rows<const Elem>(p.q, p.q_stride, h, tile.m0), p.q_stride.row, tile.rows, E, tid);
-  };
-  // K tile n0 into buffer buf, with the bias / mask tile of the query tile's rows against it.
-  auto load_k = [&](int64_t n0, int buf) {
-    if (kFeatures && bias_tile.rows > 0)
-      stage_bias_tile<kBM, kBN, kThreads>(sBias + buf * bias_tile.buffer_bytes(), bias_tile, bias_chunked, p, sq,
-                                          h, tile.m0, n0, tile.rows, rows_k(n0), tid);
-    copy_tile_async<kBN, kDim, kThreads, Cfg::kFullTileCopies, kSw, kClampSource>(
-        sK + buf * kBN * kLd, kLd, k + n0 * p.k_stride.row, p.k_stride.row, rows_k(n0), E, tid);
-  };
-  auto load_v = [&](int64_t n0, int buf) {
-    copy_tile_async<kBN, kDim, kThreads, Cfg::kFullTileCopies, kSw, kClampSource>(
-        sV + buf * kBN * kLd, kLd, v + n0 * p.v_stride.row, p.v_stride.row, rows_k(n0), Ev, tid);
-  };
+  const FwdTileLoads<F, Elem> load{p, sq, tile, h, sQ, sK, sV, sBias, bias_tile, bias_chunked, k, v, E, Ev, tid};
 
   typename F::O o;
   typename F::RowStat row_max, row_sum;
@@ -132,7 +115,7 @@ __device__ __forceinline__ void fwd_piece(const FwdParams& p, int num_m_tiles, c
     if constexpr (Cfg::kStaggered) {
       cp_async_wait<0>();
       __syncthreads();  // V landed for all; every warp is done with Q and K
-      if (n0 + kBN < tile.n_end) load_k(n0 + kBN, 0);  // lands while P V runs
+      if (n0 + kBN < tile.n_end) load.k_tile(n0 + kBN, 0);  // lands while P V runs
       cp_async_commit();
     }
     // Without the staggered loads O is rescaled on every tile (alpha is exactly 1 where no row
@@ -145,29 +128,22 @@ __device__ __forceinline__ void fwd_piece(const FwdParams& p, int num_m_tiles, c
   // The first copies, Q to registers (kQInRegs), the key loop and the output.
   int buf = 0;
   if (tile.has_keys()) {
-    load_q();
-    load_k(tile.n_begin, buf);
-    if (!Cfg::kStaggered) load_v(tile.n_begin, buf);
+    load.q();
+    load.k_tile(tile.n_begin, buf);
+    if (!Cfg::kStaggered) load.v_tile(tile.n_begin, buf);
   }
   cp_async_commit();
   init_rows<F>(o, row_max, row_sum);
-  if (kQInRegs && tile.has_keys()) {
-    cp_async_wait<0>();
-    __syncthreads();
-#pragma unroll
-    for (int kk = 0; kk < (kQInRegs ? F::kKSteps : 0); ++kk)
-#pragma unroll
-      for (int mw = 0; mw < kMW; ++mw) read.q(qa[kk][mw], mw, kk * M::kK);
-  }
+  if (kQInRegs && tile.has_keys()) q_to_registers<F>(qa, read);
 
   for (int64_t n0 = tile.n_begin; n0 < tile.n_end; n0 += kBN, buf = Cfg::kStaggered ? 0 : buf ^ 1) {
     cp_async_wait<0>();
     __syncthreads();  // this K (and V) landed for all; every warp is done with the other buffer
     if constexpr (Cfg::kStaggered) {
-      load_v(n0, 0);  // lands while S and the softmax run
+      load.v_tile(n0, 0);  // lands while S and the softmax run
     } else if (n0 + kBN < tile.n_end) {
-      load_k(n0 + kBN, buf ^ 1);
-      load_v(n0 + kBN, buf ^ 1);
+      load.k_tile(n0 + kBN, buf ^ 1);
+      load.v_tile(n0 + kBN, buf ^ 1);
     }
     cp_async_commit();
 
@@ -204,14 +180,10 @@ __device__ __forceinline__ void fwd_piece(const FwdParams& p, int num_m_tiles, c
     if (blockIdx.x >= split.whole && !settle_piece(split, tile.rows - wrow, tid, kThreads, o, row_max, row_sum))
       return;
   }
-  // The tile's output. Staged (plain swizzled kernels): a warp writes its rows into its own rows
-  // of sQ, which only it read and its last S products are done with, and copies them out a 16-byte
-  // chunk per lane, a row's chunks across lanes (4-byte stores from the accumulators write half
-  // sectors of 8 rows, with a column test per store). Measured (H200, bf16, key loops' SASS
-  // unchanged): forward +1.7..+4% at L = 512 at dims 128 / 256, +1..+2% at 1024, within noise
-  // from 4096. In the feature variant staging moved the key loops (dim 256: 2 more registers), not
-  // measured: it keeps the stores from registers (store_rows). (Here, not in a function of
-  // fwd_steps.cuh: there it moved the dim-256 kernels' register assignment.)
+  // The tile's output. Staged (plain swizzled kernels; docs/kernels/sm80_forward.md): a warp writes
+  // its rows into its own rows of sQ, which only it read and its last S products are done with, and
+  // copies them out a 16-byte chunk per lane, a row's chunks across lanes. The feature variant
+  // stores from registers (store_rows). (Here, not in fwd_steps.cuh: there the dim-256 SASS changed.)
   if constexpr (kSw && !kFeatures) {
     Elem* out = sq.q_rows<Elem>(p.out, p.out_stride, h, 0);
     Acc* lse = static_cast<Acc*>(p.lse);

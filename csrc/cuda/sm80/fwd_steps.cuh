@@ -108,6 +108,44 @@ struct FwdOperandReads {
   }
 };
 
+// The block's copies into smem (cp.async): its query tile's Q rows, and K (with the bias / mask
+// tile of the query tile's rows against it) and V tiles of kBN keys from n0 into buffer buf. (The
+// block's values by reference, as lambdas capture them.)
+template <class F, class Elem>
+struct FwdTileLoads {
+  using Cfg = typename F::Cfg;
+  static constexpr int kBM = F::kBM, kBN = F::kBN, kLd = F::kLd, kThreads = F::kThreads, kDim = F::kDim;
+  // Copies past the valid rows name a valid source (tile_copy.cuh: measured).
+  static constexpr bool kClampSource = true;
+  const FwdParams& p;
+  const Seq& sq;
+  const FwdQueryTile& tile;
+  const int64_t& h;
+  Elem* const &sQ, *const &sK, *const &sV;
+  unsigned char* const& sBias;
+  const BiasTileLayout& bias_tile;
+  const bool& bias_chunked;
+  const Elem* const &k, *const &v;  // the sequence's first key row
+  const int &E, &Ev, &tid;
+
+  __device__ __forceinline__ int rows_k(int64_t n0) const { return sq.k_tile_rows(n0, kBN); }
+  __device__ __forceinline__ void q() const {
+    copy_tile_async<kBM, kDim, kThreads, false, F::kSw, kClampSource>(
+        sQ, kLd, sq.q_rows<const Elem>(p.q, p.q_stride, h, tile.m0), p.q_stride.row, tile.rows, E, tid);
+  }
+  __device__ __forceinline__ void k_tile(int64_t n0, int buf) const {
+    if (F::kFeatures && bias_tile.rows > 0)
+      stage_bias_tile<kBM, kBN, kThreads>(sBias + buf * bias_tile.buffer_bytes(), bias_tile, bias_chunked, p, sq,
+                                          h, tile.m0, n0, tile.rows, rows_k(n0), tid);
+    copy_tile_async<kBN, kDim, kThreads, Cfg::kFullTileCopies, F::kSw, kClampSource>(
+        sK + buf * kBN * kLd, kLd, k + n0 * p.k_stride.row, p.k_stride.row, rows_k(n0), E, tid);
+  }
+  __device__ __forceinline__ void v_tile(int64_t n0, int buf) const {
+    copy_tile_async<kBN, kDim, kThreads, Cfg::kFullTileCopies, F::kSw, kClampSource>(
+        sV + buf * kBN * kLd, kLd, v + n0 * p.v_stride.row, p.v_stride.row, rows_k(n0), Ev, tid);
+  }
+};
+
 // O = 0, row max -inf, row sum 0.
 template <class F>
 __device__ __forceinline__ void init_rows(typename F::O& o, typename F::RowStat& row_max,
@@ -125,6 +163,17 @@ __device__ __forceinline__ void init_rows(typename F::O& o, typename F::RowStat&
 #pragma unroll
       for (int e = 0; e < 4; ++e) o[mw][d][e] = Acc(0);
   }
+}
+
+// Q's fragments into the registers qa (F::kQInRegs), once Q's copy has landed.
+template <class F, class QFrags, class Reads>
+__device__ __forceinline__ void q_to_registers(QFrags& qa, const Reads& read) {
+  cp_async_wait<0>();
+  __syncthreads();
+#pragma unroll
+  for (int kk = 0; kk < (F::kQInRegs ? F::kKSteps : 0); ++kk)
+#pragma unroll
+    for (int mw = 0; mw < F::kMW; ++mw) read.q(qa[kk][mw], mw, kk * F::M::kK);
 }
 
 // S = Q K^T for the key tile in K buffer kb (Q from the registers qa where F::kQInRegs).
@@ -164,7 +213,8 @@ __device__ __forceinline__ void tile_scores(typename F::S& s, const QFrags& qa, 
 // Scores -> exponent domain through the general per-score path of ScoreMods (softcap, ALiBi and
 // the rest of the feature variant's mods, the bias tile's values among them). The lane's scores of
 // one row a set: columns [lo, hi) of the tile are in the row's band (all on an all-visible tile,
-// none for rows past the sequence); the mods may still mask.
+// none for rows past the sequence); the mods may still mask. (bias_s by reference here and in
+// tile_scores_scaled: by value, the feature variant's code changed.)
 template <class F, class Mods, class Col, class Layout>
 __device__ __forceinline__ void tile_scores_with_mods(typename F::S& s, const Mods& mods, const Seq& sq,
                                                       const FwdQueryTile& tile, int64_t n0, bool tile_all_visible,
@@ -203,8 +253,8 @@ __device__ __forceinline__ void tile_scores_with_mods(typename F::S& s, const Mo
 // tile's values, one add per score.
 template <class F, class Elem, class Layout>
 __device__ __forceinline__ void tile_scores_scaled(typename F::S& s, typename F::Acc score_scale, const FwdParams& p,
-                                                   const unsigned char* const& bias_s, const Layout& bias_tile, int wrow,
-                                                   int g, int t) {
+                                                   const unsigned char* const& bias_s, const Layout& bias_tile,
+                                                   int wrow, int g, int t) {
   using Acc = typename F::Acc;
   using Exp = typename F::Exp;
   constexpr int kMW = F::kMW, kNA = F::kNA;
