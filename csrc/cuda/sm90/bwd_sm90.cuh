@@ -258,7 +258,9 @@ __global__ void __launch_bounds__(BwdWsConfig<Elem, kDim>::kThreads, 1)
 
   mbar_wait(kv_full, 0);
   QueryTileWalk walk(sq, n0, rows_k, hk * group, group, kBM);
-  for (int64_t it = 0; it < walk.iters; ++it, walk.advance(kBM)) {
+  // One query tile; the first one peeled off the loop (ptxas then schedules the loop's body without the
+  // first tile's cases: at dim 128 the walk measured 12-15% faster so).
+  auto tile = [&](int64_t it) {
     const int s = int(it & 1);
     const int64_t m0 = walk.m0;
     const uint32_t q_at = smem_addr(sQ(s)), do_at = smem_addr(sdO(s));
@@ -346,7 +348,10 @@ __global__ void __launch_bounds__(BwdWsConfig<Elem, kDim>::kThreads, 1)
     issue_dq(s);
     wgmma_wait<0>();
     add_dq(it, walk.h, m0);
-  }
+    walk.advance(kBM);
+  };
+  if (walk.iters > 0) tile(0);
+  for (int64_t it = 1; it < walk.iters; ++it) tile(it);
 
   // dK (scaled) and dV of the warp's keys below rows_k.
   Elem* dk_g = sq.k_rows<Elem>(p.dk, p.dk_stride, hk, n0);
