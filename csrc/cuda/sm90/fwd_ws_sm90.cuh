@@ -26,6 +26,50 @@
 
 namespace flashattn::cuda::sm90 {
 
+// The producer's one thread: every copy (TMA, a 64-column panel per box), per item K 0 with Q, V 0,
+// K 1, V 1, ...; each copy's bytes complete the phase of its full barrier, and each copy into a stage
+// or Q buffer waits for the consumers to have released its previous use.
+template <int kDim, class Cfg, class Tile, class QAt, class KAt, class VAt>
+__device__ __forceinline__ void fwd_ws_producer(const FwdParams& p, const FwdPanelMaps& maps, int num_m_tiles,
+                                                unsigned num_work, const HeavyLast& order, const QAt& sQ,
+                                                const KAt& sK, const VAt& sV, uint64_t* const k_full,
+                                                uint64_t* const v_full, uint64_t* const k_empty,
+                                                uint64_t* const v_empty, uint64_t* const q_empty) {
+  constexpr int kBM = Cfg::kBM, kBN = Cfg::kBN, kStages = Cfg::kStages, kQBuffers = Cfg::kQBuffers;
+  tma_prefetch_map(&maps.q);
+  tma_prefetch_map(&maps.k);
+  tma_prefetch_map(&maps.v);
+  constexpr int kPanels = kDim / 64;
+  int c = 0;
+  unsigned item = 0;
+  for (unsigned index = blockIdx.x; index < num_work; index += gridDim.x, ++item) {
+    const Tile tile(p, num_m_tiles, order, index);
+    const int b = int(tile.sq.tb), hk = int(tile.hk);
+    for (int i = 0; i < tile.n_tiles; ++i) {
+      const int cc = c + i, stage = cc % kStages;
+      const uint32_t empty_parity = uint32_t(cc / kStages - 1) & 1;
+      const int n0 = int(tile.n_begin) + i * kBN;
+      if (cc >= kStages) mbar_wait(k_empty + stage, empty_parity);
+      if (i == 0) {
+        if (item >= kQBuffers) mbar_wait(q_empty + item % kQBuffers, uint32_t(item / kQBuffers - 1) & 1);
+        mbar_arrive_expect_tx(k_full + stage, Cfg::kQBytes + Cfg::kKvBytes);
+#pragma unroll
+        for (int pn = 0; pn < kPanels; ++pn)
+          tma_load_4d(sQ(item % kQBuffers) + pn * kBM * 128, &maps.q, k_full + stage, 64 * pn, int(tile.m0), int(tile.h), b);
+      } else {
+        mbar_arrive_expect_tx(k_full + stage, Cfg::kKvBytes);
+      }
+#pragma unroll
+      for (int pn = 0; pn < kPanels; ++pn) tma_load_4d(sK(stage) + pn * kBN * 128, &maps.k, k_full + stage, 64 * pn, n0, hk, b);
+      if (cc >= kStages) mbar_wait(v_empty + stage, empty_parity);
+      mbar_arrive_expect_tx(v_full + stage, Cfg::kKvBytes);
+#pragma unroll
+      for (int pn = 0; pn < kPanels; ++pn) tma_load_4d(sV(stage) + pn * kBN * 128, &maps.v, v_full + stage, 64 * pn, n0, hk, b);
+    }
+    c += tile.n_tiles;
+  }
+}
+
 template <class Elem, int kDim, class Cfg = FwdWsConfig<Elem, kDim>>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     fwd_ws_kernel(const FwdParams p, const __grid_constant__ FwdPanelMaps maps, int num_m_tiles, unsigned num_work,
@@ -66,42 +110,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // item k of the block uses Q buffer k % kQBuffers. Key tiles count on across the block's items: its c-th
   // K and V tiles take stage c % kStages, and the mbarriers' phases follow c / kStages.
   if (wg == 0) {
-    // Producer: one thread issues every copy (TMA, a 64-column panel per box), per item K 0 with Q,
-    // V 0, K 1, V 1, ...; each copy's bytes complete the phase of its full barrier.
     setmaxnreg_dec<Cfg::kProducerRegs>();
     if (tid != 0) return;
-    tma_prefetch_map(&maps.q);
-    tma_prefetch_map(&maps.k);
-    tma_prefetch_map(&maps.v);
-    constexpr int kPanels = kDim / 64;
-    int c = 0;
-    unsigned item = 0;
-    for (unsigned index = blockIdx.x; index < num_work; index += gridDim.x, ++item) {
-      const Tile tile(p, num_m_tiles, order, index);
-      const int b = int(tile.sq.tb), hk = int(tile.hk);
-      for (int i = 0; i < tile.n_tiles; ++i) {
-        const int cc = c + i, stage = cc % kStages;
-        const uint32_t empty_parity = uint32_t(cc / kStages - 1) & 1;
-        const int n0 = int(tile.n_begin) + i * kBN;
-        if (cc >= kStages) mbar_wait(k_empty + stage, empty_parity);
-        if (i == 0) {
-          if (item >= kQBuffers) mbar_wait(q_empty + item % kQBuffers, uint32_t(item / kQBuffers - 1) & 1);
-          mbar_arrive_expect_tx(k_full + stage, Cfg::kQBytes + Cfg::kKvBytes);
-#pragma unroll
-          for (int pn = 0; pn < kPanels; ++pn)
-            tma_load_4d(sQ(item % kQBuffers) + pn * kBM * 128, &maps.q, k_full + stage, 64 * pn, int(tile.m0), int(tile.h), b);
-        } else {
-          mbar_arrive_expect_tx(k_full + stage, Cfg::kKvBytes);
-        }
-#pragma unroll
-        for (int pn = 0; pn < kPanels; ++pn) tma_load_4d(sK(stage) + pn * kBN * 128, &maps.k, k_full + stage, 64 * pn, n0, hk, b);
-        if (cc >= kStages) mbar_wait(v_empty + stage, empty_parity);
-        mbar_arrive_expect_tx(v_full + stage, Cfg::kKvBytes);
-#pragma unroll
-        for (int pn = 0; pn < kPanels; ++pn) tma_load_4d(sV(stage) + pn * kBN * 128, &maps.v, v_full + stage, 64 * pn, n0, hk, b);
-      }
-      c += tile.n_tiles;
-    }
+    fwd_ws_producer<kDim, Cfg, Tile>(p, maps, num_m_tiles, num_work, order, sQ, sK, sV, k_full, v_full, k_empty,
+                                     v_empty, q_empty);
     return;
   }
 
@@ -189,8 +201,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     }
   };
 
-  int c = 0;  // the block's key tiles before this item
+  // (item declared before c: in the other order the compiler numbers the loop's values otherwise and
+  // ptxas allocates registers differently from the measured kernels)
   unsigned item = 0;
+  int c = 0;  // the block's key tiles before this item
   bool started = false;
   Item tile = item_at(blockIdx.x);
   for (unsigned index = blockIdx.x; index < num_work; index += gridDim.x, ++item) {
