@@ -70,6 +70,42 @@ __device__ __forceinline__ void fwd_ws_producer(const FwdParams& p, const FwdPan
   }
 }
 
+// The forward's mbarriers: a full and an empty one per K and V stage (the producer's one thread and
+// the consumers' threads), an empty one per Q buffer.
+template <class Cfg>
+__device__ __forceinline__ void fwd_ws_init_barriers(uint64_t* const k_full, uint64_t* const v_full,
+                                                     uint64_t* const k_empty, uint64_t* const v_empty,
+                                                     uint64_t* const q_empty) {
+  for (int s = 0; s < Cfg::kStages; ++s) {
+    mbar_init(k_full + s, 1);
+    mbar_init(v_full + s, 1);
+    mbar_init(k_empty + s, 128 * Cfg::kConsumers);
+    mbar_init(v_empty + s, 128 * Cfg::kConsumers);
+  }
+  for (int b = 0; b < Cfg::kQBuffers; ++b) mbar_init(q_empty + b, 128 * Cfg::kConsumers);
+  fence_mbar_init();
+}
+
+// The turns of a consumer warpgroup without rows in an item (at a sequence's end), where items are not
+// carried: the active ones' first S, n_tiles - 1 turns of S and P V, and the last P V, with no
+// product; each tile released once it has landed (so that the arrival cannot count towards the
+// stage's previous use).
+template <class WaitK, class WaitV, class ReleaseK, class ReleaseV>
+__device__ __forceinline__ void fwd_ws_idle_turns(int c0, int n_tiles, int my_turn, int next_turn,
+                                                  const WaitK& wait_k, const WaitV& wait_v,
+                                                  const ReleaseK& release_k, const ReleaseV& release_v) {
+  for (int i = 0; i <= n_tiles; ++i) {
+    if (i < n_tiles) wait_k(c0 + i);
+    bar_sync(my_turn, 256);
+    bar_arrive(next_turn, 256);
+    if (i < n_tiles) release_k(c0 + i);
+    if (i > 0) {
+      wait_v(c0 + i - 1);
+      release_v(c0 + i - 1);
+    }
+  }
+}
+
 template <class Elem, int kDim, class Cfg = FwdWsConfig<Elem, kDim>>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     fwd_ws_kernel(const FwdParams p, const __grid_constant__ FwdPanelMaps maps, int num_m_tiles, unsigned num_work,
@@ -94,16 +130,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   uint64_t* const q_empty = bars + 4 * kStages;   // ... done with Q buffer b (the output staged through it)
 
   const int tid = threadIdx.x, wg = tid / 128;
-  if (tid == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      mbar_init(k_full + s, 1);
-      mbar_init(v_full + s, 1);
-      mbar_init(k_empty + s, 128 * Cfg::kConsumers);
-      mbar_init(v_empty + s, 128 * Cfg::kConsumers);
-    }
-    for (int b = 0; b < kQBuffers; ++b) mbar_init(q_empty + b, 128 * Cfg::kConsumers);
-    fence_mbar_init();
-  }
+  if (tid == 0) fwd_ws_init_barriers<Cfg>(k_full, v_full, k_empty, v_empty, q_empty);
   __syncthreads();
 
   // A block takes work items blockIdx.x, + gridDim.x, ... (one where the grid has a block per item);
@@ -184,23 +211,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     pin(pa);
     release_v(vc);
   };
-  // The turns of a warpgroup without rows in an item (at a sequence's end), where items are not
-  // carried: the active ones' first S, n_tiles - 1 turns of S and P V, and the last P V, with no
-  // product; each tile released once it has landed (so that the arrival cannot count towards the
-  // stage's previous use).
-  auto idle_turns = [&](int c0, int n_tiles) {
-    for (int i = 0; i <= n_tiles; ++i) {
-      if (i < n_tiles) wait_k(c0 + i);
-      bar_sync(my_turn, 256);
-      bar_arrive(next_turn, 256);
-      if (i < n_tiles) release_k(c0 + i);
-      if (i > 0) {
-        wait_v(c0 + i - 1);
-        release_v(c0 + i - 1);
-      }
-    }
-  };
-
   // (item declared before c: in the other order the compiler numbers the loop's values otherwise and
   // ptxas allocates registers differently from the measured kernels)
   unsigned item = 0;
@@ -211,7 +221,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     const int n_tiles = tile.n_tiles;
     if constexpr (kConsumers == 3) {
       if (cwg * 64 >= tile.rows) {
-        if (n_tiles > 0) idle_turns(c, n_tiles);
+        if (n_tiles > 0) fwd_ws_idle_turns(c, n_tiles, my_turn, next_turn, wait_k, wait_v, release_k, release_v);
         store(tile, item);
         c += n_tiles;
         if (index + gridDim.x < num_work) tile = item_at(index + gridDim.x);
