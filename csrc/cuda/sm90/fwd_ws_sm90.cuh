@@ -86,22 +86,42 @@ __device__ __forceinline__ void fwd_ws_init_barriers(uint64_t* const k_full, uin
   fence_mbar_init();
 }
 
+// The consumers' side of the K and V stages: the block's c-th K and V tiles lie in stage c % kStages, and
+// the mbarriers' phases follow c / kStages.
+template <class Cfg>
+struct FwdWsRing {
+  unsigned char* kv_tiles;  // kStages K tiles, then kStages V tiles
+  uint64_t *k_full, *v_full, *k_empty, *v_empty;
+  __device__ __forceinline__ uint32_t k_at(int cc) const {
+    return smem_addr(kv_tiles + (cc % Cfg::kStages) * Cfg::kKvBytes);
+  }
+  __device__ __forceinline__ uint32_t v_at(int cc) const {
+    return smem_addr(kv_tiles + (Cfg::kStages + cc % Cfg::kStages) * Cfg::kKvBytes);
+  }
+  __device__ __forceinline__ void wait_k(int cc) const {
+    mbar_wait(k_full + cc % Cfg::kStages, uint32_t(cc / Cfg::kStages) & 1);
+  }
+  __device__ __forceinline__ void wait_v(int cc) const {
+    mbar_wait(v_full + cc % Cfg::kStages, uint32_t(cc / Cfg::kStages) & 1);
+  }
+  __device__ __forceinline__ void release_k(int cc) const { mbar_arrive(k_empty + cc % Cfg::kStages); }
+  __device__ __forceinline__ void release_v(int cc) const { mbar_arrive(v_empty + cc % Cfg::kStages); }
+};
+
 // The turns of a consumer warpgroup without rows in an item (at a sequence's end), where items are not
 // carried: the active ones' first S, n_tiles - 1 turns of S and P V, and the last P V, with no
 // product; each tile released once it has landed (so that the arrival cannot count towards the
 // stage's previous use).
-template <class WaitK, class WaitV, class ReleaseK, class ReleaseV>
-__device__ __forceinline__ void fwd_ws_idle_turns(int c0, int n_tiles, int my_turn, int next_turn,
-                                                  const WaitK& wait_k, const WaitV& wait_v,
-                                                  const ReleaseK& release_k, const ReleaseV& release_v) {
+template <class Ring>
+__device__ __forceinline__ void fwd_ws_idle_turns(int c0, int n_tiles, int my_turn, int next_turn, const Ring& ring) {
   for (int i = 0; i <= n_tiles; ++i) {
-    if (i < n_tiles) wait_k(c0 + i);
+    if (i < n_tiles) ring.wait_k(c0 + i);
     bar_sync(my_turn, 256);
     bar_arrive(next_turn, 256);
-    if (i < n_tiles) release_k(c0 + i);
+    if (i < n_tiles) ring.release_k(c0 + i);
     if (i > 0) {
-      wait_v(c0 + i - 1);
-      release_v(c0 + i - 1);
+      ring.wait_v(c0 + i - 1);
+      ring.release_v(c0 + i - 1);
     }
   }
 }
@@ -160,11 +180,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // Where an item's next item has keys, its last P V is issued with the next item's S 0, whose softmax
   // then runs under that P V (the output of the item after it): `started` marks an item whose S 0 is
   // thus already in pa.
-  auto k_at = [&](int cc) { return smem_addr(sK(cc % kStages)); };
-  auto wait_k = [&](int cc) { mbar_wait(k_full + cc % kStages, uint32_t(cc / kStages) & 1); };
-  auto wait_v = [&](int cc) { mbar_wait(v_full + cc % kStages, uint32_t(cc / kStages) & 1); };
-  auto release_k = [&](int cc) { mbar_arrive(k_empty + cc % kStages); };
-  auto release_v = [&](int cc) { mbar_arrive(v_empty + cc % kStages); };
+  const FwdWsRing<Cfg> ring{kv_tiles, k_full, v_full, k_empty, v_empty};
   auto q_at = [&](unsigned item) { return smem_addr(sQ(item % kQBuffers)) + cwg * 64 * 128; };  // this warpgroup's Q rows
   Rows w;
   typename Rows::Probs pa;
@@ -192,24 +208,24 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // One turn at the tensor cores: S of key tile kc (Q of item q_item) issued with P V of key tile vc;
   // `under` (the softmax of those scores) runs while the P V does.
   auto scores_with_pv = [&](typename Rows::Scores& s, unsigned q_item, int kc, int vc, auto&& under) {
-    wait_k(kc);
+    ring.wait_k(kc);
     bar_sync(my_turn, 256);
     wgmma_fence();
-    Rows::issue_scores(s, q_at(q_item), k_at(kc));
+    Rows::issue_scores(s, q_at(q_item), ring.k_at(kc));
     w.rescale_o(alpha);
     pin(w.o);
-    wait_v(vc);
+    ring.wait_v(vc);
     wgmma_fence();
-    w.issue_pv(pa, smem_addr(sV(vc % kStages)));
+    w.issue_pv(pa, ring.v_at(vc));
     bar_arrive(next_turn, 256);
     wgmma_wait<1>();
     pin(s);
-    release_k(kc);
+    ring.release_k(kc);
     under();
     wgmma_wait<0>();
     pin(w.o);
     pin(pa);
-    release_v(vc);
+    ring.release_v(vc);
   };
   // (item declared before c: in the other order the compiler numbers the loop's values otherwise and
   // ptxas allocates registers differently from the measured kernels)
@@ -221,7 +237,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     const int n_tiles = tile.n_tiles;
     if constexpr (kConsumers == 3) {
       if (cwg * 64 >= tile.rows) {
-        if (n_tiles > 0) fwd_ws_idle_turns(c, n_tiles, my_turn, next_turn, wait_k, wait_v, release_k, release_v);
+        if (n_tiles > 0) fwd_ws_idle_turns(c, n_tiles, my_turn, next_turn, ring);
         store(tile, item);
         c += n_tiles;
         if (index + gridDim.x < num_work) tile = item_at(index + gridDim.x);
@@ -230,14 +246,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     }
     if (n_tiles > 0 && !started) {
       typename Rows::Scores s;
-      wait_k(c);  // Q and K 0
+      ring.wait_k(c);  // Q and K 0
       bar_sync(my_turn, 256);
       wgmma_fence();
-      Rows::issue_scores(s, q_at(item), k_at(c));
+      Rows::issue_scores(s, q_at(item), ring.k_at(c));
       bar_arrive(next_turn, 256);
       wgmma_wait<0>();
       pin(s);
-      release_k(c);
+      ring.release_k(c);
       softmax(s, tile, 0);
       Rows::pack_p(s, pa);
     }
@@ -286,13 +302,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         bar_sync(my_turn, 256);
         w.rescale_o(alpha);
         pin(w.o);
-        wait_v(last);
+        ring.wait_v(last);
         wgmma_fence();
-        w.issue_pv(pa, smem_addr(sV(last % kStages)));
+        w.issue_pv(pa, ring.v_at(last));
         bar_arrive(next_turn, 256);
         wgmma_wait<0>();
         pin(w.o);
-        release_v(last);
+        ring.release_v(last);
         store(tile, item);
         w = Rows();
       } else {
