@@ -108,16 +108,81 @@ struct FwdWsRing {
   __device__ __forceinline__ void release_v(int cc) const { mbar_arrive(v_empty + cc % Cfg::kStages); }
 };
 
+// A consumer warpgroup's turn at the tensor cores: after the named barrier `mine`, then handing the
+// next turn on (the kernel's comment tells the order).
+struct FwdWsTurns {
+  int mine, next;
+  __device__ __forceinline__ void take() const { bar_sync(mine, 256); }
+  __device__ __forceinline__ void pass() const { bar_arrive(next, 256); }
+};
+
+// The turn of an item's first S (Q of item q_item, key tile kc, its K landed with the item's Q), with no P V to issue.
+template <class Rows, class QAt, class Ring>
+__device__ __forceinline__ void fwd_ws_first_scores(typename Rows::Scores& s, const QAt& q_at, unsigned q_item, int kc,
+                                                    const FwdWsTurns& turns, const Ring& ring) {
+  ring.wait_k(kc);
+  turns.take();
+  wgmma_fence();
+  Rows::issue_scores(s, q_at(q_item), ring.k_at(kc));
+  turns.pass();
+  wgmma_wait<0>();
+  pin(s);
+  ring.release_k(kc);
+}
+
+// One turn of the key loop: S of key tile kc (Q of item q_item) issued with P V of key tile vc (O rescaled first);
+// `under` (the softmax of those scores) runs while the P V does.
+template <class Rows, class QAt, class Ring, class Under>
+__device__ __forceinline__ void fwd_ws_scores_with_pv(Rows& w, typename Rows::Probs& pa, const float (&alpha)[2],
+                                                      typename Rows::Scores& s, const QAt& q_at, unsigned q_item,
+                                                      int kc, int vc, const FwdWsTurns& turns, const Ring& ring,
+                                                      Under&& under) {
+  ring.wait_k(kc);
+  turns.take();
+  wgmma_fence();
+  Rows::issue_scores(s, q_at(q_item), ring.k_at(kc));
+  w.rescale_o(alpha);
+  pin(w.o);
+  ring.wait_v(vc);
+  wgmma_fence();
+  w.issue_pv(pa, ring.v_at(vc));
+  turns.pass();
+  wgmma_wait<1>();
+  pin(s);
+  ring.release_k(kc);
+  under();
+  wgmma_wait<0>();
+  pin(w.o);
+  pin(pa);
+  ring.release_v(vc);
+}
+
+// The turn of an item's last P V (of key tile vc) where no S goes with it.
+template <class Rows, class Ring>
+__device__ __forceinline__ void fwd_ws_last_pv(Rows& w, const typename Rows::Probs& pa, const float (&alpha)[2], int vc,
+                                               const FwdWsTurns& turns, const Ring& ring) {
+  turns.take();
+  w.rescale_o(alpha);
+  pin(w.o);
+  ring.wait_v(vc);
+  wgmma_fence();
+  w.issue_pv(pa, ring.v_at(vc));
+  turns.pass();
+  wgmma_wait<0>();
+  pin(w.o);
+  ring.release_v(vc);
+}
+
 // The turns of a consumer warpgroup without rows in an item (at a sequence's end), where items are not
 // carried: the active ones' first S, n_tiles - 1 turns of S and P V, and the last P V, with no
 // product; each tile released once it has landed (so that the arrival cannot count towards the
 // stage's previous use).
 template <class Ring>
-__device__ __forceinline__ void fwd_ws_idle_turns(int c0, int n_tiles, int my_turn, int next_turn, const Ring& ring) {
+__device__ __forceinline__ void fwd_ws_idle_turns(int c0, int n_tiles, const FwdWsTurns& turns, const Ring& ring) {
   for (int i = 0; i <= n_tiles; ++i) {
     if (i < n_tiles) ring.wait_k(c0 + i);
-    bar_sync(my_turn, 256);
-    bar_arrive(next_turn, 256);
+    turns.take();
+    turns.pass();
     if (i < n_tiles) ring.release_k(c0 + i);
     if (i > 0) {
       ring.wait_v(c0 + i - 1);
@@ -174,8 +239,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // (bar_arrive(1 + (c + 1) % kConsumers)). The last lends the first its first turn; the first takes
   // the last one's final hand-over at the end.
   constexpr int kConsumers = Cfg::kConsumers;
-  const int my_turn = 1 + cwg, next_turn = kConsumers == 2 ? 2 - cwg : 1 + (cwg + 1) % kConsumers;
-  if (cwg == kConsumers - 1) bar_arrive(next_turn, 256);
+  const FwdWsTurns turns{1 + cwg, kConsumers == 2 ? 2 - cwg : 1 + (cwg + 1) % kConsumers};
+  if (cwg == kConsumers - 1) turns.pass();
 
   // Where an item's next item has keys, its last P V is issued with the next item's S 0, whose softmax
   // then runs under that P V (the output of the item after it): `started` marks an item whose S 0 is
@@ -205,28 +270,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     mbar_arrive(q_empty + item % kQBuffers);
   };
 
-  // One turn at the tensor cores: S of key tile kc (Q of item q_item) issued with P V of key tile vc;
-  // `under` (the softmax of those scores) runs while the P V does.
-  auto scores_with_pv = [&](typename Rows::Scores& s, unsigned q_item, int kc, int vc, auto&& under) {
-    ring.wait_k(kc);
-    bar_sync(my_turn, 256);
-    wgmma_fence();
-    Rows::issue_scores(s, q_at(q_item), ring.k_at(kc));
-    w.rescale_o(alpha);
-    pin(w.o);
-    ring.wait_v(vc);
-    wgmma_fence();
-    w.issue_pv(pa, ring.v_at(vc));
-    bar_arrive(next_turn, 256);
-    wgmma_wait<1>();
-    pin(s);
-    ring.release_k(kc);
-    under();
-    wgmma_wait<0>();
-    pin(w.o);
-    pin(pa);
-    ring.release_v(vc);
-  };
   // (item declared before c: in the other order the compiler numbers the loop's values otherwise and
   // ptxas allocates registers differently from the measured kernels)
   unsigned item = 0;
@@ -237,7 +280,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     const int n_tiles = tile.n_tiles;
     if constexpr (kConsumers == 3) {
       if (cwg * 64 >= tile.rows) {
-        if (n_tiles > 0) fwd_ws_idle_turns(c, n_tiles, my_turn, next_turn, ring);
+        if (n_tiles > 0) fwd_ws_idle_turns(c, n_tiles, turns, ring);
         store(tile, item);
         c += n_tiles;
         if (index + gridDim.x < num_work) tile = item_at(index + gridDim.x);
@@ -246,20 +289,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     }
     if (n_tiles > 0 && !started) {
       typename Rows::Scores s;
-      ring.wait_k(c);  // Q and K 0
-      bar_sync(my_turn, 256);
-      wgmma_fence();
-      Rows::issue_scores(s, q_at(item), ring.k_at(c));
-      bar_arrive(next_turn, 256);
-      wgmma_wait<0>();
-      pin(s);
-      ring.release_k(c);
+      fwd_ws_first_scores<Rows>(s, q_at, item, c, turns, ring);
       softmax(s, tile, 0);
       Rows::pack_p(s, pa);
     }
     for (int i = 0; i + 1 < n_tiles; ++i) {
       typename Rows::Scores s;
-      scores_with_pv(s, item, c + i + 1, c + i, [&] { softmax(s, tile, i + 1); });
+      fwd_ws_scores_with_pv(w, pa, alpha, s, q_at, item, c + i + 1, c + i, turns, ring, [&] { softmax(s, tile, i + 1); });
       Rows::pack_p(s, pa);
     }
     const unsigned next_index = index + gridDim.x;
@@ -273,7 +309,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           // The row maxima and sums not in w: this item's while the next item's start afresh in w, then
           // (swapped back for this item's output) the next item's.
           float aside_max[2], aside_sum[2];
-          scores_with_pv(s, item + 1, last + 1, last, [&] {
+          fwd_ws_scores_with_pv(w, pa, alpha, s, q_at, item + 1, last + 1, last, turns, ring, [&] {
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
               aside_max[r] = w.row_max[r], aside_sum[r] = w.row_sum[r];
@@ -299,16 +335,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     }
     if (!carried) {
       if (n_tiles > 0) {
-        bar_sync(my_turn, 256);
-        w.rescale_o(alpha);
-        pin(w.o);
-        ring.wait_v(last);
-        wgmma_fence();
-        w.issue_pv(pa, ring.v_at(last));
-        bar_arrive(next_turn, 256);
-        wgmma_wait<0>();
-        pin(w.o);
-        ring.release_v(last);
+        fwd_ws_last_pv(w, pa, alpha, last, turns, ring);
         store(tile, item);
         w = Rows();
       } else {
@@ -319,7 +346,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     started = carried;
     c += n_tiles;
   }
-  if (cwg == 0) bar_sync(my_turn, 256);  // the last warpgroup's final hand-over
+  if (cwg == 0) turns.take();  // the last warpgroup's final hand-over
 #endif
 }
 
