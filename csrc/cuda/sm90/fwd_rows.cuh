@@ -107,6 +107,28 @@ struct FwdRows {
 #pragma unroll
       for (int e = 0; e < 4; ++e) o[d][e] = 0.f;
   }
+  // The row maxima and sums of two items at once (the forward carrying an item's last P V into the
+  // next item's first S): these rows' statistics set aside into (mx, sum) and started afresh, swapped
+  // with the aside ones, or taken back from them.
+  __device__ __forceinline__ void set_aside_stats(float (&mx)[2], float (&sum)[2]) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      mx[r] = row_max[r], sum[r] = row_sum[r];
+      row_max[r] = neg_inf<float>(), row_sum[r] = 0.f;
+    }
+  }
+  __device__ __forceinline__ void swap_stats(float (&mx)[2], float (&sum)[2]) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float m = row_max[r], l = row_sum[r];
+      row_max[r] = mx[r], row_sum[r] = sum[r];
+      mx[r] = m, sum[r] = l;
+    }
+  }
+  __device__ __forceinline__ void take_stats(const float (&mx)[2], const float (&sum)[2]) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) row_max[r] = mx[r], row_sum[r] = sum[r];
+  }
 
   // A K-major operand (Q, K) at smem address `at`, k16 step kk: panel kk / 4, 32 bytes along the
   // line per step.

@@ -310,23 +310,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           // (swapped back for this item's output) the next item's.
           float aside_max[2], aside_sum[2];
           fwd_ws_scores_with_pv(w, pa, alpha, s, q_at, item + 1, last + 1, last, turns, ring, [&] {
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-              aside_max[r] = w.row_max[r], aside_sum[r] = w.row_sum[r];
-              w.row_max[r] = neg_inf<float>(), w.row_sum[r] = 0.f;
-            }
+            w.set_aside_stats(aside_max, aside_sum);
             softmax(s, next, 0);
           });
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            const float mx = w.row_max[r], sum = w.row_sum[r];
-            w.row_max[r] = aside_max[r], w.row_sum[r] = aside_sum[r];
-            aside_max[r] = mx, aside_sum[r] = sum;
-          }
+          w.swap_stats(aside_max, aside_sum);
           store(tile, item);
           w.zero_output();
-#pragma unroll
-          for (int r = 0; r < 2; ++r) w.row_max[r] = aside_max[r], w.row_sum[r] = aside_sum[r];
+          w.take_stats(aside_max, aside_sum);
           Rows::pack_p(s, pa);
           tile = next;
           carried = true;
