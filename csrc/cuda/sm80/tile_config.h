@@ -1,22 +1,8 @@
-// Tile shapes of the tensor-core kernels per element type and head-dim tier. Plain C++ (no CUDA
-// header): the kernel plan (../plan.cpp) reads their shared-memory sizes too.
-//
-// Shapes (measured on the H200; see docs/kernels/sm80_forward.md and sm80_backward.md):
-//   fp16/bf16: 4 warps x 32 query rows (B fragments serve two row groups), 2 blocks per SM;
-//              64-key tiles up to dim 128 (with 64 instead of 32 keys the forward measured
-//              19-24% faster at dim 96, 5-9% at 128). The feature variant keeps 32-key tiles
-//              above dim 64. The plain variant up to dim 64 takes 128-key tiles (than 64: 9-10%
-//              faster at dim 32, 5-6% at 64, where Q then comes from smem per tile to stay
-//              within 255 registers). 8 warps x 16 rows at 128 registers measured 1-2% slower.
-//              Dims 192 and 256: 4 warps x 16 rows, 64-key tiles with one K and one V buffer
-//              (kStaggered; than double-buffered 32-key tiles: +19-25% at 192, +8-14% at 256).
-//              8 warps x 16 rows with double-buffered 64-key tiles (one block per SM) measured
-//              +2-4% non-causal, -3-4% causal at L = 1024, and again later (with causal pairs)
-//              -6% non-causal, -0..-12% causal; staggered 32-key tiles at three blocks per SM
-//              -12..-18%: not kept (FlashAttention-2 runs our shape here on sm_90).
-//   fp64: 16 rows per warp (the fp64 accumulators take twice the registers); dim 64: 4 warps,
-//         32-key tiles (2 blocks per SM); dim 128: 8 warps, 16-key tiles (1 block per SM, 8
-//         warps to hide the DMMA latency).
+// Tile shapes of the tensor-core kernels: one table per kernel, one row per head-dim tier with the
+// reason for its choices; the configs below derive the rest from the row. Plain C++ (no CUDA
+// header): the kernel plan (../plan.cpp) reads their shared-memory sizes too. Measurements (H200,
+// bf16 unless said) and what was tried instead: docs/kernels/sm80_forward.md, sm80_backward.md,
+// sm80_decode.md.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -26,80 +12,128 @@
 
 namespace flashattn::cuda::sm80 {
 
-// kFeatures: the variant with the optional features keeps 32-key tiles above dim 64 (its
-// per-row feature work spills with 64: 96 B at dim 96, 180 B at 128).
-// One query tile per block (a causal grid's last heads in the order of causal_order.cuh).
+// The row of `dim` in a tier table; a value-initialized row (dim 0) where the table has none.
+template <class Row, size_t kRows>
+constexpr Row tier_row(const Row (&rows)[kRows], int dim) {
+  for (const Row& row : rows)
+    if (row.dim == dim) return row;
+  return Row{};
+}
+
+// ---- Forward (fwd_sm80.cuh) ----------------------------------------------------------------------
+
+struct FwdTier {
+  int dim = 0;
+  int warps = 0, row_groups = 0;       // a block's warps, each with row_groups x 16 query rows
+  int keys = 0, feature_keys = 0;      // key tile of the plain and of the feature variant
+  bool staggered = false;              // plain: one K and one V buffer loaded in turn (else two each)
+  bool full_copies = false;            // plain: whole K / V tiles copied without per-chunk predicates
+  bool feature_full_copies = false;    // the same for the feature variant
+  bool key_split = false;              // plain: the walks of a grid's last wave split (key_split.cuh)
+  bool split_kernel = false;           // plain: a second instantiation with the split, for small grids
+  bool swizzle = false;                // Q, K, V swizzled instead of padded rows (tile_copy.cuh)
+};
+
+// fp16 / bf16: 4 warps (two blocks per SM); 2 row groups per warp up to dim 128, where B fragments
+// serve both. The feature variant keeps 32-key tiles above 64: its per-row feature work spills with 64.
+inline constexpr FwdTier kFwdHalfTiers[] = {
+    // dim  warps rows keys fkeys staggered full   ffull  split  skernel swizzle
+    {32,    4,    2,   128, 64,   false,    false, false, false, false,  false},  // 128 keys: half the rescales per key, +9-10%
+    {64,    4,    2,   128, 64,   false,    true,  true,  false, true,   true},   // 128 keys with Q re-read per tile; split only for small grids
+    {96,    4,    2,   64,  32,   false,    false, false, false, false,  false},  // 64 keys +19-24%; the split's code spills here
+    {128,   4,    2,   64,  32,   false,    true,  false, true,  false,  true},   // 64 keys +5-9%; key split +2.4 / +5.3% at L = 8192 / 16384
+    {192,   4,    1,   64,  32,   true,     false, false, false, false,  false},  // staggered +19-25% over double 32-key buffers; swizzle -3..+4%
+    {256,   4,    1,   64,  32,   true,     false, false, false, true,   true},   // staggered +8-14%; swizzle +10-15%; split only for small grids
+};
+
+// fp64: 16 rows per warp (fp64 accumulators take twice the registers).
+inline constexpr FwdTier kFwdDoubleTiers[] = {
+    // dim  warps rows keys fkeys
+    {64,    4,    1,   32,  32},  // two blocks per SM
+    {128,   8,    1,   16,  16},  // one block per SM; 8 warps hide the DMMA latency
+};
+
+template <class Elem>
+constexpr FwdTier fwd_tier(int dim) {
+  if constexpr (std::is_same_v<Elem, double>) return tier_row(kFwdDoubleTiers, dim);
+  else return tier_row(kFwdHalfTiers, dim);
+}
+
+// kFeatures: the variant with the optional features. One query tile per block (a causal grid's last
+// heads in the order of causal_order.cuh).
 template <class Elem, int kDim, bool kFeatures = false>
 struct FwdConfig {
+  static constexpr FwdTier kTier = fwd_tier<Elem>(kDim);
   static constexpr bool kHalf = sizeof(Elem) == 2;
   static constexpr bool kDouble = std::is_same_v<Elem, double>;
-  static constexpr int kWarps = kDouble && kDim > 64 ? 8 : 4;
-  static constexpr int kMW = kHalf && kDim <= 128 ? 2 : 1;  // 16-row groups per warp
-  // Above dim 128 the plain variant takes 64-key tiles with one K and one V buffer, loaded in
-  // turn (FlashAttention-2's scheme): double-buffered, they would leave one block of 4 warps per SM.
-  static constexpr bool kStaggered = kHalf && kDim > 128 && !kFeatures;
-  static constexpr int kBN = kDouble ? (kDim > 64 ? 16 : 32) : ((kFeatures && kDim > 64) ? 32 : !kFeatures && kDim <= 64 ? 128 : 64);
-  // Full K and V tiles copied without per-chunk predicates (copy_tile_async) at dim 64: +2-3%
-  // there; at 96, 128 and 192 measured 1-6% slower with padded tiles, at 256 +-1% (H200, bf16).
-  // With swizzled tiles: plain dim 128 +1.2..+3.5%, 256 -2..+2% (not taken); the dim-128 feature
-  // variant (32-key tiles) keeps the predicated copies (not measured with these).
-  static constexpr bool kFullTileCopies = kHalf && (kDim == 64 || (kDim == 128 && !kFeatures));
+  static constexpr int kWarps = kTier.warps;
+  static constexpr int kMW = kTier.row_groups;  // 16-row groups per warp
+  static constexpr bool kStaggered = !kFeatures && kTier.staggered;
+  static constexpr int kBN = kFeatures ? kTier.feature_keys : kTier.keys;
+  static constexpr bool kFullTileCopies = kFeatures ? kTier.feature_full_copies : kTier.full_copies;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kBM = 16 * kMW * kWarps;
-  // The plain fp16 / bf16 kernel at dim 128 splits the walks of a grid's last wave (key_split.cuh).
-  // At the other dims the split's code moved the key loop's registers (spills at 96): -1..-7% on
-  // whole walks (H200, bf16); dim 128's loop measured the same, +2.4 / +5.3% at L = 8192 / 16384.
-  static constexpr bool kKeySplit = kHalf && !kFeatures && kDim == 128;
-  // At dims 64 and 256 a second instantiation with the split's code serves grids smaller than the
-  // GPU (every walk in parts: decode steps, small batches), the plain kernel every other grid. (Dims
-  // 32, 96 and 192 split no walk: their decode steps run one block per head.)
-  static constexpr bool kSplitKernel = kHalf && !kFeatures && (kDim == 64 || kDim == 256);
-  // Q, K and V swizzled instead of padded (tile_copy.cuh) at dims 64, 128 and 256: the copies then
-  // read no excess L2 sectors; forward +4-6% at 64 and 128, +10-15% at 256 (H200, bf16). At 192
-  // (rows of 24 chunks, copied by a walk over the tile's chunks) it measured -3..+4%: padded.
-  static constexpr bool kSwizzle = kHalf && (kDim == 64 || kDim == 128 || kDim == 256);
+  static constexpr bool kKeySplit = !kFeatures && kTier.key_split;
+  // Grids smaller than the GPU (every walk in parts: decode steps, small batches) take this second
+  // instantiation, every other grid the plain kernel.
+  static constexpr bool kSplitKernel = !kFeatures && kTier.split_kernel;
+  static constexpr bool kSwizzle = kTier.swizzle;
   static constexpr int kLd = kSwizzle ? kDim : kDim + 8;  // smem row pitch in elements
   static constexpr size_t kSmemBytes = size_t(kBM + (kStaggered ? 2 : 4) * kBN) * kLd * sizeof(Elem);
   static_assert(kDim % 16 == 0 && kBN % 16 == 0, "products step over pairs of 8-wide atoms");
 };
 
-// Backward (dK/dV kernel): 16 keys per warp group, query tiles of kBM rows. Where dK and dV of
-// the full dim would not fit in one warp's registers (fp16/bf16 above 192, the general variant
-// above 128, fp64 above 64), two warps share each 16-key group (kPair = 2): each reduces S^T
-// and dP^T over half the dims, the halves are summed through smem, and each keeps dK, dV for
-// half the columns. (Before, two blocks split the columns and both computed S and dP in full:
-// 1.4x the MMA work.) At dim 192 dK and dV of the full dim take 192 registers and spill 116
-// bytes, and measured 1.23-1.39x faster than the column split (H200, bf16).
-// The variant with the general feature step (kGeneral: softcap, ALiBi, dropout, bias gradient)
-// takes half the query rows per tile and one block per SM where the plain one is at its register
-// limit: that step needs registers beside dK and dV (measured: 1116 bytes of spills at dim 128
-// with 64-row tiles, 140 with 32).
-// kCompact (fp16/bf16 above dim 96, with kGeneral): the last tensor-core variant, for GPUs whose
-// blocks get 99 KB of smem (sm_86/89/120), where none of the above fits above dim 96: 4 warps
-// and 32-row query tiles (16 above dim 128), 74 / 56 / 72 KB at dims 128 / 192 / 256. The SIMT
-// kernel that served those calls before was 11x slower (H100 capped to 99 KB), and its fp32 FMA
-// scores differ by a few ulps from the tensor-core forward's that the LSE came from (at logits
-// ~1e4 fp16 then missed the accuracy rule).
+// ---- Backward, 1-D warp layout (bwd_sm80.cuh) ---------------------------------------------------
+
+// Each warp owns 16 keys and all dims of dK / dV, or (pair = 2) two warps share a 16-key group, each
+// reducing S^T and dP^T over half the dims and keeping dK / dV of half the columns. The variant with
+// the general per-score step (softcap, ALiBi, dropout, bias gradient) needs registers beside dK and
+// dV: 32-row query tiles, pairs above 128. Its compact tiles (4 warps) serve GPUs whose blocks get
+// 99 KB (sm_86 / 89 / 120), where nothing else fits above dim 96.
+struct BwdTier {
+  int dim = 0;
+  int warps = 0, general_warps = 0;                   // compact: 4
+  int rows = 0, general_rows = 0, compact_rows = 0;   // query rows per tile; compact 0: no compact tiles
+  int pair = 0, general_pair = 0;                     // warps per 16-key group
+  int min_blocks = 0;                                 // plain: blocks per SM its registers leave room for
+};
+
+inline constexpr BwdTier kBwdHalfTiers[] = {
+    // dim  warps gwarps rows grows crows pair gpair blocks
+    {32,    8,    8,     32,  32,   0,    1,   1,    2},  // 32-row tiles keep a thread within 128 registers: two blocks
+    {64,    8,    8,     32,  32,   0,    1,   1,    2},  // the same
+    {96,    8,    8,     64,  32,   0,    1,   1,    1},  // 64-row tiles; no compact tiles needed at 99 KB
+    {128,   8,    8,     64,  32,   32,   1,   1,    1},  // compact: 74 KB
+    {192,   8,    8,     32,  32,   16,   1,   2,    1},  // dK / dV of 192 dims in one warp (116 B spills): 1.23-1.39x the column split
+    {256,   8,    8,     32,  32,   16,   2,   2,    1},  // pairs: dK / dV of 256 dims do not fit one warp; compact: 72 KB
+};
+
+inline constexpr BwdTier kBwdDoubleTiers[] = {
+    // dim  warps gwarps rows grows crows pair gpair blocks
+    {64,    8,    4,     16,  16,   0,    1,   1,    1},  // 8 warps (the DMMA latency wants them): +9-11%
+    {128,   4,    4,     16,  16,   0,    2,   2,    1},  // pairs; 16-row tiles so K, V and two stages of Q, dO fit
+};
+
+template <class Elem>
+constexpr BwdTier bwd_tier(int dim) {
+  if constexpr (std::is_same_v<Elem, double>) return tier_row(kBwdDoubleTiers, dim);
+  else return tier_row(kBwdHalfTiers, dim);
+}
+
 template <class Elem, int kDim, bool kGeneral = false, bool kCompact = false>
 struct BwdConfig {
+  static constexpr BwdTier kTier = bwd_tier<Elem>(kDim);
   using Acc = std::conditional_t<std::is_same_v<Elem, double>, double, float>;
   static constexpr bool kHalf = sizeof(Elem) == 2;
   static constexpr bool kDouble = std::is_same_v<Elem, double>;
-  static constexpr bool kServed = !(kDouble && kDim > 128) && (!kCompact || (kHalf && kGeneral && kDim > 96));
-  static constexpr int kPair = kDim > 192 || (kGeneral && kDim > 128) || (kDouble && kDim > 64) ? 2 : 1;
+  static constexpr bool kServed = kTier.dim != 0 && (!kCompact || (kGeneral && kTier.compact_rows > 0));
+  static constexpr int kPair = kGeneral ? kTier.general_pair : kTier.pair;
   static constexpr int kDimOut = kDim / kPair;  // dK / dV columns of a warp (and its share of the reduction)
-  // fp64 at dim 64: 8 warps (128 keys) with 16-row query tiles, one block of 8 warps per SM
-  // instead of 4 (the DMMA latency wants more warps): +9-11% measured (H200).
-  static constexpr int kWarps = !kCompact && (kHalf || (kDouble && kDim <= 64 && !kGeneral)) ? 8 : 4;
+  static constexpr int kWarps = kCompact ? 4 : kGeneral ? kTier.general_warps : kTier.warps;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kBN = 16 * kWarps / kPair;
-  // fp16/bf16 at dim 64: 32-row query tiles keep a thread within 128 registers, so two
-  // blocks (16 warps) share an SM.
-  // fp64 at dim 128: 16-row query tiles, so K, V and two stages of Q, dO fit in smem.
-  static constexpr int kBM = kDouble ? (kDim > 64 || kGeneral || kWarps == 8 ? 16 : 32)
-                                     : kCompact ? (kDim > 128 ? 16 : 32)
-                                                : (kDim > 64 && kDim <= 128 && !kGeneral ? 64 : 32);
-  static constexpr int kMinBlocks = kHalf && kDim <= 64 && !kGeneral ? 2 : 1;
+  static constexpr int kBM = kCompact ? kTier.compact_rows : kGeneral ? kTier.general_rows : kTier.rows;
+  static constexpr int kMinBlocks = kGeneral || kCompact ? 1 : kTier.min_blocks;
   static constexpr int kLd = kDim + 8;   // K, V, Q, dO rows
   static constexpr int kLdS = kBM + 8;   // dS^T rows (one per key)
   // Warp pairs exchange their partial S^T and dP^T: 2 x kBM / 8 accumulator atoms per lane.
@@ -108,87 +142,72 @@ struct BwdConfig {
       size_t((2 * kBN + 4 * kBM) * kLd + kBN * kLdS) * sizeof(Elem) + 4 * kBM * sizeof(Acc) + kExchangeBytes;
 };
 
-// Backward with a 2-D warp layout (bwd_sm80_2d.cuh; fp16/bf16 calls without the general
-// per-score step; with a bias, its two tiles come on top of kSmemBytes): 8 warps. Up to dim 128:
-// 128 keys per block, 64-row query tiles (128 at dim 64, which the first version ran with 64
-// rows: 6-11% slower than the 1-D kernel); S and dP on a 2 x 4 warp grid of kBM / 2 rows x 32
-// keys, dK/dV on 4 x 2 warps of 32 keys x half the dims. Dim 256 (FlashAttention-2's shape
-// there): 64 keys x 64 rows, S and dP on 4 x 2 warps of 16 rows x 32 keys, dK/dV on 2 x 4
-// warps of 32 keys x a quarter of the dims (dK and dV then take 128 registers, as at dim 128).
-// P and dS go through smem once per tile; dQ on 2 x 4 or 4 x 2 warps (kDqColWarps). Fewer ldmatrix per MMA than BwdConfig's 1-D layout (counted per warp and tile: dim
-// 128 152 / 320 against 184 / 320; dim 64 with 128-row tiles 168 / 320 against 56 / 80).
-// Measured (H200, bf16): backward +3-12% at dim 64, +7-11% at 128, +15-22% at 256.
-// kOneSync: one barrier per query tile instead of two (bwd_sm80_2d.cuh): P / dS in two buffers,
-// swizzled (rows of kBN elements), and Q / dO (with their LSE and D) either in a ring of three
-// buffers loaded two tiles ahead (kRing3: dims 96, 128) or in two buffers whose copies mbarriers
-// track (kTracked: dim 256; the walk waits for a tile's copies instead of holding a barrier for
-// them). Plain calls only; all of it fits the 227 KB a block gets on sm_90 / sm_100 (dim 128:
-// 230912 bytes; padded P / dS rows would take 235008), and the smem check sends other GPUs to the
-// two-barrier kernel. Measured (H200, bf16, backward, L = 1024 ... 16384, causal and not): the
-// ring +0.8..+3.0% at 128 and +3.6..+5.9% at 96, tracked +3.2..+6.4% at 256; tracked at 128
-// -0.7..-1.1% against the ring, and at 64 (which the ring does not fit with 128-row tiles)
-// -1.2..-2.0% against two barriers: 64 keeps them (the ring with 96-row tiles: -4..-15%).
-// kTwoBlocks (dim 64, plain calls with at most kTwoBlocksMaxLen query rows, sm_90+: its swizzled
-// P / dS are stored with stmatrix): half the block, two
-// per SM: 4 warps and 64 keys (S / dP, dK / dV and dQ on 2 x 2 warps), P / dS swizzled, one LSE /
-// D buffer (the next tile's load after the P / dS barrier, where no warp reads this one any more):
-// 115712 B, half an SM's 228 KB less the 1 KB each block reserves. Each block's barriers then
-// stall only its own 4 warps. Measured against the 8-warp kernel (H200, bf16, backward): +5% at
-// L = 512, +2.8% at 1024, +-1% at 2048 / 4096, -1.5..-4% at 8192 / 16384, where the long walks
-// pay twice the dQ atomics and Q / dO copies per key.
+// ---- Backward, 2-D warp layout (bwd_sm80_2d.cuh) ------------------------------------------------
+
+// Forms with one barrier per query tile instead of two (kOneSync; plain calls where a block gets the
+// 227 KB of sm_90 / sm_100): Q / dO in a ring of three buffers loaded two tiles ahead, or in two
+// buffers whose copies mbarriers track.
+enum class OneSync { none, ring3, tracked };
+
+// fp16 / bf16 calls without the general per-score step, 8 warps: S and dP on a grid of warps, P and
+// dS through smem once per tile, dK / dV on a grid of warps of 32 keys x a share of the dims.
+struct Bwd2dTier {
+  int dim = 0;
+  int keys = 0, rows = 0;             // tile of the 8-warp forms
+  OneSync one_sync = OneSync::none;   // the one-barrier form, where there is one
+  bool two_blocks = false;            // a form of half the block, two per SM, for short calls (sm_90+)
+  bool swizzle = false;               // K, V, Q, dO swizzled instead of padded rows
+  bool slab_stats = false;            // LSE and D read as one 16-byte chunk per row group
+  bool stmatrix = false;              // P and dS stored with stmatrix (sm_90+); the one-barrier forms always
+  int fma_exp_every = 0;              // one in this many unmasked exponentials on the FMA pipe (0: none)
+};
+
+inline constexpr Bwd2dTier kBwd2dTiers[] = {
+    // 32: none (the 1-D kernel)
+    // dim  keys rows one_sync           2blocks swizzle slab   stmatrix fma_exp
+    {64,    128, 128, OneSync::none,     true,   true,   true,  true,    4},  // 128-row tiles (64: 6-11% behind the 1-D kernel); no room for the ring
+    {96,    128, 64,  OneSync::ring3,    false,  false,  false, true,    0},  // ring +3.6..+5.9%; rows are not whole 128-byte lines: padded
+    {128,   128, 64,  OneSync::ring3,    false,  true,   false, true,    0},  // ring +0.8..+3.0% (230912 B); tracked -0.7..-1.1% against it
+    // 192: none (64 x 64 tiles measured 3-5% slower than the 1-D kernel)
+    {256,   64,  64,  OneSync::tracked,  false,  true,   false, false,   0},  // FlashAttention-2's 64 x 64 shape; tracked +3.2..+6.4%
+};
+
 template <class Elem, int kDim, bool kOneSync = false, bool kTwoBlocks = false>
 struct Bwd2dConfig {
-  // Dim 192 stays on the 1-D kernel: 64 x 64 tiles measured 3-5% slower there (H200, bf16).
-  static constexpr bool kServed = sizeof(Elem) == 2 && kDim >= 64 && kDim != 192 && (!kOneSync || kDim != 64) &&
-                                  (!kTwoBlocks || (kDim == 64 && !kOneSync));  // tiers 64, 96, 128, 256
-  static constexpr int64_t kTwoBlocksMaxLen = 1024;
-  static constexpr bool kRing3 = kOneSync && (kDim == 128 || kDim == 96), kTracked = kOneSync && !kRing3;
+  static constexpr Bwd2dTier kTier = tier_row(kBwd2dTiers, kDim);
+  static constexpr bool kServed = sizeof(Elem) == 2 && kTier.dim != 0 && (!kOneSync || kTier.one_sync != OneSync::none) &&
+                                  (!kTwoBlocks || (kTier.two_blocks && !kOneSync));
+  static constexpr int64_t kTwoBlocksMaxLen = 1024;  // longer walks pay twice the dQ atomics and Q / dO copies per key
+  static constexpr bool kRing3 = kOneSync && kTier.one_sync == OneSync::ring3, kTracked = kOneSync && !kRing3;
   static constexpr int kQBufs = kRing3 ? 3 : 2, kPBufs = kOneSync ? 2 : 1;  // Q / dO and P / dS buffers
   static constexpr int kWarps = kTwoBlocks ? 4 : 8, kThreads = 32 * kWarps;
-  static constexpr int kBN = kDim <= 128 && !kTwoBlocks ? 128 : 64, kBM = kDim <= 64 ? 128 : 64;
+  static constexpr int kBN = kTwoBlocks ? 64 : kTier.keys, kBM = kTier.rows;
   // Warps across the keys in S / dP and in dK / dV: each takes 32 keys.
   static constexpr int kKeyWarps = kBN / 32;
   // dQ warp grid: kWarps / kDqColWarps x kDqColWarps (rows x dims), 2 x 4 or 4 x 2: the one with
-  // fewer fragment loads per product step (a warp loads rows / 16 A and dims / 16 B fragments;
-  // dim 64: 4 x 2, 4 loads against 5, and FlashAttention-2's grid there), where a warp's dims are
-  // a whole number of 16-wide atom pairs (dim 96: 4 x 2).
+  // fewer fragment loads per product step (a warp loads rows / 16 A and dims / 16 B fragments),
+  // where a warp's dims are a whole number of 16-wide atom pairs.
   static constexpr int dq_loads(int col_warps) { return kBM / (kWarps / col_warps) / 16 + kDim / col_warps / 16; }
   static constexpr int kDqColWarps = (kDim / 4) % 16 == 0 && dq_loads(4) < dq_loads(2) ? 4 : 2;
-  // K, V, Q and dO swizzled instead of padded (tile_copy.cuh) at dims 64, 128 and 256: the
-  // copies then read no excess L2 sectors and write no excess smem wavefronts (ncu at dim 64:
-  // 8.9 wavefronts per padded copy instruction against 4); backward +2-4% at 128, +2-3% at 256,
-  // +3.5-4% at 64 on top of the 4 x 2 dQ grid and SlabStats (H200, bf16; before those, 64
-  // measured -1..0%). 96 stays padded: its rows are not whole lines.
-  static constexpr bool kSwizzle = kDim == 64 || kDim == 128 || kDim == 256;
+  static constexpr bool kSwizzle = kTier.swizzle;
   static constexpr int kLd = kSwizzle ? kDim : kDim + 8;  // K, V, Q, dO rows
-  // LSE and D read as one 16-byte chunk per row group (bwd_sm80_2d.cuh's SlabStats) at dim 64:
-  // with the 4 x 2 dQ grid +5-6% there; at 128 and 256 it measured -1% (H200, bf16), so those
-  // read row by row.
-  static constexpr bool kSlabStats = kDim == 64;
+  static constexpr bool kSlabStats = kTier.slab_stats;
   static constexpr bool kSwizzleP = kOneSync || kTwoBlocks;  // P, dS tiles swizzled instead of padded
   static constexpr int kLdP = kSwizzleP ? kBN : kBN + 8;     // P, dS rows (one per query)
   static constexpr int kStatsBufs = kTwoBlocks ? 1 : kQBufs;  // LSE / D buffers
-  // The grid's last wave split into parts of walks (tail_split.cuh; plain non-causal calls), and
-  // for plain causal calls the last pairs' walks heaviest first (causal_order.cuh; the 1-D
-  // kernel orders them too). Not in
-  // kTwoBlocks: it runs calls of len_q <= 1024, walks of 8 query tiles per head where the split
-  // takes 16+ (only GQA groups would reach it), and its loop with the split's bounds measured
-  // -0.9..-1.5% where no split was taken (H200, bf16, L = 512 causal / 1024).
+  // The grid's last wave split into parts of walks (tail_split.cuh; plain non-causal calls), and for
+  // plain causal calls the last pairs' walks heaviest first (causal_order.cuh). Not in kTwoBlocks: its
+  // short walks rarely reach a split, and the split's bounds cost its loop 0.9-1.5%.
   static constexpr bool kTailSplit = !kTwoBlocks;
-  // P and dS stored with stmatrix (sm_90+) instead of 32-bit stores: backward +0.8..+2.4% at dims 64
-  // and 128 (ncu at 64: MIO-throttle stalls 2.5x FlashAttention-2's), +0.3..+1.7% at 96, -0.3% at 256
-  // (H200, bf16).
-  // (kOneSync takes them at every dim: its swizzled P / dS have no other store path.)
-  static constexpr bool kStmatrixStores = kDim <= 128 || kOneSync;
-  // One in kFmaExpEvery of the unmasked tiles' exponentials on the FMA pipe (ExpDomain::exp_fma)
-  // rather than the MUFU, whose instructions share the MIO queue with ldmatrix: at dim 64 one in 4
-  // measured +0..+1.2% (one in 2: +-0.5%); at 128 both -0.4..-2%, at 256 +-0.5% (H200, bf16).
-  static constexpr int kFmaExpEvery = kDim == 64 ? 4 : 0;
+  static constexpr bool kStmatrixStores = kTier.stmatrix || kOneSync;  // swizzled P / dS: no other store path
+  static constexpr int kFmaExpEvery = kTier.fma_exp_every;
   // Where the LSE / D area starts, and the two mbarriers (kTracked) after it.
   static constexpr size_t kStatsOffset = size_t((2 * kBN + 2 * kQBufs * kBM) * kLd + 2 * kPBufs * kBM * kLdP) * sizeof(Elem);
   static constexpr size_t kSmemBytes = kStatsOffset + 2 * kStatsBufs * kBM * sizeof(float) + (kTracked ? 2 * sizeof(uint64_t) : 0);
   static_assert(!((kOneSync || kTwoBlocks) && kServed) || kStmatrixStores, "the swizzled P / dS are stored with stmatrix");
 };
+
+// ---- Decode (fwd_decode.cuh) --------------------------------------------------------------------
 
 constexpr int kDecodeChunkRows = 16;  // packed query rows of a block (one row group)
 
@@ -201,8 +220,8 @@ struct DecodeConfig {
   static constexpr int kBN = kWarps * kWarpKeys;  // keys per tile
   // K / V tiles in flight: three stages where two blocks per SM still fit (dims <= 128), two above.
   static constexpr int kStages = kDim <= 128 ? 3 : 2;
-  // Swizzled rows at the dims whose rows are whole 128-byte lines (as FwdConfig), else padded.
-  static constexpr bool kSwizzle = kDim == 64 || kDim == 128 || kDim == 256;
+  // Swizzled rows at the tiers where the forward's are.
+  static constexpr bool kSwizzle = tier_row(kFwdHalfTiers, kDim).swizzle;
   static constexpr int kLd = kSwizzle ? kDim : kDim + 8;
   static constexpr int kOLd = kDim + 8;  // fp32 pitch of the warps' rows in the merge
   static constexpr size_t kQBytes = size_t(kRows) * kLd * sizeof(Elem);
