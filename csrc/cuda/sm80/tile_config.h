@@ -37,20 +37,20 @@ struct FwdTier {
 // fp16 / bf16: 4 warps (two blocks per SM); 2 row groups per warp up to dim 128, where B fragments
 // serve both. The feature variant keeps 32-key tiles above 64: its per-row feature work spills with 64.
 inline constexpr FwdTier kFwdHalfTiers[] = {
-    // dim  warps rows keys fkeys staggered full   ffull  split  skernel swizzle
-    {32,    4,    2,   128, 64,   false,    false, false, false, false,  false},  // 128 keys: half the rescales per key, +9-10%
-    {64,    4,    2,   128, 64,   false,    true,  true,  false, true,   true},   // 128 keys with Q re-read per tile; split only for small grids
-    {96,    4,    2,   64,  32,   false,    false, false, false, false,  false},  // 64 keys +19-24%; the split's code spills here
-    {128,   4,    2,   64,  32,   false,    true,  false, true,  false,  true},   // 64 keys +5-9%; key split +2.4 / +5.3% at L = 8192 / 16384
-    {192,   4,    1,   64,  32,   true,     false, false, false, false,  false},  // staggered +19-25% over double 32-key buffers; swizzle -3..+4%
-    {256,   4,    1,   64,  32,   true,     false, false, false, true,   true},   // staggered +8-14%; swizzle +10-15%; split only for small grids
+    // dim warps rows keys fkeys stagger full   ffull  split  skernel swizzle
+    {32,  4,    2,   128, 64,   false,  false, false, false, false,  false},  // 128 keys: half the rescales, +9-10%
+    {64,  4,    2,   128, 64,   false,  true,  true,  false, true,   true},   // 128 keys, Q re-read per tile: +5-6%
+    {96,  4,    2,   64,  32,   false,  false, false, false, false,  false},  // 64 keys +19-24%; a split spills here
+    {128, 4,    2,   64,  32,   false,  true,  false, true,  false,  true},   // 64 keys +5-9%; split +2.4..+5.3%
+    {192, 4,    1,   64,  32,   true,   false, false, false, false,  false},  // staggered +19-25%; swizzle -3..+4%
+    {256, 4,    1,   64,  32,   true,   false, false, false, true,   true},   // staggered +8-14%; swizzle +10-15%
 };
 
 // fp64: 16 rows per warp (fp64 accumulators take twice the registers).
 inline constexpr FwdTier kFwdDoubleTiers[] = {
-    // dim  warps rows keys fkeys
-    {64,    4,    1,   32,  32},  // two blocks per SM
-    {128,   8,    1,   16,  16},  // one block per SM; 8 warps hide the DMMA latency
+    // dim warps rows keys fkeys
+    {64,  4,    1,   32,  32},  // two blocks per SM
+    {128, 8,    1,   16,  16},  // one block per SM; 8 warps hide the DMMA latency
 };
 
 template <class Elem>
@@ -99,19 +99,19 @@ struct BwdTier {
 };
 
 inline constexpr BwdTier kBwdHalfTiers[] = {
-    // dim  warps gwarps rows grows crows pair gpair blocks
-    {32,    8,    8,     32,  32,   0,    1,   1,    2},  // 32-row tiles keep a thread within 128 registers: two blocks
-    {64,    8,    8,     32,  32,   0,    1,   1,    2},  // the same
-    {96,    8,    8,     64,  32,   0,    1,   1,    1},  // 64-row tiles; no compact tiles needed at 99 KB
-    {128,   8,    8,     64,  32,   32,   1,   1,    1},  // compact: 74 KB
-    {192,   8,    8,     32,  32,   16,   1,   2,    1},  // dK / dV of 192 dims in one warp (116 B spills): 1.23-1.39x the column split
-    {256,   8,    8,     32,  32,   16,   2,   2,    1},  // pairs: dK / dV of 256 dims do not fit one warp; compact: 72 KB
+    // dim warps gwarps rows grows crows pair gpair blocks
+    {32,  8,    8,     32,  32,   0,    1,   1,    2},  // 32-row tiles: within 128 registers, two blocks per SM
+    {64,  8,    8,     32,  32,   0,    1,   1,    2},  // the same
+    {96,  8,    8,     64,  32,   0,    1,   1,    1},  // 64-row tiles; 99 KB GPUs fit the general tiles
+    {128, 8,    8,     64,  32,   32,   1,   1,    1},  // compact: 74 KB
+    {192, 8,    8,     32,  32,   16,   1,   2,    1},  // 192 dims in one warp (116 B spills): 1.23-1.39x pairs
+    {256, 8,    8,     32,  32,   16,   2,   2,    1},  // dK / dV of 256 dims do not fit one warp; compact: 72 KB
 };
 
 inline constexpr BwdTier kBwdDoubleTiers[] = {
-    // dim  warps gwarps rows grows crows pair gpair blocks
-    {64,    8,    4,     16,  16,   0,    1,   1,    1},  // 8 warps (the DMMA latency wants them): +9-11%
-    {128,   4,    4,     16,  16,   0,    2,   2,    1},  // pairs; 16-row tiles so K, V and two stages of Q, dO fit
+    // dim warps gwarps rows grows crows pair gpair blocks
+    {64,  8,    4,     16,  16,   0,    1,   1,    1},  // 8 warps for the DMMA latency: +9-11%
+    {128, 4,    4,     16,  16,   0,    2,   2,    1},  // 16-row tiles: K, V and two stages of Q, dO fit
 };
 
 template <class Elem>
@@ -158,24 +158,28 @@ struct Bwd2dTier {
   bool two_blocks = false;            // a form of half the block, two per SM, for short calls (sm_90+)
   bool swizzle = false;               // K, V, Q, dO swizzled instead of padded rows
   bool slab_stats = false;            // LSE and D read as one 16-byte chunk per row group
-  bool stmatrix = false;              // P and dS stored with stmatrix (sm_90+); the one-barrier forms always
-  int fma_exp_every = 0;              // one in this many unmasked exponentials on the FMA pipe (0: none)
+                                      // (+5-6% at 64, -1% at 128 / 256)
+  bool stmatrix = false;              // P and dS stored with stmatrix, sm_90+ (+0.3..+2.4% up to 128, -0.3% at
+                                      // 256); the one-barrier forms always (no other store path for their swizzle)
+  int fma_exp_every = 0;              // one in this many unmasked exponentials on the FMA pipe, 0: none (64:
+                                      // +0..+1.2%, 128: -0.4..-2%): the MUFU shares the MIO queue with ldmatrix
 };
 
 inline constexpr Bwd2dTier kBwd2dTiers[] = {
     // 32: none (the 1-D kernel)
-    // dim  keys rows one_sync           2blocks swizzle slab   stmatrix fma_exp
-    {64,    128, 128, OneSync::none,     true,   true,   true,  true,    4},  // 128-row tiles (64: 6-11% behind the 1-D kernel); no room for the ring
-    {96,    128, 64,  OneSync::ring3,    false,  false,  false, true,    0},  // ring +3.6..+5.9%; rows are not whole 128-byte lines: padded
-    {128,   128, 64,  OneSync::ring3,    false,  true,   false, true,    0},  // ring +0.8..+3.0% (230912 B); tracked -0.7..-1.1% against it
+    // dim keys rows one_sync          2blocks swizzle slab   stmatrix fma_exp
+    {64,  128, 128, OneSync::none,    true,   true,   true,  true,    4},  // 128 rows; no room for the ring
+    {96,  128, 64,  OneSync::ring3,   false,  false,  false, true,    0},  // ring +3.6..+5.9%; rows not whole lines
+    {128, 128, 64,  OneSync::ring3,   false,  true,   false, true,    0},  // ring +0.8..+3.0% (230912 B)
     // 192: none (64 x 64 tiles measured 3-5% slower than the 1-D kernel)
-    {256,   64,  64,  OneSync::tracked,  false,  true,   false, false,   0},  // FlashAttention-2's 64 x 64 shape; tracked +3.2..+6.4%
+    {256, 64,  64,  OneSync::tracked, false,  true,   false, false,   0},  // FlashAttention-2's shape; +3.2..+6.4%
 };
 
 template <class Elem, int kDim, bool kOneSync = false, bool kTwoBlocks = false>
 struct Bwd2dConfig {
   static constexpr Bwd2dTier kTier = tier_row(kBwd2dTiers, kDim);
-  static constexpr bool kServed = sizeof(Elem) == 2 && kTier.dim != 0 && (!kOneSync || kTier.one_sync != OneSync::none) &&
+  static constexpr bool kServed = sizeof(Elem) == 2 && kTier.dim != 0 &&
+                                  (!kOneSync || kTier.one_sync != OneSync::none) &&
                                   (!kTwoBlocks || (kTier.two_blocks && !kOneSync));
   static constexpr int64_t kTwoBlocksMaxLen = 1024;  // longer walks pay twice the dQ atomics and Q / dO copies per key
   static constexpr bool kRing3 = kOneSync && kTier.one_sync == OneSync::ring3, kTracked = kOneSync && !kRing3;
