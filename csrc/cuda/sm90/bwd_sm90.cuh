@@ -129,6 +129,107 @@ __device__ __forceinline__ void bwd_ws_producer(const BwdParams& p, const BwdPan
   }
 }
 
+// The backward's mbarriers (bwd_ws_kernel names them).
+__device__ __forceinline__ void bwd_ws_init_barriers(uint64_t* const kv_full, uint64_t* const q_full,
+                                                     uint64_t* const q_empty, uint64_t* const dq_full,
+                                                     uint64_t* const dq_empty) {
+  mbar_init(kv_full, 1);
+  for (int s = 0; s < 2; ++s) {
+    mbar_init(q_full + s, 1 + 32);  // the TMA thread's expect_tx and the warp's LSE / D copies
+    mbar_init(q_empty + s, 256);
+  }
+  mbar_init(dq_full, 256);
+  mbar_init(dq_empty, 1);
+  fence_mbar_init();
+}
+
+// S^T -> P^T in place: the lane's keys key0 and key0 + 8 (r = 0, 1) against rows 8 j + 2 t + c, with
+// the rows' LSE from smem; keys a row does not see (visible(key, row) false) get 0.
+template <int kRA, class Visible>
+__device__ __forceinline__ void bwd_ws_probs(float (&st)[kRA][4], const float* lse_s, float score_scale, int key0,
+                                             int t, const Visible& visible) {
+  using Exp = ExpDomain<float>;
+#pragma unroll
+  for (int j = 0; j < kRA; ++j) {
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int row = 8 * j + 2 * t + c;
+      // A row that sees no key (LSE -inf) takes +inf: its exponentials are then 0.
+      const float lse_row = Exp::from_lse(lse_s[row]);
+      const float lse = lse_row == neg_inf<float>() ? -neg_inf<float>() : lse_row;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int key = key0 + 8 * r, e = 2 * r + c;
+        const float pr = Exp::exp(st[j][e] * score_scale - lse);
+        st[j][e] = visible(key, row) ? pr : 0.f;
+      }
+    }
+  }
+}
+
+// dP^T -> dS^T = P^T (dP^T - D) in place, with the rows' D from smem.
+template <int kRA>
+__device__ __forceinline__ void bwd_ws_dscores(float (&dpt)[kRA][4], const float (&pt)[kRA][4], const float* d_s,
+                                               int t) {
+#pragma unroll
+  for (int j = 0; j < kRA; ++j)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const float dsum = d_s[8 * j + 2 * t + c];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) dpt[j][2 * r + c] = pt[j][2 * r + c] * (dpt[j][2 * r + c] - dsum);
+    }
+}
+
+// P^T or dS^T rounded to Elem as the A fragments of a register-sourced wgmma (one per 16 rows).
+template <class Elem, int kKSteps, int kRA>
+__device__ __forceinline__ void bwd_ws_a_fragments(uint32_t (&frag)[kKSteps][4], float (&acc)[kRA][4]) {
+  using M = Mma<Elem>;
+#pragma unroll
+  for (int kk = 0; kk < kKSteps; ++kk) {
+    typename M::A a;
+    M::a_from_acc(a, &acc[2 * kk]);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) frag[kk][e] = a.r[e];
+  }
+}
+
+// The lane's dS^T (keys key0, key0 + 8) into the smem tile `sds` for dQ's product: kBN lines of the
+// rows, 64 rows a panel, its 16-byte chunks swizzled by the line.
+template <class Elem, int kBN, int kRA>
+__device__ __forceinline__ void bwd_ws_stage_ds(unsigned char* sds, const float (&dst)[kRA][4], int key0, int t) {
+  using M = Mma<Elem>;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int key = key0 + 8 * r;
+#pragma unroll
+    for (int j = 0; j < kRA; ++j)
+      *reinterpret_cast<uint32_t*>(sds + (j / 8) * kBN * 128 + key * 128 + (((j % 8) ^ (key % 8)) * 16) + 4 * t) =
+          M::pack(dst[j][2 * r], dst[j][2 * r + 1]);
+  }
+}
+
+// The epilogue: dK (scaled) and dV of the lane's keys key0 and key0 + 8 of the tile below rows_k.
+template <class Elem, int kDA>
+__device__ __forceinline__ void bwd_ws_store_dkdv(const BwdParams& p, const Seq& sq, int64_t hk, int64_t n0, int rows_k,
+                                                  int key0, int t, const float (&dk)[kDA][4],
+                                                  const float (&dv)[kDA][4]) {
+  using M = Mma<Elem>;
+  Elem* dk_g = sq.k_rows<Elem>(p.dk, p.dk_stride, hk, n0);
+  Elem* dv_g = sq.k_rows<Elem>(p.dv, p.dv_stride, hk, n0);
+  const float scale = float(p.scale);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int key = key0 + 8 * r;
+    if (key >= rows_k) continue;
+#pragma unroll
+    for (int d = 0; d < kDA; ++d) {
+      M::store_pair(dk_g + key * p.dk_stride.row + 8 * d + 2 * t, dk[d][2 * r] * scale, dk[d][2 * r + 1] * scale);
+      M::store_pair(dv_g + key * p.dv_stride.row + 8 * d + 2 * t, dv[d][2 * r], dv[d][2 * r + 1]);
+    }
+  }
+}
+
 template <class Elem, int kDim>
 __global__ void __launch_bounds__(BwdWsConfig<Elem, kDim>::kThreads, 1)
     bwd_ws_kernel(const BwdParams p, const __grid_constant__ BwdPanelMaps maps, const float* dsum_g,
@@ -168,16 +269,7 @@ __global__ void __launch_bounds__(BwdWsConfig<Elem, kDim>::kThreads, 1)
   // A dQ tile goes through smem where its rows start a 16-row group of the blocked accumulator.
   const bool dq_staged = sq.rows_per_head % 16 == 0;
 
-  if (tid == 0) {
-    mbar_init(kv_full, 1);
-    for (int s = 0; s < 2; ++s) {
-      mbar_init(q_full + s, 1 + 32);  // the TMA thread's expect_tx and the warp's LSE / D copies
-      mbar_init(q_empty + s, 256);
-    }
-    mbar_init(dq_full, 256);
-    mbar_init(dq_empty, 1);
-    fence_mbar_init();
-  }
+  if (tid == 0) bwd_ws_init_barriers(kv_full, q_full, q_empty, dq_full, dq_empty);
   __syncthreads();
 
   if (wg == 0) {
@@ -279,43 +371,13 @@ __global__ void __launch_bounds__(BwdWsConfig<Elem, kDim>::kThreads, 1)
     };
     wgmma_wait<1>();
     pin(st);
-#pragma unroll
-    for (int j = 0; j < kRA; ++j) {
-#pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        const int row = 8 * j + 2 * t + c;
-        // A row that sees no key (LSE -inf) takes +inf: its exponentials are then 0.
-        const float lse_row = Exp::from_lse(lse_s[row]);
-        const float lse = lse_row == neg_inf<float>() ? -neg_inf<float>() : lse_row;
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int key = wkey + g + 8 * r, e = 2 * r + c;
-          const float pr = Exp::exp(st[j][e] * score_scale - lse);
-          st[j][e] = visible(key, row) ? pr : 0.f;
-        }
-      }
-    }
+    bwd_ws_probs(st, lse_s, score_scale, wkey + g, t, visible);
     wgmma_wait<0>();
     pin(dpt);
-#pragma unroll
-    for (int j = 0; j < kRA; ++j)
-#pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        const float dsum = d_s[8 * j + 2 * t + c];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) dpt[j][2 * r + c] = st[j][2 * r + c] * (dpt[j][2 * r + c] - dsum);
-      }
+    bwd_ws_dscores(dpt, st, d_s, t);
     uint32_t pa[kBM / 16][4], dsa[kBM / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < kBM / 16; ++kk) {
-      typename M::A a;
-      M::a_from_acc(a, &st[2 * kk]);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) pa[kk][e] = a.r[e];
-      M::a_from_acc(a, &dpt[2 * kk]);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) dsa[kk][e] = a.r[e];
-    }
+    bwd_ws_a_fragments<Elem>(pa, st);
+    bwd_ws_a_fragments<Elem>(dsa, dpt);
 
     // dV += P^T dO, dK += dS^T Q.
     pin(dk);
@@ -330,14 +392,7 @@ __global__ void __launch_bounds__(BwdWsConfig<Elem, kDim>::kThreads, 1)
     wgmma_commit();
 
     // dS^T to smem (buffer it % 2: the other warpgroup may still read the previous tile's for its dQ).
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int key = wkey + g + 8 * r;
-#pragma unroll
-      for (int j = 0; j < kRA; ++j)
-        *reinterpret_cast<uint32_t*>(sdS(s) + (j / 8) * kBN * 128 + key * 128 + (((j % 8) ^ (key % 8)) * 16) + 4 * t) =
-            M::pack(dpt[j][2 * r], dpt[j][2 * r + 1]);
-    }
+    bwd_ws_stage_ds<Elem, kBN>(sdS(s), dpt, wkey + g, t);
     fence_proxy_async();
     wgmma_wait<0>();
     pin(dk);
@@ -354,20 +409,7 @@ __global__ void __launch_bounds__(BwdWsConfig<Elem, kDim>::kThreads, 1)
   if (walk.iters > 0) tile(0);
   for (int64_t it = 1; it < walk.iters; ++it) tile(it);
 
-  // dK (scaled) and dV of the warp's keys below rows_k.
-  Elem* dk_g = sq.k_rows<Elem>(p.dk, p.dk_stride, hk, n0);
-  Elem* dv_g = sq.k_rows<Elem>(p.dv, p.dv_stride, hk, n0);
-  const float scale = float(p.scale);
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int key = wkey + g + 8 * r;
-    if (key >= rows_k) continue;
-#pragma unroll
-    for (int d = 0; d < kDA; ++d) {
-      M::store_pair(dk_g + key * p.dk_stride.row + 8 * d + 2 * t, dk[d][2 * r] * scale, dk[d][2 * r + 1] * scale);
-      M::store_pair(dv_g + key * p.dv_stride.row + 8 * d + 2 * t, dv[d][2 * r], dv[d][2 * r + 1]);
-    }
-  }
+  bwd_ws_store_dkdv<Elem>(p, sq, hk, n0, rows_k, wkey + g, t, dk, dv);
 #endif
 }
 
