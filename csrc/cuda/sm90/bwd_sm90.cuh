@@ -143,6 +143,63 @@ __device__ __forceinline__ void bwd_ws_init_barriers(uint64_t* const kv_full, ui
   fence_mbar_init();
 }
 
+// wgmma smem descriptors of the panel layout (common/wgmma.cuh) at k16 step kk of an operand of `lines`
+// lines a panel: K-major (Q, K, V, dO as the scores' operands: panel kk / 4, 32 bytes along the line
+// per step) and MN-major (dO, Q, dS^T, K as the gradients' operands: 16 lines per step).
+__device__ __forceinline__ uint64_t bwd_kmajor(uint32_t at, int kk, int lines) {
+  return smem_desc(at + (kk / 4) * lines * 128 + (kk % 4) * 32, 16, 1024);
+}
+__device__ __forceinline__ uint64_t bwd_mnmajor(uint32_t at, int kk, int lines) {
+  return smem_desc(at + kk * 16 * 128, lines * 128, 1024);
+}
+
+// S^T = K Q^T and dP^T = V dO^T of the warpgroup's 64 keys (k_at, v_at: their lines of K and V) in two
+// commit groups: the exponentials run under dP^T's product.
+template <class Elem, int kDim, int kBM, int kBN, int kRA>
+__device__ __forceinline__ void bwd_ws_issue_scores(float (&st)[kRA][4], float (&dpt)[kRA][4], uint32_t k_at,
+                                                    uint32_t v_at, uint32_t q_at, uint32_t do_at) {
+  wgmma_fence();
+  Wgmma<Elem, kBM>::template ss<0>(st, bwd_kmajor(k_at, 0, kBN), bwd_kmajor(q_at, 0, kBM));
+#pragma unroll
+  for (int kk = 1; kk < kDim / 16; ++kk)
+    Wgmma<Elem, kBM>::template ss<1>(st, bwd_kmajor(k_at, kk, kBN), bwd_kmajor(q_at, kk, kBM));
+  wgmma_commit();
+  Wgmma<Elem, kBM>::template ss<0>(dpt, bwd_kmajor(v_at, 0, kBN), bwd_kmajor(do_at, 0, kBM));
+#pragma unroll
+  for (int kk = 1; kk < kDim / 16; ++kk)
+    Wgmma<Elem, kBM>::template ss<1>(dpt, bwd_kmajor(v_at, kk, kBN), bwd_kmajor(do_at, kk, kBM));
+  wgmma_commit();
+}
+
+// dV += P^T dO, dK += dS^T Q: P^T and dS^T from registers, dO and Q MN-major from smem; one commit group.
+template <class Elem, int kDim, int kBM, int kDA>
+__device__ __forceinline__ void bwd_ws_issue_dkdv(float (&dk)[kDA][4], float (&dv)[kDA][4],
+                                                  uint32_t (&pa)[kBM / 16][4], uint32_t (&dsa)[kBM / 16][4],
+                                                  uint32_t q_at, uint32_t do_at) {
+  pin(dk);
+  pin(dv);
+  pin(pa);
+  pin(dsa);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kBM / 16; ++kk) Wgmma<Elem, kDim>::rs(dv, pa[kk], bwd_mnmajor(do_at, kk, kBM));
+#pragma unroll
+  for (int kk = 0; kk < kBM / 16; ++kk) Wgmma<Elem, kDim>::rs(dk, dsa[kk], bwd_mnmajor(q_at, kk, kBM));
+  wgmma_commit();
+}
+
+// dQ = dS K over the block's kBN keys, both operands MN-major (dq_a: dS^T's lines, dq_b: K's); one
+// commit group.
+template <class Elem, int kDqCols, int kBN, int kCA>
+__device__ __forceinline__ void bwd_ws_issue_dq(float (&dq)[kCA][4], uint32_t dq_a, uint32_t dq_b) {
+  wgmma_fence();
+  Wgmma<Elem, kDqCols>::template ss<0, 1, 1>(dq, bwd_mnmajor(dq_a, 0, kBN), bwd_mnmajor(dq_b, 0, kBN));
+#pragma unroll
+  for (int kk = 1; kk < kBN / 16; ++kk)
+    Wgmma<Elem, kDqCols>::template ss<1, 1, 1>(dq, bwd_mnmajor(dq_a, kk, kBN), bwd_mnmajor(dq_b, kk, kBN));
+  wgmma_commit();
+}
+
 // S^T -> P^T in place: the lane's keys key0 and key0 + 8 (r = 0, 1) against rows 8 j + 2 t + c, with
 // the rows' LSE from smem; keys a row does not see (visible(key, row) false) get 0.
 template <int kRA, class Visible>
@@ -285,10 +342,6 @@ __global__ void __launch_bounds__(BwdWsConfig<Elem, kDim>::kThreads, 1)
   const int wkey = cwg * 64 + warp * 16;  // the warp's first key in the tile
   const float score_scale = Exp::score_scale(p.scale);
 
-  auto kmajor = [](uint32_t at, int kk, int lines) {
-    return smem_desc(at + (kk / 4) * lines * 128 + (kk % 4) * 32, 16, 1024);
-  };
-  auto mnmajor = [](uint32_t at, int kk, int lines) { return smem_desc(at + kk * 16 * 128, lines * 128, 1024); };
   const uint32_t k_at = smem_addr(sK), v_at = smem_addr(sV);
 
   float dk[kDA][4], dv[kDA][4];
@@ -297,21 +350,6 @@ __global__ void __launch_bounds__(BwdWsConfig<Elem, kDim>::kThreads, 1)
 #pragma unroll
     for (int e = 0; e < 4; ++e) dk[d][e] = dv[d][e] = 0.f;
 
-  // S^T and dP^T in two commit groups: the exponentials run under dP^T's product.
-  auto issue_scores = [&](float (&st)[kRA][4], float (&dpt)[kRA][4], int s) {
-    const uint32_t q_at = smem_addr(sQ(s)), do_at = smem_addr(sdO(s));
-    wgmma_fence();
-    Wgmma<Elem, kBM>::template ss<0>(st, kmajor(k_at + cwg * 64 * 128, 0, kBN), kmajor(q_at, 0, kBM));
-#pragma unroll
-    for (int kk = 1; kk < kDim / 16; ++kk)
-      Wgmma<Elem, kBM>::template ss<1>(st, kmajor(k_at + cwg * 64 * 128, kk, kBN), kmajor(q_at, kk, kBM));
-    wgmma_commit();
-    Wgmma<Elem, kBM>::template ss<0>(dpt, kmajor(v_at + cwg * 64 * 128, 0, kBN), kmajor(do_at, 0, kBM));
-#pragma unroll
-    for (int kk = 1; kk < kDim / 16; ++kk)
-      Wgmma<Elem, kBM>::template ss<1>(dpt, kmajor(v_at + cwg * 64 * 128, kk, kBN), kmajor(do_at, kk, kBM));
-    wgmma_commit();
-  };
   // dQ = dS K over the block's keys, both operands MN-major: with 128-row tiles this warpgroup's 64 rows
   // (its panel of dS^T's lines) x every dim, with 64-row tiles every row x its half of the dims (a panel
   // further into K's lines at dim 128).
@@ -320,15 +358,6 @@ __global__ void __launch_bounds__(BwdWsConfig<Elem, kDim>::kThreads, 1)
   const int dq_row0 = (kSplitRows ? cwg * 64 : 0) + warp * 16, dq_col0 = kSplitRows ? 0 : cwg * kDqCols;
   const uint32_t dq_b = kSplitRows ? k_at : k_at + (kDim == 128 ? cwg * kBN * 128 : cwg * kDqCols * 2);
   float dq[1][kDqCols / 8][4];
-  auto issue_dq = [&](int s) {
-    const uint32_t dq_a = smem_addr(sdS(s)) + (kSplitRows ? cwg * kBN * 128 : 0);
-    wgmma_fence();
-    Wgmma<Elem, kDqCols>::template ss<0, 1, 1>(dq[0], mnmajor(dq_a, 0, kBN), mnmajor(dq_b, 0, kBN));
-#pragma unroll
-    for (int kk = 1; kk < kBN / 16; ++kk)
-      Wgmma<Elem, kDqCols>::template ss<1, 1, 1>(dq[0], mnmajor(dq_a, kk, kBN), mnmajor(dq_b, kk, kBN));
-    wgmma_commit();
-  };
   // Adds a finished dQ tile: into sdQ in the accumulator's blocked layout (dq_layout.cuh: the warp's 16
   // rows x 8 columns per atom, a lane's 4 values together) once the bulk add has read the one before,
   // or with atomics.
@@ -359,7 +388,7 @@ __global__ void __launch_bounds__(BwdWsConfig<Elem, kDim>::kThreads, 1)
     const uint32_t q_at = smem_addr(sQ(s)), do_at = smem_addr(sdO(s));
     mbar_wait(q_full + s, uint32_t(it >> 1) & 1);
     float st[kRA][4], dpt[kRA][4];
-    issue_scores(st, dpt, s);
+    bwd_ws_issue_scores<Elem, kDim, kBM, kBN>(st, dpt, k_at + cwg * 64 * 128, v_at + cwg * 64 * 128, q_at, do_at);
     const float* lse_s = sStats + s * 2 * kBM;
     const float* d_s = lse_s + kBM;
     const bool all_visible = n0 >= sq.key_begin(m0 + kBM - 1) && n0 + kBN <= sq.key_end(m0);
@@ -379,17 +408,7 @@ __global__ void __launch_bounds__(BwdWsConfig<Elem, kDim>::kThreads, 1)
     bwd_ws_a_fragments<Elem>(pa, st);
     bwd_ws_a_fragments<Elem>(dsa, dpt);
 
-    // dV += P^T dO, dK += dS^T Q.
-    pin(dk);
-    pin(dv);
-    pin(pa);
-    pin(dsa);
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kBM / 16; ++kk) Wgmma<Elem, kDim>::rs(dv, pa[kk], mnmajor(do_at, kk, kBM));
-#pragma unroll
-    for (int kk = 0; kk < kBM / 16; ++kk) Wgmma<Elem, kDim>::rs(dk, dsa[kk], mnmajor(q_at, kk, kBM));
-    wgmma_commit();
+    bwd_ws_issue_dkdv<Elem, kDim, kBM>(dk, dv, pa, dsa, q_at, do_at);
 
     // dS^T to smem (buffer it % 2: the other warpgroup may still read the previous tile's for its dQ).
     bwd_ws_stage_ds<Elem, kBN>(sdS(s), dpt, wkey + g, t);
@@ -401,7 +420,7 @@ __global__ void __launch_bounds__(BwdWsConfig<Elem, kDim>::kThreads, 1)
     pin(dsa);
     mbar_arrive(q_empty + s);  // Q, dO, LSE and D of this stage are read
     bar_sync(1, 256);          // both halves of dS^T in smem
-    issue_dq(s);
+    bwd_ws_issue_dq<Elem, kDqCols, kBN>(dq[0], smem_addr(sdS(s)) + (kSplitRows ? cwg * kBN * 128 : 0), dq_b);
     wgmma_wait<0>();
     add_dq(it, walk.h, m0);
     walk.advance(kBM);
