@@ -293,7 +293,6 @@ __global__ void __launch_bounds__(BwdWsConfig<Elem, kDim>::kThreads, 1)
                   const DqAccum accum, KeyTileRound round) {
 #ifdef FLASHATTN_WGMMA
   using Cfg = BwdWsConfig<Elem, kDim>;
-  using M = Mma<Elem>;
   using Exp = ExpDomain<float>;
   constexpr int kBM = Cfg::kBM, kBN = Cfg::kBN;
   constexpr int kRA = kBM / 8, kDA = kDim / 8;  // S^T / dP^T atoms (over the rows), dK / dV atoms
