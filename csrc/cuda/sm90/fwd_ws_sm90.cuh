@@ -295,7 +295,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     }
     for (int i = 0; i + 1 < n_tiles; ++i) {
       typename Rows::Scores s;
-      fwd_ws_scores_with_pv(w, pa, alpha, s, q_at, item, c + i + 1, c + i, turns, ring, [&] { softmax(s, tile, i + 1); });
+      fwd_ws_scores_with_pv(w, pa, alpha, s, q_at, item, c + i + 1, c + i, turns, ring,
+                            [&] { softmax(s, tile, i + 1); });
       Rows::pack_p(s, pa);
     }
     const unsigned next_index = index + gridDim.x;
