@@ -215,20 +215,26 @@ def test_common_step_is_the_general_path(device, step, monkeypatch):
     assert torch.equal(call["k_cache"], general["k_cache"]) and torch.equal(call["v_cache"], general["v_cache"])
 
 
-def test_common_step_out_of_range_rows(device):
-    """On the device path (CUDA; the CPU raises) a sequence too long for its append writes nothing
-    and gets NaN rows; on the CPU the error names it."""
-    call = _step(device, len_new=3, lengths=(5, CACHE, 0, 7))
+def _check_sequence_1_refused(device, call, cpu_message):
+    """Sequence 1 of `call` breaks a per-sequence rule: the CPU raises `cpu_message` and writes nothing; on CUDA
+    (no host sync) that sequence writes nothing and gets NaN rows, the others append and attend as usual."""
     before = call["k_cache"].clone()
     if device == "cpu":
-        with pytest.raises(ValueError, match=r"cache_seqlens\[1\] = 40 plus the 3 new keys exceeds the cache length "
-                                             r"42: the cache is too short for the append"):
+        with pytest.raises(ValueError, match=cpu_message):
             flashattn_ext.flash_attn_with_kvcache(**call)
         assert torch.equal(call["k_cache"], before)
         return
     out, lse = flashattn_ext.flash_attn_with_kvcache(**call, return_softmax_lse=True)
     assert out[1].isnan().all() and lse[1].isnan().all() and not out[[0, 2, 3]].isnan().any()
     assert torch.equal(call["k_cache"][1], before[1]) and not torch.equal(call["k_cache"][0], before[0])
+
+
+def test_common_step_out_of_range_rows(device):
+    """On the device path (CUDA; the CPU raises) a sequence too long for its append writes nothing
+    and gets NaN rows; on the CPU the error names it."""
+    call = _step(device, len_new=3, lengths=(5, CACHE, 0, 7))
+    _check_sequence_1_refused(device, call, r"cache_seqlens\[1\] = 40 plus the 3 new keys exceeds the cache length "
+                                            r"42: the cache is too short for the append")
 
 
 def test_common_step_rotary_past_tables(device):
@@ -237,16 +243,8 @@ def test_common_step_rotary_past_tables(device):
     call = _step(device, len_new=2, causal=True, rotary=True, lengths=(5, ROTARY_POSITIONS - 1, 0, 7))
     call["k_cache"], call["v_cache"] = (torch.randn(BATCH, ROTARY_POSITIONS + 4, HEADS_KV, d, device=device,
                                                     dtype=torch.bfloat16) for d in (DIM, DIM_V))
-    before = call["k_cache"].clone()
-    if device == "cpu":
-        with pytest.raises(ValueError, match=r"rotary_cos has 44 positions but sequence 1 needs position 44 "
-                                             r"\(cache_seqlens\[1\] = 43, 2 new keys, 2 query rows\)"):
-            flashattn_ext.flash_attn_with_kvcache(**call)
-        assert torch.equal(call["k_cache"], before)
-        return
-    out, lse = flashattn_ext.flash_attn_with_kvcache(**call, return_softmax_lse=True)
-    assert out[1].isnan().all() and lse[1].isnan().all() and not out[[0, 2, 3]].isnan().any()
-    assert torch.equal(call["k_cache"][1], before[1]) and not torch.equal(call["k_cache"][0], before[0])
+    _check_sequence_1_refused(device, call, r"rotary_cos has 44 positions but sequence 1 needs position 44 "
+                                            r"\(cache_seqlens\[1\] = 43, 2 new keys, 2 query rows\)")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not flashattn_ext.has_cuda_kernels(), reason="needs CUDA")
