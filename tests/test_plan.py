@@ -48,7 +48,7 @@ BWD_HALF = {
     128: ("sm90_wgmma/128", "sm80_2d_one_sync/128", "sm80_2d/128", "sm80_compact/128", "simt/128",
           "sm80_2d_one_sync/128"),
     192: ("sm80_plain/192", "sm80_plain/192", "sm80_plain/192", "sm80_compact/192", "simt/128x2", "sm80_plain/192"),
-    256: ("sm80_2d_one_sync/256", "sm80_2d_one_sync/256", "sm80_compact/256", "sm80_compact/256", "simt/128x2",
+    256: ("sm90_wgmma/256", "sm80_2d_one_sync/256", "sm80_compact/256", "sm80_compact/256", "simt/128x2",
           "sm80_2d_one_sync/256"),
 }
 

@@ -279,7 +279,7 @@ void bwd_typed(const BwdParams& p, const BwdCall& call, cudaStream_t stream) {
     if constexpr (!std::is_same_v<T, float>) {
       launched = on_tensor_core_tier<T>(plan.tier, [&](auto tier) {
         constexpr int kTier = decltype(tier)::value;
-        if constexpr (sizeof(T) == 2 && (kTier == 64 || kTier == 128)) {
+        if constexpr (sm90::BwdWsConfig<T, kTier>::kServed) {
           if (plan.kernel == BwdKernel::kSm90Wgmma)
             return sm90::bwd_wgmma<T, kTier>(p, call.maps, dsum, accum, stream);
         }

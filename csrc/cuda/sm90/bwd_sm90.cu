@@ -1,4 +1,4 @@
-// Hopper dK/dV kernel (wgmma, warp-specialized): fp16 and bf16 at head dims 64 and 128, as the kernel
+// Hopper dK/dV kernel (wgmma, warp-specialized): fp16 and bf16 at head dims 64, 128 and 256, as the kernel
 // plan (../plan.cpp) chose; bwd_ws_ready answers the plan's question whether it can take a call, and
 // its maps are the ones the launch passes.
 #include "bwd_sm90.cuh"
@@ -33,6 +33,7 @@ bool ws_ready(const BwdParams& p, BwdPanelMaps& maps) {
 bool bwd_ws_ready(const BwdParams& p, int dim, BwdPanelMaps& maps) {
   const bool bf16 = p.dtype == DType::kBFloat16;
   if (dim == 64) return bf16 ? ws_ready<__nv_bfloat16, 64>(p, maps) : ws_ready<__half, 64>(p, maps);
+  if (dim == 256) return bf16 ? ws_ready<__nv_bfloat16, 256>(p, maps) : ws_ready<__half, 256>(p, maps);
   return bf16 ? ws_ready<__nv_bfloat16, 128>(p, maps) : ws_ready<__half, 128>(p, maps);
 }
 
@@ -60,4 +61,8 @@ template bool bwd_wgmma<__nv_bfloat16, 64>(const BwdParams&, const BwdPanelMaps&
                                            cudaStream_t);
 template bool bwd_wgmma<__half, 64>(const BwdParams&, const BwdPanelMaps&, const void*, const DqAccum&,
                                     cudaStream_t);
+template bool bwd_wgmma<__nv_bfloat16, 256>(const BwdParams&, const BwdPanelMaps&, const void*, const DqAccum&,
+                                            cudaStream_t);
+template bool bwd_wgmma<__half, 256>(const BwdParams&, const BwdPanelMaps&, const void*, const DqAccum&,
+                                     cudaStream_t);
 }  // namespace flashattn::cuda::sm90

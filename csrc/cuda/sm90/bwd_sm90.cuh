@@ -266,14 +266,15 @@ __device__ __forceinline__ void bwd_ws_stage_ds(unsigned char* sds, const float 
   }
 }
 
-// The epilogue: dK (scaled) and dV of the lane's keys key0 and key0 + 8 of the tile below rows_k.
+// The epilogue: dK (scaled) and dV of the lane's keys key0 and key0 + 8 of the tile below rows_k, at dims
+// col0 + 8 d + 2 t (+ 1).
 template <class Elem, int kDA>
 __device__ __forceinline__ void bwd_ws_store_dkdv(const BwdParams& p, const Seq& sq, int64_t hk, int64_t n0, int rows_k,
                                                   int key0, int t, const float (&dk)[kDA][4],
-                                                  const float (&dv)[kDA][4]) {
+                                                  const float (&dv)[kDA][4], int col0 = 0) {
   using M = Mma<Elem>;
-  Elem* dk_g = sq.k_rows<Elem>(p.dk, p.dk_stride, hk, n0);
-  Elem* dv_g = sq.k_rows<Elem>(p.dv, p.dv_stride, hk, n0);
+  Elem* dk_g = sq.k_rows<Elem>(p.dk, p.dk_stride, hk, n0) + col0;
+  Elem* dv_g = sq.k_rows<Elem>(p.dv, p.dv_stride, hk, n0) + col0;
   const float scale = float(p.scale);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -285,6 +286,154 @@ __device__ __forceinline__ void bwd_ws_store_dkdv(const BwdParams& p, const Seq&
       M::store_pair(dv_g + key * p.dv_stride.row + 8 * d + 2 * t, dv[d][2 * r], dv[d][2 * r + 1]);
     }
   }
+}
+
+// The lane's values of a tile bwd_ws_stage_ds staged (keys key0, key0 + 8), back as floats.
+template <class Elem, int kBN, int kRA>
+__device__ __forceinline__ void bwd_ws_load_staged(float (&x)[kRA][4], const unsigned char* staged, int key0, int t) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int key = key0 + 8 * r;
+#pragma unroll
+    for (int j = 0; j < kRA; ++j) {
+      const uint32_t v = *reinterpret_cast<const uint32_t*>(staged + (j / 8) * kBN * 128 + key * 128 +
+                                                            (((j % 8) ^ (key % 8)) * 16) + 4 * t);
+      float2 f;
+      if constexpr (std::is_same_v<Elem, __nv_bfloat16>)
+        f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
+      else
+        f = __half22float2(*reinterpret_cast<const __half2*>(&v));
+      x[j][2 * r] = f.x;
+      x[j][2 * r + 1] = f.y;
+    }
+  }
+}
+
+// The consumers at dim 256 (BwdWsConfig::kSplitDims): both walk the block's 64 keys; consumer c owns dims
+// [128 c, 128 c + 128) of dK, dV and dQ. Consumer 0 computes S^T and P^T, consumer 1 dP^T and, with P^T
+// from consumer 0, dS^T; each stages its tile in smem for the other's SS product (P^T for consumer 1's
+// dV, dS^T for consumer 0's dK and both dQ) and uses its own from registers. Named barriers: 1 (P^T
+// staged; consumer 0 arrives, 1 waits), 2 (dS^T staged; both wait).
+template <class Elem, int kDim>
+__device__ __forceinline__ void bwd_ws_split_consumer(const BwdParams& p, const DqAccum& accum,
+                                                      const KeyTileRound& round, const Seq& sq, int64_t n0,
+                                                      int rows_k, int64_t hk, int64_t group, unsigned char* tiles,
+                                                      int cwg, int warp, int lane) {
+  using Cfg = BwdWsConfig<Elem, kDim>;
+  using Exp = ExpDomain<float>;
+  constexpr int kBM = Cfg::kBM, kBN = Cfg::kBN, kHalf = kDim / 2, kHalfPanels = kHalf / 64;
+  constexpr int kRA = kBM / 8, kDA = kHalf / 8;
+  unsigned char* const sQ0 = tiles + 2 * Cfg::kKvBytes;
+  auto sdS = [&](int b) { return tiles + Cfg::kDsOffset + b * Cfg::kDsBytes; };
+  auto sP = [&](int b) { return tiles + Cfg::kPOffset + b * Cfg::kDsBytes; };
+  const float* const sStats = reinterpret_cast<const float*>(tiles + Cfg::kStatsOffset);
+  uint64_t* const bars = reinterpret_cast<uint64_t*>(tiles + Cfg::kBarOffset);
+  uint64_t* const q_full = bars + 1;
+  uint64_t* const q_empty = bars + 3;
+  const int g = lane / 4, t = lane % 4, key0 = warp * 16 + g;
+  const float score_scale = Exp::score_scale(p.scale);
+  const uint32_t k_at = smem_addr(tiles), v_at = k_at + Cfg::kKvBytes;
+  // This consumer's dims of K (dQ's B operand), Q and dO: panels of 64 dims.
+  const uint32_t k_half = k_at + cwg * kHalfPanels * kBN * 128;
+
+  float dk[kDA][4], dv[kDA][4];
+#pragma unroll
+  for (int d = 0; d < kDA; ++d)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk[d][e] = dv[d][e] = 0.f;
+
+  mbar_wait(bars, 0);  // K and V
+  QueryTileWalk walk(sq, n0, rows_k, hk * group, group, kBM);
+  for (int64_t it = 0; it < walk.iters; ++it, walk.advance(kBM)) {
+    const int s = int(it & 1);
+    const int64_t m0 = walk.m0;
+    const uint32_t q_at = smem_addr(sQ0 + s * Cfg::kQBytes), do_at = smem_addr(sQ0 + (2 + s) * Cfg::kQBytes);
+    const uint32_t q_half = q_at + cwg * kHalfPanels * kBM * 128, do_half = do_at + cwg * kHalfPanels * kBM * 128;
+    const uint32_t ds_at = smem_addr(sdS(s)), p_at = smem_addr(sP(s));
+    const float* lse_s = sStats + s * 2 * kBM;
+    const float* d_s = lse_s + kBM;
+    mbar_wait(q_full + s, uint32_t(it >> 1) & 1);
+    // S^T = K Q^T (consumer 0) or dP^T = V dO^T (consumer 1) over every dim.
+    float sc[kRA][4];
+    {
+      const uint32_t a_at = cwg == 0 ? k_at : v_at, b_at = cwg == 0 ? q_at : do_at;
+      wgmma_fence();
+      Wgmma<Elem, kBM>::template ss<0>(sc, bwd_kmajor(a_at, 0, kBN), bwd_kmajor(b_at, 0, kBM));
+#pragma unroll
+      for (int kk = 1; kk < kDim / 16; ++kk)
+        Wgmma<Elem, kBM>::template ss<1>(sc, bwd_kmajor(a_at, kk, kBN), bwd_kmajor(b_at, kk, kBM));
+      wgmma_commit();
+      wgmma_wait<0>();
+      pin(sc);
+    }
+    uint32_t frag[kBM / 16][4];  // consumer 1's dS^T as the A operand of its dK product
+    if (cwg == 0) {
+      const bool all_visible = n0 >= sq.key_begin(m0 + kBM - 1) && n0 + kBN <= sq.key_end(m0);
+      auto clamp_base = [](int64_t x) { return int(x < -kBM - 1 ? -kBM - 1 : x > kBN + 1 ? kBN + 1 : x); };
+      const int lo0 = clamp_base(m0 - n0 + sq.band.lo), hi0 = clamp_base(m0 - n0 + sq.band.hi);
+      const int k_lim = clamp_base(sq.len_k - n0);
+      auto visible = [&](int key, int row) {
+        return all_visible || (key - row >= lo0 && key - row <= hi0 && key < k_lim);
+      };
+      bwd_ws_probs(sc, lse_s, score_scale, key0, t, visible);
+      bwd_ws_stage_ds<Elem, kBN>(sP(s), sc, key0, t);
+      fence_proxy_async();
+      bar_arrive(1, 256);
+      // dV += P^T dO and dK += dS^T Q, both from smem once consumer 1 staged dS^T (the bar_sync also
+      // orders this warpgroup's own P^T stores before its product reads them). P^T from registers
+      // instead leaves too few registers for the products in flight: ptxas serializes them.
+      bar_sync(2, 256);
+      pin(dk);
+      pin(dv);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBM / 16; ++kk)
+        Wgmma<Elem, kHalf>::template ss<1, 0, 1>(dv, bwd_kmajor(p_at, kk, kBN), bwd_mnmajor(do_half, kk, kBM));
+#pragma unroll
+      for (int kk = 0; kk < kBM / 16; ++kk)
+        Wgmma<Elem, kHalf>::template ss<1, 0, 1>(dk, bwd_kmajor(ds_at, kk, kBN), bwd_mnmajor(q_half, kk, kBM));
+      wgmma_commit();
+    } else {
+      float pt[kRA][4];
+      bar_sync(1, 256);
+      bwd_ws_load_staged<Elem, kBN>(pt, sP(s), key0, t);
+      bwd_ws_dscores(sc, pt, d_s, t);
+      bwd_ws_a_fragments<Elem>(frag, sc);
+      bwd_ws_stage_ds<Elem, kBN>(sdS(s), sc, key0, t);
+      fence_proxy_async();
+      bar_sync(2, 256);
+      // dK += dS^T Q from registers, dV += P^T dO with P^T from consumer 0's staging.
+      pin(dk);
+      pin(dv);
+      pin(frag);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBM / 16; ++kk) Wgmma<Elem, kHalf>::rs(dk, frag[kk], bwd_mnmajor(q_half, kk, kBM));
+#pragma unroll
+      for (int kk = 0; kk < kBM / 16; ++kk)
+        Wgmma<Elem, kHalf>::template ss<1, 0, 1>(dv, bwd_kmajor(p_at, kk, kBN), bwd_mnmajor(do_half, kk, kBM));
+      wgmma_commit();
+    }
+    // dQ = dS K over this half's dims, in two products of 64 dims (one of 128 leaves too few registers
+    // for the dK / dV products in flight): the second runs under the first's atomics.
+    float dq[2][1][kDA / 2][4];
+    bwd_ws_issue_dq<Elem, kHalf / 2, kBN>(dq[0][0], ds_at, k_half);
+    bwd_ws_issue_dq<Elem, kHalf / 2, kBN>(dq[1][0], ds_at, k_half + kBN * 128);
+    wgmma_wait<1>();
+    pin(dk);
+    pin(dv);
+    pin(frag);
+    pin(dq[0][0]);
+    mbar_arrive(q_empty + s);  // Q, dO, LSE, D, P^T and dS^T of this stage are read
+    float* const acc = accum.block_slice<float>(round.groups);
+    const int64_t row = sq.row_index(p.heads_q, walk.h, m0);
+    const int rows = sq.q_tile_rows(m0, kBM);
+    add_dq_atoms(acc, row, dq[0], warp * 16, cwg * kHalf, rows, kDim, lane);
+    wgmma_wait<0>();
+    pin(dq[1][0]);
+    add_dq_atoms(acc, row, dq[1], warp * 16, cwg * kHalf + kHalf / 2, rows, kDim, lane);
+  }
+  bwd_ws_store_dkdv<Elem>(p, sq, hk, n0, rows_k, key0, t, dk, dv, cwg * kHalf);
 }
 
 template <class Elem, int kDim>
@@ -323,7 +472,7 @@ __global__ void __launch_bounds__(BwdWsConfig<Elem, kDim>::kThreads, 1)
   const int rows_k = sq.k_tile_rows(n0, kBN);
   const int tid = threadIdx.x, wg = tid / 128, lane = tid & 31, warp = (tid / 32) % 4;
   // A dQ tile goes through smem where its rows start a 16-row group of the blocked accumulator.
-  const bool dq_staged = sq.rows_per_head % 16 == 0;
+  const bool dq_staged = !Cfg::kSplitDims && sq.rows_per_head % 16 == 0;
 
   if (tid == 0) bwd_ws_init_barriers(kv_full, q_full, q_empty, dq_full, dq_empty);
   __syncthreads();
@@ -336,6 +485,9 @@ __global__ void __launch_bounds__(BwdWsConfig<Elem, kDim>::kThreads, 1)
   }
 
   setmaxnreg_inc<Cfg::kConsumerRegs>();
+  if constexpr (Cfg::kSplitDims) {
+    bwd_ws_split_consumer<Elem, kDim>(p, accum, round, sq, n0, rows_k, hk, group, tiles, wg - 1, warp, lane);
+  } else {
   const int cwg = wg - 1;
   const int g = lane / 4, t = lane % 4;
   const int wkey = cwg * 64 + warp * 16;  // the warp's first key in the tile
@@ -428,6 +580,7 @@ __global__ void __launch_bounds__(BwdWsConfig<Elem, kDim>::kThreads, 1)
   for (int64_t it = 1; it < walk.iters; ++it) tile(it);
 
   bwd_ws_store_dkdv<Elem>(p, sq, hk, n0, rows_k, wkey + g, t, dk, dv);
+  }
 #endif
 }
 

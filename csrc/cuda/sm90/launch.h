@@ -30,7 +30,7 @@ bool fwd_wgmma(const FwdParams& p, const FwdPanelMaps& maps, cudaStream_t stream
 // kernel's pool.
 bool bwd_ws_ready(const BwdParams& p, int dim, BwdPanelMaps& maps);
 // dK / dV and dQ (added into the accumulator) of plain fp16 / bf16 calls with head_dim == head_dim_v ==
-// kDim (64, 128) on sm_90 (the plan's kSm90Wgmma), from the maps bwd_ws_ready encoded for p.
+// kDim (64, 128, 256) on sm_90 (the plan's kSm90Wgmma), from the maps bwd_ws_ready encoded for p.
 template <class Elem, int kDim>
 bool bwd_wgmma(const BwdParams& p, const BwdPanelMaps& maps, const void* dsum, const DqAccum& accum,
                cudaStream_t stream);

@@ -51,22 +51,29 @@ struct FwdWsConfig {
   static constexpr int64_t kThreeConsumerKeys = 2048;
 };
 
-// The warp-specialized dK/dV kernel (bwd_sm90.cuh): 128-key blocks walking 64-row query tiles, a producer
-// warpgroup beside two consumers of 64 keys each.
+// The warp-specialized dK/dV kernel (bwd_sm90.cuh): key blocks walking query tiles, a producer warpgroup
+// beside two consumers.
 template <class Elem, int kDim>
 struct BwdWsConfig {
-  static constexpr bool kServed = sizeof(Elem) == 2 && (kDim == 64 || kDim == 128);
+  static constexpr bool kServed = sizeof(Elem) == 2 && (kDim == 64 || kDim == 128 || kDim == 256);
   static constexpr int kConsumers = 2;
   static constexpr int kThreads = 128 * (1 + kConsumers);
+  // At 64 and 128 each consumer owns 64 keys of a 128-key block and all their dims. At 256 dK and dV of
+  // 64 keys take 128 registers of a consumer thread each, so the consumers split the dims of a 64-key
+  // block instead: consumer 0 computes S^T, consumer 1 dP^T, and each hands its P^T / dS^T to the other
+  // through smem.
+  static constexpr bool kSplitDims = kDim == 256;
   // Query tiles of 128 rows at dim 64 (S^T / dP^T at m64n128 per consumer: fewer, fuller products per
-  // exponential), 64 at 128 (dK and dV take 128 registers there).
-  static constexpr int kBN = 128, kBM = kDim == 64 ? 128 : 64;
+  // exponential), 64 at 128 and 256 (dK and dV take 128 registers there).
+  static constexpr int kBN = kSplitDims ? 64 : 128, kBM = kDim == 64 ? 128 : 64;
   static constexpr uint32_t kKvBytes = kBN * kDim * 2, kQBytes = kBM * kDim * 2, kDsBytes = kBN * kBM * 2;
-  // K, V, two stages of Q and dO, two dS^T buffers, one fp32 dQ tile, LSE / D of two stages, the
-  // mbarriers, and room to align to 1024 bytes: 194 KB at both dims.
+  // K, V, two stages of Q and dO, two dS^T buffers, (split dims) two P^T buffers, (else) one fp32 dQ
+  // tile, LSE / D of two stages, the mbarriers, and room to align to 1024 bytes: 194 KB at 64 and 128,
+  // 226 KB at 256, where dQ has no room and goes out with the consumers' atomics.
   static constexpr uint32_t kDsOffset = 2 * kKvBytes + 4 * kQBytes;
-  static constexpr uint32_t kDqOffset = kDsOffset + 2 * kDsBytes;
-  static constexpr uint32_t kStatsOffset = kDqOffset + kBM * kDim * 4;
+  static constexpr uint32_t kPOffset = kDsOffset + 2 * kDsBytes;
+  static constexpr uint32_t kDqOffset = kPOffset + (kSplitDims ? 2 * kDsBytes : 0);
+  static constexpr uint32_t kStatsOffset = kDqOffset + (kSplitDims ? 0 : kBM * kDim * 4);
   static constexpr uint32_t kBarOffset = kStatsOffset + 2 * 2 * kBM * sizeof(float);
   static constexpr size_t kSmemBytes = kBarOffset + 8 * 8 + 1024;
   // Registers per thread after the hand-over (128 x 24 + 256 x 240 <= 384 x 168, the launch's pool).
