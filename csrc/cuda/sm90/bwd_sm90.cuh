@@ -153,21 +153,22 @@ __device__ __forceinline__ uint64_t bwd_mnmajor(uint32_t at, int kk, int lines) 
   return smem_desc(at + kk * 16 * 128, lines * 128, 1024);
 }
 
-// S^T = K Q^T and dP^T = V dO^T of the warpgroup's 64 keys (k_at, v_at: their lines of K and V) in two
-// commit groups: the exponentials run under dP^T's product.
-template <class Elem, int kDim, int kBM, int kBN, int kRA>
+// S^T = K Q^T and dP^T = V dO^T of the warpgroup's 64 keys (k_at, v_at: their lines of K and V) against
+// kRows rows (q_at, do_at: their lines of Q and dO, panels of kBM lines) in two commit groups: the
+// exponentials run under dP^T's product.
+template <class Elem, int kDim, int kBM, int kBN, int kRows = kBM, int kRA>
 __device__ __forceinline__ void bwd_ws_issue_scores(float (&st)[kRA][4], float (&dpt)[kRA][4], uint32_t k_at,
                                                     uint32_t v_at, uint32_t q_at, uint32_t do_at) {
   wgmma_fence();
-  Wgmma<Elem, kBM>::template ss<0>(st, bwd_kmajor(k_at, 0, kBN), bwd_kmajor(q_at, 0, kBM));
+  Wgmma<Elem, kRows>::template ss<0>(st, bwd_kmajor(k_at, 0, kBN), bwd_kmajor(q_at, 0, kBM));
 #pragma unroll
   for (int kk = 1; kk < kDim / 16; ++kk)
-    Wgmma<Elem, kBM>::template ss<1>(st, bwd_kmajor(k_at, kk, kBN), bwd_kmajor(q_at, kk, kBM));
+    Wgmma<Elem, kRows>::template ss<1>(st, bwd_kmajor(k_at, kk, kBN), bwd_kmajor(q_at, kk, kBM));
   wgmma_commit();
-  Wgmma<Elem, kBM>::template ss<0>(dpt, bwd_kmajor(v_at, 0, kBN), bwd_kmajor(do_at, 0, kBM));
+  Wgmma<Elem, kRows>::template ss<0>(dpt, bwd_kmajor(v_at, 0, kBN), bwd_kmajor(do_at, 0, kBM));
 #pragma unroll
   for (int kk = 1; kk < kDim / 16; ++kk)
-    Wgmma<Elem, kBM>::template ss<1>(dpt, bwd_kmajor(v_at, kk, kBN), bwd_kmajor(do_at, kk, kBM));
+    Wgmma<Elem, kRows>::template ss<1>(dpt, bwd_kmajor(v_at, kk, kBN), bwd_kmajor(do_at, kk, kBM));
   wgmma_commit();
 }
 
@@ -254,15 +255,18 @@ __device__ __forceinline__ void bwd_ws_a_fragments(uint32_t (&frag)[kKSteps][4],
 // The lane's dS^T (keys key0, key0 + 8) into the smem tile `sds` for dQ's product: kBN lines of the
 // rows, 64 rows a panel, its 16-byte chunks swizzled by the line.
 template <class Elem, int kBN, int kRA>
-__device__ __forceinline__ void bwd_ws_stage_ds(unsigned char* sds, const float (&dst)[kRA][4], int key0, int t) {
+__device__ __forceinline__ void bwd_ws_stage_ds(unsigned char* sds, const float (&dst)[kRA][4], int key0, int t,
+                                                int j0 = 0) {
   using M = Mma<Elem>;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int key = key0 + 8 * r;
 #pragma unroll
-    for (int j = 0; j < kRA; ++j)
+    for (int i = 0; i < kRA; ++i) {
+      const int j = j0 + i;
       *reinterpret_cast<uint32_t*>(sds + (j / 8) * kBN * 128 + key * 128 + (((j % 8) ^ (key % 8)) * 16) + 4 * t) =
-          M::pack(dst[j][2 * r], dst[j][2 * r + 1]);
+          M::pack(dst[i][2 * r], dst[i][2 * r + 1]);
+    }
   }
 }
 
@@ -288,32 +292,10 @@ __device__ __forceinline__ void bwd_ws_store_dkdv(const BwdParams& p, const Seq&
   }
 }
 
-// The lane's values of a tile bwd_ws_stage_ds staged (keys key0, key0 + 8), back as floats.
-template <class Elem, int kBN, int kRA>
-__device__ __forceinline__ void bwd_ws_load_staged(float (&x)[kRA][4], const unsigned char* staged, int key0, int t) {
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int key = key0 + 8 * r;
-#pragma unroll
-    for (int j = 0; j < kRA; ++j) {
-      const uint32_t v = *reinterpret_cast<const uint32_t*>(staged + (j / 8) * kBN * 128 + key * 128 +
-                                                            (((j % 8) ^ (key % 8)) * 16) + 4 * t);
-      float2 f;
-      if constexpr (std::is_same_v<Elem, __nv_bfloat16>)
-        f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
-      else
-        f = __half22float2(*reinterpret_cast<const __half2*>(&v));
-      x[j][2 * r] = f.x;
-      x[j][2 * r + 1] = f.y;
-    }
-  }
-}
-
-// The consumers at dim 256 (BwdWsConfig::kSplitDims): both walk the block's 64 keys; consumer c owns dims
-// [128 c, 128 c + 128) of dK, dV and dQ. Consumer 0 computes S^T and P^T, consumer 1 dP^T and, with P^T
-// from consumer 0, dS^T; each stages its tile in smem for the other's SS product (P^T for consumer 1's
-// dV, dS^T for consumer 0's dK and both dQ) and uses its own from registers. Named barriers: 1 (P^T
-// staged; consumer 0 arrives, 1 waits), 2 (dS^T staged; both wait).
+// The consumers at dim 256 (BwdWsConfig::kSplitDims): both walk the block's 64 keys. For the scores they
+// split the query tile's rows: consumer c computes S^T and dP^T against rows [32 c, 32 c + 32), their P^T
+// and dS^T, and stages both in smem; then (one named barrier of both) each adds dV, dK and dQ over its
+// half of the dims, [128 c, 128 c + 128), with every row's P^T and dS^T from smem.
 template <class Elem, int kDim>
 __device__ __forceinline__ void bwd_ws_split_consumer(const BwdParams& p, const DqAccum& accum,
                                                       const KeyTileRound& round, const Seq& sq, int64_t n0,
@@ -322,7 +304,7 @@ __device__ __forceinline__ void bwd_ws_split_consumer(const BwdParams& p, const 
   using Cfg = BwdWsConfig<Elem, kDim>;
   using Exp = ExpDomain<float>;
   constexpr int kBM = Cfg::kBM, kBN = Cfg::kBN, kHalf = kDim / 2, kHalfPanels = kHalf / 64;
-  constexpr int kRA = kBM / 8, kDA = kHalf / 8;
+  constexpr int kRows = kBM / 2, kRA = kRows / 8, kDA = kHalf / 8;
   unsigned char* const sQ0 = tiles + 2 * Cfg::kKvBytes;
   auto sdS = [&](int b) { return tiles + Cfg::kDsOffset + b * Cfg::kDsBytes; };
   auto sP = [&](int b) { return tiles + Cfg::kPOffset + b * Cfg::kDsBytes; };
@@ -330,7 +312,7 @@ __device__ __forceinline__ void bwd_ws_split_consumer(const BwdParams& p, const 
   uint64_t* const bars = reinterpret_cast<uint64_t*>(tiles + Cfg::kBarOffset);
   uint64_t* const q_full = bars + 1;
   uint64_t* const q_empty = bars + 3;
-  const int g = lane / 4, t = lane % 4, key0 = warp * 16 + g;
+  const int g = lane / 4, t = lane % 4, key0 = warp * 16 + g, row0 = cwg * kRows;
   const float score_scale = Exp::score_scale(p.scale);
   const uint32_t k_at = smem_addr(tiles), v_at = k_at + Cfg::kKvBytes;
   // This consumer's dims of K (dQ's B operand), Q and dO: panels of 64 dims.
@@ -350,87 +332,55 @@ __device__ __forceinline__ void bwd_ws_split_consumer(const BwdParams& p, const 
     const uint32_t q_at = smem_addr(sQ0 + s * Cfg::kQBytes), do_at = smem_addr(sQ0 + (2 + s) * Cfg::kQBytes);
     const uint32_t q_half = q_at + cwg * kHalfPanels * kBM * 128, do_half = do_at + cwg * kHalfPanels * kBM * 128;
     const uint32_t ds_at = smem_addr(sdS(s)), p_at = smem_addr(sP(s));
-    const float* lse_s = sStats + s * 2 * kBM;
+    const float* lse_s = sStats + s * 2 * kBM + row0;
     const float* d_s = lse_s + kBM;
     mbar_wait(q_full + s, uint32_t(it >> 1) & 1);
-    // S^T = K Q^T (consumer 0) or dP^T = V dO^T (consumer 1) over every dim.
-    float sc[kRA][4];
-    {
-      const uint32_t a_at = cwg == 0 ? k_at : v_at, b_at = cwg == 0 ? q_at : do_at;
-      wgmma_fence();
-      Wgmma<Elem, kBM>::template ss<0>(sc, bwd_kmajor(a_at, 0, kBN), bwd_kmajor(b_at, 0, kBM));
+    // S^T = K Q^T and dP^T = V dO^T against this consumer's rows (their lines of the Q / dO panels).
+    float st[kRA][4], dpt[kRA][4];
+    bwd_ws_issue_scores<Elem, kDim, kBM, kBN, kRows>(st, dpt, k_at, v_at, q_at + row0 * 128, do_at + row0 * 128);
+    const bool all_visible = n0 >= sq.key_begin(m0 + kBM - 1) && n0 + kBN <= sq.key_end(m0);
+    auto clamp_base = [](int64_t x) { return int(x < -kBM - 1 ? -kBM - 1 : x > kBN + 1 ? kBN + 1 : x); };
+    const int lo0 = clamp_base(m0 + row0 - n0 + sq.band.lo), hi0 = clamp_base(m0 + row0 - n0 + sq.band.hi);
+    const int k_lim = clamp_base(sq.len_k - n0);
+    auto visible = [&](int key, int row) {
+      return all_visible || (key - row >= lo0 && key - row <= hi0 && key < k_lim);
+    };
+    wgmma_wait<1>();
+    pin(st);
+    bwd_ws_probs(st, lse_s, score_scale, key0, t, visible);
+    bwd_ws_stage_ds<Elem, kBN>(sP(s), st, key0, t, row0 / 8);
+    wgmma_wait<0>();
+    pin(dpt);
+    bwd_ws_dscores(dpt, st, d_s, t);
+    bwd_ws_stage_ds<Elem, kBN>(sdS(s), dpt, key0, t, row0 / 8);
+    fence_proxy_async();
+    bar_sync(1, 256);  // every row's P^T and dS^T in smem
+    // dV += P^T dO, dK += dS^T Q over this half's dims; dQ = dS K over them, in two products of 64 dims:
+    // the second runs under the first's atomics.
+    pin(dk);
+    pin(dv);
+    wgmma_fence();
 #pragma unroll
-      for (int kk = 1; kk < kDim / 16; ++kk)
-        Wgmma<Elem, kBM>::template ss<1>(sc, bwd_kmajor(a_at, kk, kBN), bwd_kmajor(b_at, kk, kBM));
-      wgmma_commit();
-      wgmma_wait<0>();
-      pin(sc);
-    }
-    uint32_t frag[kBM / 16][4];  // consumer 1's dS^T as the A operand of its dK product
-    if (cwg == 0) {
-      const bool all_visible = n0 >= sq.key_begin(m0 + kBM - 1) && n0 + kBN <= sq.key_end(m0);
-      auto clamp_base = [](int64_t x) { return int(x < -kBM - 1 ? -kBM - 1 : x > kBN + 1 ? kBN + 1 : x); };
-      const int lo0 = clamp_base(m0 - n0 + sq.band.lo), hi0 = clamp_base(m0 - n0 + sq.band.hi);
-      const int k_lim = clamp_base(sq.len_k - n0);
-      auto visible = [&](int key, int row) {
-        return all_visible || (key - row >= lo0 && key - row <= hi0 && key < k_lim);
-      };
-      bwd_ws_probs(sc, lse_s, score_scale, key0, t, visible);
-      bwd_ws_stage_ds<Elem, kBN>(sP(s), sc, key0, t);
-      fence_proxy_async();
-      bar_arrive(1, 256);
-      // dV += P^T dO and dK += dS^T Q, both from smem once consumer 1 staged dS^T (the bar_sync also
-      // orders this warpgroup's own P^T stores before its product reads them). P^T from registers
-      // instead leaves too few registers for the products in flight: ptxas serializes them.
-      bar_sync(2, 256);
-      pin(dk);
-      pin(dv);
-      wgmma_fence();
+    for (int kk = 0; kk < kBM / 16; ++kk)
+      Wgmma<Elem, kHalf>::template ss<1, 0, 1>(dv, bwd_kmajor(p_at, kk, kBN), bwd_mnmajor(do_half, kk, kBM));
 #pragma unroll
-      for (int kk = 0; kk < kBM / 16; ++kk)
-        Wgmma<Elem, kHalf>::template ss<1, 0, 1>(dv, bwd_kmajor(p_at, kk, kBN), bwd_mnmajor(do_half, kk, kBM));
-#pragma unroll
-      for (int kk = 0; kk < kBM / 16; ++kk)
-        Wgmma<Elem, kHalf>::template ss<1, 0, 1>(dk, bwd_kmajor(ds_at, kk, kBN), bwd_mnmajor(q_half, kk, kBM));
-      wgmma_commit();
-    } else {
-      float pt[kRA][4];
-      bar_sync(1, 256);
-      bwd_ws_load_staged<Elem, kBN>(pt, sP(s), key0, t);
-      bwd_ws_dscores(sc, pt, d_s, t);
-      bwd_ws_a_fragments<Elem>(frag, sc);
-      bwd_ws_stage_ds<Elem, kBN>(sdS(s), sc, key0, t);
-      fence_proxy_async();
-      bar_sync(2, 256);
-      // dK += dS^T Q from registers, dV += P^T dO with P^T from consumer 0's staging.
-      pin(dk);
-      pin(dv);
-      pin(frag);
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kBM / 16; ++kk) Wgmma<Elem, kHalf>::rs(dk, frag[kk], bwd_mnmajor(q_half, kk, kBM));
-#pragma unroll
-      for (int kk = 0; kk < kBM / 16; ++kk)
-        Wgmma<Elem, kHalf>::template ss<1, 0, 1>(dv, bwd_kmajor(p_at, kk, kBN), bwd_mnmajor(do_half, kk, kBM));
-      wgmma_commit();
-    }
-    // dQ = dS K over this half's dims, in two products of 64 dims (one of 128 leaves too few registers
-    // for the dK / dV products in flight): the second runs under the first's atomics.
+    for (int kk = 0; kk < kBM / 16; ++kk)
+      Wgmma<Elem, kHalf>::template ss<1, 0, 1>(dk, bwd_kmajor(ds_at, kk, kBN), bwd_mnmajor(q_half, kk, kBM));
+    wgmma_commit();
     float dq[2][1][kDA / 2][4];
     bwd_ws_issue_dq<Elem, kHalf / 2, kBN>(dq[0][0], ds_at, k_half);
     bwd_ws_issue_dq<Elem, kHalf / 2, kBN>(dq[1][0], ds_at, k_half + kBN * 128);
     wgmma_wait<1>();
     pin(dk);
     pin(dv);
-    pin(frag);
     pin(dq[0][0]);
-    mbar_arrive(q_empty + s);  // Q, dO, LSE, D, P^T and dS^T of this stage are read
     float* const acc = accum.block_slice<float>(round.groups);
     const int64_t row = sq.row_index(p.heads_q, walk.h, m0);
     const int rows = sq.q_tile_rows(m0, kBM);
     add_dq_atoms(acc, row, dq[0], warp * 16, cwg * kHalf, rows, kDim, lane);
     wgmma_wait<0>();
     pin(dq[1][0]);
+    mbar_arrive(q_empty + s);  // Q, dO, LSE, D, P^T and dS^T of this stage are read
     add_dq_atoms(acc, row, dq[1], warp * 16, cwg * kHalf + kHalf / 2, rows, kDim, lane);
   }
   bwd_ws_store_dkdv<Elem>(p, sq, hk, n0, rows_k, key0, t, dk, dv, cwg * kHalf);
