@@ -1,7 +1,7 @@
-// Warp-specialized dK/dV kernel (with dQ) on wgmma (sm_90a): plain fp16 / bf16 calls at head dims 64 and
-// 128 (head_dim == head_dim_v, no optional feature). A block of three warpgroups owns a key tile of
-// kBN = 128 keys and visits every query tile of kBM rows (128 at dim 64, 64 at 128) that sees one of its keys, over the kv
-// head's query heads (the walk of the sm80/ kernels, query_walk.cuh):
+// Warp-specialized dK/dV kernel (with dQ) on wgmma (sm_90a): plain fp16 / bf16 calls at head dims 64,
+// 128 and 256 (head_dim == head_dim_v, no optional feature). A block of three warpgroups owns a key tile
+// of kBN = 128 keys and visits every query tile of kBM rows (128 at dim 64, 64 at 128) that sees one of
+// its keys, over the kv head's query heads (the walk of the sm80/ kernels, query_walk.cuh):
 //   warpgroup 0, warp 0   copies: K and V once, then per query tile Q and dO (TMA, one thread) and its
 //                         LSE and D (cp.async, the warp) into a two-stage ring of mbarriers;
 //   warpgroup 0, warp 1   adds each finished dQ tile, staged in smem by the consumers, into the fp32
@@ -13,7 +13,8 @@
 //     dQ = dS K                    dS^T of both through smem; wgmma m64n(E) over this warpgroup's 64 rows
 //                                  (kBM = 128) or m64n(E/2) over its half of the dims, staged in smem
 //                                  for the bulk add
-// P and dS round to Elem before their products, as in the sm80/ kernels.
+// P and dS round to Elem before their products, as in the sm80/ kernels. Dim 256 (64-key blocks, the
+// consumers splitting the dims): bwd_ws_split_consumer.
 // The consumers take the producer's registers (setmaxnreg) and wait for each other only where dQ needs
 // both halves of dS^T (a named barrier of their 256 threads); nobody issues a copy or an atomic but the
 // producer warps. dQ tiles not 16-row aligned in the accumulator (lengths not a multiple of 16) are
@@ -438,98 +439,98 @@ __global__ void __launch_bounds__(BwdWsConfig<Elem, kDim>::kThreads, 1)
   if constexpr (Cfg::kSplitDims) {
     bwd_ws_split_consumer<Elem, kDim>(p, accum, round, sq, n0, rows_k, hk, group, tiles, wg - 1, warp, lane);
   } else {
-  const int cwg = wg - 1;
-  const int g = lane / 4, t = lane % 4;
-  const int wkey = cwg * 64 + warp * 16;  // the warp's first key in the tile
-  const float score_scale = Exp::score_scale(p.scale);
+    const int cwg = wg - 1;
+    const int g = lane / 4, t = lane % 4;
+    const int wkey = cwg * 64 + warp * 16;  // the warp's first key in the tile
+    const float score_scale = Exp::score_scale(p.scale);
 
-  const uint32_t k_at = smem_addr(sK), v_at = smem_addr(sV);
+    const uint32_t k_at = smem_addr(sK), v_at = smem_addr(sV);
 
-  float dk[kDA][4], dv[kDA][4];
+    float dk[kDA][4], dv[kDA][4];
 #pragma unroll
-  for (int d = 0; d < kDA; ++d)
+    for (int d = 0; d < kDA; ++d)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) dk[d][e] = dv[d][e] = 0.f;
+      for (int e = 0; e < 4; ++e) dk[d][e] = dv[d][e] = 0.f;
 
-  // dQ = dS K over the block's keys, both operands MN-major: with 128-row tiles this warpgroup's 64 rows
-  // (its panel of dS^T's lines) x every dim, with 64-row tiles every row x its half of the dims (a panel
-  // further into K's lines at dim 128).
-  constexpr bool kSplitRows = kBM == 128;
-  constexpr int kDqCols = kSplitRows ? kDim : kDim / 2;
-  const int dq_row0 = (kSplitRows ? cwg * 64 : 0) + warp * 16, dq_col0 = kSplitRows ? 0 : cwg * kDqCols;
-  const uint32_t dq_b = kSplitRows ? k_at : k_at + (kDim == 128 ? cwg * kBN * 128 : cwg * kDqCols * 2);
-  float dq[1][kDqCols / 8][4];
-  // Adds a finished dQ tile: into sdQ in the accumulator's blocked layout (dq_layout.cuh: the warp's 16
-  // rows x 8 columns per atom, a lane's 4 values together) once the bulk add has read the one before,
-  // or with atomics.
-  auto add_dq = [&](int64_t it, int64_t h, int64_t m0) {
-    pin(dq[0]);
-    if (dq_staged) {
-      if (it > 0) mbar_wait(dq_empty, uint32_t(it - 1) & 1);
-      float* dst = sdQ + dq_row0 * kDim + (dq_col0 / 8) * 128 + 4 * lane;
+    // dQ = dS K over the block's keys, both operands MN-major: with 128-row tiles this warpgroup's 64 rows
+    // (its panel of dS^T's lines) x every dim, with 64-row tiles every row x its half of the dims (a panel
+    // further into K's lines at dim 128).
+    constexpr bool kSplitRows = kBM == 128;
+    constexpr int kDqCols = kSplitRows ? kDim : kDim / 2;
+    const int dq_row0 = (kSplitRows ? cwg * 64 : 0) + warp * 16, dq_col0 = kSplitRows ? 0 : cwg * kDqCols;
+    const uint32_t dq_b = kSplitRows ? k_at : k_at + (kDim == 128 ? cwg * kBN * 128 : cwg * kDqCols * 2);
+    float dq[1][kDqCols / 8][4];
+    // Adds a finished dQ tile: into sdQ in the accumulator's blocked layout (dq_layout.cuh: the warp's 16
+    // rows x 8 columns per atom, a lane's 4 values together) once the bulk add has read the one before,
+    // or with atomics.
+    auto add_dq = [&](int64_t it, int64_t h, int64_t m0) {
+      pin(dq[0]);
+      if (dq_staged) {
+        if (it > 0) mbar_wait(dq_empty, uint32_t(it - 1) & 1);
+        float* dst = sdQ + dq_row0 * kDim + (dq_col0 / 8) * 128 + 4 * lane;
 #pragma unroll
-      for (int d = 0; d < kDqCols / 8; ++d)
-        *reinterpret_cast<float4*>(dst + 128 * d) = make_float4(dq[0][d][0], dq[0][d][1], dq[0][d][2], dq[0][d][3]);
-      fence_proxy_async();
-      mbar_arrive(dq_full);
-    } else {
-      add_dq_atoms(accum.block_slice<float>(round.groups), sq.row_index(p.heads_q, h, m0), dq, dq_row0, dq_col0,
-                   sq.q_tile_rows(m0, kBM), kDim, lane);
-    }
-  };
-
-  mbar_wait(kv_full, 0);
-  QueryTileWalk walk(sq, n0, rows_k, hk * group, group, kBM);
-  // One query tile; the first one peeled off the loop: ptxas then schedules the loop's body without the
-  // first tile's cases (at dim 128 the backward ran 15-18% faster on an H200 at L >= 4096 than with one
-  // loop over every tile; dim 64 the same).
-  auto tile = [&](int64_t it) {
-    const int s = int(it & 1);
-    const int64_t m0 = walk.m0;
-    const uint32_t q_at = smem_addr(sQ(s)), do_at = smem_addr(sdO(s));
-    mbar_wait(q_full + s, uint32_t(it >> 1) & 1);
-    float st[kRA][4], dpt[kRA][4];
-    bwd_ws_issue_scores<Elem, kDim, kBM, kBN>(st, dpt, k_at + cwg * 64 * 128, v_at + cwg * 64 * 128, q_at, do_at);
-    const float* lse_s = sStats + s * 2 * kBM;
-    const float* d_s = lse_s + kBM;
-    const bool all_visible = n0 >= sq.key_begin(m0 + kBM - 1) && n0 + kBN <= sq.key_end(m0);
-    auto clamp_base = [](int64_t x) { return int(x < -kBM - 1 ? -kBM - 1 : x > kBN + 1 ? kBN + 1 : x); };
-    const int lo0 = clamp_base(m0 - n0 + sq.band.lo), hi0 = clamp_base(m0 - n0 + sq.band.hi);
-    const int k_lim = clamp_base(sq.len_k - n0);
-    auto visible = [&](int key, int row) {
-      return all_visible || (key - row >= lo0 && key - row <= hi0 && key < k_lim);
+        for (int d = 0; d < kDqCols / 8; ++d)
+          *reinterpret_cast<float4*>(dst + 128 * d) = make_float4(dq[0][d][0], dq[0][d][1], dq[0][d][2], dq[0][d][3]);
+        fence_proxy_async();
+        mbar_arrive(dq_full);
+      } else {
+        add_dq_atoms(accum.block_slice<float>(round.groups), sq.row_index(p.heads_q, h, m0), dq, dq_row0, dq_col0,
+                     sq.q_tile_rows(m0, kBM), kDim, lane);
+      }
     };
-    wgmma_wait<1>();
-    pin(st);
-    bwd_ws_probs(st, lse_s, score_scale, wkey + g, t, visible);
-    wgmma_wait<0>();
-    pin(dpt);
-    bwd_ws_dscores(dpt, st, d_s, t);
-    uint32_t pa[kBM / 16][4], dsa[kBM / 16][4];
-    bwd_ws_a_fragments<Elem>(pa, st);
-    bwd_ws_a_fragments<Elem>(dsa, dpt);
 
-    bwd_ws_issue_dkdv<Elem, kDim, kBM>(dk, dv, pa, dsa, q_at, do_at);
+    mbar_wait(kv_full, 0);
+    QueryTileWalk walk(sq, n0, rows_k, hk * group, group, kBM);
+    // One query tile; the first one peeled off the loop: ptxas then schedules the loop's body without the
+    // first tile's cases (at dim 128 the backward ran 15-18% faster on an H200 at L >= 4096 than with one
+    // loop over every tile; dim 64 the same).
+    auto tile = [&](int64_t it) {
+      const int s = int(it & 1);
+      const int64_t m0 = walk.m0;
+      const uint32_t q_at = smem_addr(sQ(s)), do_at = smem_addr(sdO(s));
+      mbar_wait(q_full + s, uint32_t(it >> 1) & 1);
+      float st[kRA][4], dpt[kRA][4];
+      bwd_ws_issue_scores<Elem, kDim, kBM, kBN>(st, dpt, k_at + cwg * 64 * 128, v_at + cwg * 64 * 128, q_at, do_at);
+      const float* lse_s = sStats + s * 2 * kBM;
+      const float* d_s = lse_s + kBM;
+      const bool all_visible = n0 >= sq.key_begin(m0 + kBM - 1) && n0 + kBN <= sq.key_end(m0);
+      auto clamp_base = [](int64_t x) { return int(x < -kBM - 1 ? -kBM - 1 : x > kBN + 1 ? kBN + 1 : x); };
+      const int lo0 = clamp_base(m0 - n0 + sq.band.lo), hi0 = clamp_base(m0 - n0 + sq.band.hi);
+      const int k_lim = clamp_base(sq.len_k - n0);
+      auto visible = [&](int key, int row) {
+        return all_visible || (key - row >= lo0 && key - row <= hi0 && key < k_lim);
+      };
+      wgmma_wait<1>();
+      pin(st);
+      bwd_ws_probs(st, lse_s, score_scale, wkey + g, t, visible);
+      wgmma_wait<0>();
+      pin(dpt);
+      bwd_ws_dscores(dpt, st, d_s, t);
+      uint32_t pa[kBM / 16][4], dsa[kBM / 16][4];
+      bwd_ws_a_fragments<Elem>(pa, st);
+      bwd_ws_a_fragments<Elem>(dsa, dpt);
 
-    // dS^T to smem (buffer it % 2: the other warpgroup may still read the previous tile's for its dQ).
-    bwd_ws_stage_ds<Elem, kBN>(sdS(s), dpt, wkey + g, t);
-    fence_proxy_async();
-    wgmma_wait<0>();
-    pin(dk);
-    pin(dv);
-    pin(pa);
-    pin(dsa);
-    mbar_arrive(q_empty + s);  // Q, dO, LSE and D of this stage are read
-    bar_sync(1, 256);          // both halves of dS^T in smem
-    bwd_ws_issue_dq<Elem, kDqCols, kBN>(dq[0], smem_addr(sdS(s)) + (kSplitRows ? cwg * kBN * 128 : 0), dq_b);
-    wgmma_wait<0>();
-    add_dq(it, walk.h, m0);
-    walk.advance(kBM);
-  };
-  if (walk.iters > 0) tile(0);
-  for (int64_t it = 1; it < walk.iters; ++it) tile(it);
+      bwd_ws_issue_dkdv<Elem, kDim, kBM>(dk, dv, pa, dsa, q_at, do_at);
 
-  bwd_ws_store_dkdv<Elem>(p, sq, hk, n0, rows_k, wkey + g, t, dk, dv);
+      // dS^T to smem (buffer it % 2: the other warpgroup may still read the previous tile's for its dQ).
+      bwd_ws_stage_ds<Elem, kBN>(sdS(s), dpt, wkey + g, t);
+      fence_proxy_async();
+      wgmma_wait<0>();
+      pin(dk);
+      pin(dv);
+      pin(pa);
+      pin(dsa);
+      mbar_arrive(q_empty + s);  // Q, dO, LSE and D of this stage are read
+      bar_sync(1, 256);          // both halves of dS^T in smem
+      bwd_ws_issue_dq<Elem, kDqCols, kBN>(dq[0], smem_addr(sdS(s)) + (kSplitRows ? cwg * kBN * 128 : 0), dq_b);
+      wgmma_wait<0>();
+      add_dq(it, walk.h, m0);
+      walk.advance(kBM);
+    };
+    if (walk.iters > 0) tile(0);
+    for (int64_t it = 1; it < walk.iters; ++it) tile(it);
+
+    bwd_ws_store_dkdv<Elem>(p, sq, hk, n0, rows_k, wkey + g, t, dk, dv);
   }
 #endif
 }
