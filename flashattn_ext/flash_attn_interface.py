@@ -8,14 +8,17 @@ softcap, alibi_slopes and deterministic as functional.flash_attn_func documents 
 return_attn_probs: with it, the result is flash-attn's (out, softmax_lse, S_dmask), S_dmask
 the attention probabilities rebuilt from softmax_lse (see _attn_probs.py), negative where
 dropout dropped them. flash-attn returns S_dmask only for testing, and only with dropout;
-here it is always returned, always exact, and costs O(len_q * len_k) memory."""
+here it is always returned, always exact, and costs O(len_q * len_k) memory.
+
+Every function also takes FlashAttention-3's q_descale, k_descale, v_descale (keyword only) for
+float8 inputs, forward only, as functional.flash_attn_func documents them."""
 import math
 
 import torch
 
-from . import functional
+from . import fp8, functional
 from ._attn_probs import attention_probs, varlen_attention_probs, with_dropout_signs
-from .functional import _check_tensors, _count, _real, _window, checked_fwd
+from .functional import _check_tensors, _count, _real, _window, checked_fwd, fp8_call
 from .kvcache import flash_attn_with_kvcache
 from .ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, new_rng_state
 
@@ -24,22 +27,27 @@ __all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, return_lse=False):
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, return_lse=False, q_descale=None,
+                    k_descale=None, v_descale=None):
     """functional.flash_attn_func (q, k, v of shape (batch, seq_len, heads, head_dim)) with
     flash-attn's return_attn_probs: (out, softmax_lse (batch, heads, seq_len_q), S_dmask
     (batch, heads, seq_len_q, seq_len_k)). return_lse=True gives (out, softmax_lse)."""
+    descales = (q_descale, k_descale, v_descale)
     if not return_attn_probs:
         return functional.flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                                          alibi_slopes, deterministic, return_lse=return_lse)
+                                          alibi_slopes, deterministic, return_lse=return_lse, q_descale=q_descale,
+                                          k_descale=k_descale, v_descale=v_descale)
     _check_tensors((("q", q), ("k", k), ("v", v)), _rank(4, "batch, seq_len, heads, head_dim"))
     out, lse, probs = _forward_and_probs(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p,
-                                         softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic)
+                                         softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                         descales=descales)
     return out.transpose(1, 2), lse, probs
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_attn_probs=False, block_table=None, *, return_lse=False):
+                           deterministic=False, return_attn_probs=False, block_table=None, *, return_lse=False,
+                           q_descale=None, k_descale=None, v_descale=None):
     """functional.flash_attn_varlen_func (packed q, k, v of shape (total, heads, head_dim))
     with flash-attn's return_attn_probs: (out, softmax_lse (heads, total_q), S_dmask (batch,
     heads, max_seqlen_q, max_seqlen_k) holding sequence b's probabilities in [b, :, :len_q,
@@ -47,10 +55,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if block_table is not None:
         raise ValueError(f"flashattn_ext: block_table (a paged KV cache) is not supported; it must be None, got a "
                          f"{type(block_table).__name__}")
+    descales = (q_descale, k_descale, v_descale)
     if not return_attn_probs:
         return functional.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                  dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                                 deterministic, return_lse=return_lse)
+                                                 deterministic, return_lse=return_lse, q_descale=q_descale,
+                                                 k_descale=k_descale, v_descale=v_descale)
     _check_tensors((("q", q), ("k", k), ("v", v)), _rank(3, "total, heads, head_dim"))
     _check_tensors((("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)), lambda name, t: None)
     # S_dmask's padded lengths: max_seqlen_*, clamped to the rows there are (as the op clamps them).
@@ -59,7 +69,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                   max_seqlen_k=min(_count(max_seqlen_k, "max_seqlen_k"), k.shape[0]))
     out, lse, probs = _forward_and_probs(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                          dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                         deterministic, varlen)
+                                         deterministic, varlen, descales)
     return out[0].transpose(0, 1), lse[0], probs
 
 
@@ -71,10 +81,19 @@ def _rank(n, dims):
 
 
 def _forward_and_probs(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                       varlen=None):
+                       varlen=None, descales=(None, None, None)):
     """(out, lse, S_dmask) of one call on (batch, heads, len, dim) views (varlen: the op's
     cu_seqlens arguments). The call draws its dropout state here, so that S_dmask can show
-    which scores it dropped."""
+    which scores it dropped. A float8 call (fp8.py) runs on its dequantized tensors, with the
+    descales in its scale and output; S_dmask is then bfloat16."""
+    if fp8.requested(q, k, v, *descales):
+        varlen = varlen or {}
+        call = fp8_call(q, k, v, descales, softmax_scale, dropout_p, CAUSAL_BOTTOM_RIGHT if causal else CAUSAL_NONE,
+                        "thd" if varlen else "blhd", varlen.get("cu_seqlens_q"), varlen.get("cu_seqlens_k"))
+        with torch.autocast(q.device.type, enabled=False):
+            out, lse, probs = _forward_and_probs(call.q, call.k, call.v, 0.0, call.scale, causal, window_size,
+                                                 softcap, alibi_slopes, deterministic, varlen or None)
+        return call.finish(out), lse, probs
     if softmax_scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] > 0 else 1.0
     else:
@@ -108,39 +127,46 @@ def _unpack(name, packed, dim, count, layout):
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
+                              q_descale=None, k_descale=None, v_descale=None):
     """flash_attn_func on qkv (batch, seq_len, 3, heads, head_dim): q, k, v = qkv[:, :, i].
     Returns out (batch, seq_len, heads, head_dim); its gradient reaches qkv."""
     q, k, v = _unpack("qkv", qkv, 2, 3, "batch, seq_len, 3, heads, head_dim")
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                           deterministic, return_attn_probs)
+                           deterministic, return_attn_probs, q_descale=q_descale, k_descale=k_descale,
+                           v_descale=v_descale)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
+                             q_descale=None, k_descale=None, v_descale=None):
     """flash_attn_func on q (batch, seq_len_q, heads, head_dim) and kv (batch, seq_len_k, 2,
     heads_kv, head_dim): k, v = kv[:, :, 0], kv[:, :, 1]; heads_kv may divide heads (GQA)."""
     k, v = _unpack("kv", kv, 2, 2, "batch, seq_len_k, 2, heads_kv, head_dim")
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                           deterministic, return_attn_probs)
+                           deterministic, return_attn_probs, q_descale=q_descale, k_descale=k_descale,
+                           v_descale=v_descale)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
                                      window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                                     return_attn_probs=False):
+                                     return_attn_probs=False, *, q_descale=None, k_descale=None,
+                                     v_descale=None):
     """flash_attn_varlen_func on qkv (total, 3, heads, head_dim), the same cu_seqlens and
     max_seqlen for queries and keys. Returns out (total, heads, head_dim)."""
     q, k, v = _unpack("qkv", qkv, 1, 3, "total, 3, heads, head_dim")
     return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale,
-                                  causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+                                  causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
+                                  q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                                     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
+                                    q_descale=None, k_descale=None, v_descale=None):
     """flash_attn_varlen_func on q (total_q, heads, head_dim) and kv (total_k, 2, heads_kv,
     head_dim). Returns out (total_q, heads, head_dim)."""
     k, v = _unpack("kv", kv, 1, 2, "total_k, 2, heads_kv, head_dim")
     return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                   softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                                  return_attn_probs)
+                                  return_attn_probs, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)

@@ -5,6 +5,7 @@ import operator
 
 import torch
 
+from . import fp8
 from ._checks import call_signature, check_features, check_fwd_args, check_layout, passed_before, remember_passed
 from .ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, CAUSAL_TOP_LEFT, fwd, fwd_plain, new_rng_state
 
@@ -84,6 +85,24 @@ def _attention(q, k, v, scale, causal, deterministic, attn_bias=None, window_siz
                        window_right=right, alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p,
                        rng_state=new_rng_state(q.device) if dropout_p > 0.0 else None, cu_seqlens_q=cu_seqlens_q,
                        cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+
+
+def fp8_call(q, k, v, descales, softmax_scale, dropout_p, causal, layout, cu_seqlens_q=None, cu_seqlens_k=None):
+    """fp8.prepare on the op's views of a float8 call (or of one that gave descales: it says
+    why that is wrong), with the scalar arguments read as _attention reads them."""
+    scale = default_scale(q.shape[-1]) if softmax_scale is None else _real(softmax_scale, "softmax_scale")
+    return fp8.prepare(q, k, v, descales, scale, _real(dropout_p, "dropout_p", " in [0, 1)"), causal, layout,
+                       cu_seqlens_q, cu_seqlens_k)
+
+
+def _fp8_attention(q, k, v, descales, softmax_scale, causal, deterministic, dropout_p, layout, **features):
+    """(out, lse) of a float8 call on the op's views: its dequantized tensors through the bfloat16
+    path (autocast off, so that it stays bfloat16), the output times v_descale."""
+    call = fp8_call(q, k, v, descales, softmax_scale, dropout_p, causal, layout, features.get("cu_seqlens_q"),
+                    features.get("cu_seqlens_k"))
+    with torch.autocast(q.device.type, enabled=False):
+        out, lse = _attention(call.q, call.k, call.v, call.scale, causal, deterministic, layout=layout, **features)
+    return call.finish(out), lse
 
 
 def _count(n, name):
@@ -181,7 +200,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, deterministic=False, return_lse=False):
+                    alibi_slopes=None, deterministic=False, return_lse=False, *, q_descale=None, k_descale=None,
+                    v_descale=None):
     """flash-attn 2's flash_attn_func on (batch, seq_len, heads, head_dim) tensors.
 
     The causal mask is aligned bottom-right (query i sees keys j <= i + len_k - len_q).
@@ -191,10 +211,15 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     (batch, heads), adds -slope * |i + len_k - len_q - j|. dropout_p drops attention
     probabilities (seeded from torch's generator). Returns out (batch, seq_len_q, heads,
     head_dim_v), and with return_lse=True also the row log-sum-exp (batch, heads, seq_len_q)
-    of the scores the softmax took, in float32 (float64 for float64 inputs)."""
+    of the scores the softmax took, in float32 (float64 for float64 inputs).
+
+    Float8 inputs (q, k, v all float8_e4m3fn or all float8_e5m2), forward only, as
+    FlashAttention-3 takes them: attention over q * q_descale, k * k_descale, v * v_descale,
+    each descale None (1), a number or one-element float32 tensor (per tensor), or a float32
+    (batch, heads_kv) tensor (query heads take their kv head's); out in bfloat16. See fp8.py."""
     causal = CAUSAL_BOTTOM_RIGHT if causal else CAUSAL_NONE
     signature = None
-    if (alibi_slopes is None and _plain_options(softmax_scale, dropout_p, softcap) and type(window_size) is tuple
+    if (q_descale is None and k_descale is None and v_descale is None and alibi_slopes is None and _plain_options(softmax_scale, dropout_p, softcap) and type(window_size) is tuple
             and window_size == (-1, -1)):
         signature = call_signature(q, k, v, "flash", causal)
         if passed_before(signature):
@@ -210,6 +235,13 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
                              f"got shape {tuple(t.shape)}")
 
     _check_tensors((("q", q), ("k", k), ("v", v)), four_d)
+    if fp8.requested(q, k, v, q_descale, k_descale, v_descale):
+        out, lse = _fp8_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                  (q_descale, k_descale, v_descale), softmax_scale, causal, bool(deterministic),
+                                  dropout_p, "blhd", window_size=window_size, alibi_slopes=alibi_slopes,
+                                  softcap=softcap, scale_name="softmax_scale")
+        out = out.transpose(1, 2)
+        return (out, lse) if return_lse else out
     out, lse = _attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale, causal,
                           bool(deterministic), window_size=window_size, alibi_slopes=alibi_slopes, softcap=softcap,
                           dropout_p=dropout_p, layout="blhd", scale_name="softmax_scale")
@@ -220,7 +252,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_lse=False):
+                           deterministic=False, return_lse=False, *, q_descale=None, k_descale=None, v_descale=None):
     """flash-attn 2's flash_attn_varlen_func on packed (total, heads, head_dim) tensors.
 
     Sequence b is rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q and cu_seqlens_k[b]:
@@ -228,7 +260,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     total); max_seqlen_q / max_seqlen_k bound their lengths. Every option acts per sequence as
     in flash_attn_func (alibi_slopes may be (batch, heads) with batch = len(cu_seqlens) - 1).
     Returns out (total_q, heads, head_dim_v), and with return_lse=True also lse (heads,
-    total_q), flash-attn's packed layout."""
+    total_q), flash-attn's packed layout. Float8 inputs and q_descale, k_descale, v_descale as in
+    flash_attn_func, a descale tensor of shape (num_sequences, heads_kv)."""
     def three_d(name, t):
         if t.dim() != 3:
             raise ValueError(f"flashattn_ext: {name} must have 3 dimensions (total, heads, head_dim), "
@@ -238,11 +271,17 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"flashattn_ext: {name} must be a torch.Tensor, got {type(t).__name__}")
-    out, lse = _attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], softmax_scale,
-                          CAUSAL_BOTTOM_RIGHT if causal else CAUSAL_NONE, bool(deterministic),
-                          window_size=window_size, alibi_slopes=alibi_slopes, softcap=softcap,
-                          dropout_p=dropout_p, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                          max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, layout="thd",
-                          scale_name="softmax_scale")
+    q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))
+    causal = CAUSAL_BOTTOM_RIGHT if causal else CAUSAL_NONE
+    varlen = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                  max_seqlen_k=max_seqlen_k)
+    if fp8.requested(q, k, v, q_descale, k_descale, v_descale):
+        out, lse = _fp8_attention(q, k, v, (q_descale, k_descale, v_descale), softmax_scale, causal,
+                                  bool(deterministic), dropout_p, "thd", window_size=window_size,
+                                  alibi_slopes=alibi_slopes, softcap=softcap, scale_name="softmax_scale", **varlen)
+    else:
+        out, lse = _attention(q, k, v, softmax_scale, causal, bool(deterministic), window_size=window_size,
+                              alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p, layout="thd",
+                              scale_name="softmax_scale", **varlen)
     out = out[0].transpose(0, 1)
     return (out, lse[0]) if return_lse else out

@@ -1,0 +1,238 @@
+"""Float8 inputs of flash_attn_func / flash_attn_varlen_func with q_descale, k_descale,
+v_descale (FlashAttention-3's conventions): against a float64 reference on the float8 values
+times their descales, with the accuracy rule of DESIGN §4 (torch in bfloat16 on the dequantized
+tensors as the same-dtype baseline), and every error the float8 rules raise."""
+import pytest
+import torch
+
+from feature_reference import attention_ref
+from flashattn_ext import flash_attn_interface
+from flashattn_ext._measure import REL_ATOL
+from flashattn_ext.functional import flash_attn_func, flash_attn_varlen_func
+from reference import BOTTOM_RIGHT, NONE, assert_accurate, attention, same_dtype_backend
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+BF16 = torch.bfloat16
+# The output is rounded to bfloat16 twice where v_descale != 1 (by the kernel, then after the
+# product with v_descale): one more half ulp than the rule's one rounding.
+OUT_ATOL = 2 * REL_ATOL[BF16]
+LSE_ATOL = REL_ATOL[torch.float32]
+AMAX = 64.0  # float8 values spread up to ~AMAX; descales near 1 / AMAX give unit-scale tensors
+
+
+def quantized(shape, dtype, device, amax=AMAX):
+    return (torch.randn(shape, device=device) * amax).clamp(-448, 448).to(dtype)
+
+
+def descales(kind, groups, heads_kv, device):
+    """(q_descale, k_descale, v_descale) of one kind: None, Python floats, 0-d tensors,
+    (groups, heads_kv) tensors, or one of each form."""
+    def per_head():
+        return (torch.rand(groups, heads_kv, device=device) + 0.5) / AMAX
+    if kind == "none":
+        return None, None, None
+    if kind == "float":
+        return 0.9 / AMAX, 1.1 / AMAX, 1.3 / AMAX
+    if kind == "tensor":
+        return tuple(torch.tensor(x / AMAX, device=device) for x in (0.9, 1.1, 1.3))
+    if kind == "per_head":
+        return per_head(), per_head(), per_head()
+    return per_head(), 1.1 / AMAX, torch.tensor([1.3 / AMAX], device=device)  # "mixed"
+
+
+def dequantized(x, descale, head_dim=2):
+    """x (float8) times its descale in float64; a (groups, heads_kv) descale applies to the
+    heads of x (dimension head_dim) in groups of heads // heads_kv, and to dimension 0."""
+    x = x.double()
+    if descale is None:
+        return x
+    if not isinstance(descale, torch.Tensor) or descale.numel() == 1:
+        return x * float(descale)
+    d = descale.double().repeat_interleave(x.shape[head_dim] // descale.shape[1], dim=1)
+    return x * (d[:, None, :, None] if head_dim == 2 else d[:, :, None])
+
+
+def bhld(*tensors):
+    return [t.transpose(1, 2) for t in tensors]
+
+
+def check_out_lse(out, lse, qr, kr, vr, scale, causal, features):
+    """out (B, L, H, Ev) and lse (B, H, L) against attention on the float64 dequantized
+    tensors qr, kr, vr (B, L, H, E), torch in bfloat16 on them as the same-dtype baseline."""
+    q64, k64, v64 = bhld(qr, kr, vr)
+    ref_out, ref_lse = attention_ref(q64, k64, v64, scale, causal, **features)
+    q16, k16, v16 = (t.to(BF16) for t in (q64, k64, v64))
+    if features:
+        same_out, same_lse = attention_ref(q16, k16, v16, scale, causal, **features)
+    else:
+        backend = same_dtype_backend(out.device, q16.shape[2], k16.shape[2], causal)
+        same_out, same_lse = attention(q16, k16, v16, scale, causal, backend)
+    assert out.dtype == BF16 and lse.dtype == torch.float32
+    assert_accurate("out", out.transpose(1, 2), ref_out, same_out, OUT_ATOL)
+    assert_accurate("lse", lse, ref_lse, same_lse, LSE_ATOL)
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("kind", ["none", "float", "tensor", "per_head", "mixed"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_against_reference(device, dtype, kind, causal):
+    batch, heads, heads_kv, len_q, len_k, dim = 2, 4, 2, 5, 9, 32  # GQA: two query heads per kv head
+    amax = 1.0 if kind == "none" else AMAX
+    q = quantized((batch, len_q, heads, dim), dtype, device, amax)
+    k = quantized((batch, len_k, heads_kv, dim), dtype, device, amax)
+    v = quantized((batch, len_k, heads_kv, dim), dtype, device, amax)
+    qd, kd, vd = descales(kind, batch, heads_kv, device)
+    out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True, q_descale=qd, k_descale=kd, v_descale=vd)
+    check_out_lse(out, lse, dequantized(q, qd), dequantized(k, kd), dequantized(v, vd), dim ** -0.5,
+                  BOTTOM_RIGHT if causal else NONE, {})
+
+
+@pytest.mark.parametrize("kind", ["float", "per_head"])
+def test_features(device, kind):
+    """A window, softcap and ALiBi act on the dequantized scores (softmax_scale given)."""
+    batch, heads, heads_kv, len_q, len_k, dim, dim_v = 2, 4, 1, 7, 6, 16, 24
+    q = quantized((batch, len_q, heads, dim), E4M3, device)
+    k = quantized((batch, len_k, heads_kv, dim), E4M3, device)
+    v = quantized((batch, len_k, heads_kv, dim_v), E4M3, device)
+    qd, kd, vd = descales(kind, batch, heads_kv, device)
+    slopes = torch.rand(heads, device=device)
+    window, softcap, scale = (3, 1), 2.0, 0.4
+    out, lse = flash_attn_func(q, k, v, softmax_scale=scale, causal=True, window_size=window, softcap=softcap,
+                               alibi_slopes=slopes, return_lse=True, q_descale=qd, k_descale=kd, v_descale=vd)
+    check_out_lse(out, lse, dequantized(q, qd), dequantized(k, kd), dequantized(v, vd), scale, BOTTOM_RIGHT,
+                  dict(window=window, softcap=softcap, alibi=slopes))
+
+
+@pytest.mark.parametrize("kind", ["tensor", "per_head"])
+def test_varlen(device, kind):
+    """Per-sequence descales; a sequence with no query rows, GQA, causal within each sequence."""
+    lens_q, lens_k = [3, 0, 5], [4, 2, 6]
+    heads, heads_kv, dim = 4, 2, 16
+    cu_q, cu_k = (torch.tensor([0] + lens, device=device).cumsum(0).to(torch.int32) for lens in (lens_q, lens_k))
+    q = quantized((sum(lens_q), heads, dim), E4M3, device)
+    k = quantized((sum(lens_k), heads_kv, dim), E4M3, device)
+    v = quantized((sum(lens_k), heads_kv, dim), E4M3, device)
+    qd, kd, vd = descales(kind, len(lens_q), heads_kv, device)
+    out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True, return_lse=True,
+                                      q_descale=qd, k_descale=kd, v_descale=vd)
+    assert out.shape == (sum(lens_q), heads, dim) and lse.shape == (heads, sum(lens_q))
+    for b, (lq, lk) in enumerate(zip(lens_q, lens_k)):
+        rows_q, rows_k = slice(cu_q[b], cu_q[b] + lq), slice(cu_k[b], cu_k[b] + lk)
+
+        def seq(x, d, rows):
+            d = d[b:b + 1] if isinstance(d, torch.Tensor) and d.numel() > 1 else d
+            return dequantized(x[rows][None], d)
+        check_out_lse(out[rows_q][None], lse[:, rows_q][None], seq(q, qd, rows_q), seq(k, kd, rows_k),
+                      seq(v, vd, rows_k), dim ** -0.5, BOTTOM_RIGHT, {})
+
+
+def test_exact_where_it_can_be(device):
+    """Float8 converts to bfloat16 exactly and per-tensor descales go into the softmax scale:
+    without descales the call is the bfloat16 call on q, k, v as they are, bit for bit; a
+    per-tensor descale as a number or a 0-d tensor gives the same bits, and its lse is the
+    bfloat16 call's with softmax_scale * q_descale * k_descale."""
+    q, k, v = (quantized((2, 6, 2, 32), E4M3, device) for _ in range(3))
+    plain = flash_attn_func(q, k, v, causal=True, return_lse=True)
+    as_bf16 = flash_attn_func(q.to(BF16), k.to(BF16), v.to(BF16), causal=True, return_lse=True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, as_bf16))
+    qd, kd = 0.75 / AMAX, 1.25 / AMAX
+    number = flash_attn_func(q, k, v, return_lse=True, q_descale=qd, k_descale=kd, v_descale=0.5)
+    tensor = flash_attn_func(q, k, v, return_lse=True, q_descale=torch.tensor(qd, device=device),
+                             k_descale=torch.tensor([kd], device=device), v_descale=torch.tensor(0.5, device=device))
+    assert all(torch.equal(a, b) for a, b in zip(number, tensor))
+    folded = flash_attn_func(q.to(BF16), k.to(BF16), v.to(BF16), softmax_scale=32 ** -0.5 * qd * kd,
+                             return_lse=True)
+    assert torch.equal(number[1], folded[1])
+    assert torch.equal(number[0], folded[0] * 0.5)  # a power of two: exact
+
+
+def test_output_is_bfloat16_under_autocast(device):
+    q, k, v = (quantized((1, 4, 2, 16), E5M2, device) for _ in range(3))
+    d = torch.full((1, 2), 1 / AMAX, device=device)
+    expected = flash_attn_func(q, k, v, q_descale=d, k_descale=d, v_descale=d)
+    with torch.autocast(torch.device(device).type, dtype=torch.float16):
+        out = flash_attn_func(q, k, v, q_descale=d, k_descale=d, v_descale=d)
+    assert out.dtype == BF16 and torch.equal(out, expected)
+
+
+def test_flash_attn_interface(device):
+    """The flash-attn names pass the descales on; return_attn_probs gives the probabilities of
+    the dequantized scores (bfloat16) with the same out and lse."""
+    qkv = quantized((2, 5, 3, 2, 16), E4M3, device)
+    qd, kd, vd = descales("per_head", 2, 2, device)
+    expected = flash_attn_func(*qkv.unbind(2), causal=True, return_lse=True, q_descale=qd, k_descale=kd,
+                               v_descale=vd)
+    out, lse, probs = flash_attn_interface.flash_attn_qkvpacked_func(qkv, causal=True, return_attn_probs=True,
+                                                                      q_descale=qd, k_descale=kd, v_descale=vd)
+    assert torch.equal(out, expected[0]) and torch.equal(lse, expected[1])
+    q, k = bhld(*(dequantized(t, d) for t, d in zip(qkv.unbind(2), (qd, kd))))
+    scores = (q @ k.transpose(-1, -2)) * 16 ** -0.5
+    visible = torch.ones(5, 5, dtype=torch.bool, device=device).tril()
+    ref = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    same = torch.softmax((q.to(BF16) @ k.to(BF16).transpose(-1, -2) * 16 ** -0.5).masked_fill(~visible,
+                         float("-inf")).float(), dim=-1).to(BF16)
+    assert probs.dtype == BF16
+    assert_accurate("probs", probs, ref, same, REL_ATOL[BF16])
+    packed = flash_attn_interface.flash_attn_kvpacked_func(qkv[:, :, 0], qkv[:, :, 1:], causal=True, q_descale=qd,
+                                                           k_descale=kd, v_descale=vd)
+    assert torch.equal(packed, expected[0])
+
+
+def _call(device, q_dtype=E4M3, k_dtype=E4M3, grad=None, varlen=False, **kwargs):
+    """flash_attn_func (or the varlen one, three sequences) on batch 2, two kv heads."""
+    if varlen:
+        q, k, v = (quantized((6, 2, 8), E4M3, device) for _ in range(3))
+        cu = torch.tensor([0, 2, 4, 6], dtype=torch.int32, device=device)
+        return flash_attn_varlen_func(q, k, v, cu, cu, 2, 2, **kwargs)
+    q = quantized((2, 3, 4, 8), q_dtype, device) if q_dtype in (E4M3, E5M2) else torch.randn(2, 3, 4, 8,
+                                                                                            dtype=q_dtype,
+                                                                                            device=device)
+    k = quantized((2, 3, 2, 8), k_dtype, device) if k_dtype in (E4M3, E5M2) else torch.randn(2, 3, 2, 8,
+                                                                                            dtype=k_dtype,
+                                                                                            device=device)
+    v = k.clone()
+    if grad is not None:
+        {"q": q, "k": k}.get(grad, kwargs.get(grad)).requires_grad_()
+    return flash_attn_func(q, k, v, **kwargs)
+
+
+def _errors(device):
+    full = lambda shape: torch.full(shape, 0.01, device=device)  # noqa: E731
+    return [
+        (dict(q_dtype=BF16, k_dtype=BF16, q_descale=0.5), ValueError,
+         ["q_descale", "float8", "bfloat16", "must be None"]),
+        (dict(q_dtype=BF16, k_dtype=BF16, v_descale=full((2, 2))), ValueError, ["v_descale", "bfloat16"]),
+        (dict(k_dtype=E5M2), ValueError, ["one float8 dtype", "q float8_e4m3fn", "k float8_e5m2"]),
+        (dict(k_dtype=BF16), ValueError, ["one float8 dtype", "k bfloat16"]),
+        (dict(grad="q"), RuntimeError, ["forward only", "'q' requires grad"]),
+        (dict(grad="k_descale", k_descale=full((2, 2))), RuntimeError, ["forward only", "'k_descale' requires grad"]),
+        (dict(dropout_p=0.1), ValueError, ["dropout_p must be 0", "float8", "0.1"]),
+        (dict(k_descale=full((2, 2)).half()), ValueError, ["k_descale", "float32", "got dtype float16"]),
+        (dict(q_descale=full((2, 2)).double()), ValueError, ["q_descale", "float32", "got dtype float64"]),
+        (dict(v_descale=full((3,))), ValueError, ["v_descale", "(batch, heads_kv) = (2, 2)", "got shape (3,)"]),
+        (dict(v_descale=full((2, 4))), ValueError, ["v_descale", "(2, 2)", "one element", "got shape (2, 4)"]),
+        (dict(varlen=True, q_descale=full((2, 2))), ValueError,
+         ["q_descale", "(num_sequences, heads_kv) = (3, 2)", "got shape (2, 2)"]),
+        (dict(q_descale=torch.ones(2, 2, device="meta")), ValueError, ["q_descale", "device meta", "same device"]),
+        (dict(k_descale="0.5"), TypeError, ["k_descale", "'0.5'", "real number"]),
+        (dict(k_descale=True), TypeError, ["k_descale", "True", "real number"]),
+        (dict(softmax_scale="x"), TypeError, ["softmax_scale", "'x'"]),
+    ]
+
+
+@pytest.mark.parametrize("case", range(16))
+def test_errors(device, case):
+    kwargs, error, words = _errors(device)[case]
+    with pytest.raises(error) as info:
+        _call(device, **kwargs)
+    assert all(w in str(info.value) for w in words), str(info.value)
+
+
+def test_shape_errors_keep_their_messages(device):
+    """Shape rules of every call hold for float8 calls, with the shapes the user passed."""
+    q = quantized((2, 3, 3, 8), E4M3, device)
+    k = quantized((2, 3, 2, 8), E4M3, device)
+    with pytest.raises(RuntimeError, match=r"number of query heads \(3\) must be a multiple .* \(2\)"):
+        flash_attn_func(q, k, k, q_descale=torch.ones(2, 2, device=device))
+    with pytest.raises(ValueError, match="q must have 4 dimensions"):
+        flash_attn_func(q[0], k, k)
