@@ -27,8 +27,8 @@ __all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, return_lse=False, q_descale=None,
-                    k_descale=None, v_descale=None):
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, return_lse=False,
+                    q_descale=None, k_descale=None, v_descale=None):
     """functional.flash_attn_func (q, k, v of shape (batch, seq_len, heads, head_dim)) with
     flash-attn's return_attn_probs: (out, softmax_lse (batch, heads, seq_len_q), S_dmask
     (batch, heads, seq_len_q, seq_len_k)). return_lse=True gives (out, softmax_lse)."""

@@ -219,7 +219,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     (batch, heads_kv) tensor (query heads take their kv head's); out in bfloat16. See fp8.py."""
     causal = CAUSAL_BOTTOM_RIGHT if causal else CAUSAL_NONE
     signature = None
-    if (q_descale is None and k_descale is None and v_descale is None and alibi_slopes is None and _plain_options(softmax_scale, dropout_p, softcap) and type(window_size) is tuple
+    if (q_descale is None and k_descale is None and v_descale is None and alibi_slopes is None
+            and _plain_options(softmax_scale, dropout_p, softcap) and type(window_size) is tuple
             and window_size == (-1, -1)):
         signature = call_signature(q, k, v, "flash", causal)
         if passed_before(signature):
