@@ -4,7 +4,8 @@ A call computes attention over the dequantized tensors q * q_descale, k * k_desc
 v * v_descale and returns bfloat16. It runs the bfloat16 kernels: the values are dequantized here
 with torch ops, as exactly as bfloat16 allows. A float8 value converts to bfloat16 exactly, so
 per-tensor descales leave q, k, v as they are and go into the softmax scale (q_descale *
-k_descale) and into the output (v_descale, an fp32 product rounded to bfloat16 once). Per-(batch,
+k_descale) and into the output (v_descale times the kernels' bfloat16 output in fp32, rounded to
+bfloat16). Per-(batch,
 kv head) descales cannot go into the one scale of the call: q_descale * k_descale multiplies q
 (in fp32, rounded to bfloat16 once) and v_descale the output, each query head taking its kv
 head's. Forward only: no gradient reaches float8 inputs or the descales."""

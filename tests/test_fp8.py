@@ -116,6 +116,11 @@ def test_varlen(device, kind):
     out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True, return_lse=True,
                                       q_descale=qd, k_descale=kd, v_descale=vd)
     assert out.shape == (sum(lens_q), heads, dim) and lse.shape == (heads, sum(lens_q))
+    with_probs = flash_attn_interface.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
+                                                             causal=True, return_attn_probs=True, q_descale=qd,
+                                                             k_descale=kd, v_descale=vd)
+    assert torch.equal(with_probs[0], out) and torch.equal(with_probs[1], lse)
+    assert with_probs[2].shape == (len(lens_q), heads, max(lens_q), max(lens_k)) and with_probs[2].dtype == BF16
     for b, (lq, lk) in enumerate(zip(lens_q, lens_k)):
         rows_q, rows_k = slice(cu_q[b], cu_q[b] + lq), slice(cu_k[b], cu_k[b] + lk)
 
@@ -184,12 +189,10 @@ def _call(device, q_dtype=E4M3, k_dtype=E4M3, grad=None, varlen=False, **kwargs)
         q, k, v = (quantized((6, 2, 8), E4M3, device) for _ in range(3))
         cu = torch.tensor([0, 2, 4, 6], dtype=torch.int32, device=device)
         return flash_attn_varlen_func(q, k, v, cu, cu, 2, 2, **kwargs)
-    q = quantized((2, 3, 4, 8), q_dtype, device) if q_dtype in (E4M3, E5M2) else torch.randn(2, 3, 4, 8,
-                                                                                            dtype=q_dtype,
-                                                                                            device=device)
-    k = quantized((2, 3, 2, 8), k_dtype, device) if k_dtype in (E4M3, E5M2) else torch.randn(2, 3, 2, 8,
-                                                                                            dtype=k_dtype,
-                                                                                            device=device)
+    def make(shape, dtype):
+        return quantized(shape, dtype, device) if dtype in (E4M3, E5M2) else torch.randn(shape, dtype=dtype,
+                                                                                         device=device)
+    q, k = make((2, 3, 4, 8), q_dtype), make((2, 3, 2, 8), k_dtype)
     v = k.clone()
     if grad is not None:
         {"q": q, "k": k}.get(grad, kwargs.get(grad)).requires_grad_()
