@@ -113,6 +113,10 @@ def _descale(value, name, shape, what, device):
         raise ValueError(f"flashattn_ext: {name} is on device {value.device} but q is on {device}; they must be on "
                          f"the same device")
     if value.numel() == 1:
+        if value.is_cuda and torch.cuda.is_current_stream_capturing():
+            # Not read on the host under CUDA-graph capture (which forbids it): used as a (groups,
+            # heads_kv) tensor of its value, so each replay reads the value the descale then holds.
+            return value.reshape(1, 1).expand(shape)
         return value.item()  # into the softmax scale: exact (a host sync for a CUDA tensor)
     if tuple(value.shape) != tuple(shape):
         raise ValueError(f"flashattn_ext: {name} must be {rule}, got shape {tuple(value.shape)}")

@@ -5,6 +5,8 @@ tensors as the same-dtype baseline), and every error the float8 rules raise."""
 import pytest
 import torch
 
+import flashattn_ext
+
 from feature_reference import attention_ref
 from flashattn_ext import flash_attn_interface
 from flashattn_ext._measure import REL_ATOL
@@ -239,3 +241,23 @@ def test_shape_errors_keep_their_messages(device):
         flash_attn_func(q, k, k, q_descale=torch.ones(2, 2, device=device))
     with pytest.raises(ValueError, match="q must have 4 dimensions"):
         flash_attn_func(q[0], k, k)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not flashattn_ext.has_cuda_kernels(), reason="CUDA graphs")
+def test_one_element_descales_under_cuda_graph_capture():
+    """Under capture a one-element descale is not read on the host: each replay uses the value it then
+    holds, as a (batch, heads_kv) descale of that value does in an eager call."""
+    q, k, v = (quantized((2, 8, 4, 32), E4M3, "cuda") for _ in range(3))
+    qd, kd, vd = (torch.tensor(1 / AMAX, device="cuda") for _ in range(3))
+    flash_attn_func(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd)  # warm-up outside the graph
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flash_attn_func(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd)
+    for values in ((1 / AMAX, 1 / AMAX, 1 / AMAX), (0.5 / AMAX, 2 / AMAX, 0.25)):
+        for d, x in zip((qd, kd, vd), values):
+            d.fill_(x)
+        graph.replay()
+        full = [torch.full((2, 4), x, device="cuda") for x in values]
+        eager = flash_attn_func(q, k, v, q_descale=full[0], k_descale=full[1], v_descale=full[2])
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager), values
