@@ -240,6 +240,29 @@ def test_smem_limit_override():
     assert plan(128, "sm90", dtype=torch.float64, smem_limit="cap") == "sm80_plain/128"
 
 
+def test_backward_forms_no_gpu_runs_are_not_planned():
+    # Without features, the 1-D dK/dV kernel at dims 96 / 128 / 256 and the 2-D two-barrier form at 256 fit
+    # no GPU that lacks room for a 2-D form before them (sm80/bwd_forms.h): they are not compiled, and a cap
+    # between two GPUs' sizes gives the call the general variant instead. With a band they are compiled.
+    window = dict(window_left=64, window_right=0)
+    for dim, caps in ((96, (126000, 142000)), (128, (159000, 166000)), (256, (174000, 216000, 230000))):
+        for cap in caps:
+            for dtype in (torch.bfloat16, torch.float16):
+                assert plan(dim, "sm90", backward=True, dtype=dtype, kernels="sm80", smem_limit=str(cap)) == \
+                    f"sm80_general/{dim}", (dim, cap)
+        assert plan(dim, "sm90", backward=True, kernels="sm80", smem_limit=str(caps[0]), **window) == \
+            f"sm80_features/{dim}"
+    assert plan(256, "sm90", backward=True, kernels="sm80", smem_limit="220000", **window) == "sm80_2d/256"
+    # Where a GPU runs them they stay: the 1-D kernel at 64 on 99 KB, the two-barrier form at 96 / 128 on 163 KB.
+    assert plan(64, "sm86", backward=True) == "sm80_plain/64"
+    assert plan(96, "sm80", backward=True) == "sm80_2d/96"
+    # No cap makes the plan name an uncompiled form for a plain call.
+    for dim in (96, 128, 256):
+        for cap in range(60000, 232449, 4096):
+            got = plan(dim, "sm90", backward=True, kernels="sm80", smem_limit=str(cap))
+            assert got != f"sm80_plain/{dim}" and (dim != 256 or got != "sm80_2d/256"), (dim, cap, got)
+
+
 def test_device_argument_errors():
     q, k, v = qkv(64)
     with pytest.raises(ValueError, match="'device' must be a dict"):

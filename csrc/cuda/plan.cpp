@@ -11,6 +11,7 @@
 #include "common/bias_tile_layout.h"
 #include "common/operand_alignment.h"
 #include "simt/resident_config.h"
+#include "sm80/bwd_forms.h"
 #include "sm80/tile_config.h"
 #include "sm90/tile_config.h"
 #include "tensor_core_tiers.h"
@@ -142,10 +143,11 @@ std::optional<FwdKernel> tensor_core_fwd(const FwdParams& p, const Limits& lim) 
 // The backward's general per-score step (more than a band and a bias).
 bool needs_general_step(const BwdParams& p) { return mods_beyond_bias(p) || p.dropout_p > 0.0 || p.dbias != nullptr; }
 
-// The tensor-core dK/dV kernels of tier kDim. Plain calls at dims 64 / 128 take the Hopper kernel on
-// sm_90; calls without the general step the 2-D kernel (in its two-block, one-barrier or two-barrier
-// form by shared memory and length) where it has the tier, then the 1-D kernel; calls with it, or
-// that none of those fits, the general variant, then its compact tiles.
+// The tensor-core dK/dV kernels of tier kDim. Plain calls at dims 64 / 128 / 256 take the Hopper kernel
+// on sm_90; calls without the general step the 2-D kernel (in its two-block, one-barrier or two-barrier
+// form by shared memory and length) where it has the tier, then the 1-D kernel (plain calls: the forms
+// sm80/bwd_forms.h compiles); calls with it, or that none of those fits, the general variant, then its
+// compact tiles.
 template <class Elem, int kDim>
 std::optional<BwdKernel> tensor_core_bwd(const BwdParams& p, const Limits& lim) {
   if constexpr (!sm80::BwdConfig<Elem, kDim>::kServed) {
@@ -183,11 +185,15 @@ std::optional<BwdKernel> tensor_core_bwd(const BwdParams& p, const Limits& lim) 
         if constexpr (OneSync::kServed) {
           if (!p.has_features() && plain_fits(OneSync{})) return BwdKernel::kSm80OneSync;
         }
-        if (lim.sm80_fits(with_bias_tiles<TwoDim>(p))) return BwdKernel::kSm80TwoDim;
+        // (Plain calls only where that form is compiled: sm80/bwd_forms.h.)
+        if ((p.has_features() || sm80::bwd_2d_plain_compiled<Elem, kDim>()) && lim.sm80_fits(with_bias_tiles<TwoDim>(p)))
+          return BwdKernel::kSm80TwoDim;
       }
     }
-    if (fits_1d(sm80::BwdConfig<Elem, kDim>{}))
-      return p.has_features() ? BwdKernel::kSm80Features : BwdKernel::kSm80Plain;
+    if (fits_1d(sm80::BwdConfig<Elem, kDim>{})) {
+      if (p.has_features()) return BwdKernel::kSm80Features;
+      if constexpr (sm80::bwd_1d_plain_compiled<Elem, kDim>()) return BwdKernel::kSm80Plain;
+    }
     return general();
   }
 }

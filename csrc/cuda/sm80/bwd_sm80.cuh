@@ -37,6 +37,7 @@
 #include "../plan.h"
 #include "../schedule/causal_order.cuh"
 #include "../schedule/query_walk.cuh"
+#include "bwd_forms.h"
 #include "bwd_sm80_2d.cuh"
 #include "bwd_steps.cuh"
 #include "tile_config.h"
@@ -265,7 +266,9 @@ bool bwd_dkdv(const BwdParams& p, BwdKernel kernel, const void* dsum, const DqAc
     return false;
   } else {
     switch (kernel) {
-      case BwdKernel::kSm80Plain: return launch_dkdv<Elem, kDim, false, false>(p, dsum, accum, stream);
+      case BwdKernel::kSm80Plain:  // (compiled at the tiers where a GPU can run it: bwd_forms.h)
+        if constexpr (bwd_1d_plain_compiled<Elem, kDim>()) return launch_dkdv<Elem, kDim, false, false>(p, dsum, accum, stream);
+        return false;
       case BwdKernel::kSm80Features: return launch_dkdv<Elem, kDim, true, false>(p, dsum, accum, stream);
       case BwdKernel::kSm80General: return launch_dkdv<Elem, kDim, true, true>(p, dsum, accum, stream);
       case BwdKernel::kSm80Compact:

@@ -36,6 +36,7 @@
 #include "../schedule/query_walk.cuh"
 #include "../schedule/tail_split.cuh"
 #include "bwd_2d_steps.cuh"
+#include "bwd_forms.h"
 #include "launch.h"
 #include "tile_config.h"
 
@@ -282,9 +283,10 @@ bool launch_dkdv_2d(const BwdParams& p, BwdKernel form, const void* dsum, const 
     }
     if (form != BwdKernel::kSm80TwoDim) return false;
     const size_t smem = Cfg::kSmemBytes + 2 * size_t(bias_tile_layout<Cfg::kBM, Cfg::kBN>(p).buffer_bytes());
-    return launch(p.has_features() ? bwd_dkdv_2d_kernel<Elem, kDim, true, false>
-                                   : bwd_dkdv_2d_kernel<Elem, kDim, false, false>,
-                  Cfg{}, smem);
+    if (p.has_features()) return launch(bwd_dkdv_2d_kernel<Elem, kDim, true, false>, Cfg{}, smem);
+    // Plain calls: where a GPU can run this form (bwd_forms.h).
+    if constexpr (bwd_2d_plain_compiled<Elem, kDim>()) return launch(bwd_dkdv_2d_kernel<Elem, kDim, false, false>, Cfg{}, smem);
+    return false;
   }
 }
 
