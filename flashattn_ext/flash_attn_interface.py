@@ -90,10 +90,8 @@ def _forward_and_probs(q, k, v, dropout_p, softmax_scale, causal, window_size, s
         varlen = varlen or {}
         call = fp8_call(q, k, v, descales, softmax_scale, dropout_p, CAUSAL_BOTTOM_RIGHT if causal else CAUSAL_NONE,
                         "thd" if varlen else "blhd", varlen.get("cu_seqlens_q"), varlen.get("cu_seqlens_k"))
-        with torch.autocast(q.device.type, enabled=False):
-            out, lse, probs = _forward_and_probs(call.q, call.k, call.v, 0.0, call.scale, causal, window_size,
-                                                 softcap, alibi_slopes, deterministic, varlen or None)
-        return call.finish(out), lse, probs
+        return call.run(lambda q, k, v, scale: _forward_and_probs(q, k, v, 0.0, scale, causal, window_size, softcap,
+                                                                  alibi_slopes, deterministic, varlen or None))
     if softmax_scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] > 0 else 1.0
     else:

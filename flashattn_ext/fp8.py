@@ -32,18 +32,21 @@ def _dtype_name(dtype):
 
 class Fp8Call:
     """A float8 call made ready for the bfloat16 path: q, k, v (bfloat16, the op's (batch,
-    heads, len, dim) views), the softmax scale with the per-tensor descales in it, and finish()
-    for the output."""
+    heads, len, dim) views), the softmax scale with the per-tensor descales in it, and run()
+    for the attention over them."""
 
     def __init__(self, q, k, v, scale, out_factor):
         self.q, self.k, self.v, self.scale = q, k, v, scale
         self._out_factor = out_factor  # None (1), a float, or broadcastable to (batch, heads, len, 1) in fp32
 
-    def finish(self, out):
-        """The kernels' output (the op's view) times v_descale, in bfloat16."""
-        if self._out_factor is None:
-            return out
-        return (out * self._out_factor).to(OUT_DTYPE)
+    def run(self, attention):
+        """attention(q, k, v, scale) -> (out, *rest) on the dequantized tensors, autocast off (so
+        that it stays bfloat16), then out times v_descale, in bfloat16."""
+        with torch.autocast(self.q.device.type, enabled=False):
+            out, *rest = attention(self.q, self.k, self.v, self.scale)
+        if self._out_factor is not None:
+            out = (out * self._out_factor).to(OUT_DTYPE)
+        return (out, *rest)
 
 
 def prepare(q, k, v, descales, scale, dropout_p, causal, layout, cu_seqlens_q=None, cu_seqlens_k=None):

@@ -100,9 +100,8 @@ def _fp8_attention(q, k, v, descales, softmax_scale, causal, deterministic, drop
     path (autocast off, so that it stays bfloat16), the output times v_descale."""
     call = fp8_call(q, k, v, descales, softmax_scale, dropout_p, causal, layout, features.get("cu_seqlens_q"),
                     features.get("cu_seqlens_k"))
-    with torch.autocast(q.device.type, enabled=False):
-        out, lse = _attention(call.q, call.k, call.v, call.scale, causal, deterministic, layout=layout, **features)
-    return call.finish(out), lse
+    return call.run(lambda q, k, v, scale: _attention(q, k, v, scale, causal, deterministic, layout=layout,
+                                                      **features))
 
 
 def _count(n, name):

@@ -186,8 +186,8 @@ std::optional<BwdKernel> tensor_core_bwd(const BwdParams& p, const Limits& lim) 
           if (!p.has_features() && plain_fits(OneSync{})) return BwdKernel::kSm80OneSync;
         }
         // (Plain calls only where that form is compiled: sm80/bwd_forms.h.)
-        if ((p.has_features() || sm80::bwd_2d_plain_compiled<Elem, kDim>()) && lim.sm80_fits(with_bias_tiles<TwoDim>(p)))
-          return BwdKernel::kSm80TwoDim;
+        const bool compiled = p.has_features() || sm80::bwd_2d_plain_compiled<Elem, kDim>();
+        if (compiled && lim.sm80_fits(with_bias_tiles<TwoDim>(p))) return BwdKernel::kSm80TwoDim;
       }
     }
     if (fits_1d(sm80::BwdConfig<Elem, kDim>{})) {
