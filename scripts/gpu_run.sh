@@ -68,12 +68,12 @@ if [[ " $STEPS " == *" sanitize "* ]]; then
   done
   # The wgmma forward (sm_90) on its cases, small grids sent to it, and the backward at 16-row multiples;
   # and the plain cases on the mma.sync
-  # kernels that sm_90 otherwise leaves (the dK/dV kernels at dims 64 / 128 / 256 run wgmma by default).
+  # kernels that sm_90 otherwise leaves (the dK/dV kernels at dims 64 / 96 / 128 / 256 run wgmma by default).
   for tool in memcheck racecheck; do
     if [[ " $SANITIZE_KERNELS " == *" wgmma "* ]]; then
       echo "--- $tool, kernels: wgmma" | tee -a "$OUT/sanitize.log"
       FLASHATTN_CUDA_KERNELS=wgmma compute-sanitizer --tool $tool --error-exitcode 9 \
-        python3 scripts/sanitize_cases.py 30 41 2>&1 | tee -a "$OUT/sanitize.log" | tail -4
+        python3 scripts/sanitize_cases.py 30 43 2>&1 | tee -a "$OUT/sanitize.log" | tail -4
       status=$(( status | ${PIPESTATUS[0]} ))
     fi
     if [[ " $SANITIZE_KERNELS " == *" sm80 "* ]]; then

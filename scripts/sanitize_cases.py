@@ -51,7 +51,7 @@ CASES = [  # (dtype, batch, heads_q, heads_kv, len_q, len_k, head_dim, head_dim_
     (torch.float64, 1, 2, 1, 150, 260, 64, 64, 2),  # fp64 dim 64: 8 warps, several key tiles
     # The wgmma forward on sm_90 (sm90/fwd_ws_sm90.cuh; run with FLASHATTN_CUDA_KERNELS=wgmma, which
     # sends these small grids to it): ragged query and key tiles, GQA, both causal alignments. (On sm_90
-    # every plain dim-64 / 128 / 256 case above runs the wgmma dK/dV kernel, sm90/bwd_sm90.cuh, by default;
+    # every plain dim-64 / 96 / 128 / 256 case above runs the wgmma dK/dV kernel, sm90/bwd_sm90.cuh, by default;
     # FLASHATTN_CUDA_KERNELS=sm80 sends them to the sm80/ kernels their comments name.)
     (torch.bfloat16, 1, 4, 2, 200, 300, 128, 128, 1),
     (torch.float16, 1, 2, 1, 150, 333, 256, 256, 2),
@@ -72,6 +72,9 @@ CASES = [  # (dtype, batch, heads_q, heads_kv, len_q, len_k, head_dim, head_dim_
     # bottom-right causal; a key tile that walks 6 query tiles of each head.
     (torch.bfloat16, 1, 4, 2, 200, 330, 256, 256, 2),
     (torch.float16, 2, 2, 2, 384, 100, 256, 256, 0),
+    # ... at dim 96 (two 64-dim panels, the second half TMA's zero fill): dQ by atomics (200 rows), staged (256).
+    (torch.bfloat16, 1, 4, 2, 200, 330, 96, 96, 2),
+    (torch.float16, 2, 2, 2, 256, 150, 96, 96, 0),
 ]
 
 bounds = [int(x) for x in sys.argv[1:3]]

@@ -43,7 +43,7 @@ FWD_HALF = {
 BWD_HALF = {
     32: ("sm80_plain/32", "sm80_plain/32", "sm80_plain/32", "sm80_plain/32", "simt/32", "sm80_plain/32"),
     64: ("sm90_wgmma/64", "sm80_2d/64", "sm80_plain/64", "sm80_plain/64", "simt/64", "sm80_2d/64"),
-    96: ("sm80_2d_one_sync/96", "sm80_2d_one_sync/96", "sm80_2d/96", "sm80_general/96", "simt/128",
+    96: ("sm90_wgmma/96", "sm80_2d_one_sync/96", "sm80_2d/96", "sm80_general/96", "simt/128",
          "sm80_2d_one_sync/96"),
     128: ("sm90_wgmma/128", "sm80_2d_one_sync/128", "sm80_2d/128", "sm80_compact/128", "simt/128",
           "sm80_2d_one_sync/128"),

@@ -1,4 +1,4 @@
-// Hopper dK/dV kernel (wgmma, warp-specialized): fp16 and bf16 at head dims 64, 128 and 256, as the kernel
+// Hopper dK/dV kernel (wgmma, warp-specialized): fp16 and bf16 at head dims 64, 96, 128 and 256, as the kernel
 // plan (../plan.cpp) chose; bwd_ws_ready answers the plan's question whether it can take a call, and
 // its maps are the ones the launch passes.
 #include "bwd_sm90.cuh"
@@ -34,6 +34,7 @@ bool bwd_ws_ready(const BwdParams& p, int dim, BwdPanelMaps& maps) {
   const bool bf16 = p.dtype == DType::kBFloat16;
   if (dim == 64) return bf16 ? ws_ready<__nv_bfloat16, 64>(p, maps) : ws_ready<__half, 64>(p, maps);
   if (dim == 256) return bf16 ? ws_ready<__nv_bfloat16, 256>(p, maps) : ws_ready<__half, 256>(p, maps);
+  if (dim == 96) return bf16 ? ws_ready<__nv_bfloat16, 96>(p, maps) : ws_ready<__half, 96>(p, maps);
   return bf16 ? ws_ready<__nv_bfloat16, 128>(p, maps) : ws_ready<__half, 128>(p, maps);
 }
 
@@ -60,6 +61,10 @@ template bool bwd_wgmma<__half, 128>(const BwdParams&, const BwdPanelMaps&, cons
 template bool bwd_wgmma<__nv_bfloat16, 64>(const BwdParams&, const BwdPanelMaps&, const void*, const DqAccum&,
                                            cudaStream_t);
 template bool bwd_wgmma<__half, 64>(const BwdParams&, const BwdPanelMaps&, const void*, const DqAccum&,
+                                    cudaStream_t);
+template bool bwd_wgmma<__nv_bfloat16, 96>(const BwdParams&, const BwdPanelMaps&, const void*, const DqAccum&,
+                                           cudaStream_t);
+template bool bwd_wgmma<__half, 96>(const BwdParams&, const BwdPanelMaps&, const void*, const DqAccum&,
                                     cudaStream_t);
 template bool bwd_wgmma<__nv_bfloat16, 256>(const BwdParams&, const BwdPanelMaps&, const void*, const DqAccum&,
                                             cudaStream_t);

@@ -1,7 +1,7 @@
 // Warp-specialized dK/dV kernel (with dQ) on wgmma (sm_90a): plain fp16 / bf16 calls at head dims 64,
-// 128 and 256 (head_dim == head_dim_v, no optional feature). A block of three warpgroups owns a key tile
-// of kBN = 128 keys and visits every query tile of kBM rows (128 at dim 64, 64 at 128) that sees one of
-// its keys, over the kv head's query heads (the walk of the sm80/ kernels, query_walk.cuh):
+// 96, 128 and 256 (head_dim == head_dim_v, no optional feature). A block of three warpgroups owns a key
+// tile of kBN = 128 keys and visits every query tile of kBM rows (128 at dim 64, 64 at 96 and 128) that
+// sees one of its keys, over the kv head's query heads (the walk of the sm80/ kernels, query_walk.cuh):
 //   warpgroup 0, warp 0   copies: K and V once, then per query tile Q and dO (TMA, one thread) and its
 //                         LSE and D (cp.async, the warp) into a two-stage ring of mbarriers;
 //   warpgroup 0, warp 1   adds each finished dQ tile, staged in smem by the consumers, into the fp32
@@ -67,7 +67,7 @@ __device__ __forceinline__ void bwd_ws_producer(const BwdParams& p, const BwdPan
                                                 int64_t n0, int rows_k, int64_t hk, int64_t group, bool dq_staged,
                                                 unsigned char* tiles, int warp, int lane) {
   using Cfg = BwdWsConfig<Elem, kDim>;
-  constexpr int kBM = Cfg::kBM, kBN = Cfg::kBN, kPanels = kDim / 64;
+  constexpr int kBM = Cfg::kBM, kBN = Cfg::kBN, kPanels = Cfg::kPanels;
   unsigned char* const sK = tiles;
   unsigned char* const sV = tiles + Cfg::kKvBytes;
   auto sQ = [&](int s) { return tiles + 2 * Cfg::kKvBytes + s * Cfg::kQBytes; };
@@ -453,12 +453,15 @@ __global__ void __launch_bounds__(BwdWsConfig<Elem, kDim>::kThreads, 1)
       for (int e = 0; e < 4; ++e) dk[d][e] = dv[d][e] = 0.f;
 
     // dQ = dS K over the block's keys, both operands MN-major: with 128-row tiles this warpgroup's 64 rows
-    // (its panel of dS^T's lines) x every dim, with 64-row tiles every row x its half of the dims (a panel
-    // further into K's lines at dim 128).
+    // (its panel of dS^T's lines) x every dim, with 64-row tiles every row x its panel of the dims (a panel
+    // further into K's lines for the second warpgroup). At dim 96 that panel's last 32 dims are TMA's zero
+    // fill: the second warpgroup adds only the first kLastCols columns of its product.
     constexpr bool kSplitRows = kBM == 128;
-    constexpr int kDqCols = kSplitRows ? kDim : kDim / 2;
+    constexpr int kDqCols = kSplitRows ? kDim : kDim == 96 ? 64 : kDim / 2;
+    constexpr int kLastCols = kSplitRows ? kDim : kDim - kDqCols;  // the second warpgroup's
     const int dq_row0 = (kSplitRows ? cwg * 64 : 0) + warp * 16, dq_col0 = kSplitRows ? 0 : cwg * kDqCols;
-    const uint32_t dq_b = kSplitRows ? k_at : k_at + (kDim == 128 ? cwg * kBN * 128 : cwg * kDqCols * 2);
+    const uint32_t dq_b =
+        kSplitRows ? k_at : k_at + (kDim == 128 || kDim == 96 ? cwg * kBN * 128 : cwg * kDqCols * 2);
     float dq[1][kDqCols / 8][4];
     // Adds a finished dQ tile: into sdQ in the accumulator's blocked layout (dq_layout.cuh: the warp's 16
     // rows x 8 columns per atom, a lane's 4 values together) once the bulk add has read the one before,
@@ -470,7 +473,9 @@ __global__ void __launch_bounds__(BwdWsConfig<Elem, kDim>::kThreads, 1)
         float* dst = sdQ + dq_row0 * kDim + (dq_col0 / 8) * 128 + 4 * lane;
 #pragma unroll
         for (int d = 0; d < kDqCols / 8; ++d)
-          *reinterpret_cast<float4*>(dst + 128 * d) = make_float4(dq[0][d][0], dq[0][d][1], dq[0][d][2], dq[0][d][3]);
+          if (kLastCols == kDqCols || cwg == 0 || d < kLastCols / 8)
+            *reinterpret_cast<float4*>(dst + 128 * d) =
+                make_float4(dq[0][d][0], dq[0][d][1], dq[0][d][2], dq[0][d][3]);
         fence_proxy_async();
         mbar_arrive(dq_full);
       } else {

@@ -55,8 +55,10 @@ struct FwdWsConfig {
 // beside two consumers.
 template <class Elem, int kDim>
 struct BwdWsConfig {
-  static constexpr bool kServed = sizeof(Elem) == 2 && (kDim == 64 || kDim == 128 || kDim == 256);
+  static constexpr bool kServed = sizeof(Elem) == 2 && (kDim == 64 || kDim == 96 || kDim == 128 || kDim == 256);
   static constexpr int kConsumers = 2;
+  // The tiles' dims in smem: panels of 64 (dim 96: two, the second half zero-filled by TMA).
+  static constexpr int kPanels = (kDim + 63) / 64, kDimPad = 64 * kPanels;
   static constexpr int kThreads = 128 * (1 + kConsumers);
   // At 64 and 128 each consumer owns 64 keys of a 128-key block and all their dims. At 256 dK and dV of
   // 64 keys take 128 registers of a consumer thread each, so the consumers split the dims of a 64-key
@@ -64,12 +66,12 @@ struct BwdWsConfig {
   // through smem.
   static constexpr bool kSplitDims = kDim == 256;
   // Query tiles of 128 rows at dim 64 (S^T / dP^T at m64n128 per consumer: fewer, fuller products per
-  // exponential), 64 at 128 and 256 (dK and dV take 128 registers there).
+  // exponential), 64 at 96, 128 and 256 (dK and dV take 96 / 128 registers there).
   static constexpr int kBN = kSplitDims ? 64 : 128, kBM = kDim == 64 ? 128 : 64;
-  static constexpr uint32_t kKvBytes = kBN * kDim * 2, kQBytes = kBM * kDim * 2, kDsBytes = kBN * kBM * 2;
+  static constexpr uint32_t kKvBytes = kBN * kDimPad * 2, kQBytes = kBM * kDimPad * 2, kDsBytes = kBN * kBM * 2;
   // K, V, two stages of Q and dO, two dS^T buffers, (split dims) two P^T buffers, (else) one fp32 dQ
   // tile, LSE / D of two stages, the mbarriers, and room to align to 1024 bytes: 194 KB at 64 and 128,
-  // 226 KB at 256, where dQ has no room and goes out with the consumers' atomics.
+  // 186 KB at 96, 226 KB at 256, where dQ has no room and goes out with the consumers' atomics.
   static constexpr uint32_t kDsOffset = 2 * kKvBytes + 4 * kQBytes;
   static constexpr uint32_t kPOffset = kDsOffset + 2 * kDsBytes;
   static constexpr uint32_t kDqOffset = kPOffset + (kSplitDims ? 2 * kDsBytes : 0);
