@@ -34,7 +34,7 @@ FWD_HALF = {
     #      sm90                sm90 without sm_90a sm80 (163 KB)    sm86 (99 KB)     sm75        sm100
     32: ("sm80_plain/32", "sm80_plain/32", "sm80_plain/32", "sm80_plain/32", "simt/32", "sm80_plain/32"),
     64: ("sm90_wgmma_ws3/64", "sm80_plain/64", "sm80_plain/64", "sm80_plain/64", "simt/64", "sm80_plain/64"),
-    96: ("sm80_plain/96", "sm80_plain/96", "sm80_plain/96", "sm80_plain/96", "simt/128", "sm80_plain/96"),
+    96: ("sm90_wgmma_ws/96", "sm80_plain/96", "sm80_plain/96", "sm80_plain/96", "simt/128", "sm80_plain/96"),
     128: ("sm90_wgmma_ws/128", "sm80_plain/128", "sm80_plain/128", "sm80_plain/128", "simt/128", "sm80_plain/128"),
     192: ("sm80_plain/192", "sm80_plain/192", "sm80_plain/192", "sm80_plain/192", "simt/256", "sm80_plain/192"),
     256: ("sm90_wgmma_ws/256", "sm80_plain/256", "sm80_plain/256", "sm80_plain/256", "simt/256", "sm80_plain/256"),

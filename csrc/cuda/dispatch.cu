@@ -134,6 +134,7 @@ template <class T>
 bool sm90_fwd_ready(const FwdParams& call, const FwdPlan& plan, sm90::FwdPanelMaps& maps) {
   if (plan.kernel == FwdKernel::kSm90WgmmaWs3) return sm90::fwd_ws_ready<T, 64, 3>(call, maps);
   return plan.tier == 64    ? sm90::fwd_ws_ready<T, 64>(call, maps)
+         : plan.tier == 96  ? sm90::fwd_ws_ready<T, 96>(call, maps)
          : plan.tier == 128 ? sm90::fwd_ws_ready<T, 128>(call, maps)
                             : sm90::fwd_ws_ready<T, 256>(call, maps);
 }

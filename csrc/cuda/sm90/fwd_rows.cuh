@@ -239,11 +239,13 @@ struct FwdRows {
       if (t == 0 && row < dst.rows) dst.lse[row] = empty ? neg_inf<float>() : Exp::lse(row_max[r], l);
     }
     __syncwarp();
+    // (dim 96: 12 lanes a row, 2 rows a step, lanes 24-31 idle)
     constexpr int kLanesPerRow = kDim / 8, kRowsPerStep = 32 / kLanesPerRow;
     const int c = lane % kLanesPerRow;
 #pragma unroll
-    for (int i = 0; i < 16 / kRowsPerStep; ++i) {
+    for (int i = 0; i < (16 + kRowsPerStep - 1) / kRowsPerStep; ++i) {
       const int row = wrow + i * kRowsPerStep + lane / kLanesPerRow;
+      if (32 % kLanesPerRow != 0 && lane >= kRowsPerStep * kLanesPerRow) continue;
       const uint4 chunk = *reinterpret_cast<const uint4*>(staged(row, c));
       if (row < dst.rows) *reinterpret_cast<uint4*>(dst.out + row * p.out_stride.row + c * 8) = chunk;
     }

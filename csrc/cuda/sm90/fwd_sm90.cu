@@ -1,4 +1,4 @@
-// The Hopper forward (wgmma, warp-specialized): fp16 and bf16 at head dims 64, 128 and 256, its launcher
+// The Hopper forward (wgmma, warp-specialized): fp16 and bf16 at head dims 64, 96, 128 and 256, its launcher
 // as the kernel plan (../plan.cpp) chose, and the plan's question whether it can take a call (whose
 // maps the launch passes).
 #include "fwd_ws_sm90.cuh"
@@ -70,6 +70,8 @@ template bool fwd_wgmma<__nv_bfloat16, 64, 2>(const FwdParams&, const FwdPanelMa
 template bool fwd_wgmma<__half, 64, 2>(const FwdParams&, const FwdPanelMaps&, cudaStream_t);
 template bool fwd_wgmma<__nv_bfloat16, 64, 3>(const FwdParams&, const FwdPanelMaps&, cudaStream_t);
 template bool fwd_wgmma<__half, 64, 3>(const FwdParams&, const FwdPanelMaps&, cudaStream_t);
+template bool fwd_wgmma<__nv_bfloat16, 96, 2>(const FwdParams&, const FwdPanelMaps&, cudaStream_t);
+template bool fwd_wgmma<__half, 96, 2>(const FwdParams&, const FwdPanelMaps&, cudaStream_t);
 template bool fwd_wgmma<__nv_bfloat16, 128, 2>(const FwdParams&, const FwdPanelMaps&, cudaStream_t);
 template bool fwd_wgmma<__half, 128, 2>(const FwdParams&, const FwdPanelMaps&, cudaStream_t);
 template bool fwd_wgmma<__nv_bfloat16, 256, 2>(const FwdParams&, const FwdPanelMaps&, cudaStream_t);
@@ -78,6 +80,8 @@ template bool fwd_ws_ready<__nv_bfloat16, 64, 2>(const FwdParams&, FwdPanelMaps&
 template bool fwd_ws_ready<__half, 64, 2>(const FwdParams&, FwdPanelMaps&);
 template bool fwd_ws_ready<__nv_bfloat16, 64, 3>(const FwdParams&, FwdPanelMaps&);
 template bool fwd_ws_ready<__half, 64, 3>(const FwdParams&, FwdPanelMaps&);
+template bool fwd_ws_ready<__nv_bfloat16, 96, 2>(const FwdParams&, FwdPanelMaps&);
+template bool fwd_ws_ready<__half, 96, 2>(const FwdParams&, FwdPanelMaps&);
 template bool fwd_ws_ready<__nv_bfloat16, 128, 2>(const FwdParams&, FwdPanelMaps&);
 template bool fwd_ws_ready<__half, 128, 2>(const FwdParams&, FwdPanelMaps&);
 template bool fwd_ws_ready<__nv_bfloat16, 256, 2>(const FwdParams&, FwdPanelMaps&);

@@ -39,7 +39,7 @@ __device__ __forceinline__ void fwd_ws_producer(const FwdParams& p, const FwdPan
   tma_prefetch_map(&maps.q);
   tma_prefetch_map(&maps.k);
   tma_prefetch_map(&maps.v);
-  constexpr int kPanels = kDim / 64;
+  constexpr int kPanels = Cfg::kPanels;
   int c = 0;
   unsigned item = 0;
   for (unsigned index = blockIdx.x; index < num_work; index += gridDim.x, ++item) {

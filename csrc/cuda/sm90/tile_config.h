@@ -6,9 +6,9 @@
 
 namespace flashattn::cuda::sm90 {
 
-// The head-dim tiers the wgmma forward has (fp16 / bf16 at 64, 128 and 256).
+// The head-dim tiers the wgmma forward has (fp16 / bf16 at 64, 96, 128 and 256).
 template <class Elem, int kDim>
-constexpr bool kFwdWgmmaTier = sizeof(Elem) == 2 && (kDim == 64 || kDim == 128 || kDim == 256);
+constexpr bool kFwdWgmmaTier = sizeof(Elem) == 2 && (kDim == 64 || kDim == 96 || kDim == 128 || kDim == 256);
 
 template <class Elem, int kDim, int kConsumersT = 2>
 struct FwdWsConfig {
@@ -24,7 +24,9 @@ struct FwdWsConfig {
   // of 128-key tiles spill 264 B in their 160 registers).
   static constexpr int kBM = 64 * kConsumers, kBN = kDim == 256 ? 64 : kConsumers == 3 ? 96 : 128, kStages = 2;
   static constexpr int kQBuffers = kDim == 256 ? 1 : 2;
-  static constexpr uint32_t kQBytes = kBM * kDim * 2, kKvBytes = kBN * kDim * 2;
+  // The tiles' dims in smem: panels of 64 (dim 96: two, the second half zero-filled by TMA).
+  static constexpr int kPanels = (kDim + 63) / 64, kDimPad = 64 * kPanels;
+  static constexpr uint32_t kQBytes = kBM * kDimPad * 2, kKvBytes = kBN * kDimPad * 2;
   static constexpr uint32_t kBarOffset = kQBuffers * kQBytes + 2 * kStages * kKvBytes;
   // The Q buffers, the K and V stages, the mbarriers (K / V full and empty per stage, Q empty per
   // buffer), and room to align to 1024: 97 KB at dim 64 (three consumers: 97 KB), 193 KB at 128 and 256.
