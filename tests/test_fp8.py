@@ -58,17 +58,40 @@ def bhld(*tensors):
     return [t.transpose(1, 2) for t in tensors]
 
 
-def check_out_lse(out, lse, qr, kr, vr, scale, causal, features):
-    """out (B, L, H, Ev) and lse (B, H, L) against attention on the float64 dequantized
-    tensors qr, kr, vr (B, L, H, E), torch in bfloat16 on them as the same-dtype baseline."""
-    q64, k64, v64 = bhld(qr, kr, vr)
-    ref_out, ref_lse = attention_ref(q64, k64, v64, scale, causal, **features)
+def folded(q, k, qd, kd):
+    """Where q_descale * k_descale is per head, the call folds it into q before one bfloat16 rounding
+    and leaves k exact: (q * q_descale * k_descale, k) in float64, the other bfloat16 dequantization
+    of the same scores; else None."""
+    qd_t, kd_t = (isinstance(d, torch.Tensor) and d.numel() > 1 for d in (qd, kd))
+    if not (qd_t or kd_t):
+        return None
+    ones = torch.ones(q.shape[0], k.shape[2], dtype=torch.float32, device=q.device)
+    qk = (qd if qd_t else ones * (1.0 if qd is None else float(qd))) * (kd if kd_t else ones * (1.0 if kd is None
+                                                                                                 else float(kd)))
+    return dequantized(q, qk), k.double()
+
+
+def bf16_baseline(q64, k64, v64, scale, causal, features, device):
     q16, k16, v16 = (t.to(BF16) for t in (q64, k64, v64))
     if features:
-        same_out, same_lse = attention_ref(q16, k16, v16, scale, causal, **features)
-    else:
-        backend = same_dtype_backend(out.device, q16.shape[2], k16.shape[2], causal)
-        same_out, same_lse = attention(q16, k16, v16, scale, causal, backend)
+        return attention_ref(q16, k16, v16, scale, causal, **features)
+    return attention(q16, k16, v16, scale, causal, same_dtype_backend(device, q16.shape[2], k16.shape[2], causal))
+
+
+def check_out_lse(out, lse, qr, kr, vr, scale, causal, features, fold=None):
+    """out (B, L, H, Ev) and lse (B, H, L) against attention on the float64 dequantized
+    tensors qr, kr, vr (B, L, H, E), torch in bfloat16 on them as the same-dtype baseline. `fold`:
+    folded()'s (q, k), whose bfloat16 rounding is the call's; the baseline is then the one of the two
+    dequantizations further from the reference (each is one rounding of the same scores)."""
+    q64, k64, v64 = bhld(qr, kr, vr)
+    ref_out, ref_lse = attention_ref(q64, k64, v64, scale, causal, **features)
+    same_out, same_lse = bf16_baseline(q64, k64, v64, scale, causal, features, out.device)
+    if fold is not None:
+        fold_out, fold_lse = bf16_baseline(*bhld(*fold), v64, scale, causal, features, out.device)
+        def worse(a, b, ref):
+            err = lambda x: (x.double() - ref).nan_to_num(nan=0.0).abs().amax() if ref.numel() else 0
+            return a if err(a) >= err(b) else b
+        same_out, same_lse = worse(same_out, fold_out, ref_out), worse(same_lse, fold_lse, ref_lse)
     assert out.dtype == BF16 and lse.dtype == torch.float32
     assert_accurate("out", out.transpose(1, 2), ref_out, same_out, OUT_ATOL)
     assert_accurate("lse", lse, ref_lse, same_lse, LSE_ATOL)
@@ -86,7 +109,7 @@ def test_against_reference(device, dtype, kind, causal):
     qd, kd, vd = descales(kind, batch, heads_kv, device)
     out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True, q_descale=qd, k_descale=kd, v_descale=vd)
     check_out_lse(out, lse, dequantized(q, qd), dequantized(k, kd), dequantized(v, vd), dim ** -0.5,
-                  BOTTOM_RIGHT if causal else NONE, {})
+                  BOTTOM_RIGHT if causal else NONE, {}, folded(q, k, qd, kd))
 
 
 @pytest.mark.parametrize("kind", ["float", "per_head"])
@@ -102,7 +125,7 @@ def test_features(device, kind):
     out, lse = flash_attn_func(q, k, v, softmax_scale=scale, causal=True, window_size=window, softcap=softcap,
                                alibi_slopes=slopes, return_lse=True, q_descale=qd, k_descale=kd, v_descale=vd)
     check_out_lse(out, lse, dequantized(q, qd), dequantized(k, kd), dequantized(v, vd), scale, BOTTOM_RIGHT,
-                  dict(window=window, softcap=softcap, alibi=slopes))
+                  dict(window=window, softcap=softcap, alibi=slopes), folded(q, k, qd, kd))
 
 
 @pytest.mark.parametrize("kind", ["tensor", "per_head"])
@@ -129,8 +152,10 @@ def test_varlen(device, kind):
         def seq(x, d, rows):
             d = d[b:b + 1] if isinstance(d, torch.Tensor) and d.numel() > 1 else d
             return dequantized(x[rows][None], d)
+        qd_b, kd_b = (d[b:b + 1] if isinstance(d, torch.Tensor) and d.numel() > 1 else d for d in (qd, kd))
         check_out_lse(out[rows_q][None], lse[:, rows_q][None], seq(q, qd, rows_q), seq(k, kd, rows_k),
-                      seq(v, vd, rows_k), dim ** -0.5, BOTTOM_RIGHT, {})
+                      seq(v, vd, rows_k), dim ** -0.5, BOTTOM_RIGHT, {},
+                      folded(q[rows_q][None], k[rows_k][None], qd_b, kd_b))
 
 
 def test_exact_where_it_can_be(device):
