@@ -102,27 +102,18 @@ __device__ __forceinline__ void warp_scores(float (&s)[2][4], const Reads& read,
 }
 
 // The online softmax over the warp's keys of a tile (s: scaled scores, masked ones -inf; becomes
-// the unnormalised P), the lane's rows' max and sum updated; alpha rescales O.
+// the unnormalised P), the lane's rows' max and sum updated (online_softmax_step, the SIMT kernels'
+// step, on a row's four scores); alpha rescales O.
 __device__ __forceinline__ void warp_softmax(float (&s)[2][4], float (&row_max)[2], float (&row_sum)[2],
                                              float (&alpha)[2]) {
-  using Exp = ExpDomain<float>;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    float mx = acc_max(acc_max(s[0][2 * r], s[0][2 * r + 1]), acc_max(s[1][2 * r], s[1][2 * r + 1]));
-    mx = reduce_max_lanes<4>(mx);
-    const float new_max = acc_max(row_max[r], mx), base = exp_base(new_max);
-    alpha[r] = Exp::exp(row_max[r] - base);
-    row_max[r] = new_max;
-    float sum = 0.f;
-#pragma unroll
-    for (int jn = 0; jn < 2; ++jn)
-#pragma unroll
-      for (int cc = 0; cc < 2; ++cc) {
-        float& x = s[jn][2 * r + cc];
-        x = Exp::exp(x - base);
-        sum += x;
-      }
-    row_sum[r] = row_sum[r] * alpha[r] + sum;
+    float x[4] = {s[0][2 * r], s[0][2 * r + 1], s[1][2 * r], s[1][2 * r + 1]};
+    alpha[r] = online_softmax_step<4>(x, row_max[r], row_sum[r]);
+    s[0][2 * r] = x[0];
+    s[0][2 * r + 1] = x[1];
+    s[1][2 * r] = x[2];
+    s[1][2 * r + 1] = x[3];
   }
 }
 
