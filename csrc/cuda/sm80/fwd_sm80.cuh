@@ -51,7 +51,6 @@ __device__ __forceinline__ void fwd_piece(const FwdParams& p, int num_m_tiles, c
   using M = typename F::M;
   using Acc = typename F::Acc;
   using Exp = typename F::Exp;
-  using TA = typename F::TA;
   constexpr int kBM = F::kBM, kBN = F::kBN, kMW = F::kMW, kLd = F::kLd, kThreads = F::kThreads;
   constexpr bool kSw = F::kSw, kQInRegs = F::kQInRegs;
 
@@ -180,67 +179,11 @@ __device__ __forceinline__ void fwd_piece(const FwdParams& p, int num_m_tiles, c
     if (blockIdx.x >= split.whole && !settle_piece(split, tile.rows - wrow, tid, kThreads, o, row_max, row_sum))
       return;
   }
-  // The tile's output. Staged (plain swizzled kernels; docs/kernels/sm80_forward.md): a warp writes
-  // its rows into its own rows of sQ, which only it read and its last S products are done with, and
-  // copies them out a 16-byte chunk per lane, a row's chunks across lanes. The feature variant
-  // stores from registers (store_rows). (Here, not in fwd_steps.cuh: there the dim-256 SASS changed.)
-  if constexpr (kSw && !kFeatures) {
-    Elem* out = sq.q_rows<Elem>(p.out, p.out_stride, h, 0);
-    Acc* lse = static_cast<Acc*>(p.lse);
-    // (opaque: formed here, not ahead of the key loop and held across it)
-    const uint32_t out_at = TA::base(sQ, opaque(wrow + g), 0);  // the lane's row g of the warp's rows
-    __syncwarp();  // every lane's reads of these rows (ldmatrix serves other lanes) are done
-#pragma unroll
-    for (int mw = 0; mw < kMW; ++mw) {
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const Acc l = reduce_sum_lanes<4>(row_sum[mw][r]);
-        // l == 0 only when no key is visible: out = 0, lse = -inf. A NaN l propagates.
-        const bool empty = l == Acc(0);
-        const Acc inv = empty ? Acc(0) : Acc(1) / l;
-#pragma unroll
-        for (int d = 0; d < F::kDA; ++d) {  // row 16 mw + 8 r + g, chunk d, bytes 4t.. of the warp's rows
-          const uint32_t at = TA::at(out_at, 16 * mw + 8 * r, d) + 4 * t;
-          *reinterpret_cast<uint32_t*>(smem_raw + (at - smem_addr(smem_raw))) =
-              M::pack(o[mw][d][2 * r] * inv, o[mw][d][2 * r + 1] * inv);
-        }
-        const int64_t m = row_of(mw, r);
-        if (t == 0 && m < sq.len_q)
-          lse[sq.row_index(p.heads_q, h, m)] = empty ? neg_inf<Acc>() : Exp::lse(row_max[mw][r], l);
-      }
-    }
-    __syncwarp();
-    // A row's chunks on kLanesPerRow lanes (one chunk each, read at SwizzledAddress's place),
-    // kRowsPerStep rows per step (fwd() checks that the output rows are 16-byte aligned). A rolled
-    // loop: fully unrolled, it moved the key loop's registers (52 B of spills at dims 64 and 128,
-    // 5 more registers at 256); one step per iteration serialized each load and its store.
-    constexpr int kChunk = chunk_elems<Elem>(), kLanesPerRow = kDim / kChunk, kRowsPerStep = 32 / kLanesPerRow;
-    static_assert(kLanesPerRow <= 32 && 32 % kLanesPerRow == 0, "a row's chunks divide the warp");
-    const int lane_o = opaque(4 * g + t);  // (opaque: the forms below stay out of the key loop)
-    const int c = lane_o % kLanesPerRow, row0 = wrow + lane_o / kLanesPerRow;
-    Elem* dst = out + (tile.m0 + row0) * p.out_stride.row + c * kChunk;
-    const int64_t dst_step = kRowsPerStep * p.out_stride.row;
-    const bool col_ok = c * kChunk < Ev;
-    const int rows_left = tile.rows - row0;
-    // Steps in batches of 4: their loads first, then their stores, so that the loads overlap.
-    constexpr int kSteps = 16 * kMW / kRowsPerStep, kBatch = 4;
-    static_assert(kSteps % kBatch == 0, "whole batches");
-#pragma unroll 1
-    for (int i0 = 0; i0 < kSteps; i0 += kBatch) {
-      uint4 chunk[kBatch];
-#pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-        const uint32_t at = TA::base(sQ, row0 + (i0 + j) * kRowsPerStep, c);
-        chunk[j] = *reinterpret_cast<const uint4*>(smem_raw + (at - smem_addr(smem_raw)));
-      }
-#pragma unroll
-      for (int j = 0; j < kBatch; ++j)
-        if (col_ok && (i0 + j) * kRowsPerStep < rows_left)
-          *reinterpret_cast<uint4*>(dst + (i0 + j) * dst_step) = chunk[j];
-    }
-  } else {
+  // The tile's output: staged through smem (plain swizzled kernels), or from the registers.
+  if constexpr (kSw && !kFeatures)
+    store_rows_staged<F>(o, row_max, row_sum, p, sq, tile, h, smem_raw, sQ, wrow, g, t, Ev);
+  else
     store_rows<F, Elem>(o, row_max, row_sum, p, sq, tile, h, drop, wrow, g, t, Ev);
-  }
 }
 
 // The block's piece: a whole walk (block `order` places), or a part of one (a split grid's last
