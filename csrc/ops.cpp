@@ -16,6 +16,7 @@
 #include <string>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "common/dropout.h"
@@ -579,6 +580,88 @@ Error fwd(Tensor q, Tensor k, Tensor v, double scale, int64_t causal, const Feat
   return run_backend(p, q, cpu::fwd_workspace_bytes, cpu::run_fwd, FLASHATTN_CUDA_FWD);
 }
 
+#ifdef FLASHATTN_WITH_CUDA
+// A float8 (e4m3) forward on the sm_90 kernel: q, k, v (batch, heads, len, 128) as uint8 views of
+// e4m3 tensors (flashattn_ext/fp8.py), qk_descale / v_descale contiguous float32 (batch, heads_kv);
+// out bf16 (laid out as q), lse float32. `unavailable`: set where the kernel cannot take the call (then
+// out and lse are not computed).
+Error fwd_fp8(Tensor q, Tensor k, Tensor v, Tensor qk_descale, Tensor v_descale, double scale, int64_t causal,
+              Tensor& out, Tensor& lse, bool& unavailable) {
+  unavailable = false;
+  for (const auto& [t, name] : {std::pair<const Tensor&, const char*>{q, "q"}, {k, "k"}, {v, "v"}}) {
+    FA_CHECK(t.dim() == 4 && t.is_cuda() && t.scalar_type() == ScalarType::Byte && (t.numel() == 0 || t.stride(3) == 1),
+             "flashattn: float8 argument '", name, "' must be a CUDA uint8 view of a float8_e4m3fn (batch, heads, "
+             "len, head_dim) tensor with a contiguous last dimension, got shape ", shape_str(t));
+    FA_CHECK(same_device(t, q), "flashattn: argument '", name, "' is on device ", device_str(t), " but 'q' is on ",
+             device_str(q), "; they must be on the same device");
+  }
+  const Dims d{q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3), v.size(3)};
+  FA_TRY(check_size(k, "k", 0, d.batch, "batch size"));
+  FA_TRY(check_size(v, "v", 0, d.batch, "batch size"));
+  FA_TRY(check_size(v, "v", 1, d.heads_kv, "number of heads (must equal k's)"));
+  FA_TRY(check_size(v, "v", 2, d.len_k, "sequence length (must equal k's)"));
+  FA_TRY(check_size(k, "k", 3, d.head_dim, "head_dim (must equal q's)"));
+  FA_CHECK(d.head_dim == 128 && d.head_dim_v == 128, "flashattn: the float8 kernel takes head_dim 128 (q, k and v), "
+           "got ", d.head_dim, " and ", d.head_dim_v);
+  FA_CHECK(d.heads_kv > 0 && d.heads_q % d.heads_kv == 0, "flashattn: the number of query heads (", d.heads_q,
+           ") must be a multiple of the number of key/value heads (", d.heads_kv, ")");
+  FA_CHECK(causal == kCausalNone || causal == kCausalTopLeft || causal == kCausalBottomRight,
+           "flashattn: argument 'causal' must be 0 (none), 1 (top-left) or 2 (bottom-right), got ", causal);
+  for (const auto& [t, name] : {std::pair<const Tensor&, const char*>{qk_descale, "qk_descale"},
+                                {v_descale, "v_descale"}}) {
+    FA_CHECK(t.dim() == 2 && t.size(0) == d.batch && t.size(1) == d.heads_kv && t.scalar_type() == ScalarType::Float &&
+                 t.is_contiguous() && same_device(t, q),
+             "flashattn: argument '", name, "' must be a contiguous float32 (batch, heads_kv) = (", d.batch, ", ",
+             d.heads_kv, ") tensor on q's device, got shape ", shape_str(t));
+  }
+  FwdParams p;
+  p.dtype = DType::kBFloat16;  // (the output's; q, k and v are float8)
+  p.q = q.const_data_ptr();
+  p.k = k.const_data_ptr();
+  p.v = v.const_data_ptr();
+  p.q_stride = strides_of(q);
+  p.k_stride = strides_of(k);
+  p.v_stride = strides_of(v);
+  p.batch = d.batch;
+  p.heads_q = d.heads_q;
+  p.heads_kv = d.heads_kv;
+  p.len_q = d.len_q;
+  p.len_k = d.len_k;
+  p.head_dim = d.head_dim;
+  p.head_dim_v = d.head_dim_v;
+  FA_CHECK(std::isfinite(scale), "flashattn: argument 'scale' must be finite, got ", scale);
+  p.scale = scale;
+  p.causal = causal != kCausalNone;
+  p.causal_offset = causal == kCausalBottomRight ? d.len_k - d.len_q : 0;
+  p.qk_descale = static_cast<const float*>(qk_descale.const_data_ptr());
+  p.v_descale = static_cast<const float*>(v_descale.const_data_ptr());
+  FA_TRY(empty_like_layout(q, d.heads_q, d.len_q, d.head_dim_v, ScalarType::BFloat16, "out", out));
+  FA_TRY(allocate({d.batch, d.heads_q, d.len_q}, ScalarType::Float, q, "lse", lse));
+  if (out.numel() == 0) return {};
+  if (d.len_k == 0) {  // every row is fully masked
+    torch::stable::zero_(out);
+    torch::stable::fill_(lse, -std::numeric_limits<double>::infinity());
+    return {};
+  }
+  p.out = out.mutable_data_ptr();
+  p.out_stride = strides_of(out);
+  p.lse = lse.mutable_data_ptr();
+  std::string why;
+  FA_TRY(run_backend(
+      p, q, [](const FwdParams&) { return size_t(0); }, [](FwdParams&) {},
+      [&](FwdParams& params, void* stream, const cuda::AllocateWorkspace& allocate) {
+        std::string failure = cuda::run_fwd_fp8(params, stream, allocate);
+        if (failure.rfind(cuda::kFp8Unavailable, 0) == 0) why = std::exchange(failure, std::string());
+        return failure;
+      }));
+  if (!why.empty()) {
+    unavailable = true;
+    return error_of("RuntimeError", "flashattn: ", why);
+  }
+  return {};
+}
+#endif
+
 // dq, dk, dv and, where `dbias` is given, the gradient of a float attn_bias: (batch, heads_q, len_q,
 // len_k) in lse's dtype when bias_requires_grad (the caller sums it over the bias's broadcast
 // dimensions), else an empty tensor. (Without `dbias`, bias_requires_grad must be false.)
@@ -960,6 +1043,19 @@ std::tuple<Tensor, Tensor, std::string> fwd_plain_op(Tensor q, Tensor k, Tensor 
   return {out, lse, error};
 }
 
+#ifdef FLASHATTN_WITH_CUDA
+// _fwd_fp8: (out, lse, error); error "Unavailable|..." where the float8 kernel cannot take the call.
+std::tuple<Tensor, Tensor, std::string> fwd_fp8_op(Tensor q, Tensor k, Tensor v, Tensor qk_descale, Tensor v_descale,
+                                                   double scale, int64_t causal) {
+  Tensor out = q, lse = q;
+  bool unavailable = false;
+  std::string error =
+      guarded([&] { return fwd_fp8(q, k, v, qk_descale, v_descale, scale, causal, out, lse, unavailable); });
+  if (unavailable) error = "Unavailable|" + error.substr(error.find('|') + 1);
+  return {out, lse, error};
+}
+#endif
+
 std::tuple<Tensor, Tensor, Tensor, Tensor, std::string> bwd_op(
     Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, std::optional<Tensor> dlse, double scale,
     int64_t causal, bool deterministic, std::optional<Tensor> attn_bias, int64_t window_left, int64_t window_right,
@@ -1053,6 +1149,10 @@ STABLE_TORCH_LIBRARY(flashattn, m) {
   m.def("_fwd_plain(Tensor q, Tensor k, Tensor v, float scale, int causal) -> (Tensor out, Tensor lse, str error)");
   m.def("_bwd_plain(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, float scale, "
         "int causal, bool deterministic) -> (Tensor dq, Tensor dk, Tensor dv, str error)");
+  // A float8 (e4m3) forward on the sm_90 kernel (flashattn_ext/fp8.py): q, k, v as uint8 views,
+  // per-(batch, kv head) float32 descales; error "Unavailable|why" where the kernel cannot take the call.
+  m.def("_fwd_fp8(Tensor q, Tensor k, Tensor v, Tensor qk_descale, Tensor v_descale, float scale, int causal) -> "
+        "(Tensor out, Tensor lse, str error)");
   m.def("_dropout_mask(Tensor rng_state, int batch, int heads, int len_q, int len_k, float dropout_p) -> "
         "(Tensor mask, str error)");
   // The CUDA kernel the plan chooses for a call (flashattn_ext.kernel_plan): "family/tier".
@@ -1089,6 +1189,7 @@ STABLE_TORCH_LIBRARY_IMPL(flashattn, CUDA, m) {
   m.impl("_bwd", TORCH_BOX(&flashattn::bwd_op));
   m.impl("_fwd_plain", TORCH_BOX(&flashattn::fwd_plain_op));
   m.impl("_bwd_plain", TORCH_BOX(&flashattn::bwd_plain_op));
+  m.impl("_fwd_fp8", TORCH_BOX(&flashattn::fwd_fp8_op));
   m.impl("_kernel_plan", TORCH_BOX(&flashattn::kernel_plan_op));
   m.impl("_kvcache_append", TORCH_BOX(&flashattn::kvcache_append_op));
 }

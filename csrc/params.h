@@ -117,6 +117,13 @@ struct FwdParams {
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
 
+  // Float8 (e4m3) calls only (cuda::run_fwd_fp8): q and k hold float8 values, v holds V^T (batch,
+  // heads_kv, head_dim, keys rounded up to 16, each 16 keys in the kernel's order: sm90/fwd_rows.cuh)
+  // and out is bf16; per (batch, kv head), contiguous float32 (batch, heads_kv): the factor of the
+  // scores (q_descale * k_descale, times `scale`) and of the output (v_descale).
+  const float* qk_descale = nullptr;
+  const float* v_descale = nullptr;
+
   int64_t group() const { return heads_q / heads_kv; }  // query heads per kv head (GQA)
   bool has_window() const { return window_left >= 0 || window_right >= 0; }
   bool is_varlen() const { return cu_seqlens_q != nullptr; }

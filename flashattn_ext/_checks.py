@@ -36,7 +36,7 @@ def check_layout(t, name):
                          f"{str(t.layout).replace('torch.', '')}; call .to_dense() on it first")
 
 
-def _check_tensor(t, name, layout="bhld"):
+def _check_tensor(t, name, layout="bhld", float8=False):
     check_layout(t, name)
     if t.dim() != 4:
         raise RuntimeError(f"flashattn: argument '{name}' must have 4 dimensions (batch, heads, seq_len, head_dim), "
@@ -44,7 +44,7 @@ def _check_tensor(t, name, layout="bhld"):
     if t.shape[3] > 1 and t.numel() > 0 and t.stride(3) != 1:
         raise RuntimeError(f"flashattn: argument '{name}' must have a contiguous last dimension (stride 1), got "
                            f"stride {t.stride(3)} for shape {_shape(t, layout)}; call .contiguous() on it first")
-    if t.dtype not in DTYPE_NAMES:
+    if t.dtype not in DTYPE_NAMES and not (float8 and t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)):
         raise RuntimeError(f"flashattn: argument '{name}' has dtype {_dtype_name(t.dtype)}; supported dtypes are "
                            f"float64, float32, bfloat16 and float16")
 
@@ -76,12 +76,13 @@ def _check_size(t, name, dim, expected, what, layout):
                            f"{expected} was expected")
 
 
-def check_fwd_args(q, k, v, causal, layout="bhld", paged=False):
+def check_fwd_args(q, k, v, causal, layout="bhld", paged=False, float8=False):
     """The checks of check_qkv in csrc/ops.cpp; `layout` says how the caller passed q, k, v
     (see _USER_DIMS), for the shapes the messages show; paged: k and v are the pages of a
-    block_table (their first dimension counts blocks, not sequences)."""
+    block_table (their first dimension counts blocks, not sequences); float8: float8 dtypes allowed
+    (fp8.py checks their rules)."""
     for t, name in ((q, "q"), (k, "k"), (v, "v")):
-        _check_tensor(t, name, layout)
+        _check_tensor(t, name, layout, float8)
     _check_same(q, "q", k, "k")
     _check_same(q, "q", v, "v")
     batch, heads_q, _, head_dim = q.shape

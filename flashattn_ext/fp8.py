@@ -8,11 +8,17 @@ k_descale) and into the output (v_descale times the kernels' bfloat16 output in 
 bfloat16). Per-(batch,
 kv head) descales cannot go into the one scale of the call: q_descale * k_descale multiplies q
 (in fp32, rounded to bfloat16 once) and v_descale the output, each query head taking its kv
-head's. Forward only: no gradient reaches float8 inputs or the descales."""
+head's. Forward only: no gradient reaches float8 inputs or the descales.
+
+On an sm_90 GPU a call of e4m3 tensors with head_dim == head_dim_v == 128 and no feature beyond causal
+runs the float8 kernel instead (Fp8Call.run_kernel): both products on float8 tensor cores, P rounded
+to e4m3, the descales applied per (batch, kv head) in the kernel, V handed over transposed (one
+copy of v, its keys in the order the kernel's P fragments take them)."""
 import numbers
 
 import torch
 
+from . import ops as _ops
 from ._checks import check_features, check_fwd_args
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -31,22 +37,63 @@ def _dtype_name(dtype):
 
 
 class Fp8Call:
-    """A float8 call made ready for the bfloat16 path: q, k, v (bfloat16, the op's (batch,
-    heads, len, dim) views), the softmax scale with the per-tensor descales in it, and run()
-    for the attention over them."""
+    """A float8 call after its checks: run() computes it through the bfloat16 path on the
+    dequantized tensors, run_kernel() through the float8 kernel where that takes it."""
 
-    def __init__(self, q, k, v, scale, out_factor):
-        self.q, self.k, self.v, self.scale = q, k, v, scale
+    def __init__(self, q, k, v, softmax_scale, scale, qk, per_row, out_factor, kernel_descales):
+        self._fp8 = (q, k, v)  # the op's (batch, heads, len, dim) views, float8
+        self._softmax_scale = softmax_scale  # the call's (the kernel applies the descales itself)
+        self.scale = scale  # the softmax scale, per-tensor q_descale * k_descale in it
+        self._qk, self._per_row = qk, per_row  # a (groups, heads_kv) q_descale * k_descale, or None
         self._out_factor = out_factor  # None (1), a float, or broadcastable to (batch, heads, len, 1) in fp32
+        # ((groups, heads_kv) float32 q_descale * k_descale and v_descale, contiguous) for the kernel, or None
+        self._kernel_descales = kernel_descales
+
+    def dequantized(self):
+        """q, k, v in bfloat16 (exact), q times a per-head q_descale * k_descale (one rounding)."""
+        q, k, v = (t.to(OUT_DTYPE) for t in self._fp8)
+        if self._qk is not None:
+            q = (q * self._per_row(self._qk)).to(OUT_DTYPE)
+        return q, k, v
 
     def run(self, attention):
         """attention(q, k, v, scale) -> (out, *rest) on the dequantized tensors, autocast off (so
         that it stays bfloat16), then out times v_descale, in bfloat16."""
-        with torch.autocast(self.q.device.type, enabled=False):
-            out, *rest = attention(self.q, self.k, self.v, self.scale)
+        q, k, v = self.dequantized()
+        with torch.autocast(q.device.type, enabled=False):
+            out, *rest = attention(q, k, v, self.scale)
         if self._out_factor is not None:
             out = (out * self._out_factor).to(OUT_DTYPE)
         return (out, *rest)
+
+    def run_kernel(self, causal, features):
+        """(out, lse) from the float8 kernel, or None where it does not take the call (then run())."""
+        def off(name, value):
+            return name == "scale_name" or value is None or (not isinstance(value, torch.Tensor)
+                                                             and value in (0, 0.0, (-1, -1)))
+        if self._kernel_descales is None or not kernel_enabled or not all(off(*f) for f in features.items()):
+            return None
+        q, k, v = self._fp8
+        qk, vd = self._kernel_descales
+        out, lse, error = _ops.fwd_fp8_kernel()(q.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8), qk,
+                                                vd, self._softmax_scale, causal)
+        if error:
+            if error.startswith("Unavailable|"):
+                return None
+            _ops._raise(error)
+        return out, lse
+
+
+# The float8 kernel where it takes a call; False runs every call through the bfloat16 path (to compare).
+kernel_enabled = True
+_SM90 = {}
+
+
+def _sm90(device):
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM90:
+        _SM90[index] = torch.cuda.get_device_capability(index) == (9, 0)
+    return _SM90[index]
 
 
 def prepare(q, k, v, descales, scale, dropout_p, causal, layout, cu_seqlens_q=None, cu_seqlens_k=None):
@@ -61,8 +108,7 @@ def prepare(q, k, v, descales, scale, dropout_p, causal, layout, cu_seqlens_q=No
     if dropout_p != 0.0:
         raise ValueError(f"flashattn_ext: dropout_p must be 0 with float8 inputs (a forward-only, inference call), "
                          f"got {dropout_p}")
-    q, k, v = (t.to(OUT_DTYPE) for t in (q, k, v))  # exact
-    check_fwd_args(q, k, v, causal, layout)
+    check_fwd_args(q, k, v, causal, layout, float8=True)
     if cu_seqlens_q is None:
         groups, what = q.shape[0], "batch"
     else:
@@ -78,14 +124,18 @@ def prepare(q, k, v, descales, scale, dropout_p, causal, layout, cu_seqlens_q=No
         if cu_seqlens_q is None:
             return factor[:, :, None, None]
         return _rows_of_sequences(factor, cu_seqlens_q, q.shape[2]).t()[None, :, :, None]
-
     qk = q_d * k_d
-    if isinstance(qk, torch.Tensor):
-        q = (q * per_row(qk)).to(OUT_DTYPE)
-    else:
-        scale = scale * qk
+    per_head_qk = isinstance(qk, torch.Tensor)
+    kernel_descales = None
+    if (cu_seqlens_q is None and q.is_cuda and q.dtype == torch.float8_e4m3fn and q.shape[-1] == 128
+            and v.shape[-1] == 128 and _sm90(q.device)):
+        def table(x):
+            return (x if isinstance(x, torch.Tensor) else torch.full((1, 1), x, device=q.device)).to(
+                torch.float32).expand(groups, heads_kv).contiguous()
+        kernel_descales = (table(qk), table(v_d))
     out_factor = per_row(v_d) if isinstance(v_d, torch.Tensor) else (None if v_d == 1.0 else v_d)
-    return Fp8Call(q, k, v, scale, out_factor)
+    return Fp8Call(q, k, v, scale, scale if per_head_qk else scale * qk, qk if per_head_qk else None, per_row, out_factor,
+                   kernel_descales)
 
 
 def _check_dtypes(q, k, v, descales):

@@ -96,10 +96,14 @@ def fp8_call(q, k, v, descales, softmax_scale, dropout_p, causal, layout, cu_seq
 
 
 def _fp8_attention(q, k, v, descales, softmax_scale, causal, deterministic, dropout_p, layout, **features):
-    """(out, lse) of a float8 call on the op's views: its dequantized tensors through the bfloat16
-    path (autocast off, so that it stays bfloat16), the output times v_descale."""
+    """(out, lse) of a float8 call on the op's views: the float8 kernel where it takes the call, else
+    its dequantized tensors through the bfloat16 path (autocast off, so that it stays bfloat16), the
+    output times v_descale."""
     call = fp8_call(q, k, v, descales, softmax_scale, dropout_p, causal, layout, features.get("cu_seqlens_q"),
                     features.get("cu_seqlens_k"))
+    on_kernel = call.run_kernel(causal, features)
+    if on_kernel is not None:
+        return on_kernel
     return call.run(lambda q, k, v, scale: _attention(q, k, v, scale, causal, deterministic, layout=layout,
                                                       **features))
 

@@ -67,6 +67,16 @@ _FWD_KERNEL, _BWD_KERNEL = _kernel("_fwd"), _kernel("_bwd")
 _FWD_PLAIN_KERNEL, _BWD_PLAIN_KERNEL = _kernel("_fwd_plain"), _kernel("_bwd_plain")
 
 
+_FWD_FP8_KERNEL = []
+
+
+def fwd_fp8_kernel():
+    """The C++ callable of _fwd_fp8 (fp8.py), looked up on first use."""
+    if not _FWD_FP8_KERNEL:
+        _FWD_FP8_KERNEL.append(_kernel("_fwd_fp8"))
+    return _FWD_FP8_KERNEL[0]
+
+
 def _lse_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 

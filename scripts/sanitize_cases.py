@@ -1,7 +1,7 @@
 """A small representative set of CUDA forward and backward calls for compute-sanitizer
 (memcheck, racecheck): ragged lengths, both causal alignments, GQA, every dtype, and both the
 tensor-core (sm80/, sm90/) and the SIMT kernels (run it again with FLASHATTN_CUDA_KERNELS=simt), plain
-and with the optional features. Arguments FIRST [LAST]: only CASES[FIRST:LAST]."""
+and with the optional features. Arguments FIRST [LAST]: only CASES[FIRST:LAST]; "fp8": only the float8 forward's calls."""
 import sys
 
 import torch
@@ -77,6 +77,23 @@ CASES = [  # (dtype, batch, heads_q, heads_kv, len_q, len_k, head_dim, head_dim_
     (torch.float16, 2, 2, 2, 256, 150, 96, 96, 0),
 ]
 
+def float8_cases():
+    """The sm_90 float8 forward (e4m3, dim 128): ragged lengths, bottom-right causal with rows that see
+    no key, GQA, per-head descales, and a non-causal grid larger than the GPU (persistent blocks)."""
+    from flashattn_ext.functional import flash_attn_func
+
+    def fp8(*shape):
+        return torch.randn(*shape, device="cuda").clamp(-8, 8).to(torch.float8_e4m3fn)
+    for b, lq, lk, hq, hk, causal in ((1, 200, 150, 4, 2, True), (2, 130, 333, 2, 1, False), (8, 1024, 700, 32, 8, False)):
+        descale = torch.rand(b, hk, device="cuda") + 0.5
+        flash_attn_func(fp8(b, lq, hq, 128), fp8(b, lk, hk, 128), fp8(b, lk, hk, 128), causal=causal,
+                        q_descale=descale, k_descale=0.5, v_descale=descale)
+
+
+if sys.argv[1:] == ["fp8"]:
+    float8_cases()
+    torch.cuda.synchronize()
+    sys.exit(0)
 bounds = [int(x) for x in sys.argv[1:3]]
 for dtype, b, hq, hk, lq, lk, e, ev, causal in CASES[slice(*bounds) if bounds else slice(None)]:
     q = torch.randn(b, hq, lq, e, device="cuda", dtype=dtype)
@@ -118,5 +135,7 @@ for dtype in (torch.bfloat16, torch.float64, torch.float32):
     if dtype == torch.bfloat16:  # the general variant above dim 128: warp pairs
         q5, k5, v5 = (torch.randn(1, 75, 2, 160, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
         flash_attn_func(q5, k5, v5, causal=True, softcap=5.0).sum().backward()
+if torch.cuda.get_device_capability() == (9, 0):
+    float8_cases()
 torch.cuda.synchronize()
 print("sanitize_cases: done")

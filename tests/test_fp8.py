@@ -11,7 +11,7 @@ from feature_reference import attention_ref
 from flashattn_ext import flash_attn_interface
 from flashattn_ext._measure import REL_ATOL
 from flashattn_ext.functional import flash_attn_func, flash_attn_varlen_func
-from reference import BOTTOM_RIGHT, NONE, assert_accurate, attention, same_dtype_backend
+from reference import BOTTOM_RIGHT, NONE, assert_accurate, attention, expand_kv, same_dtype_backend
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 BF16 = torch.bfloat16
@@ -268,11 +268,70 @@ def test_shape_errors_keep_their_messages(device):
         flash_attn_func(q[0], k, k)
 
 
+def fp8_kernel_runs(device):
+    device = torch.device(device)
+    return (device.type == "cuda" and flashattn_ext.has_cuda_kernels()
+            and torch.cuda.get_device_capability(device) == (9, 0))
+
+
+def emulated_kernel(q, k, v, scale, causal):
+    """out of the float8 kernel's arithmetic on float64 (batch, heads, len, dim) tensors: P = 2^8 x the
+    unnormalized probabilities rounded to e4m3 in P V (the row sums from P unrounded), out rounded to
+    bfloat16; rows that see no key give 0."""
+    lq, lk = q.shape[2], k.shape[2]
+    k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    s = q @ k.transpose(-1, -2) * scale
+    if causal:
+        visible = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+        s = s.masked_fill(~visible, float("-inf"))
+    m = s.amax(-1, keepdim=True).nan_to_num(neginf=0.0)
+    p = torch.exp(s - m) * 256
+    out = (p.to(E4M3).double() @ v) / p.sum(-1, keepdim=True)
+    return out.nan_to_num(nan=0.0).to(BF16)
+
+
+@pytest.mark.parametrize("kind", ["none", "tensor", "per_head", "mixed"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("lens", [(200, 333), (384, 256), (1, 1031)], ids=lambda x: f"{x[0]}x{x[1]}")
+def test_kernel(device, kind, causal, lens, monkeypatch):
+    """The sm_90 float8 kernel (e4m3, head_dim 128): out against the float64 reference within twice
+    the error of its own arithmetic emulated in float64 (P rounded to e4m3), lse within the float8
+    tensor cores' accumulation error of the scores; GQA, ragged key tiles, bottom-right causal with
+    rows that see no key."""
+    if not fp8_kernel_runs(device):
+        pytest.skip("the float8 kernel runs on sm_90 GPUs")
+    calls = []
+    kernel = flashattn_ext.ops.fwd_fp8_kernel()
+    monkeypatch.setattr(flashattn_ext.ops, "fwd_fp8_kernel", lambda: lambda *a: calls.append(1) or kernel(*a))
+    (len_q, len_k), batch, heads, heads_kv, dim = lens, 2, 4, 2, 128
+    amax = 1.0 if kind == "none" else AMAX
+    q = quantized((batch, len_q, heads, dim), E4M3, device, amax)
+    k = quantized((batch, len_k, heads_kv, dim), E4M3, device, amax)
+    v = quantized((batch, len_k, heads_kv, dim), E4M3, device, amax)
+    qd, kd, vd = descales(kind, batch, heads_kv, device)
+    out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True, q_descale=qd, k_descale=kd, v_descale=vd)
+    assert calls, "the call did not run on the float8 kernel"
+    q64, k64, v64 = bhld(dequantized(q, qd), dequantized(k, kd), dequantized(v, vd))
+    ref_out, ref_lse = attention_ref(q64, k64, v64, dim ** -0.5, BOTTOM_RIGHT if causal else NONE)
+    emulated = emulated_kernel(q64, k64, v64, dim ** -0.5, causal)
+    assert out.dtype == BF16 and lse.dtype == torch.float32
+    assert_accurate("out", out.transpose(1, 2), ref_out, emulated, OUT_ATOL)
+    inf = ref_lse.isinf()
+    assert torch.equal(lse.isinf(), inf) and not out.transpose(1, 2)[inf].any()
+    # float8 tensor cores add the products of one S = Q K^T at ~14 bits of the sum's magnitude: a score
+    # is off by up to ~2^-11 of sum |q_d k_d| x scale, and the lse by no more than the row's worst score.
+    scale_bound = (q64.abs() @ expand_kv(k64.abs(), heads).transpose(-1, -2)).amax().item() * dim ** -0.5
+    err = (lse.double() - ref_lse)[~inf].abs().max().item()
+    assert err <= 2 ** -11 * scale_bound, f"lse: max error {err:.3e}, bound {2 ** -11 * scale_bound:.3e}"
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or not flashattn_ext.has_cuda_kernels(), reason="CUDA graphs")
-def test_one_element_descales_under_cuda_graph_capture():
+@pytest.mark.parametrize("dim", [32, 128])
+def test_one_element_descales_under_cuda_graph_capture(dim):
     """Under capture a one-element descale is not read on the host: each replay uses the value it then
-    holds, as a (batch, heads_kv) descale of that value does in an eager call."""
-    q, k, v = (quantized((2, 8, 4, 32), E4M3, "cuda") for _ in range(3))
+    holds, as a (batch, heads_kv) descale of that value does in an eager call (dim 128: the float8
+    kernel on sm_90)."""
+    q, k, v = (quantized((2, 8, 4, dim), E4M3, "cuda") for _ in range(3))
     qd, kd, vd = (torch.tensor(1 / AMAX, device="cuda") for _ in range(3))
     flash_attn_func(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd)  # warm-up outside the graph
     graph = torch.cuda.CUDAGraph()

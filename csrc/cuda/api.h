@@ -19,6 +19,12 @@ using AllocateWorkspace = std::function<bool(size_t bytes, void*& workspace)>;
 // call (nothing here throws: see common/check.h); "" too where `allocate` failed (its caller raises that).
 std::string run_fwd(FwdParams& p, void* stream, const AllocateWorkspace& allocate);
 std::string run_bwd(BwdParams& p, void* stream, const AllocateWorkspace& allocate);
+// A float8 (e4m3) forward (FwdParams::qk_descale): q, k and v (batch, heads, len, 128) float8, out
+// bf16. The workspace holds V transposed for the kernel; p.v is pointed at it. Returns "" once
+// queued, a failure, or kFp8Unavailable and why, where the kernel cannot take the call (then
+// nothing ran: the caller computes it another way).
+inline constexpr const char* kFp8Unavailable = "float8 kernel unavailable: ";
+std::string run_fwd_fp8(FwdParams& p, void* stream, const AllocateWorkspace& allocate);
 // The in-place append of a KV-cache step and its seqused output (common/append.h), one launch.
 std::string run_append(const AppendParams& p, void* stream);
 

@@ -12,6 +12,7 @@
 // of the walks split in the dK/dV grid's last wave (schedule/tail_split.cuh), padded to 256 bytes.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <string>
@@ -334,6 +335,35 @@ std::string run_bwd(BwdParams& p, void* stream, const AllocateWorkspace& allocat
   if (failed() || !allocate(bytes, p.workspace)) return take_error();
   p.workspace_bytes = bytes;
   on_dtype(p.dtype, [&](auto elem) { bwd_typed<decltype(elem)>(p, call, static_cast<cudaStream_t>(stream)); });
+  return take_error();
+}
+
+std::string run_fwd_fp8(FwdParams& p, void* stream, const AllocateWorkspace& allocate) {
+  take_error();
+  using Fp8 = __nv_fp8_e4m3;
+  using Cfg = sm90::FwdWsConfig<Fp8, 128>;
+  const DeviceLimits lim = device_limits();
+  if (failed()) return take_error();
+  const char* missing = !kSm90aCompiled                        ? "this build has no sm_90a code"
+                        : lim.major != 9 || lim.minor != 0     ? "it runs on sm_90 GPUs only"
+                        : p.head_dim != 128 || p.head_dim_v != 128 ? "it serves head_dim 128 only"
+                        : p.has_features()                    ? "it takes no feature beyond causal"
+                        : Cfg::kSmemBytes > lim.smem_optin     ? "the GPU's shared memory per block is too small"
+                        : p.batch > 65535 || p.heads_kv > 65535 ? "batch or heads_kv exceeds 65535"
+                                                                : nullptr;
+  if (missing != nullptr) return std::string(kFp8Unavailable) + missing;
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const size_t bytes = sm90::fwd_fp8_v_bytes(p);
+  if (!allocate(bytes, p.workspace)) return take_error();
+  p.workspace_bytes = bytes;
+  if (!sm90::fwd_fp8_v_transposed(p, p.workspace, s)) return take_error();
+  p.v = p.workspace;
+  sm90::FwdPanelMaps maps;
+  if (!sm90::fwd_ws_ready<Fp8, 128>(p, maps)) {
+    if (failed()) return take_error();
+    return std::string(kFp8Unavailable) + "the driver refused its tensor maps";
+  }
+  if (!sm90::fwd_wgmma<Fp8, 128>(p, maps, s)) fail("the float8 forward did not launch");
   return take_error();
 }
 

@@ -17,6 +17,7 @@
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include <cstdint>
 
@@ -213,5 +214,29 @@ struct Wgmma<ELEM, N> {                                                         
 
 FLASHATTN_WGMMA_SHAPES(__nv_bfloat16, "bf16")
 FLASHATTN_WGMMA_SHAPES(__half, "f16")
+
+// m64nNk32 on float8 e4m3 operands, fp32 accumulators: both operands K-major (8-bit wgmma has no
+// transposes), so ss's kTrans* must be 0. An A operand from registers is 4 registers of 4 bytes:
+// a[0] row g, k 4t .. 4t + 3 (byte i = k 4t + i); a[1] row g + 8, same k; a[2], a[3] the same at k + 16.
+#define FLASHATTN_WGMMA_SHAPE_8BIT(ELEM, TYPE, N, SS, RS)                                                \
+template <>                                                                                              \
+struct Wgmma<ELEM, N> {                                                                                  \
+  template <int kAccumulate, int kTransA = 0, int kTransB = 0>                                           \
+  static __device__ __forceinline__ void ss(float (&d)[N / 8][4], uint64_t a, uint64_t b) {              \
+    static_assert(kTransA == 0 && kTransB == 0, "8-bit wgmma takes K-major operands only");              \
+    FLASHATTN_WGMMA_ASM("wgmma.mma_async.sync.aligned.m64n" #N "k32.f32." TYPE "." TYPE "\n"             \
+                        "{" FLASHATTN_WGMMA_R##N "},\n" SS                                               \
+                        : FLASHATTN_WGMMA_C##N                                                           \
+                        : "l"(a), "l"(b), "n"(kAccumulate));                                             \
+  }                                                                                                      \
+  static __device__ __forceinline__ void rs(float (&d)[N / 8][4], const uint32_t (&a)[4], uint64_t b) {  \
+    FLASHATTN_WGMMA_ASM("wgmma.mma_async.sync.aligned.m64n" #N "k32.f32." TYPE "." TYPE "\n"             \
+                        "{" FLASHATTN_WGMMA_R##N "},\n" RS                                               \
+                        : FLASHATTN_WGMMA_C##N                                                           \
+                        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));                           \
+  }                                                                                                      \
+};
+
+FLASHATTN_WGMMA_SHAPE_8BIT(__nv_fp8_e4m3, "e4m3", 128, "%64, %65, %66, 1, 1;\n", "{%64, %65, %66, %67}, %68, 1, 1, 1;\n")
 
 }  // namespace flashattn::cuda

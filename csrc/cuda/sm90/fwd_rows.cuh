@@ -6,6 +6,7 @@
 // row max and sum reduced over a quad), so the paths give the same answers to rounding.
 #pragma once
 #include <cstdint>
+#include <type_traits>
 
 #include "../../common/sequence.h"
 #include "../../params.h"
@@ -84,14 +85,23 @@ struct FwdTile {
   }
 };
 
-// kBN keys per tile, kBM rows in the block's Q tile (the panels' line count).
+// kBN keys per tile, kBM rows in the block's Q tile (the panels' line count). Float8 (e4m3) inputs:
+// k32 products, the output in bf16, and V given as V^T (K-major, as 8-bit wgmma needs): kDim lines
+// of kBN keys, each 16 keys stored in the order of P's A fragments (pack_p), so that P needs no
+// exchange between lanes.
 template <class Elem, int kDim, int kBN, int kBM>
 struct FwdRows {
-  using M = Mma<Elem>;
+  static constexpr bool kFp8 = sizeof(Elem) == 1;
+  using Out = std::conditional_t<kFp8, __nv_bfloat16, Elem>;
+  using M = Mma<Out>;
   using Exp = ExpDomain<float>;
   static constexpr int kNA = kBN / 8, kDA = kDim / 8;  // accumulator atoms of S and O per thread
+  static constexpr int kKStep = 32 / int(sizeof(Elem));  // a product's k: 32 bytes of the operands' lines
   using Scores = float[kNA][4];
-  using Probs = uint32_t[kBN / 16][4];  // P as the A fragments of P V
+  using Probs = uint32_t[kBN / kKStep][4];  // P as the A fragments of P V
+  // Float8: P is taken as 2^8 times the probabilities (up to 256), so that fewer of them fall among
+  // e4m3's subnormals (below 2^-6) or to zero; O and the row sums scale alike, the LSE takes it out.
+  static constexpr float kPLog2Offset = 8.f;
 
   float o[kDA][4];
   float row_max[2], row_sum[2];
@@ -130,8 +140,8 @@ struct FwdRows {
     for (int r = 0; r < 2; ++r) row_max[r] = mx[r], row_sum[r] = sum[r];
   }
 
-  // A K-major operand (Q, K) at smem address `at`, k16 step kk: panel kk / 4, 32 bytes along the
-  // line per step.
+  // A K-major operand (Q, K; float8's V^T) at smem address `at`, k step kk: panel kk / 4, 32 bytes
+  // along the line per step.
   static __device__ __forceinline__ uint64_t kmajor(uint32_t at, int kk, int rows_per_panel) {
     return smem_desc(at + (kk / 4) * rows_per_panel * 128 + (kk % 4) * 32, 16, 1024);
   }
@@ -139,15 +149,21 @@ struct FwdRows {
   static __device__ __forceinline__ void issue_scores(Scores& s, uint32_t q_at, uint32_t k_at) {
     Wgmma<Elem, kBN>::template ss<0>(s, kmajor(q_at, 0, kBM), kmajor(k_at, 0, kBN));
 #pragma unroll
-    for (int kk = 1; kk < kDim / 16; ++kk)
+    for (int kk = 1; kk < kDim / kKStep; ++kk)
       Wgmma<Elem, kBN>::template ss<1>(s, kmajor(q_at, kk, kBM), kmajor(k_at, kk, kBN));
     wgmma_commit();
   }
   // O += P V of a V tile (v_at; the MN-major B: a k16 step is 16 keys = 16 lines further, its
   // columns cross panels kBN lines apart), issued and committed.
+  // Float8: V^T is K-major (kDim lines of kBN keys), stepped along the line as K.
   __device__ __forceinline__ void issue_pv(const Probs& pa, uint32_t v_at) {
+    if constexpr (kFp8) {
 #pragma unroll
-    for (int kk = 0; kk < kBN / 16; ++kk) Wgmma<Elem, kDim>::rs(o, pa[kk], smem_desc(v_at + kk * 16 * 128, kBN * 128, 1024));
+      for (int kk = 0; kk < kBN / kKStep; ++kk) Wgmma<Elem, kDim>::rs(o, pa[kk], kmajor(v_at, kk, kDim));
+    } else {
+#pragma unroll
+      for (int kk = 0; kk < kBN / 16; ++kk) Wgmma<Elem, kDim>::rs(o, pa[kk], smem_desc(v_at + kk * 16 * 128, kBN * 128, 1024));
+    }
     wgmma_commit();
   }
 
@@ -171,7 +187,8 @@ struct FwdRows {
       const float new_max = acc_max(row_max[r], tile_max);
       alpha[r] = Exp::exp(row_max[r] - exp_base(new_max));
       row_max[r] = new_max;
-      const float base = exp_base(new_max);
+      float base = exp_base(new_max);
+      if constexpr (kFp8) base -= kPLog2Offset;
       float sums[kNA];
 #pragma unroll
       for (int j = 0; j < kNA; ++j) {
@@ -182,13 +199,34 @@ struct FwdRows {
       row_sum[r] = row_sum[r] * alpha[r] + tree_reduce(sums, [](float a, float c) { return a + c; });
     }
   }
+  // Float8: the A fragment's register holds k 4t .. 4t + 3 of a row (wgmma.cuh), the lane's scores
+  // keys 2t, 2t + 1, 8 + 2t, 9 + 2t of each 16: so the register takes those four, and V^T stores key
+  // 16 h + 2t + (i & 1) + 8 (i >> 1) at position 16 h + 4t + i (flashattn_ext/fp8.py writes it so).
   static __device__ __forceinline__ void pack_p(Scores& s, Probs& pa) {
+    if constexpr (kFp8) {
+      auto pack4 = [](float a, float b, float c, float d) {
+        const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+        const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, __NV_E4M3);
+        return lo | hi << 16;
+      };
 #pragma unroll
-    for (int kk = 0; kk < kBN / 16; ++kk) {
-      typename M::A a;
-      M::a_from_acc(a, &s[2 * kk]);
+      for (int kk = 0; kk < kBN / kKStep; ++kk) {
+        const int j = 4 * kk;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) pa[kk][e] = a.r[e];
+        for (int h = 0; h < 2; ++h)  // keys 16 h .. 16 h + 15 of the k32 step: registers 2h (row g), 2h + 1 (g + 8)
+#pragma unroll
+          for (int r = 0; r < 2; ++r)
+            pa[kk][2 * h + r] = pack4(s[j + 2 * h][2 * r], s[j + 2 * h][2 * r + 1], s[j + 2 * h + 1][2 * r],
+                                      s[j + 2 * h + 1][2 * r + 1]);
+      }
+    } else {
+#pragma unroll
+      for (int kk = 0; kk < kBN / 16; ++kk) {
+        typename M::A a;
+        M::a_from_acc(a, &s[2 * kk]);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) pa[kk][e] = a.r[e];
+      }
     }
   }
   __device__ __forceinline__ void rescale_o(const float (&alpha)[2]) {
@@ -201,25 +239,27 @@ struct FwdRows {
   // Where a block tile's output goes: its first row of out and of lse, and how many of its rows are
   // the sequence's (a few registers to keep while the next tile's rows are on the way).
   struct Dest {
-    Elem* out;
+    Out* out;
     float* lse;
     int rows;
   };
   template <class Tile>
   static __device__ __forceinline__ Dest dest(const FwdParams& p, const Tile& tile) {
-    return {tile.sq.template q_rows<Elem>(p.out, p.out_stride, tile.h, tile.m0),
+    return {tile.sq.template q_rows<Out>(p.out, p.out_stride, tile.h, tile.m0),
             static_cast<float*>(p.lse) + tile.sq.row_index(p.heads_q, tile.h, tile.m0), tile.rows};
   }
   static __device__ __forceinline__ Dest dest(const FwdParams& p, const FwdKeys& k) {
     const Seq sq = plain_sequence(p, k.b);
-    return {sq.template q_rows<Elem>(p.out, p.out_stride, k.h, k.m0),
+    return {sq.template q_rows<Out>(p.out, p.out_stride, k.h, k.m0),
             static_cast<float*>(p.lse) + sq.row_index(p.heads_q, k.h, k.m0), k.rows};
   }
 
   // The output of the warp's 16 rows (from `wrow` in the block's tile), staged through those rows of
   // the Q tile at sQ (the warpgroup's products are done with them) so that a lane stores 16-byte
-  // chunks, a row's bytes by kDim / 8 lanes; and the row LSE.
-  __device__ __forceinline__ void store(unsigned char* sQ, const FwdParams& p, const Dest& dst, int wrow, int lane) {
+  // chunks, a row's bytes by kDim / 8 lanes; and the row LSE. Float8: staged in the output's own buffer
+  // (sQ), each value times out_scale (v_descale).
+  __device__ __forceinline__ void store(unsigned char* sQ, const FwdParams& p, const Dest& dst, int wrow, int lane,
+                                        float out_scale = 1.f) {
     const int g = lane / 4, t = lane % 4;
     // (panel_offset<kBM> written out: through the call ptxas formed the epilogue's addresses
     // differently, a form not yet run on the device)
@@ -231,12 +271,14 @@ struct FwdRows {
       const float l = reduce_sum_lanes<4>(row_sum[r]);
       // l == 0 only when no key is visible: out = 0, lse = -inf. A NaN l propagates.
       const bool empty = l == 0.f;
-      const float inv = empty ? 0.f : 1.f / l;
+      float inv = empty ? 0.f : 1.f / l;
+      if constexpr (kFp8) inv *= out_scale;
       const int row = wrow + g + 8 * r;
 #pragma unroll
       for (int d = 0; d < kDA; ++d)
         *reinterpret_cast<uint32_t*>(staged(row, d) + 4 * t) = M::pack(o[d][2 * r] * inv, o[d][2 * r + 1] * inv);
-      if (t == 0 && row < dst.rows) dst.lse[row] = empty ? neg_inf<float>() : Exp::lse(row_max[r], l);
+      const float max = kFp8 ? row_max[r] - kPLog2Offset : row_max[r];
+      if (t == 0 && row < dst.rows) dst.lse[row] = empty ? neg_inf<float>() : Exp::lse(max, l);
     }
     __syncwarp();
     // (dim 96: 12 lanes a row, 2 rows a step, lanes 24-31 idle)

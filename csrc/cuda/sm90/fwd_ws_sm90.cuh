@@ -1,5 +1,5 @@
-// Warp-specialized forward on wgmma (sm_90a): plain fp16 / bf16 calls at head dims 64, 128 and 256. A
-// block of a producer warpgroup and 64-row consumer warpgroups (three at dim 64, two at 128 and 256).
+// Warp-specialized forward on wgmma (sm_90a): plain fp16 / bf16 calls at head dims 64, 96, 128 and 256, and float8
+// (e4m3) calls at 128. A block of a producer warpgroup and 64-row consumer warpgroups (three at dim 64, else two).
 // In the producer one thread copies Q, K and V tiles into smem (TMA, each copy completing an
 // mbarrier's phase); the consumers never wait for each other at a block barrier: they take turns at
 // issuing their products (a named barrier each), so that one's softmax runs while the others' products
@@ -55,16 +55,24 @@ __device__ __forceinline__ void fwd_ws_producer(const FwdParams& p, const FwdPan
         mbar_arrive_expect_tx(k_full + stage, Cfg::kQBytes + Cfg::kKvBytes);
 #pragma unroll
         for (int pn = 0; pn < kPanels; ++pn)
-          tma_load_4d(sQ(item % kQBuffers) + pn * kBM * 128, &maps.q, k_full + stage, 64 * pn, int(tile.m0), int(tile.h), b);
+          tma_load_4d(sQ(item % kQBuffers) + pn * kBM * 128, &maps.q, k_full + stage, Cfg::kPanelCols * pn, int(tile.m0),
+                      int(tile.h), b);
       } else {
         mbar_arrive_expect_tx(k_full + stage, Cfg::kKvBytes);
       }
 #pragma unroll
-      for (int pn = 0; pn < kPanels; ++pn) tma_load_4d(sK(stage) + pn * kBN * 128, &maps.k, k_full + stage, 64 * pn, n0, hk, b);
+      for (int pn = 0; pn < kPanels; ++pn)
+        tma_load_4d(sK(stage) + pn * kBN * 128, &maps.k, k_full + stage, Cfg::kPanelCols * pn, n0, hk, b);
       if (cc >= kStages) mbar_wait(v_empty + stage, empty_parity);
       mbar_arrive_expect_tx(v_full + stage, Cfg::kKvBytes);
+      if constexpr (Cfg::kFp8) {
+        // V^T (batch, heads, dims, keys): one box of kDim lines of the tile's kBN (128) keys.
+        static_assert(Cfg::kBN == 128, "a float8 V^T tile is one 128-byte line per dim");
+        tma_load_4d(sV(stage), &maps.v, v_full + stage, n0, 0, hk, b);
+      } else {
 #pragma unroll
-      for (int pn = 0; pn < kPanels; ++pn) tma_load_4d(sV(stage) + pn * kBN * 128, &maps.v, v_full + stage, 64 * pn, n0, hk, b);
+        for (int pn = 0; pn < kPanels; ++pn) tma_load_4d(sV(stage) + pn * kBN * 128, &maps.v, v_full + stage, 64 * pn, n0, hk, b);
+      }
     }
     c += tile.n_tiles;
   }
@@ -253,19 +261,33 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // The work item's state through the key loop: the whole FwdTile, or where the consumers have few
   // registers to spare (Cfg::kCompactItems) its 32-bit view, FwdKeys.
   using Item = std::conditional_t<Cfg::kCompactItems, FwdKeys, Tile>;
+  // Float8: the current item's softmax scale, with its (batch, kv head)'s q_descale * k_descale, and its
+  // v_descale (set with each item taken).
+  float item_score_scale = score_scale, item_out_scale = 1.f;
   auto item_at = [&](unsigned index) -> Item {
     const Tile tile(p, num_m_tiles, order, index);
+    if constexpr (Cfg::kFp8) {
+      const int64_t at = tile.sq.tb * p.heads_kv + tile.hk;
+      item_score_scale = Exp::score_scale(p.scale * double(p.qk_descale[at]));
+      item_out_scale = p.v_descale[at];
+    }
     if constexpr (Cfg::kCompactItems)
       return tile.keys(tile.m0 + wrow + g);
     else
       return tile;
   };
   auto softmax = [&](typename Rows::Scores& s, const Item& tile, int i) {
-    w.softmax(s, tile, tile.m0 + wrow + g, tile.n_begin + decltype(tile.n_begin)(i) * kBN, t, score_scale, alpha);
+    w.softmax(s, tile, tile.m0 + wrow + g, tile.n_begin + decltype(tile.n_begin)(i) * kBN, t,
+              Cfg::kFp8 ? item_score_scale : score_scale, alpha);
   };
   auto store = [&](const Item& tile, unsigned item) {
     // (only this warpgroup's products read its rows of the Q tile; one with no rows in the item stores none)
-    if (kConsumers == 2 || cwg * 64 < tile.rows) w.store(sQ(item % kQBuffers), p, Rows::dest(p, tile), wrow, lane);
+    if constexpr (Cfg::kFp8) {
+      __syncwarp();  // the warp's reads of the previous item's staged rows before these writes
+      w.store(tiles + Cfg::kOutStageOffset, p, Rows::dest(p, tile), wrow, lane, item_out_scale);
+    } else if (kConsumers == 2 || cwg * 64 < tile.rows) {
+      w.store(sQ(item % kQBuffers), p, Rows::dest(p, tile), wrow, lane);
+    }
     fence_proxy_async();  // the staging's smem writes before the producer's next TMA copy there
     mbar_arrive(q_empty + item % kQBuffers);
   };

@@ -25,6 +25,12 @@ bool fwd_ws_ready(const FwdParams& p, FwdPanelMaps& maps);
 template <class Elem, int kDim, int kConsumers = 2>
 bool fwd_wgmma(const FwdParams& p, const FwdPanelMaps& maps, cudaStream_t stream);
 
+// The float8 forward (FwdWsConfig<__nv_fp8_e4m3, 128>) reads V transposed: the bytes of that copy, and
+// the copy of p.v (float8 (batch, heads_kv, len_k, 128), p.v_stride) into `vt` (FwdParams::v's layout for
+// float8 calls). False where head_dim_v is not 128 or the launch failed.
+size_t fwd_fp8_v_bytes(const FwdParams& p);
+bool fwd_fp8_v_transposed(const FwdParams& p, void* vt, cudaStream_t stream);
+
 // Whether the dK / dV kernel can take the call at head dim `dim` (the plan's DeviceInfo::sm90_ws_ready):
 // the driver encodes its tensor maps (into `maps`), and its warpgroups' registers fit the loaded
 // kernel's pool.

@@ -10,6 +10,10 @@ namespace flashattn::cuda::sm90 {
 template <class Elem, int kDim>
 constexpr bool kFwdWgmmaTier = sizeof(Elem) == 2 && (kDim == 64 || kDim == 96 || kDim == 128 || kDim == 256);
 
+// The float8 (e4m3) forward's tier: dim 128, V given transposed (fwd_ws_sm90.cuh).
+template <class Elem, int kDim>
+constexpr bool kFwdFp8Tier = sizeof(Elem) == 1 && kDim == 128;
+
 template <class Elem, int kDim, int kConsumersT = 2>
 struct FwdWsConfig {
   // Consumers of 64 rows each: two, or three at dim 64 (where one 128 x 128 tile's exponentials take
@@ -17,19 +21,27 @@ struct FwdWsConfig {
   // and 256 O alone takes 64 / 128 registers of a consumer thread, more than three consumers' share of
   // the pool leaves for S and P.
   static constexpr int kConsumers = kConsumersT;
-  static constexpr bool kServed = kFwdWgmmaTier<Elem, kDim> && (kConsumers == 2 || kDim == 64);
+  static constexpr bool kFp8 = sizeof(Elem) == 1;
+  static constexpr bool kServed =
+      (kFwdWgmmaTier<Elem, kDim> && (kConsumers == 2 || kDim == 64)) || (kFwdFp8Tier<Elem, kDim> && kConsumers == 2);
   static constexpr int kThreads = 128 * (1 + kConsumers);
   // Dim 256: 64-key tiles (O takes 128 registers of a consumer thread, S 32) and one Q buffer (a 64 KB
   // tile), so the next item's Q waits for this one's output. Three consumers: 96-key tiles (S, P and O
   // of 128-key tiles spill 264 B in their 160 registers).
   static constexpr int kBM = 64 * kConsumers, kBN = kDim == 256 ? 64 : kConsumers == 3 ? 96 : 128, kStages = 2;
   static constexpr int kQBuffers = kDim == 256 ? 1 : 2;
-  // The tiles' dims in smem: panels of 64 (dim 96: two, the second half zero-filled by TMA).
-  static constexpr int kPanels = (kDim + 63) / 64, kDimPad = 64 * kPanels;
-  static constexpr uint32_t kQBytes = kBM * kDimPad * 2, kKvBytes = kBN * kDimPad * 2;
-  static constexpr uint32_t kBarOffset = kQBuffers * kQBytes + 2 * kStages * kKvBytes;
-  // The Q buffers, the K and V stages, the mbarriers (K / V full and empty per stage, Q empty per
-  // buffer), and room to align to 1024: 97 KB at dim 64 (three consumers: 97 KB), 193 KB at 128 and 256.
+  // The tiles' dims in smem: panels of 128-byte lines, 64 16-bit or 128 8-bit columns (dim 96: two, the
+  // second half zero-filled by TMA). Float8: V^T tiles of kDim lines of kBN (128) keys, as many bytes.
+  static constexpr int kPanelCols = 128 / int(sizeof(Elem));
+  static constexpr int kPanels = (kDim + kPanelCols - 1) / kPanelCols, kDimPad = kPanelCols * kPanels;
+  static constexpr uint32_t kQBytes = kBM * kDimPad * sizeof(Elem), kKvBytes = kBN * kDimPad * sizeof(Elem);
+  // Float8: the bf16 output is staged in its own buffer (two 64-column panels of kBM lines), not in the
+  // Q tile's (half its size).
+  static constexpr uint32_t kOutStageOffset = kQBuffers * kQBytes + 2 * kStages * kKvBytes;
+  static constexpr uint32_t kBarOffset = kOutStageOffset + (kFp8 ? kBM * kDim * 2 : 0);
+  // The Q buffers, the K and V stages, (float8) the output's staging, the mbarriers (K / V full and empty
+  // per stage, Q empty per buffer), and room to align to 1024: 97 KB at dim 64 (three consumers: 97 KB),
+  // 193 KB at 128 and 256, 129 KB for float8.
   static constexpr size_t kSmemBytes = kBarOffset + (4 * kStages + kQBuffers) * 8 + 1024;
   // Registers per thread after the hand-over (128 x producer + 128 x kConsumers x consumer <= 65536, the
   // launch's pool; the consumers need ~230 at dim 128).
