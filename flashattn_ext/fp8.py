@@ -71,7 +71,9 @@ class Fp8Call:
         def off(name, value):
             return name == "scale_name" or value is None or (not isinstance(value, torch.Tensor)
                                                              and value in (0, 0.0, (-1, -1)))
-        if self._kernel_descales is None or not kernel_enabled or not all(off(*f) for f in features.items()):
+        # (a traced call keeps to the bfloat16 path's ops, which have fake kernels)
+        if (self._kernel_descales is None or not kernel_enabled or torch.compiler.is_compiling()
+                or not all(off(*f) for f in features.items())):
             return None
         q, k, v = self._fp8
         qk, vd = self._kernel_descales
