@@ -66,14 +66,9 @@ class Fp8Call:
             out = (out * self._out_factor).to(OUT_DTYPE)
         return (out, *rest)
 
-    def run_kernel(self, causal, features):
+    def run_kernel(self, causal):
         """(out, lse) from the float8 kernel, or None where it does not take the call (then run())."""
-        def off(name, value):
-            return name == "scale_name" or value is None or (not isinstance(value, torch.Tensor)
-                                                             and value in (0, 0.0, (-1, -1)))
-        # (a traced call keeps to the bfloat16 path's ops, which have fake kernels)
-        if (self._kernel_descales is None or not kernel_enabled or torch.compiler.is_compiling()
-                or not all(off(*f) for f in features.items())):
+        if self._kernel_descales is None:
             return None
         q, k, v = self._fp8
         qk, vd = self._kernel_descales
@@ -89,6 +84,34 @@ class Fp8Call:
 # The float8 kernel where it takes a call; False runs every call through the bfloat16 path (to compare).
 kernel_enabled = True
 _SM90 = {}
+_TABLES = {}  # (device, groups, heads_kv, value) -> a float32 (groups, heads_kv) table of a per-tensor descale
+_MAX_TABLES = 64
+
+
+def _kernel_takes(q, v, cu_seqlens_q, features):
+    """Whether the float8 kernel can take the call: e4m3 on an sm_90 GPU, head_dim == head_dim_v == 128,
+    fixed lengths, no option beyond causal (features: the call's keywords), not traced (a traced call
+    keeps to the bfloat16 path's ops, which have fake kernels)."""
+    def off(name, value):
+        return name == "scale_name" or value is None or (not isinstance(value, torch.Tensor)
+                                                         and value in (0, 0.0, (-1, -1)))
+    return (features is not None and kernel_enabled and cu_seqlens_q is None and q.is_cuda
+            and q.dtype == torch.float8_e4m3fn and q.shape[-1] == 128 and v.shape[-1] == 128
+            and not torch.compiler.is_compiling() and all(off(*f) for f in features.items()) and _sm90(q.device))
+
+
+def _table(x, groups, heads_kv, device):
+    """x (a number, a one-element or a (groups, heads_kv) tensor) as a contiguous float32 (groups, heads_kv)
+    table; a number's table is made once (outside CUDA-graph capture) and kept."""
+    if isinstance(x, torch.Tensor):
+        return x.to(torch.float32).expand(groups, heads_kv).contiguous()
+    key = (device, groups, heads_kv, x)
+    table = _TABLES.get(key)
+    if table is None:
+        table = torch.full((groups, heads_kv), x, dtype=torch.float32, device=device)
+        if len(_TABLES) < _MAX_TABLES and not torch.cuda.is_current_stream_capturing():
+            _TABLES[key] = table
+    return table
 
 
 def _sm90(device):
@@ -98,10 +121,12 @@ def _sm90(device):
     return _SM90[index]
 
 
-def prepare(q, k, v, descales, scale, dropout_p, causal, layout, cu_seqlens_q=None, cu_seqlens_k=None):
+def prepare(q, k, v, descales, scale, dropout_p, causal, layout, cu_seqlens_q=None, cu_seqlens_k=None,
+            features=None):
     """Fp8Call for q, k, v (the op's views, rank already checked) and descales = (q_descale,
     k_descale, v_descale), after every check of the float8 rules; scale and dropout_p as floats;
-    cu_seqlens_* for a variable-length batch (descales then per sequence)."""
+    cu_seqlens_* for a variable-length batch (descales then per sequence); features: the call's other
+    keywords where the float8 kernel may take it (None: it may not)."""
     _check_dtypes(q, k, v, descales)
     for name, t in (("q", q), ("k", k), ("v", v)) + tuple(zip(_DESCALES, descales)):
         if isinstance(t, torch.Tensor) and t.requires_grad and torch.is_grad_enabled():
@@ -117,7 +142,10 @@ def prepare(q, k, v, descales, scale, dropout_p, causal, layout, cu_seqlens_q=No
         check_features(q, k, causal, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
         groups, what = cu_seqlens_q.shape[0] - 1, "num_sequences"
     heads_q, heads_kv = q.shape[1], k.shape[1]
-    q_d, k_d, v_d = (_descale(d, name, (groups, heads_kv), what, q.device) for d, name in zip(descales, _DESCALES))
+    on_kernel = _kernel_takes(q, v, cu_seqlens_q, features)
+    # (the kernel reads one-element descales on the device: no host read, no synchronization)
+    q_d, k_d, v_d = (_descale(d, name, (groups, heads_kv), what, q.device, read_on_host=not on_kernel)
+                     for d, name in zip(descales, _DESCALES))
 
     def per_row(factor):
         """A (groups, heads_kv) fp32 factor broadcastable to (batch, heads_q, len_q, 1): each query
@@ -129,12 +157,8 @@ def prepare(q, k, v, descales, scale, dropout_p, causal, layout, cu_seqlens_q=No
     qk = q_d * k_d
     per_head_qk = isinstance(qk, torch.Tensor)
     kernel_descales = None
-    if (cu_seqlens_q is None and q.is_cuda and q.dtype == torch.float8_e4m3fn and q.shape[-1] == 128
-            and v.shape[-1] == 128 and _sm90(q.device)):
-        def table(x):
-            return (x if isinstance(x, torch.Tensor) else torch.full((1, 1), x, device=q.device)).to(
-                torch.float32).expand(groups, heads_kv).contiguous()
-        kernel_descales = (table(qk), table(v_d))
+    if on_kernel:
+        kernel_descales = (_table(qk, groups, heads_kv, q.device), _table(v_d, groups, heads_kv, q.device))
     out_factor = per_row(v_d) if isinstance(v_d, torch.Tensor) else (None if v_d == 1.0 else v_d)
     return Fp8Call(q, k, v, scale, scale if per_head_qk else scale * qk, qk if per_head_qk else None, per_row, out_factor,
                    kernel_descales)
@@ -151,9 +175,10 @@ def _check_dtypes(q, k, v, descales):
                          f"{_dtype_name(k.dtype)} and v {_dtype_name(v.dtype)}")
 
 
-def _descale(value, name, shape, what, device):
+def _descale(value, name, shape, what, device, read_on_host=True):
     """A descale as a float (None = 1, a number, a one-element tensor: per tensor) or a float32
-    tensor of `shape` (per (batch or sequence, kv head))."""
+    tensor of `shape` (per (batch or sequence, kv head)); read_on_host=False leaves a one-element
+    tensor on its device, as a `shape` view of its value."""
     if value is None:
         return 1.0
     if not isinstance(value, torch.Tensor):
@@ -168,7 +193,7 @@ def _descale(value, name, shape, what, device):
         raise ValueError(f"flashattn_ext: {name} is on device {value.device} but q is on {device}; they must be on "
                          f"the same device")
     if value.numel() == 1:
-        if value.is_cuda and torch.cuda.is_current_stream_capturing():
+        if not read_on_host or (value.is_cuda and torch.cuda.is_current_stream_capturing()):
             # Not read on the host under CUDA-graph capture (which forbids it): used as a (groups,
             # heads_kv) tensor of its value, so each replay reads the value the descale then holds.
             return value.reshape(1, 1).expand(shape)

@@ -87,12 +87,13 @@ def _attention(q, k, v, scale, causal, deterministic, attn_bias=None, window_siz
                        cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
 
 
-def fp8_call(q, k, v, descales, softmax_scale, dropout_p, causal, layout, cu_seqlens_q=None, cu_seqlens_k=None):
+def fp8_call(q, k, v, descales, softmax_scale, dropout_p, causal, layout, cu_seqlens_q=None, cu_seqlens_k=None,
+             features=None):
     """fp8.prepare on the op's views of a float8 call (or of one that gave descales: it says
     why that is wrong), with the scalar arguments read as _attention reads them."""
     scale = default_scale(q.shape[-1]) if softmax_scale is None else _real(softmax_scale, "softmax_scale")
     return fp8.prepare(q, k, v, descales, scale, _real(dropout_p, "dropout_p", " in [0, 1)"), causal, layout,
-                       cu_seqlens_q, cu_seqlens_k)
+                       cu_seqlens_q, cu_seqlens_k, features)
 
 
 def _fp8_attention(q, k, v, descales, softmax_scale, causal, deterministic, dropout_p, layout, **features):
@@ -100,8 +101,8 @@ def _fp8_attention(q, k, v, descales, softmax_scale, causal, deterministic, drop
     its dequantized tensors through the bfloat16 path (autocast off, so that it stays bfloat16), the
     output times v_descale."""
     call = fp8_call(q, k, v, descales, softmax_scale, dropout_p, causal, layout, features.get("cu_seqlens_q"),
-                    features.get("cu_seqlens_k"))
-    on_kernel = call.run_kernel(causal, features)
+                    features.get("cu_seqlens_k"), features)
+    on_kernel = call.run_kernel(causal)
     if on_kernel is not None:
         return on_kernel
     return call.run(lambda q, k, v, scale: _attention(q, k, v, scale, causal, deterministic, layout=layout,
