@@ -85,29 +85,10 @@ __device__ __forceinline__ WalkSegment walk_segment(const KeyTileRound& round) {
 }
 
 // Writes the split walks' dK / dV (summed in the tail area, dK already scaled) to dk / dv: one
-// block per split walk.
+// block per split walk (tail_split.cu: its kernel is compiled once for the build, not in every tier's
+// translation unit). Elem: __half or __nv_bfloat16.
 template <class Elem>
-__global__ void store_tail_dkdv_kernel(const BwdParams p, const KeyTileRound round, int kBN) {
-  const TailSplit& t = round.tail;
-  const TileBlock blk = tile_block(round.groups, 1, p.heads_kv, /*heaviest_first=*/false, t.whole + blockIdx.x);
-  const Seq sq = plain_sequence(p, blk.batch);
-  const int64_t n0 = int64_t(round.first + blk.tile) * kBN;
-  const int rows_k = sq.k_tile_rows(n0, kBN);
-  const int E = int(p.head_dim), Ev = int(p.head_dim_v);
-  const float* dk_t = t.dkdv + int64_t(blockIdx.x) * kBN * (E + Ev);
-  const float* dv_t = dk_t + kBN * E;
-  Elem* dk = sq.k_rows<Elem>(p.dk, p.dk_stride, blk.head, n0);
-  Elem* dv = sq.k_rows<Elem>(p.dv, p.dv_stride, blk.head, n0);
-  // Pairs of columns (head dims are even: the tile copies need 16-byte rows).
-  for (int i = threadIdx.x; i < rows_k * E / 2; i += blockDim.x) {
-    const int key = i / (E / 2), col = 2 * (i % (E / 2));
-    Mma<Elem>::store_pair(dk + key * p.dk_stride.row + col, dk_t[key * E + col], dk_t[key * E + col + 1]);
-  }
-  for (int i = threadIdx.x; i < rows_k * Ev / 2; i += blockDim.x) {
-    const int key = i / (Ev / 2), col = 2 * (i % (Ev / 2));
-    Mma<Elem>::store_pair(dv + key * p.dv_stride.row + col, dv_t[key * Ev + col], dv_t[key * Ev + col + 1]);
-  }
-}
+void store_tail_dkdv(const BwdParams& p, const KeyTileRound& round, int kBN, cudaStream_t stream);
 
 // Launches `kernel` (a dK/dV kernel of config C: kBM, kBN, kThreads, kTailSplit) over `round`'s
 // blocks, with C's last-wave plan where it has one (kTailSplit): for causal calls the last pairs
@@ -130,8 +111,7 @@ void launch_with_tail_split(Kernel kernel, size_t smem, const BwdParams& p, cons
   kernel<<<blocks, C::kThreads, smem, stream>>>(p, dsum, accum, round);
   check_launch(name);
   if (t.parts > 0) {
-    store_tail_dkdv_kernel<Elem><<<t.walks, 128, 0, stream>>>(p, round, C::kBN);
-    check_launch("sm80::store_tail_dkdv_kernel");
+    store_tail_dkdv<Elem>(p, round, C::kBN, stream);
   }
 }
 
