@@ -47,13 +47,13 @@ struct BwdTraits : SimtTraits<T, kTier, kWide ? 4 : 2> {
       size_t(cmax(kScoreElems, kBlock * Base::kLdChunk) + kTileElems) * sizeof(Acc);
 };
 
-// Which dK/dV variant has a body for the arch being compiled: the wide one from sm_80 on (and
-// always for fp64, whose tiles fit everywhere), the narrow one below. The host picks the same
-// way from the PTX version of the wide kernel's image.
-template <class Acc, bool kWide>
-__device__ constexpr bool bwd_variant_compiled() {
+// The dK/dV kernel's variant for the arch being compiled: wide from sm_80 on (and always for fp64,
+// whose tiles fit everywhere), narrow below; one kernel per (dtype, tier, features), whose image holds
+// the one variant that arch can run. The host picks the same way from the PTX version of its image.
+template <class Acc>
+__device__ constexpr bool bwd_wide_compiled() {
 #ifdef __CUDA_ARCH__
-  return std::is_same_v<Acc, double> || kWide == (__CUDA_ARCH__ >= 800);
+  return std::is_same_v<Acc, double> || __CUDA_ARCH__ >= 800;
 #else
   return true;
 #endif
@@ -162,109 +162,105 @@ __device__ __forceinline__ void store_transposed(Acc* dst, const Acc (&x)[4][Tr:
     sts4(dst + (c + 16 * j) * Tr::kLdP + r * 4, x[0][j], x[1][j], x[2][j], x[3][j]);
 }
 
-template <class T, int kTier, bool kWide, bool kFeatures>
-__global__ void __launch_bounds__(BwdTraits<T, kTier, kWide>::kThreads, 2)
+template <class T, int kTier, bool kFeatures>
+__global__ void __launch_bounds__(BwdTraits<T, kTier, true>::kThreads, 2)
     bwd_dkdv_simt_kernel(const BwdParams p, const acc_t<T>* dsum_g, acc_t<T>* dq_accum,
                          int num_n_tiles, int num_splits) {
-  using Tr = BwdTraits<T, kTier, kWide>;
+  using Tr = BwdTraits<T, kTier, bwd_wide_compiled<acc_t<T>>()>;
   using Acc = typename Tr::Acc;
-  if constexpr (!bwd_variant_compiled<Acc, kWide>()) {
-    __trap();
-  } else {
-    constexpr int kB = Tr::kBlock, kTN = Tr::kTN, kVec = Tr::kVec, kNC = Tr::kNumChunks;
-    constexpr int kCW = Tr::kChunkCols, kLdC = Tr::kLdChunk, kLdP = Tr::kLdP;
+  constexpr int kB = Tr::kBlock, kTN = Tr::kTN, kVec = Tr::kVec, kNC = Tr::kNumChunks;
+  constexpr int kCW = Tr::kChunkCols, kLdC = Tr::kLdChunk, kLdP = Tr::kLdP;
 
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    Acc* smem = reinterpret_cast<Acc*>(smem_raw);
-    Acc* sdO = smem;  // gradient-phase chunks
-    Acc* sQ = sdO + kB * kLdC;
-    Acc* sK = sQ + kB * kLdC;
-    Acc* sPt = smem + Tr::kChunkElems;
-    Acc* sdSt = sPt + Tr::kTileElems;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  Acc* smem = reinterpret_cast<Acc*>(smem_raw);
+  Acc* sdO = smem;  // gradient-phase chunks
+  Acc* sQ = sdO + kB * kLdC;
+  Acc* sK = sQ + kB * kLdC;
+  Acc* sPt = smem + Tr::kChunkElems;
+  Acc* sdSt = sPt + Tr::kTileElems;
 
-    const TileBlock blk = tile_block(num_n_tiles, num_splits, p.heads_kv, /*heaviest_first=*/false);
-    const int nt = blk.tile, split = blk.split;
-    const int64_t hk = blk.head;
-    const Seq sq = kFeatures ? sequence(p, blk.batch) : plain_sequence(p, blk.batch);
-    const int64_t group = p.heads_q / p.heads_kv;
-    const int64_t n0 = int64_t(nt) * kB;
-    if (n0 >= sq.len_k) return;  // past the end of a shorter sequence (the whole block)
+  const TileBlock blk = tile_block(num_n_tiles, num_splits, p.heads_kv, /*heaviest_first=*/false);
+  const int nt = blk.tile, split = blk.split;
+  const int64_t hk = blk.head;
+  const Seq sq = kFeatures ? sequence(p, blk.batch) : plain_sequence(p, blk.batch);
+  const int64_t group = p.heads_q / p.heads_kv;
+  const int64_t n0 = int64_t(nt) * kB;
+  if (n0 >= sq.len_k) return;  // past the end of a shorter sequence (the whole block)
 
-    const int tid = threadIdx.x, r = tid >> 4, c = tid & 15;
-    const int E = int(p.head_dim), Ev = int(p.head_dim_v);
-    const int e_max = E > Ev ? E : Ev;
-    const int d0 = split * kTier;
-    const int rows_k = sq.k_tile_rows(n0, kB);
-    const Acc score_scale = ExpDomain<Acc>::score_scale(p.scale);
+  const int tid = threadIdx.x, r = tid >> 4, c = tid & 15;
+  const int E = int(p.head_dim), Ev = int(p.head_dim_v);
+  const int e_max = E > Ev ? E : Ev;
+  const int d0 = split * kTier;
+  const int rows_k = sq.k_tile_rows(n0, kB);
+  const Acc score_scale = ExpDomain<Acc>::score_scale(p.scale);
 
-    const T* k = sq.k_rows<const T>(p.k, p.k_stride, hk, n0);
-    const T* v = sq.k_rows<const T>(p.v, p.v_stride, hk, n0);
+  const T* k = sq.k_rows<const T>(p.k, p.k_stride, hk, n0);
+  const T* v = sq.k_rows<const T>(p.v, p.v_stride, hk, n0);
 
-    Acc dk[kNC][4][kVec], dv[kNC][4][kVec];
+  Acc dk[kNC][4][kVec], dv[kNC][4][kVec];
 #pragma unroll
-    for (int ch = 0; ch < kNC; ++ch)
+  for (int ch = 0; ch < kNC; ++ch)
 #pragma unroll
-      for (int i = 0; i < 4; ++i)
+    for (int i = 0; i < 4; ++i)
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) dk[ch][i][e] = dv[ch][i][e] = 0;
+      for (int e = 0; e < kVec; ++e) dk[ch][i][e] = dv[ch][i][e] = 0;
 
-    // Query rows that see some key of the tile (the band moves right with the row).
-    const int64_t m_begin = sq.row_begin(n0) / kB * kB;
-    const int64_t m_end = sq.row_end(n0 + rows_k - 1);
-    for (int64_t g = 0; g < group; ++g) {
-      const int64_t h = hk * group + g;
-      const int64_t row0 = sq.row_index(p.heads_q, h, 0);
-      const T* q_h = sq.q_rows<const T>(p.q, p.q_stride, h, 0);
-      const T* do_h = sq.q_rows<const T>(p.dout, p.dout_stride, h, 0);
-      const Acc* lse_h = static_cast<const Acc*>(p.lse) + row0;
-      const Acc* dsum_h = dsum_g + row0;
-      Acc* dq_h = dq_accum ? dq_accum + row0 * E : nullptr;
-      // Every split recomputes the same dS; the first one writes the bias gradient.
-      const BwdFeatures<Acc> f{sq, ScoreMods<Acc>(p, sq, h), DropoutMask<Acc>(p, sq, h),
-                               split == 0 ? dbias_rows<Acc>(p, sq, h) : nullptr};
+  // Query rows that see some key of the tile (the band moves right with the row).
+  const int64_t m_begin = sq.row_begin(n0) / kB * kB;
+  const int64_t m_end = sq.row_end(n0 + rows_k - 1);
+  for (int64_t g = 0; g < group; ++g) {
+    const int64_t h = hk * group + g;
+    const int64_t row0 = sq.row_index(p.heads_q, h, 0);
+    const T* q_h = sq.q_rows<const T>(p.q, p.q_stride, h, 0);
+    const T* do_h = sq.q_rows<const T>(p.dout, p.dout_stride, h, 0);
+    const Acc* lse_h = static_cast<const Acc*>(p.lse) + row0;
+    const Acc* dsum_h = dsum_g + row0;
+    Acc* dq_h = dq_accum ? dq_accum + row0 * E : nullptr;
+    // Every split recomputes the same dS; the first one writes the bias gradient.
+    const BwdFeatures<Acc> f{sq, ScoreMods<Acc>(p, sq, h), DropoutMask<Acc>(p, sq, h),
+                             split == 0 ? dbias_rows<Acc>(p, sq, h) : nullptr};
 
-      for (int64_t m0 = m_begin; m0 < m_end; m0 += kB) {
-        const int rows_q = sq.q_tile_rows(m0, kB);
-        const T* q = q_h + m0 * p.q_stride.row;
-        const T* dout = do_h + m0 * p.dout_stride.row;
-        Acc s[4][kTN], dp[4][kTN], lse[4], dsum[4];
-        bwd_scores<Tr>(s, dp, smem, q, p.q_stride.row, dout, p.dout_stride.row, rows_q, k,
-                       p.k_stride.row, v, p.v_stride.row, rows_k, E, Ev, tid);
-        load_row_stats(lse, dsum, lse_h, dsum_h, m0, sq.len_q, tid);
-        bwd_probs<Tr, kFeatures>(s, dp, lse, dsum, m0, n0, f, score_scale, tid);
-        store_transposed<Tr>(sPt, s, tid);
-        store_transposed<Tr>(sdSt, dp, tid);
+    for (int64_t m0 = m_begin; m0 < m_end; m0 += kB) {
+      const int rows_q = sq.q_tile_rows(m0, kB);
+      const T* q = q_h + m0 * p.q_stride.row;
+      const T* dout = do_h + m0 * p.dout_stride.row;
+      Acc s[4][kTN], dp[4][kTN], lse[4], dsum[4];
+      bwd_scores<Tr>(s, dp, smem, q, p.q_stride.row, dout, p.dout_stride.row, rows_q, k,
+                     p.k_stride.row, v, p.v_stride.row, rows_k, E, Ev, tid);
+      load_row_stats(lse, dsum, lse_h, dsum_h, m0, sq.len_q, tid);
+      bwd_probs<Tr, kFeatures>(s, dp, lse, dsum, m0, n0, f, score_scale, tid);
+      store_transposed<Tr>(sPt, s, tid);
+      store_transposed<Tr>(sdSt, dp, tid);
 
 #pragma unroll
-        for (int ch = 0; ch < kNC; ++ch) {
-          const int dc = d0 + ch * kCW;
-          if (dc < e_max) {
-            __syncthreads();  // P/dS stored; scoring reads of the chunk buffers done
-            if (dc < Ev) load_tile<kB, kCW, Tr::kThreads>(sdO, kLdC, dout + dc, p.dout_stride.row, rows_q, Ev - dc, tid);
-            if (dc < E) {
-              load_tile<kB, kCW, Tr::kThreads>(sQ, kLdC, q + dc, p.q_stride.row, rows_q, E - dc, tid);
-              if (dq_h) load_tile<kB, kCW, Tr::kThreads>(sK, kLdC, k + dc, p.k_stride.row, rows_k, E - dc, tid);
-            }
-            __syncthreads();
-            if (dc < Ev) gemm_rows_x_cols<kB, kVec>(dv[ch], sPt, kLdP, sdO, kLdC, r, c);
-            if (dc < E) {
-              gemm_rows_x_cols<kB, kVec>(dk[ch], sdSt, kLdP, sQ, kLdC, r, c);
-              if (dq_h) {
-                Acc dq[4][kVec];
+      for (int ch = 0; ch < kNC; ++ch) {
+        const int dc = d0 + ch * kCW;
+        if (dc < e_max) {
+          __syncthreads();  // P/dS stored; scoring reads of the chunk buffers done
+          if (dc < Ev) load_tile<kB, kCW, Tr::kThreads>(sdO, kLdC, dout + dc, p.dout_stride.row, rows_q, Ev - dc, tid);
+          if (dc < E) {
+            load_tile<kB, kCW, Tr::kThreads>(sQ, kLdC, q + dc, p.q_stride.row, rows_q, E - dc, tid);
+            if (dq_h) load_tile<kB, kCW, Tr::kThreads>(sK, kLdC, k + dc, p.k_stride.row, rows_k, E - dc, tid);
+          }
+          __syncthreads();
+          if (dc < Ev) gemm_rows_x_cols<kB, kVec>(dv[ch], sPt, kLdP, sdO, kLdC, r, c);
+          if (dc < E) {
+            gemm_rows_x_cols<kB, kVec>(dk[ch], sdSt, kLdP, sQ, kLdC, r, c);
+            if (dq_h) {
+              Acc dq[4][kVec];
 #pragma unroll
-                for (int i = 0; i < 4; ++i)
+              for (int i = 0; i < 4; ++i)
 #pragma unroll
-                  for (int e = 0; e < kVec; ++e) dq[i][e] = 0;
-                gemm_cols_x_rows<kB, kVec>(dq, sdSt, kLdP, sK, kLdC, r, c);
+                for (int e = 0; e < kVec; ++e) dq[i][e] = 0;
+              gemm_cols_x_rows<kB, kVec>(dq, sdSt, kLdP, sK, kLdC, r, c);
 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                  const int64_t m = m0 + r * 4 + i;
-                  if (m >= sq.len_q) continue;
+              for (int i = 0; i < 4; ++i) {
+                const int64_t m = m0 + r * 4 + i;
+                if (m >= sq.len_q) continue;
 #pragma unroll
-                  for (int e = 0; e < kVec; ++e) {
-                    const int d = dc + c * kVec + e;
-                    if (d < E) atomicAdd(dq_h + m * E + d, dq[i][e]);
-                  }
+                for (int e = 0; e < kVec; ++e) {
+                  const int d = dc + c * kVec + e;
+                  if (d < E) atomicAdd(dq_h + m * E + d, dq[i][e]);
                 }
               }
             }
@@ -272,23 +268,23 @@ __global__ void __launch_bounds__(BwdTraits<T, kTier, kWide>::kThreads, 2)
         }
       }
     }
+  }
 
-    T* dk_g = sq.k_rows<T>(p.dk, p.dk_stride, hk, 0);
-    T* dv_g = sq.k_rows<T>(p.dv, p.dv_stride, hk, 0);
-    const Acc scale = Acc(p.scale);
+  T* dk_g = sq.k_rows<T>(p.dk, p.dk_stride, hk, 0);
+  T* dv_g = sq.k_rows<T>(p.dv, p.dv_stride, hk, 0);
+  const Acc scale = Acc(p.scale);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int64_t n = n0 + r * 4 + i;
-      if (n >= sq.len_k) continue;
+  for (int i = 0; i < 4; ++i) {
+    const int64_t n = n0 + r * 4 + i;
+    if (n >= sq.len_k) continue;
 #pragma unroll
-      for (int ch = 0; ch < kNC; ++ch)
+    for (int ch = 0; ch < kNC; ++ch)
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) {
-          const int d = d0 + ch * kCW + c * kVec + e;
-          if (d < E) dk_g[n * p.dk_stride.row + d] = from_acc<T>(dk[ch][i][e] * scale);
-          if (d < Ev) dv_g[n * p.dv_stride.row + d] = from_acc<T>(dv[ch][i][e]);
-        }
-    }
+      for (int e = 0; e < kVec; ++e) {
+        const int d = d0 + ch * kCW + c * kVec + e;
+        if (d < E) dk_g[n * p.dk_stride.row + d] = from_acc<T>(dk[ch][i][e] * scale);
+        if (d < Ev) dv_g[n * p.dv_stride.row + d] = from_acc<T>(dv[ch][i][e]);
+      }
   }
 }
 
@@ -387,8 +383,7 @@ void launch_dkdv(const BwdParams& p, const void* dsum, void* dq_accum, int num_s
   const int64_t num_n_tiles = (p.len_k + Tr::kBlock - 1) / Tr::kBlock;
   const unsigned blocks =
       grid_size(num_n_tiles * num_splits * p.heads_kv * p.batch, "bwd_dkdv_simt_kernel");
-  auto kernel = p.has_features() ? bwd_dkdv_simt_kernel<T, kTier, kWide, true>
-                                  : bwd_dkdv_simt_kernel<T, kTier, kWide, false>;
+  auto kernel = p.has_features() ? bwd_dkdv_simt_kernel<T, kTier, true> : bwd_dkdv_simt_kernel<T, kTier, false>;
   set_smem(kernel, Tr::kDkdvSmemBytes, "bwd_dkdv_simt_kernel");
   kernel<<<blocks, Tr::kThreads, Tr::kDkdvSmemBytes, stream>>>(
       p, static_cast<const Acc*>(dsum), static_cast<Acc*>(dq_accum), int(num_n_tiles),
@@ -403,7 +398,7 @@ void bwd_dkdv(const BwdParams& p, const void* dsum, void* dq_accum, int num_spli
     launch_dkdv<T, kTier, true>(p, dsum, dq_accum, num_splits, stream);
   } else {
     cudaFuncAttributes attr{};
-    check_cuda(cudaFuncGetAttributes(&attr, bwd_dkdv_simt_kernel<T, kTier, true, false>),
+    check_cuda(cudaFuncGetAttributes(&attr, bwd_dkdv_simt_kernel<T, kTier, false>),
                "cudaFuncGetAttributes(bwd_dkdv_simt_kernel)");
     if (attr.ptxVersion >= 80)
       launch_dkdv<T, kTier, true>(p, dsum, dq_accum, num_splits, stream);
