@@ -31,14 +31,17 @@ inline bool fwd_operands_aligned(const FwdParams& p) {
          rows_aligned_16(p.out, p.out_stride.batch, p.out_stride.head, p.out_stride.row, p.head_dim_v, e);
 }
 
-// The backward's q, k, v, dO read in 16-byte chunks, dq, dk, dv written in pairs.
+// The backward's q, k, v, dO read in 16-byte chunks, dk, dv written in pairs, and dq written 16 bytes
+// at a time from the accumulator the tensor-core kernels fill (simt/bwd_simt_prepost.cu compiles no
+// element-wise conversion of their fp16 / bf16 layout).
 inline bool bwd_operands_aligned(const BwdParams& p) {
   const size_t e = dtype_size(p.dtype);
   return rows_aligned_16(p.q, p.q_stride.batch, p.q_stride.head, p.q_stride.row, p.head_dim, e) &&
          rows_aligned_16(p.k, p.k_stride.batch, p.k_stride.head, p.k_stride.row, p.head_dim, e) &&
          rows_aligned_16(p.v, p.v_stride.batch, p.v_stride.head, p.v_stride.row, p.head_dim_v, e) &&
          rows_aligned_16(p.dout, p.dout_stride.batch, p.dout_stride.head, p.dout_stride.row, p.head_dim_v, e) &&
-         pairs_aligned(p.dk, p.dk_stride, e) && pairs_aligned(p.dv, p.dv_stride, e) && pairs_aligned(p.dq, p.dq_stride, e);
+         rows_aligned_16(p.dq, p.dq_stride.batch, p.dq_stride.head, p.dq_stride.row, p.head_dim, e) &&
+         pairs_aligned(p.dk, p.dk_stride, e) && pairs_aligned(p.dv, p.dv_stride, e);
 }
 
 }  // namespace flashattn::cuda

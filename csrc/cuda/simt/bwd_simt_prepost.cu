@@ -132,15 +132,20 @@ int lane_shift(int64_t width, int vec) {
   return shift;
 }
 
-// Calls launch(vec, blocks, lane_shift) with vec = integral_constant<kVec> where every tensor
-// allows 16-byte accesses (`wide`), else <1>, for `rows` rows of `width` elements.
+// Calls launch(vec, blocks, lane_shift) with vec = integral_constant<kVec> for `rows` rows of `width`
+// elements.
+template <int kVec, class Launch>
+void launch_vec_rows(int64_t rows, int64_t width, const char* name, Launch&& launch) {
+  const int shift = lane_shift(width, kVec);
+  launch(std::integral_constant<int, kVec>{}, capped_blocks(rows, int64_t(kWarps) * (32 >> shift)), shift);
+  check_launch(name);
+}
+
+// launch_vec_rows with kVec where every tensor allows 16-byte accesses (`wide`), else 1.
 template <int kVec, class Launch>
 void launch_rows(bool wide, int64_t rows, int64_t width, const char* name, Launch&& launch) {
-  const int shift = lane_shift(width, wide ? kVec : 1);
-  const unsigned blocks = capped_blocks(rows, int64_t(kWarps) * (32 >> shift));
-  if (wide) launch(std::integral_constant<int, kVec>{}, blocks, shift);
-  else launch(std::integral_constant<int, 1>{}, blocks, shift);
-  check_launch(name);
+  if (wide) launch_vec_rows<kVec>(rows, width, name, launch);
+  else launch_vec_rows<1>(rows, width, name, launch);
 }
 
 }  // namespace
@@ -165,16 +170,22 @@ void bwd_dq_convert(const BwdParams& p, const void* dq_accum, bool blocked, int 
   // The accumulator is 256-byte aligned; its rows (row-major) or 2-column runs (blocked) too.
   const bool wide = vec_ok<T, kVec>(p.dq, p.dq_stride, p.head_dim);
   auto* acc = static_cast<const acc_t<T>*>(dq_accum);
-  auto run = [&](auto layout) {
-    launch_rows<kVec>(wide, rows, p.head_dim, "dq_convert_kernel", [&](auto vec, unsigned blocks, int shift) {
+  auto convert = [&](auto layout) {
+    return [&, layout](auto vec, unsigned blocks, int shift) {
       dq_convert_kernel<T, decltype(vec)::value><<<blocks, kThreads, 0, stream>>>(p, acc, slices, slice_elems, layout,
                                                                                   shift);
-    });
+    };
   };
   if constexpr (sizeof(T) == 2) {
-    if (blocked) return run(DqBlocked(p.head_dim));
+    // The blocked layout is the tensor-core kernels', which the plan gives only a dq whose rows take
+    // 16-byte stores (bwd_operands_aligned): converted kVec at a time, with no element-wise form.
+    if (blocked) {
+      if (!wide) return fail("dq_convert_kernel: the tensor-core kernels' dQ accumulator for a dq whose rows do not "
+                             "take 16-byte stores (the plan's operand alignment was not checked)");
+      return launch_vec_rows<kVec>(rows, p.head_dim, "dq_convert_kernel", convert(DqBlocked(p.head_dim)));
+    }
   }
-  run(DqRowMajor{p.head_dim});
+  launch_rows<kVec>(wide, rows, p.head_dim, "dq_convert_kernel", convert(DqRowMajor{p.head_dim}));
 }
 
 template void bwd_dot_do_o<double>(const BwdParams&, void*, void*, size_t, cudaStream_t);
