@@ -138,6 +138,44 @@ __device__ __forceinline__ void add_dq_tf32x3(float* dq_h, const float* sdSt, co
   }
 }
 
+// dQ of the query tile at m0 in fp32 FMAs: dQ[r*4 + i][64g + 4c + e] += sum_n dS^T[n][r*4 + i]
+// K[n][64g + 4c + e] over the keys that see the tile (over_seen_rows: the kernel's count of key rows
+// per thread; the blind half's dS is 0), added into the head's accumulator dq_h (E columns, p.len_q rows).
+template <class Tr, class OverSeenRows>
+__device__ __forceinline__ void add_dq_fp32(float* dq_h, const float* sdSt, const float* sK, int64_t m0,
+                                            const BwdParams& p, int E, int r, int c, OverSeenRows&& over_seen_rows) {
+  constexpr int kTQ = Tr::kTQ, kCG = Tr::kCG, kLdK = Tr::kLdK, kLdP = Tr::kLdP;
+  float dq[kTQ][4 * kCG];
+#pragma unroll
+  for (int i = 0; i < kTQ; ++i)
+#pragma unroll
+    for (int d = 0; d < 4 * kCG; ++d) dq[i][d] = 0.f;
+  over_seen_rows([&](auto rows) {
+    constexpr int kKeys = 16 * decltype(rows)::value;
+#pragma unroll 4
+    for (int n = 0; n < kKeys; ++n) {
+      float a[kTQ], bk[kCG][4];
+      lds(a, sdSt + n * kLdP + r * kTQ);
+#pragma unroll
+      for (int g = 0; g < kCG; ++g) lds(bk[g], sK + n * kLdK + 64 * g + 4 * c);
+#pragma unroll
+      for (int i = 0; i < kTQ; ++i)
+#pragma unroll
+        for (int g = 0; g < kCG; ++g)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) dq[i][4 * g + e] = fmaf(a[i], bk[g][e], dq[i][4 * g + e]);
+    }
+  });
+#pragma unroll
+  for (int i = 0; i < kTQ; ++i) {
+    const int64_t m = m0 + r * kTQ + i;
+    if (m >= p.len_q) continue;
+#pragma unroll
+    for (int g = 0; g < kCG; ++g)
+      add_dq4(dq_h + m * E, 64 * g + 4 * c, E, {dq[i][4 * g], dq[i][4 * g + 1], dq[i][4 * g + 2], dq[i][4 * g + 3]});
+  }
+}
+
 template <class T, int kDim>
 __global__ void __launch_bounds__(KvresTraits<kDim>::kThreads, 1)
     bwd_dkdv_kvres_kernel(const BwdParams p, const float* dsum_g, float* dq_accum,
@@ -298,38 +336,7 @@ __global__ void __launch_bounds__(KvresTraits<kDim>::kThreads, 1)
           add_dq_tf32x3<Tr, 16 * decltype(rows)::value>(dq_h, sdSt, sK, sKlo, m0, p.len_q, E, tid);
         });
       } else {
-        // dQ[r*4 + i][64g + 4c + e] += sum_n dS^T[n][r*4 + i] K[n][64g + 4c + e] over the keys
-        // that see the query tile (the blind half's dS is 0).
-        float dq[kTQ][4 * kCG];
-#pragma unroll
-        for (int i = 0; i < kTQ; ++i)
-#pragma unroll
-          for (int d = 0; d < 4 * kCG; ++d) dq[i][d] = 0.f;
-        over_seen_rows([&](auto rows) {
-          constexpr int kKeys = 16 * decltype(rows)::value;
-#pragma unroll 4
-          for (int n = 0; n < kKeys; ++n) {
-            float a[kTQ], bk[kCG][4];
-            lds(a, sdSt + n * kLdP + r * kTQ);
-#pragma unroll
-            for (int g = 0; g < kCG; ++g) lds(bk[g], sK + n * kLdK + 64 * g + 4 * c);
-#pragma unroll
-            for (int i = 0; i < kTQ; ++i)
-#pragma unroll
-              for (int g = 0; g < kCG; ++g)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) dq[i][4 * g + e] = fmaf(a[i], bk[g][e], dq[i][4 * g + e]);
-          }
-        });
-#pragma unroll
-        for (int i = 0; i < kTQ; ++i) {
-          const int64_t m = m0 + r * kTQ + i;
-          if (m >= p.len_q) continue;
-#pragma unroll
-          for (int g = 0; g < kCG; ++g)
-            add_dq4(dq_h + m * E, 64 * g + 4 * c, E,
-                    {dq[i][4 * g], dq[i][4 * g + 1], dq[i][4 * g + 2], dq[i][4 * g + 3]});
-        }
+        add_dq_fp32<Tr>(dq_h, sdSt, sK, m0, p, E, r, c, over_seen_rows);
       }
     }
     __syncthreads();  // sQ, sdSt free
