@@ -387,8 +387,8 @@ Error fill_pages(FwdParams& p, const Tensor& t, const Tensor& k) {
   if (!t.is_cpu()) return {};
   for (int64_t b = 0; b < p.batch; ++b) {
     const Seq sq = sequence(p, b);  // an invalid key range reads no page (its rows are NaN)
-    const int64_t lo = sq.k0, end = sq.k0 + sq.len_k;
-    for (int64_t page = lo / p.page_size; page * p.page_size < end; ++page) {
+    const int64_t lo = sq.k0, end = sq.k0 + sq.len_k;  // (an empty range, lo = end, holds no page)
+    for (int64_t page = lo / p.page_size; page * p.page_size < end && lo < end; ++page) {
       const int64_t block = p.block_table[b * p.block_table_stride + page];
       FA_CHECK(block >= 0 && block < p.num_blocks, "flashattn: argument 'block_table' has block ", block,
                " at [", b, ", ", page, "], which holds keys of sequence ", b, "; blocks must be in [0, num_blocks = ",
@@ -1007,6 +1007,88 @@ Error kvcache_append(Tensor k_cache, Tensor v_cache, Tensor k, Tensor v, Tensor 
 #endif
 }
 
+// t (4-D) with its dimensions 1 and 2 swapped: flash_attn_with_kvcache's (batch, len, heads, dim)
+// tensors as the (batch, heads, len, dim) views fwd reads, and fwd's out back. A tensor over t's
+// storage made by the C shim, not aten::transpose through the dispatcher: each transpose cost a
+// decode step about as much host time as its checks.
+Error swap_len_heads(const Tensor& t, const char* what, Tensor& swapped) {
+  const int64_t sizes[4] = {t.size(0), t.size(2), t.size(1), t.size(3)};
+  const int64_t strides[4] = {t.stride(0), t.stride(2), t.stride(1), t.stride(3)};
+  AtenTensorHandle handle = nullptr;
+  FA_CHECK(aoti_torch__reinterpret_tensor(t.get(), 4, sizes, strides, 0, &handle) == AOTI_TORCH_SUCCESS,
+           "flashattn: could not make the (batch, heads, len, dim) view of ", what);
+  swapped = Tensor(handle);
+  return {};
+}
+
+// A common decode step of flash_attn_with_kvcache (flashattn_ext/_kvcache_fast.py, which has
+// checked its arguments) in one op call: where there are new rows, rotary tables, pages or left
+// padding, kvcache_append (the new keys and values written in place, q rotated into a new tensor,
+// the value rules: seqused -1 for a sequence that breaks one), then fwd on the caches themselves
+// with each sequence's key range (seqused_k, leftpad_k, the block table). q, k, v, the caches and
+// out in flash_attn_with_kvcache's (batch, len, heads, dim) layout; lse (batch, heads_q, len_q).
+// The same two calls as the op-by-op composition, with one dispatch instead of two plus the
+// transposes and the zero-row k / v of a read-only step.
+Error kvcache_step(Tensor k_cache, Tensor v_cache, Tensor q, const std::optional<Tensor>& k,
+                   const std::optional<Tensor>& v, const std::optional<Tensor>& seqlens,
+                   const std::optional<Tensor>& block_table, const std::optional<Tensor>& leftpad,
+                   const std::optional<Tensor>& rotary_cos, const std::optional<Tensor>& rotary_sin,
+                   bool rotary_interleaved, double scale, bool causal, Tensor& out, Tensor& lse) {
+  const std::pair<const Tensor*, const char*> named[] = {{&q, "q"}, {&k_cache, "k_cache"}, {&v_cache, "v_cache"}};
+  for (const auto& [t, name] : named) {
+    FA_CHECK(t->dim() == 4, "flashattn: argument '", name, "' must have 4 dimensions (batch, len, heads, head_dim), "
+             "got shape ", shape_str(*t));
+  }
+  FA_CHECK(k.has_value() == v.has_value(), "flashattn: arguments 'k' and 'v' must be given together");
+  const bool rotary = rotary_cos.has_value();
+  std::optional<Tensor> seqused = seqlens;
+  Tensor q_attended = q;
+  if (k.has_value() || rotary || block_table.has_value() || leftpad.has_value()) {
+    FA_CHECK(seqlens.has_value(), "flashattn: argument 'seqlens' is needed with new rows, rotary tables, a "
+             "'block_table' or 'leftpad'");
+    Tensor k_new = q, v_new = q;
+    if (k.has_value()) {
+      k_new = *k;
+      v_new = *v;
+    } else {  // nothing to append, the value rules alone: views of no rows over the caches
+      const int64_t k_sizes[4] = {q.size(0), 0, k_cache.size(2), k_cache.size(3)};
+      const int64_t v_sizes[4] = {q.size(0), 0, v_cache.size(2), v_cache.size(3)};
+      const int64_t k_strides[4] = {k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3)};
+      const int64_t v_strides[4] = {v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3)};
+      AtenTensorHandle k_handle = nullptr, v_handle = nullptr;
+      FA_CHECK(aoti_torch__reinterpret_tensor(k_cache.get(), 4, k_sizes, k_strides, 0, &k_handle) ==
+                       AOTI_TORCH_SUCCESS &&
+                   aoti_torch__reinterpret_tensor(v_cache.get(), 4, v_sizes, v_strides, 0, &v_handle) ==
+                       AOTI_TORCH_SUCCESS,
+               "flashattn: could not make the empty views of the new rows");
+      k_new = Tensor(k_handle);
+      v_new = Tensor(v_handle);
+    }
+    std::optional<Tensor> q_rotated;
+    if (rotary) {
+      Tensor t = q;
+      FA_TRY(allocate({q.size(0), q.size(1), q.size(2), q.size(3)}, q.scalar_type(), q, "q_rotated", t));
+      q_rotated = t;
+    }
+    Tensor used = q;
+    FA_TRY(kvcache_append(k_cache, v_cache, k_new, v_new, *seqlens, std::nullopt, block_table, leftpad, rotary_cos,
+                          rotary_sin, rotary_interleaved, rotary ? std::optional<Tensor>(q) : std::nullopt, q_rotated,
+                          causal, used));
+    seqused = used;
+    if (rotary) q_attended = *q_rotated;
+  }
+  Tensor q_view = q, k_view = q, v_view = q, out_view = q;
+  FA_TRY(swap_len_heads(q_attended, "q", q_view));
+  FA_TRY(swap_len_heads(k_cache, "k_cache", k_view));
+  FA_TRY(swap_len_heads(v_cache, "v_cache", v_view));
+  Features f;
+  f.seqused_k = seqused;
+  f.leftpad_k = leftpad;
+  f.block_table = block_table;
+  FA_TRY(fwd(q_view, k_view, v_view, scale, causal ? kCausalBottomRight : kCausalNone, f, out_view, lse));
+  return swap_len_heads(out_view, "out", out);
+}
+
 // The kernels registered as flashattn::_fwd, _bwd and _dropout_mask: the tensors and an error
 // string, empty on success. With an error, the tensors returned are placeholders (an input).
 // The backends throw only on a CUDA runtime failure (common/check.h); where torch carries
@@ -1121,6 +1203,19 @@ std::tuple<Tensor, std::string> kvcache_append_op(Tensor k_cache, Tensor v_cache
   return {seqused, error};
 }
 
+std::tuple<Tensor, Tensor, std::string> kvcache_step_op(
+    Tensor k_cache, Tensor v_cache, Tensor q, std::optional<Tensor> k, std::optional<Tensor> v,
+    std::optional<Tensor> seqlens, std::optional<Tensor> block_table, std::optional<Tensor> leftpad,
+    std::optional<Tensor> rotary_cos, std::optional<Tensor> rotary_sin, bool rotary_interleaved, double scale,
+    bool causal) {
+  Tensor out = q, lse = q;
+  std::string error = guarded([&] {
+    return kvcache_step(k_cache, v_cache, q, k, v, seqlens, block_table, leftpad, rotary_cos, rotary_sin,
+                        rotary_interleaved, scale, causal, out, lse);
+  });
+  return {out, lse, error};
+}
+
 }  // namespace
 }  // namespace flashattn
 
@@ -1171,6 +1266,12 @@ STABLE_TORCH_LIBRARY(flashattn, m) {
   "bool rotary_interleaved=True, Tensor? q=None, Tensor(c!)? q_rotated=None, bool q_rows_consecutive=False"
   m.def("kvcache_append(" FLASHATTN_APPEND_ARGS ") -> Tensor seqused");
   m.def("_kvcache_append(" FLASHATTN_APPEND_ARGS ") -> (Tensor seqused, str error)");
+  // A common decode step of flash_attn_with_kvcache in one call (flashattn_ext/_kvcache_fast.py): the
+  // append (where there is anything to append or check) and the attention to the caches, q, k, v and
+  // out in its (batch, len, heads, dim) layout; causal is bottom-right. Eager CPU/CUDA tensors only.
+  m.def("_kvcache_step(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor q, Tensor? k, Tensor? v, Tensor? seqlens, "
+        "Tensor? block_table, Tensor? leftpad, Tensor? rotary_cos, Tensor? rotary_sin, bool rotary_interleaved, "
+        "float scale, bool causal) -> (Tensor out, Tensor lse, str error)");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(flashattn, CPU, m) {
@@ -1181,6 +1282,7 @@ STABLE_TORCH_LIBRARY_IMPL(flashattn, CPU, m) {
   m.impl("_dropout_mask", TORCH_BOX(&flashattn::dropout_mask_op));
   m.impl("_kernel_plan", TORCH_BOX(&flashattn::kernel_plan_op));
   m.impl("_kvcache_append", TORCH_BOX(&flashattn::kvcache_append_op));
+  m.impl("_kvcache_step", TORCH_BOX(&flashattn::kvcache_step_op));
 }
 
 #ifdef FLASHATTN_WITH_CUDA
@@ -1192,5 +1294,6 @@ STABLE_TORCH_LIBRARY_IMPL(flashattn, CUDA, m) {
   m.impl("_fwd_fp8", TORCH_BOX(&flashattn::fwd_fp8_op));
   m.impl("_kernel_plan", TORCH_BOX(&flashattn::kernel_plan_op));
   m.impl("_kvcache_append", TORCH_BOX(&flashattn::kvcache_append_op));
+  m.impl("_kvcache_step", TORCH_BOX(&flashattn::kvcache_step_op));
 }
 #endif

@@ -1,22 +1,21 @@
 """The common decode step of flash_attn_with_kvcache in a few Python steps: one row per sequence
-in a dense cache, or (on CUDA) pages through a block_table and left padding; new keys and values
-to append or none; rotary tables; cache_seqlens an int32 tensor or an int (or None with nothing
-else); softmax_scale and causal; nothing else. Such a call needs only the checks below, which read
-no tensor value and cost a few microseconds, and runs as the C++ kernels of
-flashattn::kvcache_append (the append, the rotary embedding of q and the new keys, and the value
-rules of lengths, pages, left padding and rotary positions) and flashattn::fwd, called directly:
-an eager step costs two op calls of host time. A call these checks do not pass, the invalid ones
+in a dense cache, or pages through a block_table, and left padding; new keys and values to append
+or none; rotary tables; cache_seqlens an int32 tensor or an int (or None with nothing else);
+softmax_scale and causal; nothing else. Such a call needs only the checks below, which read no
+tensor value on CUDA and cost a few microseconds, and runs as one call of the C++ op
+flashattn::_kvcache_step: flashattn::kvcache_append's kernel (the append, the rotary embedding of
+q and the new keys, and the value rules of lengths, pages, left padding and rotary positions) and
+flashattn::fwd's, with no Python between them. A call these checks do not pass, the invalid ones
 included, returns None here and takes the general path (kvcache._resolve), whose errors are the
-documented ones. Values out of range are the ops' own rules (no write, NaN rows); the CPU, where
-they are on the host, raises on the lengths and rotary positions as the general path does (and
-leaves pages and left padding to that path, whose messages name them)."""
+documented ones. Values out of range are the ops' own rules on CUDA (no write, NaN rows); the
+CPU, where they are on the host, raises on them as the general path does, with its messages."""
 import math
 
 import torch
 
 from ._checks import DTYPE_NAMES, MAX_HEAD_DIM
-from ._kvcache_values import PAGE_MULTIPLE, raise_on_bad_lengths, raise_on_bad_positions
-from .ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, run_fwd, run_kvcache_append
+from ._kvcache_values import PAGE_MULTIPLE, raise_on_bad_lengths, raise_on_bad_positions, raise_on_bad_ranges
+from .ops import run_kvcache_step
 
 _Tensor = torch.Tensor
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
@@ -49,11 +48,10 @@ def _plain(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad)
     if block_table is None:
         if rows != batch:
             return False
-    elif (not q.is_cuda or rows < 1 or cache_rows % PAGE_MULTIPLE or type(block_table) is not _Tensor
-          or block_table.dim() != 2 or not _index(block_table, (batch, block_table.shape[1]), device)
-          or block_table.shape[1] < 1):
+    elif (rows < 1 or cache_rows % PAGE_MULTIPLE or type(block_table) is not _Tensor or block_table.dim() != 2
+          or not _index(block_table, (batch, block_table.shape[1]), device) or block_table.shape[1] < 1):
         return False
-    if cache_leftpad is not None and not (q.is_cuda and _index(cache_leftpad, (batch,), device)):
+    if cache_leftpad is not None and not _index(cache_leftpad, (batch,), device):
         return False
     if k is not None:
         if type(k) is not _Tensor or type(v) is not _Tensor:
@@ -107,33 +105,29 @@ def step(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, s
         cache_len = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
         if not 0 <= cache_seqlens <= cache_len - len_new:
             return None  # (the general path's error)
-        if q.is_cpu and rotary:
-            raise_on_bad_positions([cache_seqlens] * q.shape[0], rotary_cos.shape[0], len_new, q.shape[1], causal)
+        if q.is_cpu:
+            _raise_on_bad_values(q, k_cache, [cache_seqlens] * q.shape[0], len_new, block_table, cache_leftpad,
+                                 rotary_cos, causal, lengths_checked=True)
         if cache_seqlens == cache_len and block_table is None and cache_leftpad is None and not rotary:
             cache_seqlens = None  # every key of every row: no key ranges
         else:
             cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
     elif q.is_cpu and cache_seqlens is not None:  # the values are on the host: an error, as the general path's
-        lengths = cache_seqlens.tolist()
-        raise_on_bad_lengths(lengths, len_new, k_cache.shape[1])
-        if rotary:
-            raise_on_bad_positions(lengths, rotary_cos.shape[0], len_new, q.shape[1], causal)
-    seqused = cache_seqlens
-    if k is not None or rotary or block_table is not None or cache_leftpad is not None:
-        # The append (with the rotary embedding of the new keys and of q), or with nothing to append
-        # the rules of pages, left padding and rotary positions alone.
-        if k is None:
-            k = k_cache.new_empty((q.shape[0], 0) + k_cache.shape[2:])
-            v = v_cache.new_empty((q.shape[0], 0) + v_cache.shape[2:])
-        if rotary:
-            q_rotated = torch.empty_like(q)
-            seqused = run_kvcache_append(k_cache, v_cache, k, v, cache_seqlens, None, block_table, cache_leftpad,
-                                         rotary_cos, rotary_sin, rotary_interleaved, q, q_rotated, causal)
-            q = q_rotated
-        else:
-            seqused = run_kvcache_append(k_cache, v_cache, k, v, cache_seqlens, None, block_table, cache_leftpad)
-    out, lse = run_fwd(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2), scale,
-                       CAUSAL_BOTTOM_RIGHT if causal else CAUSAL_NONE, False, None, -1, -1, None, 0.0, 0.0, None,
-                       None, None, 0, 0, seqused, cache_leftpad, block_table)
-    out = out.transpose(1, 2)
+        _raise_on_bad_values(q, k_cache, cache_seqlens.tolist(), len_new, block_table, cache_leftpad, rotary_cos,
+                             causal)
+    out, lse = run_kvcache_step(k_cache, v_cache, q, k, v, cache_seqlens, block_table, cache_leftpad, rotary_cos,
+                                rotary_sin, rotary_interleaved, scale, causal)
     return (out, lse) if return_softmax_lse else out
+
+
+def _raise_on_bad_values(q, k_cache, lengths, len_new, block_table, leftpad, rotary_cos, causal,
+                         lengths_checked=False):
+    """The value rules of a CPU step, on its host values, in the general path's order and words."""
+    page = k_cache.shape[1]
+    if not lengths_checked:
+        raise_on_bad_lengths(lengths, len_new, page * (1 if block_table is None else block_table.shape[1]))
+    if block_table is not None or leftpad is not None:
+        raise_on_bad_ranges(lengths, None if leftpad is None else leftpad.tolist(),
+                            None if block_table is None else block_table.tolist(), k_cache.shape[0], page, len_new)
+    if rotary_cos is not None:
+        raise_on_bad_positions(lengths, rotary_cos.shape[0], len_new, q.shape[1], causal)

@@ -24,6 +24,15 @@ def past_tables(b, length, positions, span, len_new, len_q):
             f"(cache_seqlens[{b}] = {length}, {len_new} new keys, {len_q} query rows)")
 
 
+def bad_leftpad(b, pad, length):
+    return f"cache_leftpad[{b}] = {pad} must be in [0, cache_seqlens[{b}] = {length}]"
+
+
+def bad_page(b, p, block, blocks, page, first, end):
+    return (f"block_table[{b}, {p}] = {block} is not a block of k_cache (must be in [0, {blocks})); page {p} holds "
+            f"keys {p * page}..{p * page + page - 1} of sequence {b}, which has keys {first}..{end - 1}")
+
+
 def rotary_span(len_new, len_q, consecutive):
     """Rotary positions a sequence uses from cache_seqlens on: its new keys', and its query rows'
     (consecutive, or all at cache_seqlens)."""
@@ -48,6 +57,22 @@ def raise_on_bad_lengths(lengths, len_new, cache_len):
             raise ValueError(f"flashattn_ext: {too_long(b, s, len_new, cache_len)}")
 
 
+def raise_on_bad_ranges(lengths, leftpads, table, blocks, page, len_new):
+    """The left padding and page rules on host values (lists of valid lengths, of left paddings or
+    None, of block table rows or None), in raise_on_invalid's order: only the pages that hold keys
+    of a sequence must name a block."""
+    if leftpads is not None:
+        for b, (pad, s) in enumerate(zip(leftpads, lengths)):
+            if not 0 <= pad <= s:
+                raise ValueError(f"flashattn_ext: {bad_leftpad(b, pad, s)}")
+    if table is not None:
+        for b, row in enumerate(table):
+            first, end = (leftpads[b] if leftpads is not None else 0), lengths[b] + len_new
+            for p in range(first // page, min(len(row), -(-end // page)) if end > first else 0):
+                if not 0 <= row[p] < blocks:
+                    raise ValueError(f"flashattn_ext: {bad_page(b, p, row[p], blocks, page, first, end)}")
+
+
 def _rules(a):
     """[(ok, message)]: ok is a (B,) bool tensor, message(b) describes sequence b's violation."""
     seqlens = a.seqlens.long()
@@ -60,8 +85,7 @@ def _rules(a):
     ]
     if a.leftpad is not None:
         rules.append(((leftpad >= 0) & (leftpad <= seqlens),
-                      lambda b: f"cache_leftpad[{b}] = {int(leftpad[b])} must be in [0, cache_seqlens[{b}] = "
-                                f"{int(seqlens[b])}]"))
+                      lambda b: bad_leftpad(b, int(leftpad[b]), int(seqlens[b]))))
     if a.batch_idx is not None:
         rows = a.k_cache.shape[0]
         idx = a.batch_idx.long()
@@ -78,9 +102,7 @@ def _rules(a):
 
         def page_message(b):
             p = int(bad[b].nonzero()[0])
-            return (f"block_table[{b}, {p}] = {int(table[b, p])} is not a block of k_cache (must be in [0, {blocks}))"
-                    f"; page {p} holds keys {p * page}..{p * page + page - 1} of sequence {b}, which has keys "
-                    f"{int(leftpad[b])}..{int(end[b]) - 1}")
+            return bad_page(b, p, int(table[b, p]), blocks, page, int(leftpad[b]), int(end[b]))
         rules.append((~bad.any(1), page_message))
     if a.rotary_cos is not None:
         positions, len_q = a.rotary_cos.shape[0], a.q.shape[1]

@@ -32,7 +32,8 @@ flash_attn_with_kvcache calls it).
 
 The C++ library defines the ops and registers, for CPU and CUDA, the underscored kernels _fwd,
 _bwd, _fwd_plain, _bwd_plain (a call without optional features: only the arguments it reads),
-_dropout_mask and _kvcache_append, which throw nothing (on torch < 2.13 an exception
+_dropout_mask, _kvcache_append and _kvcache_step (a common decode step: the append and the
+attention in one call), which throw nothing (on torch < 2.13 an exception
 leaving a stable-ABI kernel kills the process): they return an error string, which the kernels
 registered here for fwd, bwd, dropout_mask and kvcache_append raise as a Python exception
 (torch.OutOfMemoryError for a failed allocation). The public functions call the underscored
@@ -65,6 +66,7 @@ def _kernel(name):
 
 _FWD_KERNEL, _BWD_KERNEL = _kernel("_fwd"), _kernel("_bwd")
 _FWD_PLAIN_KERNEL, _BWD_PLAIN_KERNEL = _kernel("_fwd_plain"), _kernel("_bwd_plain")
+_KVCACHE_APPEND_KERNEL, _KVCACHE_STEP_KERNEL = _kernel("_kvcache_append"), _kernel("_kvcache_step")
 
 
 _FWD_FP8_KERNEL = []
@@ -146,12 +148,26 @@ def run_kvcache_append(k_cache, v_cache, k, v, seqlens, batch_idx=None, block_ta
                        rotary_cos=None, rotary_sin=None, rotary_interleaved=True, q=None, q_rotated=None,
                        q_rows_consecutive=False):
     """The C++ KV-cache append on CPU/CUDA tensors (in place), its error raised in Python: seqused."""
-    seqused, error = torch.ops.flashattn._kvcache_append.default(
-        k_cache, v_cache, k, v, seqlens, batch_idx, block_table, leftpad, rotary_cos, rotary_sin, rotary_interleaved,
-        q, q_rotated, q_rows_consecutive)
+    seqused, error = _KVCACHE_APPEND_KERNEL(k_cache, v_cache, k, v, seqlens, batch_idx, block_table, leftpad,
+                                            rotary_cos, rotary_sin, rotary_interleaved, q, q_rotated,
+                                            q_rows_consecutive)
     if error:
         _raise(error)
     return seqused
+
+
+def run_kvcache_step(k_cache, v_cache, q, k, v, seqlens, block_table, leftpad, rotary_cos, rotary_sin,
+                     rotary_interleaved, scale, causal):
+    """A common decode step of flash_attn_with_kvcache in one C++ call (_kvcache_fast.py, whose
+    checks it needs): the append of run_kvcache_append where there are new rows, rotary tables,
+    pages or left padding (seqlens: int32 (batch,), or None with none of them), then run_fwd on the
+    caches with the key ranges, causal bottom-right; q, k, v, the caches and out in
+    flash_attn_with_kvcache's (batch, len, heads, dim) layout. (out, lse)."""
+    out, lse, error = _KVCACHE_STEP_KERNEL(k_cache, v_cache, q, k, v, seqlens, block_table, leftpad, rotary_cos,
+                                           rotary_sin, rotary_interleaved, scale, causal)
+    if error:
+        _raise(error)
+    return out, lse
 
 
 def kvcache_append(k_cache, v_cache, k, v, seqlens, batch_idx=None, block_table=None, leftpad=None, rotary_cos=None,

@@ -147,8 +147,6 @@ STEPS = {"append": dict(len_new=2, causal=True), "read_only": dict(len_new=0), "
 # Steps over every key of the cache: the common step then passes no key ranges (the general path passes
 # lengths equal to the cache's), so the kernels may round differently.
 ALL_KEYS = {"no_seqlens": None, "int_seqlens_whole_cache": CACHE + 2}
-ON_CUDA_ONLY = ("paged_append", "paged_read_only_leftpad", "leftpad_append",  # the CPU's errors name pages, pads
-                "paged_rotary_leftpad")
 ROTARY_POSITIONS = CACHE + 4
 
 
@@ -184,9 +182,9 @@ def _same(a, b):
 
 @pytest.mark.parametrize("step", list(STEPS))
 def test_common_step_is_the_general_path(device, step, monkeypatch):
-    """The common step never resolves its arguments (it is the short path; on the CPU only dense
-    steps without left padding take it), and gives what the general path gives, out, lse and
-    caches bit for bit. On CUDA sequence 2 is too long for the cache (NaN rows, no write)."""
+    """The common step never resolves its arguments (it is the short path), and gives what the
+    general path gives, out, lse and caches bit for bit. On CUDA sequence 2 is too long for the
+    cache (NaN rows, no write)."""
     lengths = (5, 17, 40, 0) if device == "cpu" else (5, 17, 49, 0)
     call = _step(device, lengths=lengths, **STEPS[step])
     if step in ALL_KEYS:
@@ -205,7 +203,7 @@ def test_common_step_is_the_general_path(device, step, monkeypatch):
     resolve = kvcache._resolve
     monkeypatch.setattr(kvcache, "_resolve", lambda *args: resolved_calls.append(1) or resolve(*args))
     out, lse = flashattn_ext.flash_attn_with_kvcache(**call, return_softmax_lse=True)
-    assert len(resolved_calls) == (device == "cpu" and step in ON_CUDA_ONLY)
+    assert not resolved_calls
     if step in ALL_KEYS:
         torch.testing.assert_close(out, want_out, atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-4)
