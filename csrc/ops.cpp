@@ -1021,6 +1021,28 @@ Error swap_len_heads(const Tensor& t, const char* what, Tensor& swapped) {
   return {};
 }
 
+// The strides torch.empty_like(t) gives a new tensor (t's last dimension contiguous): t's own where t
+// is non-overlapping and dense (its elements fill its span once, in any dimension order), else
+// contiguous ones. The rotated q of a step is laid out as the step's Python made it.
+std::vector<int64_t> empty_like_strides(const Tensor& t) {
+  std::vector<int64_t> dims;
+  for (int64_t d = 0; d < t.dim(); ++d) dims.push_back(d);
+  std::stable_sort(dims.begin(), dims.end(), [&](int64_t a, int64_t b) { return t.stride(a) < t.stride(b); });
+  int64_t expected = 1;
+  bool dense = true;
+  for (const int64_t d : dims) {
+    if (t.size(d) == 1) continue;
+    dense = dense && t.stride(d) == expected;
+    expected *= t.size(d);
+  }
+  std::vector<int64_t> shape, strides;
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    shape.push_back(t.size(d));
+    strides.push_back(t.stride(d));
+  }
+  return dense ? strides : contiguous_strides(shape);
+}
+
 // A common decode step of flash_attn_with_kvcache (flashattn_ext/_kvcache_fast.py, which has
 // checked its arguments) in one op call: where there are new rows, rotary tables, pages or left
 // padding, kvcache_append (the new keys and values written in place, q rotated into a new tensor,
@@ -1067,7 +1089,8 @@ Error kvcache_step(Tensor k_cache, Tensor v_cache, Tensor q, const std::optional
     std::optional<Tensor> q_rotated;
     if (rotary) {
       Tensor t = q;
-      FA_TRY(allocate({q.size(0), q.size(1), q.size(2), q.size(3)}, q.scalar_type(), q, "q_rotated", t));
+      FA_TRY(allocate_strided({q.size(0), q.size(1), q.size(2), q.size(3)}, empty_like_strides(q), q.scalar_type(), q,
+                              "q_rotated", t));
       q_rotated = t;
     }
     Tensor used = q;

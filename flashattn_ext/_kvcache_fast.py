@@ -43,7 +43,10 @@ def _plain(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad)
             or v_cache.device != device or cache_rows < 1 or dim_k != dim or v_shape[0] != rows
             or v_shape[1] != cache_rows or v_shape[2] != heads_kv or not 1 <= dim <= MAX_HEAD_DIM
             or not 1 <= dim_v <= MAX_HEAD_DIM or heads_kv < 1 or heads % heads_kv
-            or q.stride()[3] != 1 or k_cache.stride()[3] != 1 or v_cache.stride()[3] != 1):
+            # (is_contiguous() first: cheaper than the stride tuple, and the common answer)
+            or not (q.is_contiguous() or q.stride()[3] == 1)
+            or not (k_cache.is_contiguous() or k_cache.stride()[3] == 1)
+            or not (v_cache.is_contiguous() or v_cache.stride()[3] == 1)):
         return False
     if block_table is None:
         if rows != batch:
@@ -60,7 +63,7 @@ def _plain(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad)
         len_new = k_shape[1] if len(k_shape) == 4 else 0
         if (len_new < 1 or k_shape != (batch, len_new, heads_kv, dim) or v.shape != (batch, len_new, heads_kv, dim_v)
                 or k.dtype != dtype or v.dtype != dtype or k.device != device or v.device != device
-                or k.stride()[3] != 1 or v.stride()[3] != 1):
+                or not (k.is_contiguous() or k.stride()[3] == 1) or not (v.is_contiguous() or v.stride()[3] == 1)):
             return False
     if cache_seqlens is None:
         if k is not None or block_table is not None or cache_leftpad is not None:
@@ -115,8 +118,10 @@ def step(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, s
     elif q.is_cpu and cache_seqlens is not None:  # the values are on the host: an error, as the general path's
         _raise_on_bad_values(q, k_cache, cache_seqlens.tolist(), len_new, block_table, cache_leftpad, rotary_cos,
                              causal)
+    # (the op's bool arguments take Python bools only: causal is any truth value, as the general
+    # path's, and rotary_interleaved is read only with the tables)
     out, lse = run_kvcache_step(k_cache, v_cache, q, k, v, cache_seqlens, block_table, cache_leftpad, rotary_cos,
-                                rotary_sin, rotary_interleaved, scale, causal)
+                                rotary_sin, rotary_interleaved if rotary else True, scale, True if causal else False)
     return (out, lse) if return_softmax_lse else out
 
 

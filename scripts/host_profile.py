@@ -3,9 +3,11 @@ calls on a tiny shape (or decode steps on a small cache) (the kernels take micro
 autograd and CUDA runtime calls), and cProfile's Python view of the same calls.
 
     python scripts/host_profile.py [--device cuda] [--out-dir DIR]
-        [--impl ours|sdpa|kvcache|kvcache-append|kvcache-rotary] [--forward-only]
+        [--impl ours|sdpa|kvcache|kvcache-append|kvcache-rotary|kvcache-paged] [--forward-only]
 
 --forward-only (ours, sdpa): the forward alone, its inputs requiring grad (bench_overhead.py's "fwd" row).
+The decode steps (kvcache*) use B = 1, one new row, a 1024-key cache, H = 32, E = 128 on CUDA, and
+C = 64, H = 2, E = 16 on the CPU, whose kernels would otherwise hide the host's part.
 """
 import argparse
 import cProfile
@@ -22,7 +24,8 @@ import flashattn_ext
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--impl", default="ours", choices=("ours", "sdpa", "kvcache", "kvcache-append", "kvcache-rotary"))
+    p.add_argument("--impl", default="ours", choices=("ours", "sdpa", "kvcache", "kvcache-append", "kvcache-rotary",
+                                                              "kvcache-paged"))
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--out-dir", default=".")
     p.add_argument("--forward-only", action="store_true")
@@ -36,23 +39,28 @@ def main():
         if not args.forward_only:
             out.sum().backward()
 
-    if args.impl.startswith("kvcache"):  # one decode step: B = 1, one new row, a 1024-key cache, H = 32, E = 128
-        qd = torch.randn(1, 1, 32, 128, device=args.device, dtype=dtype)
-        kc, vc = (torch.randn(1, 1024, 32, 128, device=args.device, dtype=dtype) for _ in range(2))
+    if args.impl.startswith("kvcache"):  # one decode step (shapes: the docstring)
+        cache, heads, dim = (1024, 32, 128) if args.device == "cuda" else (64, 2, 16)
+        qd = torch.randn(1, 1, heads, dim, device=args.device, dtype=dtype)
+        kc, vc = (torch.randn(1, cache, heads, dim, device=args.device, dtype=dtype) for _ in range(2))
         # kvcache: a step that only reads the cache; kvcache-append: the new row's key and value
         # appended first (benchmarks/bench_decode.py's step); kvcache-rotary: appended rotated, q
-        # rotated too (float32 tables of 2048 positions over the whole head, causal)
-        new = [torch.randn(1, 1, 32, 128, device=args.device, dtype=dtype) for _ in range(2)] \
+        # rotated too (float32 tables of 2 x cache positions over the whole head, causal);
+        # kvcache-paged: appended into pages of 16 keys (the cache's keys in reversed blocks)
+        new = [torch.randn(1, 1, heads, dim, device=args.device, dtype=dtype) for _ in range(2)] \
             if args.impl != "kvcache" else [None, None]
-        seqlens = torch.full((1,), 1024 - (new[0] is not None), dtype=torch.int32, device=args.device)
-        rotary = {}
+        seqlens = torch.full((1,), cache - (new[0] is not None), dtype=torch.int32, device=args.device)
+        extra = {}
         if args.impl == "kvcache-rotary":
-            angle = torch.arange(2048, device=args.device)[:, None] / 10000 ** (
-                torch.arange(64, device=args.device) / 64)
-            rotary = dict(rotary_cos=angle.cos(), rotary_sin=angle.sin(), causal=True)
+            angle = torch.arange(2 * cache, device=args.device)[:, None] / 10000 ** (
+                torch.arange(dim // 2, device=args.device) / (dim // 2))
+            extra = dict(rotary_cos=angle.cos(), rotary_sin=angle.sin(), causal=True)
+        if args.impl == "kvcache-paged":
+            kc, vc = (t.view(cache // 16, 16, heads, dim).flip(0).contiguous() for t in (kc, vc))
+            extra = dict(block_table=torch.arange(cache // 16, device=args.device, dtype=torch.int32).flip(0)[None])
 
         def step():  # noqa: F811
-            flashattn_ext.flash_attn_with_kvcache(qd, kc, vc, *new, cache_seqlens=seqlens, **rotary)
+            flashattn_ext.flash_attn_with_kvcache(qd, kc, vc, *new, cache_seqlens=seqlens, **extra)
 
     for _ in range(50):
         step()
@@ -78,7 +86,8 @@ def main():
     path = os.path.join(args.out_dir, f"host_profile_{args.impl}{'_fwd' if forward_only else ''}_{args.device}.txt")
     with open(path, "w") as f:
         what = {"kvcache": "a read-only decode step", "kvcache-append": "a decode step with its append",
-                "kvcache-rotary": "a decode step with its append and rotary"}.get(
+                "kvcache-rotary": "a decode step with its append and rotary",
+                "kvcache-paged": "a decode step with its append into pages"}.get(
             args.impl, f"{'fwd' if forward_only else 'fwd+bwd'}, 1x1x16x64 causal")
         f.write(f"{args.calls} calls of {what}, {dtype}, {args.impl}\n\n")
         f.write(table + "\n\n" + s.getvalue())

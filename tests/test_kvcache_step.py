@@ -101,12 +101,15 @@ def test_cpu_unused_pages_name_no_block(case):
     assert torch.equal(call["k_cache"], general["k_cache"]) and torch.equal(call["v_cache"], general["v_cache"])
 
 
+@pytest.mark.parametrize("q_layout", ["strided", "heads_outer"])
 @pytest.mark.parametrize("rotary", [False, True], ids=["plain", "rotary"])
-def test_step_layouts(device, rotary):
-    """Strided q, caches and new rows (last dimension contiguous): the op's out has the sizes and
-    strides of fwd's out transposed (what the step returned as two op calls), and its values."""
+def test_step_layouts(device, rotary, q_layout):
+    """Strided q (with gaps, or dense with heads outside rows), caches and new rows (last
+    dimension contiguous): the op's out has the sizes and strides of the step as two op calls
+    (fwd's out transposed, the rotated q laid out by torch.empty_like), and its values."""
     make = lambda *shape: torch.randn(*shape, device=device, dtype=torch.float32)  # noqa: E731
-    q = make(2, 3, 2 * HEADS, 2 * DIM)[:, :, ::2, :DIM]
+    q = make(2, 3, 2 * HEADS, 2 * DIM)[:, :, ::2, :DIM] if q_layout == "strided" else \
+        make(2, HEADS, 3, DIM).transpose(1, 2)
     k_cache, v_cache = make(2, 40, HEADS_KV, 3 * DIM)[..., :DIM], make(2, 40, HEADS_KV, 3 * DIM)[..., DIM:2 * DIM]
     k, v = make(2, 3, HEADS_KV, 2 * DIM)[..., DIM:], make(2, 3, HEADS_KV, DIM)
     seqlens = torch.tensor([4, 30], dtype=torch.int32, device=device)
@@ -124,3 +127,16 @@ def test_step_layouts(device, rotary):
     assert out.shape == want_out.shape and out.stride() == want_out.stride() and lse.stride() == want_lse.stride()
     assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
     assert torch.equal(k_cache, caches[0]) and torch.equal(v_cache, caches[1])
+
+
+def test_flag_truth_values(device):
+    """causal may be any truth value (1, 0), as in the general path; rotary_interleaved without
+    tables is not read."""
+    q, k_cache, v_cache = (torch.randn(2, 1, 2, 8, device=device) if i == 0 else torch.randn(2, 20, 1, 8, device=device)
+                           for i in range(3))
+    seqlens = torch.tensor([3, 19], dtype=torch.int32, device=device)
+    for causal in (1, 0):
+        out = flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=causal,
+                                                    rotary_interleaved=0)
+        want = flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=bool(causal))
+        assert torch.equal(out, want)
