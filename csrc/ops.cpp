@@ -245,9 +245,9 @@ Error empty_like_layout(const Tensor& like, int64_t heads, int64_t len, int64_t 
   return allocate_strided({like.size(0), heads, len, dim}, strides, dtype, like, what, t);
 }
 
-Error fill_common(FwdParams& p, const Tensor& q, const Tensor& k, const Tensor& v, const Dims& d, double scale,
-                  int64_t causal) {
-  FA_TRY(to_dtype(q.scalar_type(), "q", p.dtype));
+// p's tensors, sizes, scale and causal alignment (p.dtype set first: it bounds the scale).
+Error fill_call(FwdParams& p, const Tensor& q, const Tensor& k, const Tensor& v, const Dims& d, double scale,
+                int64_t causal) {
   p.q = q.const_data_ptr();
   p.k = k.const_data_ptr();
   p.v = v.const_data_ptr();
@@ -272,6 +272,12 @@ Error fill_common(FwdParams& p, const Tensor& q, const Tensor& k, const Tensor& 
   p.causal = causal != kCausalNone;
   p.causal_offset = causal == kCausalBottomRight ? d.len_k - d.len_q : 0;
   return {};
+}
+
+Error fill_common(FwdParams& p, const Tensor& q, const Tensor& k, const Tensor& v, const Dims& d, double scale,
+                  int64_t causal) {
+  FA_TRY(to_dtype(q.scalar_type(), "q", p.dtype));
+  return fill_call(p, q, k, v, d, scale, causal);
 }
 
 // The optional features of one call, as the ops receive them (flashattn_ext/ops.py passes
@@ -616,23 +622,7 @@ Error fwd_fp8(Tensor q, Tensor k, Tensor v, Tensor qk_descale, Tensor v_descale,
   }
   FwdParams p;
   p.dtype = DType::kBFloat16;  // (the output's; q, k and v are float8)
-  p.q = q.const_data_ptr();
-  p.k = k.const_data_ptr();
-  p.v = v.const_data_ptr();
-  p.q_stride = strides_of(q);
-  p.k_stride = strides_of(k);
-  p.v_stride = strides_of(v);
-  p.batch = d.batch;
-  p.heads_q = d.heads_q;
-  p.heads_kv = d.heads_kv;
-  p.len_q = d.len_q;
-  p.len_k = d.len_k;
-  p.head_dim = d.head_dim;
-  p.head_dim_v = d.head_dim_v;
-  FA_CHECK(std::isfinite(scale), "flashattn: argument 'scale' must be finite, got ", scale);
-  p.scale = scale;
-  p.causal = causal != kCausalNone;
-  p.causal_offset = causal == kCausalBottomRight ? d.len_k - d.len_q : 0;
+  FA_TRY(fill_call(p, q, k, v, d, scale, causal));
   p.qk_descale = static_cast<const float*>(qk_descale.const_data_ptr());
   p.v_descale = static_cast<const float*>(v_descale.const_data_ptr());
   FA_TRY(empty_like_layout(q, d.heads_q, d.len_q, d.head_dim_v, ScalarType::BFloat16, "out", out));
