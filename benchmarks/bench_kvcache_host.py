@@ -13,12 +13,12 @@ caches stay the same size.
 """
 import argparse
 import json
-import time
 
 import torch
 import torch.nn.functional as F
 
 import flashattn_ext
+from bench_overhead import per_call_us
 
 STEPS = ("read", "read-int", "append", "append-int", "rotary", "paged", "leftpad", "sdpa")
 
@@ -49,22 +49,6 @@ def make_steps(batch, cache, heads, dim, page, dtype, device):
         "leftpad": lambda: kv(q, k_cache, v_cache, cache_seqlens=full, cache_leftpad=leftpad),
         "sdpa": lambda: F.scaled_dot_product_attention(sdpa_q, sdpa_k, sdpa_v),
     }
-
-
-def per_call_us(fn, device, calls, repeats, warmup=50):
-    for _ in range(warmup):
-        fn()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
-    return best
 
 
 def main():

@@ -22,13 +22,15 @@ import torch.nn.functional as F
 import flashattn_ext
 
 
-def per_call_us(fn, device, calls, warmup=50):
+def per_call_us(fn, device, calls, repeats=5, warmup=50):
+    """µs per call of fn: the best of `repeats` batches of `calls` (the least disturbed by other work
+    on the host), after `warmup` calls."""
     for _ in range(warmup):
         fn()
     if device == "cuda":
         torch.cuda.synchronize()
     best = float("inf")
-    for _ in range(5):  # best of 5 batches: the least disturbed by other work on the host
+    for _ in range(repeats):
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
