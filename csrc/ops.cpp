@@ -558,6 +558,25 @@ Error run_backend(Params& p, const Tensor& q, CpuBytes cpu_bytes, RunCpu run_cpu
 #define FLASHATTN_CUDA_BWD nullptr
 #endif
 
+// A forward's out (laid out as q) and lse, pointed to by p; `done` where nothing is left to compute (no
+// output; no key: out = 0, lse = -inf).
+Error fwd_outputs(FwdParams& p, const Tensor& q, const Dims& d, ScalarType out_type, ScalarType lse_type, Tensor& out,
+                  Tensor& lse, bool& done) {
+  FA_TRY(empty_like_layout(q, d.heads_q, d.len_q, d.head_dim_v, out_type, "out", out));
+  FA_TRY(allocate({d.batch, d.heads_q, d.len_q}, lse_type, q, "lse", lse));
+  done = out.numel() == 0 || d.len_k == 0;
+  if (out.numel() == 0) return {};
+  if (d.len_k == 0) {  // every row is fully masked
+    torch::stable::zero_(out);
+    torch::stable::fill_(lse, -std::numeric_limits<double>::infinity());
+    return {};
+  }
+  p.out = out.mutable_data_ptr();
+  p.out_stride = strides_of(out);
+  p.lse = lse.mutable_data_ptr();
+  return {};
+}
+
 // `deterministic` is kept for the backward (autograd passes it on); the forward has no
 // order-dependent reductions.
 Error fwd(Tensor q, Tensor k, Tensor v, double scale, int64_t causal, const Features& f, Tensor& out, Tensor& lse) {
@@ -572,17 +591,9 @@ Error fwd(Tensor q, Tensor k, Tensor v, double scale, int64_t causal, const Feat
   FA_TRY(fill_common(p, q, k, v, d, scale, causal));
   FA_TRY(check_and_fill_features(p, f, q, d, causal));
   if (f.block_table.has_value()) FA_TRY(fill_pages(p, *f.block_table, k));
-  FA_TRY(empty_like_layout(q, d.heads_q, d.len_q, d.head_dim_v, q.scalar_type(), "out", out));
-  FA_TRY(allocate({d.batch, d.heads_q, d.len_q}, lse_type(q.scalar_type()), q, "lse", lse));
-  if (out.numel() == 0) return {};
-  if (d.len_k == 0) {  // every row is fully masked
-    torch::stable::zero_(out);
-    torch::stable::fill_(lse, -std::numeric_limits<double>::infinity());
-    return {};
-  }
-  p.out = out.mutable_data_ptr();
-  p.out_stride = strides_of(out);
-  p.lse = lse.mutable_data_ptr();
+  bool done = false;
+  FA_TRY(fwd_outputs(p, q, d, q.scalar_type(), lse_type(q.scalar_type()), out, lse, done));
+  if (done) return {};
   return run_backend(p, q, cpu::fwd_workspace_bytes, cpu::run_fwd, FLASHATTN_CUDA_FWD);
 }
 
@@ -625,17 +636,9 @@ Error fwd_fp8(Tensor q, Tensor k, Tensor v, Tensor qk_descale, Tensor v_descale,
   FA_TRY(fill_call(p, q, k, v, d, scale, causal));
   p.qk_descale = static_cast<const float*>(qk_descale.const_data_ptr());
   p.v_descale = static_cast<const float*>(v_descale.const_data_ptr());
-  FA_TRY(empty_like_layout(q, d.heads_q, d.len_q, d.head_dim_v, ScalarType::BFloat16, "out", out));
-  FA_TRY(allocate({d.batch, d.heads_q, d.len_q}, ScalarType::Float, q, "lse", lse));
-  if (out.numel() == 0) return {};
-  if (d.len_k == 0) {  // every row is fully masked
-    torch::stable::zero_(out);
-    torch::stable::fill_(lse, -std::numeric_limits<double>::infinity());
-    return {};
-  }
-  p.out = out.mutable_data_ptr();
-  p.out_stride = strides_of(out);
-  p.lse = lse.mutable_data_ptr();
+  bool done = false;
+  FA_TRY(fwd_outputs(p, q, d, ScalarType::BFloat16, ScalarType::Float, out, lse, done));
+  if (done) return {};
   std::string why;
   FA_TRY(run_backend(
       p, q, [](const FwdParams&) { return size_t(0); }, [](FwdParams&) {},

@@ -26,6 +26,13 @@ def quantized(shape, dtype, device, amax=AMAX):
     return (torch.randn(shape, device=device) * amax).clamp(-448, 448).to(dtype)
 
 
+def quantized_qkv(batch, len_q, len_k, heads, heads_kv, dim, dtype, device, amax=AMAX, dim_v=None):
+    """q (batch, len_q, heads, dim), k and v (batch, len_k, heads_kv, dim / dim_v), quantized()."""
+    return (quantized((batch, len_q, heads, dim), dtype, device, amax),
+            quantized((batch, len_k, heads_kv, dim), dtype, device, amax),
+            quantized((batch, len_k, heads_kv, dim_v or dim), dtype, device, amax))
+
+
 def descales(kind, groups, heads_kv, device):
     """(q_descale, k_descale, v_descale) of one kind: None, Python floats, 0-d tensors,
     (groups, heads_kv) tensors, or one of each form."""
@@ -103,9 +110,7 @@ def check_out_lse(out, lse, qr, kr, vr, scale, causal, features, fold=None):
 def test_against_reference(device, dtype, kind, causal):
     batch, heads, heads_kv, len_q, len_k, dim = 2, 4, 2, 5, 9, 32  # GQA: two query heads per kv head
     amax = 1.0 if kind == "none" else AMAX
-    q = quantized((batch, len_q, heads, dim), dtype, device, amax)
-    k = quantized((batch, len_k, heads_kv, dim), dtype, device, amax)
-    v = quantized((batch, len_k, heads_kv, dim), dtype, device, amax)
+    q, k, v = quantized_qkv(batch, len_q, len_k, heads, heads_kv, dim, dtype, device, amax)
     qd, kd, vd = descales(kind, batch, heads_kv, device)
     out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True, q_descale=qd, k_descale=kd, v_descale=vd)
     check_out_lse(out, lse, dequantized(q, qd), dequantized(k, kd), dequantized(v, vd), dim ** -0.5,
@@ -116,9 +121,7 @@ def test_against_reference(device, dtype, kind, causal):
 def test_features(device, kind):
     """A window, softcap and ALiBi act on the dequantized scores (softmax_scale given)."""
     batch, heads, heads_kv, len_q, len_k, dim, dim_v = 2, 4, 1, 7, 6, 16, 24
-    q = quantized((batch, len_q, heads, dim), E4M3, device)
-    k = quantized((batch, len_k, heads_kv, dim), E4M3, device)
-    v = quantized((batch, len_k, heads_kv, dim_v), E4M3, device)
+    q, k, v = quantized_qkv(batch, len_q, len_k, heads, heads_kv, dim, E4M3, device, dim_v=dim_v)
     qd, kd, vd = descales(kind, batch, heads_kv, device)
     slopes = torch.rand(heads, device=device)
     window, softcap, scale = (3, 1), 2.0, 0.4
@@ -279,7 +282,7 @@ def emulated_kernel(q, k, v, scale, causal):
     unnormalized probabilities rounded to e4m3 in P V (the row sums from P unrounded), out rounded to
     bfloat16; rows that see no key give 0."""
     lq, lk = q.shape[2], k.shape[2]
-    k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
     s = q @ k.transpose(-1, -2) * scale
     if causal:
         visible = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
@@ -305,9 +308,7 @@ def test_kernel(device, kind, causal, lens, monkeypatch):
     monkeypatch.setattr(flashattn_ext.ops, "fwd_fp8_kernel", lambda: lambda *a: calls.append(1) or kernel(*a))
     (len_q, len_k), batch, heads, heads_kv, dim = lens, 2, 4, 2, 128
     amax = 1.0 if kind == "none" else AMAX
-    q = quantized((batch, len_q, heads, dim), E4M3, device, amax)
-    k = quantized((batch, len_k, heads_kv, dim), E4M3, device, amax)
-    v = quantized((batch, len_k, heads_kv, dim), E4M3, device, amax)
+    q, k, v = quantized_qkv(batch, len_q, len_k, heads, heads_kv, dim, E4M3, device, amax)
     qd, kd, vd = descales(kind, batch, heads_kv, device)
     out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True, q_descale=qd, k_descale=kd, v_descale=vd)
     assert calls, "the call did not run on the float8 kernel"
