@@ -129,6 +129,9 @@ struct FwdParams {
   bool is_varlen() const { return cu_seqlens_q != nullptr; }
   bool has_key_ranges() const { return seqused_k != nullptr; }
   bool is_paged() const { return block_table != nullptr; }
+  // The bias is a key vector: one value per key of a batch, broadcast over the query heads and rows
+  // (SDPA's key padding mask, (batch or 1, 1, 1, len_k)), which the Hopper kernels take.
+  bool key_vector_bias() const { return bias_kind != BiasKind::kNone && bias_stride[1] == 0 && bias_stride[2] == 0; }
   // Any optional feature but the per-sequence key ranges (the decode kernel takes those alone).
   bool has_features_beyond_key_ranges() const {
     return bias_kind != BiasKind::kNone || has_window() || alibi_slopes != nullptr || softcap > 0.0 ||

@@ -93,13 +93,32 @@ int64_t mean_visible_keys(const FwdParams& p) {
   return mean < 0 ? 0 : mean > p.len_k ? p.len_k : mean;
 }
 
-// The Hopper forward of a plain fp16 / bf16 call with head_dim == head_dim_v == kDim: rows that see the
-// kernel's minimum of keys, on grids of at least a block per SM (smaller grids go to the sm80/ kernels,
-// which split walks over keys where the GPU has room); FLASHATTN_CUDA_KERNELS=wgmma drops both.
+// The optional features the Hopper kernels take: none, or a bias that is a key vector
+// (FwdParams::key_vector_bias) and nothing else (the backward's bias gradient goes to the general step
+// before these kernels are asked).
+bool sm90_takes_features(const FwdParams& p) {
+  if (!p.has_features()) return true;
+  FwdParams rest = p;
+  rest.bias_kind = BiasKind::kNone;
+  return p.key_vector_bias() && !rest.has_features();
+}
+
+// The shared memory of the Hopper forward with kConsumers consumers for the call: with a key-vector bias,
+// its configuration's (the ring beside the stages).
+template <class Elem, int kDim, int kConsumers>
+size_t sm90_fwd_smem(const FwdParams& p) {
+  return p.key_vector_bias() ? sm90::FwdWsConfig<Elem, kDim, kConsumers, /*kKeyBias=*/true>::kSmemBytes
+                             : sm90::FwdWsConfig<Elem, kDim, kConsumers>::kSmemBytes;
+}
+
+// The Hopper forward of an fp16 / bf16 call that is plain or has a key-vector bias, with head_dim ==
+// head_dim_v == kDim: rows that see the kernel's minimum of keys, on grids of at least a block per SM
+// (smaller grids go to the sm80/ kernels, which split walks over keys where the GPU has room);
+// FLASHATTN_CUDA_KERNELS=wgmma drops both.
 template <class Elem, int kDim>
 std::optional<FwdKernel> sm90_fwd(const FwdParams& p, const Limits& lim) {
   using Ws = sm90::FwdWsConfig<Elem, kDim>;
-  if (!sm90::kFwdWgmmaTier<Elem, kDim> || p.has_features() || p.head_dim != kDim || p.head_dim_v != kDim ||
+  if (!sm90::kFwdWgmmaTier<Elem, kDim> || !sm90_takes_features(p) || p.head_dim != kDim || p.head_dim_v != kDim ||
       !lim.sm90())
     return std::nullopt;
   const bool forced = lim.ov.kernels == KernelsOverride::kWgmma;
@@ -110,20 +129,21 @@ std::optional<FwdKernel> sm90_fwd(const FwdParams& p, const Limits& lim) {
   if constexpr (Ws::kServed) {
     using Ws3 = sm90::FwdWsConfig<Elem, kDim, 3>;
     if constexpr (Ws3::kServed) {
-      if (keys >= Ws::kThreeConsumerKeys && Ws3::kSmemBytes <= lim.smem && lim.dev.sm90_ws_ready &&
+      if (keys >= Ws::kThreeConsumerKeys && sm90_fwd_smem<Elem, kDim, 3>(p) <= lim.smem && lim.dev.sm90_ws_ready &&
           (forced || fills_gpu(Ws3::kBM)))
         return FwdKernel::kSm90WgmmaWs3;
     }
     const int64_t min_keys = p.causal ? Ws::kMinCausalKeys : Ws::kMinKeys;
-    if (Ws::kSmemBytes <= lim.smem && lim.dev.sm90_ws_ready && (forced || (keys >= min_keys && fills_gpu(Ws::kBM))))
+    if (sm90_fwd_smem<Elem, kDim, 2>(p) <= lim.smem && lim.dev.sm90_ws_ready &&
+        (forced || (keys >= min_keys && fills_gpu(Ws::kBM))))
       return FwdKernel::kSm90WgmmaWs;
   }
   return std::nullopt;
 }
 
 // The tensor-core forwards of tier kDim (operands aligned): the decode kernel (few query rows per kv
-// head, a KV cache's key ranges and pages allowed); for plain calls the Hopper kernels, the plain sm80/
-// kernel; then the feature variant (smaller tiles), which serves any call its tiles fit. None for a
+// head, a KV cache's key ranges and pages allowed); the Hopper kernels (plain calls, a key-vector bias);
+// for plain calls the plain sm80/ kernel; then the feature variant (smaller tiles), which serves any call its tiles fit. None for a
 // paged call the decode kernel does not take (choose_fwd plans it on its gathered pages).
 template <class Elem, int kDim>
 std::optional<FwdKernel> tensor_core_fwd(const FwdParams& p, const Limits& lim) {
@@ -132,10 +152,9 @@ std::optional<FwdKernel> tensor_core_fwd(const FwdParams& p, const Limits& lim) 
       return FwdKernel::kSm80Decode;
   }
   if (p.is_paged()) return std::nullopt;
-  if (!p.has_features()) {
-    if (const auto hopper = sm90_fwd<Elem, kDim>(p, lim)) return hopper;
-    if (lim.sm80_fits(with_bias_tiles<sm80::FwdConfig<Elem, kDim, false>>(p))) return FwdKernel::kSm80Plain;
-  }
+  if (const auto hopper = sm90_fwd<Elem, kDim>(p, lim)) return hopper;
+  if (!p.has_features() && lim.sm80_fits(with_bias_tiles<sm80::FwdConfig<Elem, kDim, false>>(p)))
+    return FwdKernel::kSm80Plain;
   if (lim.sm80_fits(with_bias_tiles<sm80::FwdConfig<Elem, kDim, true>>(p))) return FwdKernel::kSm80Features;
   return std::nullopt;
 }
@@ -143,8 +162,8 @@ std::optional<FwdKernel> tensor_core_fwd(const FwdParams& p, const Limits& lim) 
 // The backward's general per-score step (more than a band and a bias).
 bool needs_general_step(const BwdParams& p) { return mods_beyond_bias(p) || p.dropout_p > 0.0 || p.dbias != nullptr; }
 
-// The tensor-core dK/dV kernels of tier kDim. Plain calls at dims 64 / 128 / 256 take the Hopper kernel
-// on sm_90; calls without the general step the 2-D kernel (in its two-block, one-barrier or two-barrier
+// The tensor-core dK/dV kernels of tier kDim. Plain calls and those with a key-vector bias at dims 64 /
+// 96 / 128 / 256 take the Hopper kernel on sm_90; calls without the general step the 2-D kernel (in its two-block, one-barrier or two-barrier
 // form by shared memory and length) where it has the tier, then the 1-D kernel (plain calls: the forms
 // sm80/bwd_forms.h compiles); calls with it, or that none of those fits, the general variant, then its
 // compact tiles.
@@ -164,7 +183,7 @@ std::optional<BwdKernel> tensor_core_bwd(const BwdParams& p, const Limits& lim) 
     };
     if (needs_general_step(p)) return general();
     if constexpr (sm90::BwdWsConfig<Elem, kDim>::kServed) {
-      if (aligned && lim.sm90() && lim.dev.sm90_ws_ready && !p.has_features() && p.head_dim == kDim &&
+      if (aligned && lim.sm90() && lim.dev.sm90_ws_ready && sm90_takes_features(p) && p.head_dim == kDim &&
           p.head_dim_v == kDim && sm90::BwdWsConfig<Elem, kDim>::kSmemBytes <= lim.smem)
         return BwdKernel::kSm90Wgmma;
     }

@@ -1,5 +1,5 @@
-// Hopper dK/dV kernel (wgmma, warp-specialized): fp16 and bf16 at head dims 64, 96, 128 and 256, as the kernel
-// plan (../plan.cpp) chose; bwd_ws_ready answers the plan's question whether it can take a call, and
+// Hopper dK/dV kernel (wgmma, warp-specialized): fp16 and bf16 at head dims 64, 96, 128 and 256, plain or with
+// a key-vector bias, as the kernel plan (../plan.cpp) chose; bwd_ws_ready answers the plan's question whether it can take a call, and
 // its maps are the ones the launch passes.
 #include "bwd_sm90.cuh"
 #include "launch.h"
@@ -21,11 +21,30 @@ bool encode_bwd_maps(const BwdParams& p, BwdPanelMaps& maps) {
 }
 
 // The kernel of element type Elem and dim kDim can take the call: its maps encode (the box sizes of its
-// tiles) and its register pool holds the hand-over.
+// tiles) and its register pool holds the hand-over (of the call's variant: plain, or with a key-vector
+// bias, the only bias the plan sends here).
 template <class Elem, int kDim>
 bool ws_ready(const BwdParams& p, BwdPanelMaps& maps) {
   using Cfg = BwdWsConfig<Elem, kDim>;
-  return register_pool_holds<bwd_ws_kernel<Elem, kDim>, Cfg>() && encode_bwd_maps<Cfg>(p, maps);
+  const bool pool = p.key_vector_bias() ? register_pool_holds<bwd_ws_kernel<Elem, kDim, true>, Cfg>()
+                                        : register_pool_holds<bwd_ws_kernel<Elem, kDim>, Cfg>();
+  return pool && encode_bwd_maps<Cfg>(p, maps);
+}
+
+// The launches of kernel variant kKernel (rounds of key tiles, schedule/key_tile_rounds.h).
+template <class Elem, int kDim, auto kKernel>
+void launch_ws(const BwdParams& p, const BwdPanelMaps& maps, const void* dsum, const DqAccum& accum,
+               cudaStream_t stream) {
+  using Cfg = BwdWsConfig<Elem, kDim>;
+  if (!set_smem(kKernel, Cfg::kSmemBytes, "sm90::bwd_ws_kernel")) return;
+  // Causal blocks heaviest last where a block's walk is the plain one's (a key-vector bias adds no walk).
+  const int per_sm = !p.deterministic && p.causal ? 1 : 0;
+  for_key_tile_rounds(p, Cfg::kBN, accum, [&](unsigned blocks, KeyTileRound round) {
+    round.heavy = plan_heavy_last(blocks, round.groups, per_sm);
+    kKernel<<<blocks, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, maps, static_cast<const float*>(dsum), accum,
+                                                                 round);
+    check_launch("sm90::bwd_ws_kernel");
+  });
 }
 
 }  // namespace
@@ -41,16 +60,10 @@ bool bwd_ws_ready(const BwdParams& p, int dim, BwdPanelMaps& maps) {
 template <class Elem, int kDim>
 bool bwd_wgmma(const BwdParams& p, const BwdPanelMaps& maps, const void* dsum, const DqAccum& accum,
                cudaStream_t stream) {
-  using Cfg = BwdWsConfig<Elem, kDim>;
-  constexpr auto kernel = bwd_ws_kernel<Elem, kDim>;
-  if (!set_smem(kernel, Cfg::kSmemBytes, "sm90::bwd_ws_kernel")) return true;
-  const int per_sm = heavy_last_serves(p) ? 1 : 0;
-  for_key_tile_rounds(p, Cfg::kBN, accum, [&](unsigned blocks, KeyTileRound round) {
-    round.heavy = plan_heavy_last(blocks, round.groups, per_sm);
-    kernel<<<blocks, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, maps, static_cast<const float*>(dsum), accum,
-                                                                round);
-    check_launch("sm90::bwd_ws_kernel");
-  });
+  if (p.key_vector_bias())
+    launch_ws<Elem, kDim, bwd_ws_kernel<Elem, kDim, true>>(p, maps, dsum, accum, stream);
+  else
+    launch_ws<Elem, kDim, bwd_ws_kernel<Elem, kDim>>(p, maps, dsum, accum, stream);
   return true;
 }
 

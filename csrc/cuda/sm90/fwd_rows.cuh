@@ -17,6 +17,7 @@
 #include "../common/online_softmax.cuh"
 #include "../common/wgmma.cuh"
 #include "../schedule/causal_order.cuh"
+#include "key_bias.cuh"
 
 namespace flashattn::cuda::sm90 {
 
@@ -167,16 +168,17 @@ struct FwdRows {
     wgmma_commit();
   }
 
-  // The online softmax of the key tile at n0, in place (scaled, masked outside each row's band,
-  // exponentiated); returns through alpha the factor that rescales O. `item` (FwdTile or FwdKeys) is
-  // the block's work item, the lane's rows row0 and row0 + 8; t = lane % 4.
-  template <class Item, class Index>
+  // The online softmax of the key tile at n0, in place (scaled, the key-vector bias's terms added,
+  // masked outside each row's band, exponentiated); returns through alpha the factor that rescales O.
+  // `item` (FwdTile or FwdKeys) is the block's work item, the lane's rows row0 and row0 + 8; t = lane % 4.
+  template <class Item, class Index, class KeyTerms = NoKeyTerms>
   __device__ __forceinline__ void softmax(Scores& s, const Item& item, Index row0, Index n0, int t, float score_scale,
-                                          float (&alpha)[2]) {
+                                          float (&alpha)[2], const KeyTerms& key_terms = {}) {
 #pragma unroll
     for (int j = 0; j < kNA; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[j][e] *= score_scale;
+    key_terms.add(s, t);
     item.template mask<kBN>(s, row0, n0, t);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {

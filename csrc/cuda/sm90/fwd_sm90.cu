@@ -1,7 +1,6 @@
-// The Hopper forward (wgmma, warp-specialized): fp16 and bf16 at head dims 64, 96, 128 and 256 (float8 e4m3 at
-// 128), its launcher
-// as the kernel plan (../plan.cpp) chose, and the plan's question whether it can take a call (whose
-// maps the launch passes).
+// The Hopper forward (wgmma, warp-specialized): fp16 and bf16 at head dims 64, 96, 128 and 256, plain or with
+// a key-vector bias (float8 e4m3 at 128, plain), its launcher as the kernel plan (../plan.cpp) chose, and the
+// plan's question whether it can take a call (whose maps the launch passes).
 #include "fwd_ws_sm90.cuh"
 #include "launch.h"
 #include "register_pool.h"
@@ -87,6 +86,18 @@ __global__ void __launch_bounds__(256) fp8_v_transposed_kernel(const FwdParams p
   }
 }
 
+// The kernel's launch with configuration Cfg (the plain kernel or its key-vector bias variant).
+template <class Elem, int kDim, class Cfg>
+void launch_ws(const FwdParams& p, const FwdPanelMaps& maps, cudaStream_t stream) {
+  const FwdGrid g = fwd_grid<Cfg, fwd_ws_kernel<Elem, kDim, Cfg>>(p);
+  // Non-causal grids larger than the GPU: persistent, a block per SM slot walking several items.
+  const int64_t slots = int64_t(device_limits().sms) * (g.per_sm > 0 ? g.per_sm : 1);
+  const int64_t grid = !p.causal && g.blocks > slots ? slots : g.blocks;
+  fwd_ws_kernel<Elem, kDim, Cfg><<<unsigned(grid), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, maps, g.num_m_tiles,
+                                                                                           unsigned(g.blocks), g.order);
+  check_launch("sm90 forward");
+}
+
 }  // namespace
 
 size_t fwd_fp8_v_bytes(const FwdParams& p) {
@@ -101,23 +112,35 @@ bool fwd_fp8_v_transposed(const FwdParams& p, void* vt, cudaStream_t stream) {
   return check_launch("float8 V transpose");
 }
 
+// (A call with a bias is an fp16 / bf16 one whose bias is a key vector: the plan sends no other bias here.
+// Its kernel is the configuration's variant that adds the key vector's terms, FwdWsConfig::kKeyBias.)
 template <class Elem, int kDim, int kConsumers>
 bool fwd_ws_ready(const FwdParams& p, FwdPanelMaps& maps) {
   using Cfg = FwdWsConfig<Elem, kDim, kConsumers>;
-  if constexpr (Cfg::kServed) return register_pool_holds<fwd_ws_kernel<Elem, kDim, Cfg>, Cfg>() && encode_ws_maps<Cfg>(p, maps);
+  if constexpr (Cfg::kServed) {
+    bool pool;
+    if constexpr (Cfg::kFp8) {
+      pool = register_pool_holds<fwd_ws_kernel<Elem, kDim, Cfg>, Cfg>();
+    } else {
+      using BiasCfg = FwdWsConfig<Elem, kDim, kConsumers, /*kKeyBias=*/true>;
+      pool = p.key_vector_bias() ? register_pool_holds<fwd_ws_kernel<Elem, kDim, BiasCfg>, BiasCfg>()
+                                 : register_pool_holds<fwd_ws_kernel<Elem, kDim, Cfg>, Cfg>();
+    }
+    return pool && encode_ws_maps<Cfg>(p, maps);
+  }
   return false;
 }
 
 template <class Elem, int kDim, int kConsumers>
 bool fwd_wgmma(const FwdParams& p, const FwdPanelMaps& maps, cudaStream_t stream) {
   using Cfg = FwdWsConfig<Elem, kDim, kConsumers>;
-  const FwdGrid g = fwd_grid<Cfg, fwd_ws_kernel<Elem, kDim, Cfg>>(p);
-  // Non-causal grids larger than the GPU: persistent, a block per SM slot walking several items.
-  const int64_t slots = int64_t(device_limits().sms) * (g.per_sm > 0 ? g.per_sm : 1);
-  const int64_t grid = !p.causal && g.blocks > slots ? slots : g.blocks;
-  fwd_ws_kernel<Elem, kDim, Cfg><<<unsigned(grid), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, maps, g.num_m_tiles,
-                                                                                           unsigned(g.blocks), g.order);
-  check_launch("sm90 forward");
+  if constexpr (!Cfg::kFp8) {
+    if (p.key_vector_bias()) {
+      launch_ws<Elem, kDim, FwdWsConfig<Elem, kDim, kConsumers, /*kKeyBias=*/true>>(p, maps, stream);
+      return true;
+    }
+  }
+  launch_ws<Elem, kDim, Cfg>(p, maps, stream);
   return true;
 }
 

@@ -79,11 +79,13 @@ __device__ __forceinline__ void fwd_ws_producer(const FwdParams& p, const FwdPan
 }
 
 // The forward's mbarriers: a full and an empty one per K and V stage (the producer's one thread and
-// the consumers' threads), an empty one per Q buffer.
+// the consumers' threads), an empty one per Q buffer; with a key-vector bias a full one (its producer
+// warp's lanes) and an empty one per stage of its ring.
 template <class Cfg>
 __device__ __forceinline__ void fwd_ws_init_barriers(uint64_t* const k_full, uint64_t* const v_full,
                                                      uint64_t* const k_empty, uint64_t* const v_empty,
-                                                     uint64_t* const q_empty) {
+                                                     uint64_t* const q_empty, uint64_t* const bias_full,
+                                                     uint64_t* const bias_empty) {
   for (int s = 0; s < Cfg::kStages; ++s) {
     mbar_init(k_full + s, 1);
     mbar_init(v_full + s, 1);
@@ -91,7 +93,56 @@ __device__ __forceinline__ void fwd_ws_init_barriers(uint64_t* const k_full, uin
     mbar_init(v_empty + s, 128 * Cfg::kConsumers);
   }
   for (int b = 0; b < Cfg::kQBuffers; ++b) mbar_init(q_empty + b, 128 * Cfg::kConsumers);
+  if constexpr (Cfg::kKeyBias) {
+    for (int s = 0; s < Cfg::kBiasStages; ++s) {
+      mbar_init(bias_full + s, 32);
+      mbar_init(bias_empty + s, 128 * Cfg::kConsumers);
+    }
+  }
   fence_mbar_init();
+}
+
+// The ring of a key-vector bias (FwdWsConfig::kKeyBias): the block's c-th key tile's kBN values lie in
+// stage c % kBiasStages, and the mbarriers' phases follow c / kBiasStages.
+template <class Cfg>
+struct FwdKeyBiasRing {
+  float* values;  // kBiasStages tiles of kBN fp32
+  uint64_t *full, *empty;
+  __device__ __forceinline__ float* at(int cc) const { return values + (cc % Cfg::kBiasStages) * Cfg::kBN; }
+  __device__ __forceinline__ void wait(int cc) const {
+    mbar_wait(full + cc % Cfg::kBiasStages, uint32_t(cc / Cfg::kBiasStages) & 1);
+  }
+  __device__ __forceinline__ void release(int cc) const { mbar_arrive(empty + cc % Cfg::kBiasStages); }
+};
+
+// The key-vector bias's producer warp: per key tile, in the order of the K / V stages, the tile's kBN
+// values into its stage of the ring (lane l: keys l, l + 32, ...) once the consumers have released the
+// stage's previous tile; the lanes' arrivals after their stores complete the stage's full mbarrier. Its
+// loads run ahead of the consumers' softmax by up to kBiasStages tiles.
+template <class Elem, class Cfg, class Tile>
+__device__ __forceinline__ void fwd_ws_key_bias_producer(const FwdParams& p, int num_m_tiles, unsigned num_work,
+                                                         const HeavyLast& order, const FwdKeyBiasRing<Cfg>& ring,
+                                                         int lane) {
+  constexpr int kBN = Cfg::kBN, kStages = Cfg::kBiasStages, kPerLane = kBN / 32;
+  with_key_reader<Elem>(p, [&](auto key_value) {
+    int c = 0;
+    for (unsigned index = blockIdx.x; index < num_work; index += gridDim.x) {
+      const Tile tile(p, num_m_tiles, order, index);
+      // (32-bit key indices: the tensor maps limit len_k to 2^31 - 1)
+      const int n_tiles = tile.n_tiles, first = int(tile.n_begin) + lane;
+      const unsigned char* const keys = bias_element(p, tile.sq, 0, 0, 0);
+      for (int i = 0; i < n_tiles; ++i, ++c) {
+        if (c >= kStages) mbar_wait(ring.empty + c % kStages, uint32_t(c / kStages - 1) & 1);
+        float v[kPerLane];
+#pragma unroll
+        for (int k = 0; k < kPerLane; ++k) v[k] = key_value(keys, first + i * kBN + 32 * k);
+        float* const dst = ring.at(c) + lane;
+#pragma unroll
+        for (int k = 0; k < kPerLane; ++k) dst[32 * k] = v[k];
+        mbar_arrive(ring.full + c % kStages);
+      }
+    }
+  });
 }
 
 // The consumers' side of the K and V stages: the block's c-th K and V tiles lie in stage c % kStages, and
@@ -184,14 +235,19 @@ __device__ __forceinline__ void fwd_ws_last_pv(Rows& w, const typename Rows::Pro
 // The turns of a consumer warpgroup without rows in an item (at a sequence's end), where items are not
 // carried: the active ones' first S, n_tiles - 1 turns of S and P V, and the last P V, with no
 // product; each tile released once it has landed (so that the arrival cannot count towards the
-// stage's previous use).
-template <class Ring>
-__device__ __forceinline__ void fwd_ws_idle_turns(int c0, int n_tiles, const FwdWsTurns& turns, const Ring& ring) {
+// stage's previous use), and on_tile(c) run for key tile c in its turn (a key-vector bias: its stage
+// of the ring released likewise).
+template <class Ring, class OnTile>
+__device__ __forceinline__ void fwd_ws_idle_turns(int c0, int n_tiles, const FwdWsTurns& turns, const Ring& ring,
+                                                  const OnTile& on_tile) {
   for (int i = 0; i <= n_tiles; ++i) {
     if (i < n_tiles) ring.wait_k(c0 + i);
     turns.take();
     turns.pass();
-    if (i < n_tiles) ring.release_k(c0 + i);
+    if (i < n_tiles) {
+      ring.release_k(c0 + i);
+      on_tile(c0 + i);
+    }
     if (i > 0) {
       ring.wait_v(c0 + i - 1);
       ring.release_v(c0 + i - 1);
@@ -221,9 +277,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   uint64_t* const k_empty = bars + 2 * kStages;   // the consumers' 256 threads: done reading K c
   uint64_t* const v_empty = bars + 3 * kStages;   // ... V c
   uint64_t* const q_empty = bars + 4 * kStages;   // ... done with Q buffer b (the output staged through it)
+  uint64_t* const bias_bars = reinterpret_cast<uint64_t*>(tiles + Cfg::kBiasBarOffset);
+  // (a key-vector bias: its producer warp's tile c landed; the consumers are done with it)
+  const FwdKeyBiasRing<Cfg> bias_ring{reinterpret_cast<float*>(tiles + Cfg::kBiasOffset), bias_bars,
+                                      bias_bars + Cfg::kBiasStages};
 
   const int tid = threadIdx.x, wg = tid / 128;
-  if (tid == 0) fwd_ws_init_barriers<Cfg>(k_full, v_full, k_empty, v_empty, q_empty);
+  if (tid == 0) fwd_ws_init_barriers<Cfg>(k_full, v_full, k_empty, v_empty, q_empty, bias_ring.full, bias_ring.empty);
   __syncthreads();
 
   // A block takes work items blockIdx.x, + gridDim.x, ... (one where the grid has a block per item);
@@ -231,6 +291,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // K and V tiles take stage c % kStages, and the mbarriers' phases follow c / kStages.
   if (wg == 0) {
     setmaxnreg_dec<Cfg::kProducerRegs>();
+    if constexpr (Cfg::kKeyBias) {
+      if (tid / 32 == 1) {
+        fwd_ws_key_bias_producer<Elem, Cfg, Tile>(p, num_m_tiles, num_work, order, bias_ring, tid & 31);
+        return;
+      }
+    }
     if (tid != 0) return;
     fwd_ws_producer<kDim, Cfg, Tile>(p, maps, num_m_tiles, num_work, order, sQ, sK, sV, k_full, v_full, k_empty,
                                      v_empty, q_empty);
@@ -276,9 +342,20 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     else
       return tile;
   };
+  // With a key-vector bias the softmax reads the stage of the bias ring of the block's key tile bias_count:
+  // the consumers take the block's key tiles in order, each once (a consumer without rows in an item
+  // releases its tiles in fwd_ws_idle_turns).
+  int bias_count = 0;
   auto softmax = [&](typename Rows::Scores& s, const Item& tile, int i) {
-    w.softmax(s, tile, tile.m0 + wrow + g, tile.n_begin + decltype(tile.n_begin)(i) * kBN, t,
-              Cfg::kFp8 ? item_score_scale : score_scale, alpha);
+    if constexpr (Cfg::kKeyBias) {
+      bias_ring.wait(bias_count);
+      w.softmax(s, tile, tile.m0 + wrow + g, tile.n_begin + decltype(tile.n_begin)(i) * kBN, t, score_scale, alpha,
+                KeyTileTerms{bias_ring.at(bias_count)});
+      bias_ring.release(bias_count++);
+    } else {
+      w.softmax(s, tile, tile.m0 + wrow + g, tile.n_begin + decltype(tile.n_begin)(i) * kBN, t,
+                Cfg::kFp8 ? item_score_scale : score_scale, alpha);
+    }
   };
   auto store = [&](const Item& tile, unsigned item) {
     // (only this warpgroup's products read its rows of the Q tile; one with no rows in the item stores none)
@@ -302,7 +379,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     const int n_tiles = tile.n_tiles;
     if constexpr (kConsumers == 3) {
       if (cwg * 64 >= tile.rows) {
-        if (n_tiles > 0) fwd_ws_idle_turns(c, n_tiles, turns, ring);
+        if (n_tiles > 0) fwd_ws_idle_turns(c, n_tiles, turns, ring, [&](int kc) {
+          if constexpr (Cfg::kKeyBias) {
+            bias_ring.wait(kc);
+            bias_ring.release(kc);
+            ++bias_count;
+          }
+        });
         store(tile, item);
         c += n_tiles;
         if (index + gridDim.x < num_work) tile = item_at(index + gridDim.x);

@@ -14,7 +14,7 @@ constexpr bool kFwdWgmmaTier = sizeof(Elem) == 2 && (kDim == 64 || kDim == 96 ||
 template <class Elem, int kDim>
 constexpr bool kFwdFp8Tier = sizeof(Elem) == 1 && kDim == 128;
 
-template <class Elem, int kDim, int kConsumersT = 2>
+template <class Elem, int kDim, int kConsumersT = 2, bool kKeyBiasT = false>
 struct FwdWsConfig {
   // Consumers of 64 rows each: two, or three at dim 64 (where one 128 x 128 tile's exponentials take
   // as long as its products, so that a consumer's softmax runs under two others' products). At 128
@@ -39,10 +39,20 @@ struct FwdWsConfig {
   // Q tile's (half its size).
   static constexpr uint32_t kOutStageOffset = kQBuffers * kQBytes + 2 * kStages * kKvBytes;
   static constexpr uint32_t kBarOffset = kOutStageOffset + (kFp8 ? kBM * kDim * 2 : 0);
+  // A key-vector bias (FwdParams::key_vector_bias; fp16 / bf16): a ring of kBiasStages tiles of kBN fp32
+  // values beside the mbarriers, filled by a producer warp of its own (its full and empty mbarriers after
+  // the tiles), so that it runs ahead of the K / V stages by the ring's extra stages.
+  static constexpr bool kKeyBias = kKeyBiasT;
+  static constexpr int kBiasStages = 4;
+  static constexpr uint32_t kBarBytes = (4 * kStages + kQBuffers) * 8;
+  static constexpr uint32_t kBiasOffset = (kBarOffset + kBarBytes + 15) / 16 * 16;
+  static constexpr uint32_t kBiasBarOffset = kBiasOffset + kBiasStages * kBN * 4;
   // The Q buffers, the K and V stages, (float8) the output's staging, the mbarriers (K / V full and empty
-  // per stage, Q empty per buffer), and room to align to 1024: 97 KB at dim 64 (three consumers: 97 KB),
-  // 193 KB at 128 and 256, 129 KB for float8.
-  static constexpr size_t kSmemBytes = kBarOffset + (4 * kStages + kQBuffers) * 8 + 1024;
+  // per stage, Q empty per buffer), (key-vector bias) its ring, and room to align to 1024: 97 KB at dim 64
+  // (three consumers: 97 KB), 193 KB at 128 and 256, 129 KB for float8; the bias ring adds 1.1 KB (dim
+  // 256) to 2.1 KB.
+  static constexpr size_t kSmemBytes =
+      (kKeyBias ? kBiasBarOffset + 2 * kBiasStages * 8 : kBarOffset + kBarBytes) + 1024;
   // Registers per thread after the hand-over (128 x producer + 128 x kConsumers x consumer <= 65536, the
   // launch's pool; the consumers need ~230 at dim 128).
   static constexpr int kProducerRegs = 24, kConsumerRegs = kConsumers == 3 ? 160 : 240;
