@@ -75,7 +75,30 @@ CASES = [  # (dtype, batch, heads_q, heads_kv, len_q, len_k, head_dim, head_dim_
     # ... at dim 96 (two 64-dim panels, the second half TMA's zero fill): dQ by atomics (200 rows), staged (256).
     (torch.bfloat16, 1, 4, 2, 200, 330, 96, 96, 2),
     (torch.float16, 2, 2, 2, 256, 150, 96, 96, 0),
+    # A key padding mask (a bias (batch or 1, 1, 1, len_k), its last field: bool, float in the dtype, float32;
+    # "1": broadcast over the batch) on the Hopper kernels (sm90/key_bias.cuh; the forward with
+    # FLASHATTN_CUDA_KERNELS=wgmma): ragged key tiles, GQA, rows that see no key (batch 0's first keys masked),
+    # the forward's bias ring carried over persistent items (dims 128, 64 with items carried), three consumers
+    # at dim 64 with an idle one, dQ staged (256 rows) and by atomics.
+    (torch.bfloat16, 2, 4, 2, 200, 330, 128, 128, 2, "bool"),
+    (torch.float16, 1, 2, 1, 150, 333, 256, 256, 0, "float32"),
+    (torch.bfloat16, 1, 4, 2, 300, 2500, 64, 64, 2, "float"),
+    (torch.float16, 2, 4, 2, 256, 150, 96, 96, 0, "bool1"),
+    (torch.bfloat16, 1, 100, 50, 400, 300, 128, 128, 0, "bool"),
+    (torch.float16, 1, 70, 10, 390, 1030, 64, 64, 0, "float"),
 ]
+
+
+def key_mask(kind, b, lq, lk, dtype):
+    """A (b or 1, 1, 1, lk) key mask of `kind` (see CASES) whose batch 0 masks its first lk - lq / 2 keys:
+    under a bottom-right causal mask its first rows see no key."""
+    keep = torch.rand(1 if kind.endswith("1") else b, 1, 1, lk, device="cuda") > 0.3
+    keep[0, ..., : max(lk - lq // 2, 0)] = False
+    if kind.startswith("bool"):
+        return keep
+    bias = torch.randn(keep.shape, device="cuda", dtype=torch.float32 if kind == "float32" else dtype)
+    return bias.masked_fill(~keep, float("-inf"))
+
 
 def float8_cases():
     """The sm_90 float8 forward (e4m3, dim 128): ragged lengths, bottom-right causal with rows that see
@@ -94,15 +117,17 @@ if sys.argv[1:] == ["fp8"]:
     float8_cases()
     torch.cuda.synchronize()
     sys.exit(0)
+
 bounds = [int(x) for x in sys.argv[1:3]]
-for dtype, b, hq, hk, lq, lk, e, ev, causal in CASES[slice(*bounds) if bounds else slice(None)]:
+for dtype, b, hq, hk, lq, lk, e, ev, causal, *mask in CASES[slice(*bounds) if bounds else slice(None)]:
     q = torch.randn(b, hq, lq, e, device="cuda", dtype=dtype)
     k = torch.randn(b, hk, lk, e, device="cuda", dtype=dtype)
     v = torch.randn(b, hk, lk, ev, device="cuda", dtype=dtype)
-    out, lse = torch.ops.flashattn.fwd(q, k, v, e ** -0.5, causal)
+    bias = key_mask(mask[0], b, lq, lk, dtype) if mask else None
+    out, lse = torch.ops.flashattn.fwd(q, k, v, e ** -0.5, causal, attn_bias=bias)
     dout = torch.randn_like(out)
     for deterministic in (False, True):
-        torch.ops.flashattn.bwd(dout, q, k, v, out, lse, None, e ** -0.5, causal, deterministic)
+        torch.ops.flashattn.bwd(dout, q, k, v, out, lse, None, e ** -0.5, causal, deterministic, attn_bias=bias)
 if bounds:
     sys.exit(0)
 

@@ -175,6 +175,41 @@ def test_features():
     assert plan(64, "sm90", dtype=torch.float32, backward=True, window_left=3) == "simt/64"
 
 
+def test_key_vector_bias_on_sm90():
+    # A key padding mask (a bias broadcast over the heads and query rows: (batch or 1, 1, 1, len_k)), bool or
+    # float in the inputs' dtype or float32, without a bias gradient: the Hopper kernels at every dim they
+    # serve, causal or not; elsewhere, or with any other feature, the sm80/ kernels' feature variants.
+    masks = [torch.ones(4, 1, 1, 4096, dtype=torch.bool), torch.zeros(1, 1, 1, 4096, dtype=torch.bfloat16),
+             torch.zeros(4, 1, 1, 4096, dtype=torch.float32)]
+    for m in masks:
+        for dim, fwd in [(64, "sm90_wgmma_ws3/64"), (96, "sm90_wgmma_ws/96"), (128, "sm90_wgmma_ws/128"),
+                         (256, "sm90_wgmma_ws/256")]:
+            assert plan(dim, "sm90", attn_bias=m) == fwd, (dim, m.shape, m.dtype)
+            assert plan(dim, "sm90", backward=True, attn_bias=m) == f"sm90_wgmma/{dim}", (dim, m.shape, m.dtype)
+        assert plan(128, "sm90", CAUSAL_TOP_LEFT, attn_bias=m) == "sm90_wgmma_ws/128"
+        assert plan(128, "sm90", CAUSAL_BOTTOM_RIGHT, backward=True, attn_bias=m) == "sm90_wgmma/128"
+        assert plan(128, "sm90", backward=True, deterministic=True, attn_bias=m) == "sm90_wgmma/128"
+        assert plan(128, "sm90", shape=dict(heads_kv=4), attn_bias=m) == "sm90_wgmma_ws/128"  # GQA
+        # the plain path's limits: rows that see fewer than 512 keys go to the sm80/ kernels
+        assert plan(128, "sm90", shape=dict(len_k=256), attn_bias=m[..., :256]) == "sm80_features/128"
+        assert plan(128, "sm80", attn_bias=m) == "sm80_features/128"
+        assert plan(128, "sm90", attn_bias=m, kernels="sm80") == "sm80_features/128"
+        assert plan(128, "sm90", attn_bias=m, window_left=100) == "sm80_features/128"
+        assert plan(128, "sm90", backward=True, attn_bias=m, softcap=30.0) == "sm80_general/128"
+        assert plan(192, "sm90", attn_bias=m) == "sm80_features/192"
+    # float key masks with their gradient: the backward's general step
+    for m in masks[1:]:
+        assert plan(128, "sm90", backward=True, attn_bias=m, bias_requires_grad=True) == "sm80_general/128"
+    # a bias per head, or per query row, is not a key vector
+    per_head = torch.ones(4, 16, 1, 4096, dtype=torch.bool)
+    per_row = torch.ones(4, 1, 4096, 4096, dtype=torch.bool)
+    for m in (per_head, per_row):
+        assert plan(128, "sm90", attn_bias=m) == "sm80_features/128"
+        assert plan(128, "sm90", backward=True, attn_bias=m) == "sm80_2d/128"
+    # a broadcast view of a key vector (stride 0 over heads and rows) is one
+    assert plan(128, "sm90", attn_bias=masks[0].expand(4, 16, 4096, 4096)) == "sm90_wgmma_ws/128"
+
+
 def test_varlen_takes_the_feature_variants():
     q = torch.empty(1, 8, 300, 64, dtype=torch.bfloat16)
     cu = torch.tensor([0, 100, 300], dtype=torch.int32)
