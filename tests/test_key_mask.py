@@ -43,10 +43,11 @@ def _key_mask(kind, batch, len_q, len_k, causal, dtype, device):
 
 
 def _plans_on_hopper(device):
-    """Whether this process plans the call on the Hopper kernels where they take it (sm_90, kernels not
-    forced elsewhere)."""
+    """Whether this process plans the call on the Hopper kernels where they take it (sm_90, kernels and
+    shared memory not limited to other families')."""
     return (device == "cuda" and torch.cuda.get_device_capability() == (9, 0) and
-            os.environ.get("FLASHATTN_CUDA_KERNELS", "") in ("", "wgmma"))
+            os.environ.get("FLASHATTN_CUDA_KERNELS", "") in ("", "wgmma") and
+            not os.environ.get("FLASHATTN_CUDA_SMEM_LIMIT"))
 
 
 @pytest.mark.parametrize("causal", [NONE, BOTTOM_RIGHT], ids=["none", "bottom_right"])

@@ -143,8 +143,9 @@ std::optional<FwdKernel> sm90_fwd(const FwdParams& p, const Limits& lim) {
 
 // The tensor-core forwards of tier kDim (operands aligned): the decode kernel (few query rows per kv
 // head, a KV cache's key ranges and pages allowed); the Hopper kernels (plain calls, a key-vector bias);
-// for plain calls the plain sm80/ kernel; then the feature variant (smaller tiles), which serves any call its tiles fit. None for a
-// paged call the decode kernel does not take (choose_fwd plans it on its gathered pages).
+// for plain calls the plain sm80/ kernel; then the feature variant (smaller tiles), which serves any
+// call its tiles fit. None for a paged call the decode kernel does not take (choose_fwd plans it on its
+// gathered pages).
 template <class Elem, int kDim>
 std::optional<FwdKernel> tensor_core_fwd(const FwdParams& p, const Limits& lim) {
   if constexpr (sm80::DecodeConfig<Elem, kDim>::kServed) {
@@ -163,10 +164,10 @@ std::optional<FwdKernel> tensor_core_fwd(const FwdParams& p, const Limits& lim) 
 bool needs_general_step(const BwdParams& p) { return mods_beyond_bias(p) || p.dropout_p > 0.0 || p.dbias != nullptr; }
 
 // The tensor-core dK/dV kernels of tier kDim. Plain calls and those with a key-vector bias at dims 64 /
-// 96 / 128 / 256 take the Hopper kernel on sm_90; calls without the general step the 2-D kernel (in its two-block, one-barrier or two-barrier
-// form by shared memory and length) where it has the tier, then the 1-D kernel (plain calls: the forms
-// sm80/bwd_forms.h compiles); calls with it, or that none of those fits, the general variant, then its
-// compact tiles.
+// 96 / 128 / 256 take the Hopper kernel on sm_90; calls without the general step the 2-D kernel (in its
+// two-block, one-barrier or two-barrier form by shared memory and length) where it has the tier, then the
+// 1-D kernel (plain calls: the forms sm80/bwd_forms.h compiles); calls with it, or that none of those
+// fits, the general variant, then its compact tiles.
 template <class Elem, int kDim>
 std::optional<BwdKernel> tensor_core_bwd(const BwdParams& p, const Limits& lim) {
   if constexpr (!sm80::BwdConfig<Elem, kDim>::kServed) {

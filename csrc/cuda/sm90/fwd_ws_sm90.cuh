@@ -1,5 +1,7 @@
-// Warp-specialized forward on wgmma (sm_90a): plain fp16 / bf16 calls at head dims 64, 96, 128 and 256, and float8
-// (e4m3) calls at 128. A block of a producer warpgroup and 64-row consumer warpgroups (three at dim 64, else two).
+// Warp-specialized forward on wgmma (sm_90a): plain fp16 / bf16 calls at head dims 64, 96, 128 and 256,
+// those with a key-vector bias (FwdWsConfig::kKeyBias: a second producer warp stages its values per key tile,
+// key_bias.cuh), and float8 (e4m3) calls at 128. A block of a producer warpgroup and 64-row consumer
+// warpgroups (three at dim 64, else two).
 // In the producer one thread copies Q, K and V tiles into smem (TMA, each copy completing an
 // mbarrier's phase); the consumers never wait for each other at a block barrier: they take turns at
 // issuing their products (a named barrier each), so that one's softmax runs while the others' products
