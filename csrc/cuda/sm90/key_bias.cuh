@@ -1,9 +1,9 @@
 // A key-vector bias in the Hopper kernels (FwdParams::key_vector_bias: SDPA's key padding mask, one
 // value per key of a batch, broadcast over the query heads and rows): the value each key adds to its
-// scores, read from global memory (KeyVector), and its terms in the scores of a tile (KeyTileTerms;
-// NoKeyTerms for the plain kernels). The terms are added as the sm80/ kernels add a bias: the value
-// times log2(e) onto the scaled score, before the masks (params.h's order), so the paths agree to fp32
-// rounding.
+// scores, read from global memory (with_key_reader), and its terms in the forward's scores of a key tile
+// (KeyTileTerms) and in the backward's exponents of a lane's two keys (KeyPairTerms); NoKeyTerms for the
+// plain kernels. The terms are added as the sm80/ kernels add a bias: the value times log2(e), onto the
+// scaled score before the masks (params.h's order), so the paths agree to fp32 rounding.
 #pragma once
 #include <cstdint>
 
