@@ -10,9 +10,10 @@ and the mean over rounds per variant and row.
 Rows are E:L, non-causal unless --causal, bf16 unless --dtype fp16, B·L = 16384 and H·E = 2048 as in
 bench_gpu.py; the forward, or with --pass bwd the backward alone on a retained graph of one forward as
 bench_gpu.py times it (FLOPs 2.5x the forward's). One process times its rows with 40 calls per median
-after at least 0.3 s of warm-up; a process that fails or runs past --child-timeout seconds (a kernel
+after at least 0.3 s of warm-up (--repeats, --warmup-s); a process that fails or runs past --child-timeout seconds (a kernel
 that hangs) leaves its round's readings empty."""
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -46,7 +47,7 @@ def child(args):
             fn = M.bwd_only_fn(attn, q, k, v, dout, args.causal)
         else:
             fn = lambda: attn(q, k, v, args.causal)  # noqa: E731
-        ms = M.median_ms(fn, args.device, warmup=3, repeats=40, warmup_s=0.3)
+        ms = M.median_ms(fn, args.device, warmup=3, repeats=args.repeats, warmup_s=args.warmup_s)
         flops = M.attention_flops(b, h, length, length, e, args.causal, args.pass_)
         out.append(f"{flops / ms / 1e9:.1f}")
     print(" ".join(out))
@@ -63,6 +64,9 @@ def main():
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     p.add_argument("--pass", dest="pass_", choices=("fwd", "bwd"), default="fwd")
     p.add_argument("--device", default="cuda", help="'cpu' runs the script's code on tiny shapes (debug only)")
+    p.add_argument("--repeats", type=int, default=40, help="calls per median")
+    p.add_argument("--warmup-s", type=float, default=0.3, help="seconds of warm-up per row")
+    p.add_argument("--json", help="append {pass, dtype, causal, rows, readings} as one JSON line to this file")
     p.add_argument("--child-timeout", type=float, default=180.0, help="seconds a variant's process may take")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--impl", default="ours", help=argparse.SUPPRESS)
@@ -82,7 +86,7 @@ def main():
     rows = args.rows.split(",")
     readings = {name: [] for name, _, _ in variants}
     base = [sys.executable, __file__, "--child", "--rows", args.rows, "--dtype", args.dtype, "--device", args.device,
-            "--pass", args.pass_]
+            "--pass", args.pass_, "--repeats", str(args.repeats), "--warmup-s", str(args.warmup_s)]
     base += ["--causal"] if args.causal else []
     for r in range(args.rounds):
         for name, env, impl in variants:
@@ -103,6 +107,10 @@ def main():
     for name, values in readings.items():
         means = [statistics.mean(col) for col in zip(*values)] if values else [float("nan")] * len(rows)
         print(f"{name:>12} " + " ".join(f"{m:9.1f}" for m in means) + f"   ({len(values)} rounds)")
+    if args.json:
+        with open(args.json, "a") as f:
+            f.write(json.dumps({"pass": args.pass_, "dtype": args.dtype, "causal": args.causal, "rows": rows,
+                                "readings": readings}) + "\n")
     if any(len(values) < args.rounds for values in readings.values()):
         sys.exit(1)
 
