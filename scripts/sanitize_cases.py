@@ -59,6 +59,10 @@ CASES = [  # (dtype, batch, heads_q, heads_kv, len_q, len_k, head_dim, head_dim_
     # ... persistent (non-causal grids of more blocks than SMs: 2-3 items per block, the Q buffers reused)
     (torch.bfloat16, 1, 100, 50, 400, 300, 128, 128, 0),
     (torch.float16, 1, 70, 10, 390, 1030, 64, 64, 0),
+    # ... at dim 256 (one Q buffer, released after an item's last S): persistent, and rows that see no key
+    # (bottom-right causal, 400 rows against 100 keys: two items without a key tile).
+    (torch.float16, 1, 140, 20, 300, 200, 256, 256, 0),
+    (torch.bfloat16, 1, 4, 2, 400, 100, 256, 256, 2),
     # ... with three consumers (dim 64, rows that see >= 2048 keys): 200 rows leave two consumers no row in
     # the second 192-row item; persistent with 400 rows (the third item: one consumer's rows).
     (torch.bfloat16, 1, 4, 2, 200, 2500, 64, 64, 2),

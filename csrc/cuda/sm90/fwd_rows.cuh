@@ -256,6 +256,28 @@ struct FwdRows {
             static_cast<float*>(p.lse) + sq.row_index(p.heads_q, k.h, k.m0), k.rows};
   }
 
+  // The output of the warp's 16 rows (from `wrow` in the block's tile) stored from the registers: a lane's
+  // two columns of each 8 as one 4-byte store (four lanes write a row's 16 bytes); and the row LSE. For a
+  // kernel whose Q buffer may already hold the next item's rows (FwdWsConfig::kEarlyQRelease).
+  __device__ __forceinline__ void store_direct(const FwdParams& p, const Dest& dst, int wrow, int lane) {
+    static_assert(!kFp8, "float8's output is staged in a buffer of its own");
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float l = reduce_sum_lanes<4>(row_sum[r]);
+      const bool empty = l == 0.f;  // no key visible: out = 0, lse = -inf (a NaN l propagates)
+      const float inv = empty ? 0.f : 1.f / l;
+      const int row = wrow + g + 8 * r;
+      if (row < dst.rows) {
+        Out* const out = dst.out + row * p.out_stride.row + 2 * t;
+#pragma unroll
+        for (int d = 0; d < kDA; ++d)
+          *reinterpret_cast<uint32_t*>(out + 8 * d) = M::pack(o[d][2 * r] * inv, o[d][2 * r + 1] * inv);
+        if (t == 0) dst.lse[row] = empty ? neg_inf<float>() : Exp::lse(row_max[r], l);
+      }
+    }
+  }
+
   // The output of the warp's 16 rows (from `wrow` in the block's tile), staged through those rows of
   // the Q tile at sQ (the warpgroup's products are done with them) so that a lane stores 16-byte
   // chunks, a row's bytes by kDim / 8 lanes; and the row LSE. Float8: staged in the output's own buffer

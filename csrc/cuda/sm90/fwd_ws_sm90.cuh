@@ -364,6 +364,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     if constexpr (Cfg::kFp8) {
       __syncwarp();  // the warp's reads of the previous item's staged rows before these writes
       w.store(tiles + Cfg::kOutStageOffset, p, Rows::dest(p, tile), wrow, lane, item_out_scale);
+    } else if constexpr (Cfg::kEarlyQRelease) {
+      static_assert(kConsumers == 2, "every consumer has rows in each item");
+      w.store_direct(p, Rows::dest(p, tile), wrow, lane);
+      if (tile.n_tiles == 0) mbar_arrive(q_empty + item % kQBuffers);  // (else released after the last S)
+      // (a compiler barrier: without it the stores sink into the next item's key loop and take its
+      // registers, 4.5 KB of spills)
+      asm volatile("" ::: "memory");
+      return;
     } else if (kConsumers == 2 || cwg * 64 < tile.rows) {
       w.store(sQ(item % kQBuffers), p, Rows::dest(p, tile), wrow, lane);
     }
@@ -394,16 +402,25 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         continue;
       }
     }
+    // (kEarlyQRelease: Q released once the item's last S is done, beside that tile's K)
+    auto last_s_done = [&](int i) {
+      if constexpr (Cfg::kEarlyQRelease) {
+        if (i + 1 == n_tiles) mbar_arrive(q_empty + item % kQBuffers);
+      }
+    };
     if (n_tiles > 0 && !started) {
       typename Rows::Scores s;
       fwd_ws_first_scores<Rows>(s, q_at, item, c, turns, ring);
+      last_s_done(0);
       softmax(s, tile, 0);
       Rows::pack_p(s, pa);
     }
     for (int i = 0; i + 1 < n_tiles; ++i) {
       typename Rows::Scores s;
-      fwd_ws_scores_with_pv(w, pa, alpha, s, q_at, item, c + i + 1, c + i, turns, ring,
-                            [&] { softmax(s, tile, i + 1); });
+      fwd_ws_scores_with_pv(w, pa, alpha, s, q_at, item, c + i + 1, c + i, turns, ring, [&] {
+        last_s_done(i + 1);
+        softmax(s, tile, i + 1);
+      });
       Rows::pack_p(s, pa);
     }
     const unsigned next_index = index + gridDim.x;

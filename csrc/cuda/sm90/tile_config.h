@@ -30,6 +30,10 @@ struct FwdWsConfig {
   // of 128-key tiles spill 264 B in their 160 registers).
   static constexpr int kBM = 64 * kConsumers, kBN = kDim == 256 ? 64 : kConsumers == 3 ? 96 : 128, kStages = 2;
   static constexpr int kQBuffers = kDim == 256 ? 1 : 2;
+  // One Q buffer: the consumers release it once the item's last S is done and write the output from
+  // their registers (no staging through Q), so the next item's Q and first K tile load under this item's
+  // last P V and its stores instead of after them (the gap that each item otherwise waits out).
+  static constexpr bool kEarlyQRelease = kQBuffers == 1;
   // The tiles' dims in smem: panels of 128-byte lines, 64 16-bit or 128 8-bit columns (dim 96: two, the
   // second half zero-filled by TMA). Float8: V^T tiles of kDim lines of kBN (128) keys, as many bytes.
   static constexpr int kPanelCols = 128 / int(sizeof(Elem));
