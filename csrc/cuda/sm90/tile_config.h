@@ -26,7 +26,7 @@ struct FwdWsConfig {
       (kFwdWgmmaTier<Elem, kDim> && (kConsumers == 2 || kDim == 64)) || (kFwdFp8Tier<Elem, kDim> && kConsumers == 2);
   static constexpr int kThreads = 128 * (1 + kConsumers);
   // Dim 256: 64-key tiles (O takes 128 registers of a consumer thread, S 32) and one Q buffer (a 64 KB
-  // tile), so the next item's Q waits for this one's output. Three consumers: 96-key tiles (S, P and O
+  // tile, released early: kEarlyQRelease). Three consumers: 96-key tiles (S, P and O
   // of 128-key tiles spill 264 B in their 160 registers).
   static constexpr int kBM = 64 * kConsumers, kBN = kDim == 256 ? 64 : kConsumers == 3 ? 96 : 128, kStages = 2;
   static constexpr int kQBuffers = kDim == 256 ? 1 : 2;
