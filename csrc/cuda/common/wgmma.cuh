@@ -181,6 +181,16 @@ struct Wgmma;
   "+f"(d[29][2]), "+f"(d[29][3]), "+f"(d[30][0]), "+f"(d[30][1]), "+f"(d[30][2]), "+f"(d[30][3]),  \
   "+f"(d[31][0]), "+f"(d[31][1]), "+f"(d[31][2]), "+f"(d[31][3])
 
+// The A-from-registers product of a Wgmma<ELEM, N> specialization (K: "16" for 16-bit, "32" for 8-bit
+// operands; RS its operands after the accumulators), the same text for every element type.
+#define FLASHATTN_WGMMA_RS(TYPE, N, K, RS)                                                               \
+  static __device__ __forceinline__ void rs(float (&d)[N / 8][4], const uint32_t (&a)[4], uint64_t b) {  \
+    FLASHATTN_WGMMA_ASM("wgmma.mma_async.sync.aligned.m64n" #N "k" K ".f32." TYPE "." TYPE "\n"          \
+                        "{" FLASHATTN_WGMMA_R##N "},\n" RS                                               \
+                        : FLASHATTN_WGMMA_C##N                                                           \
+                        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));                           \
+  }
+
 #define FLASHATTN_WGMMA_SHAPE(ELEM, TYPE, N, SS, RS)                                                     \
 template <>                                                                                              \
 struct Wgmma<ELEM, N> {                                                                                  \
@@ -191,12 +201,7 @@ struct Wgmma<ELEM, N> {                                                         
                         : FLASHATTN_WGMMA_C##N                                                           \
                         : "l"(a), "l"(b), "n"(kAccumulate), "n"(kTransA), "n"(kTransB));            \
   }                                                                                                      \
-  static __device__ __forceinline__ void rs(float (&d)[N / 8][4], const uint32_t (&a)[4], uint64_t b) {  \
-    FLASHATTN_WGMMA_ASM("wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE "\n"             \
-                        "{" FLASHATTN_WGMMA_R##N "},\n" RS                                               \
-                        : FLASHATTN_WGMMA_C##N                                                           \
-                        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));                           \
-  }                                                                                                      \
+  FLASHATTN_WGMMA_RS(TYPE, N, "16", RS)                                                                  \
 };
 
 // SS / RS: the operands after the accumulators (descriptors, scale-d, scales, transposes), numbered on.
@@ -229,12 +234,7 @@ struct Wgmma<ELEM, N> {                                                         
                         : FLASHATTN_WGMMA_C##N                                                           \
                         : "l"(a), "l"(b), "n"(kAccumulate));                                             \
   }                                                                                                      \
-  static __device__ __forceinline__ void rs(float (&d)[N / 8][4], const uint32_t (&a)[4], uint64_t b) {  \
-    FLASHATTN_WGMMA_ASM("wgmma.mma_async.sync.aligned.m64n" #N "k32.f32." TYPE "." TYPE "\n"             \
-                        "{" FLASHATTN_WGMMA_R##N "},\n" RS                                               \
-                        : FLASHATTN_WGMMA_C##N                                                           \
-                        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));                           \
-  }                                                                                                      \
+  FLASHATTN_WGMMA_RS(TYPE, N, "32", RS)                                                                  \
 };
 
 FLASHATTN_WGMMA_SHAPE_8BIT(__nv_fp8_e4m3, "e4m3", 128, "%64, %65, %66, 1, 1;\n", "{%64, %65, %66, %67}, %68, 1, 1, 1;\n")
