@@ -126,13 +126,13 @@ FwdParams planned_call(const FwdParams& p, const FwdPlan& plan) {
 // when the plan asked it, which its launch passes.
 struct FwdCall {
   FwdPlan plan;
-  sm90::FwdPanelMaps maps;
+  sm90::FwdMaps maps;
 };
 
 // Whether the Hopper forward the plan chose (two consumers at tier 64, 128 or 256; three at 64) can take
 // `call`, its maps encoded into `maps`.
 template <class T>
-bool sm90_fwd_ready(const FwdParams& call, const FwdPlan& plan, sm90::FwdPanelMaps& maps) {
+bool sm90_fwd_ready(const FwdParams& call, const FwdPlan& plan, sm90::FwdMaps& maps) {
   if (plan.kernel == FwdKernel::kSm90WgmmaWs3) return sm90::fwd_ws_ready<T, 64, 3>(call, maps);
   return plan.tier == 64    ? sm90::fwd_ws_ready<T, 64>(call, maps)
          : plan.tier == 96  ? sm90::fwd_ws_ready<T, 96>(call, maps)
@@ -358,7 +358,7 @@ std::string run_fwd_fp8(FwdParams& p, void* stream, const AllocateWorkspace& all
   p.workspace_bytes = bytes;
   if (!sm90::fwd_fp8_v_transposed(p, p.workspace, s)) return take_error();
   p.v = p.workspace;
-  sm90::FwdPanelMaps maps;
+  sm90::FwdMaps maps;
   if (!sm90::fwd_ws_ready<Fp8, 128>(p, maps)) {
     if (failed()) return take_error();
     return std::string(kFp8Unavailable) + "the driver refused its tensor maps";

@@ -93,33 +93,44 @@ int64_t mean_visible_keys(const FwdParams& p) {
   return mean < 0 ? 0 : mean > p.len_k ? p.len_k : mean;
 }
 
-// The optional features the Hopper kernels take: none, or a bias that is a key vector
-// (FwdParams::key_vector_bias) and nothing else (the backward's bias gradient goes to the general step
-// before these kernels are asked).
-bool sm90_takes_features(const FwdParams& p) {
+// The optional features the Hopper kernels of tier kDim (kConsumers consumers in the forward) take: none,
+// or a bias and nothing else: a key vector (FwdParams::key_vector_bias) at every tier; any other bias at the
+// row form's tiers (sm90/tile_config.h: kFwdRowBiasTier, kBwdRowBiasTier), in the forward only bias rows
+// its tensor map encodes (FwdParams::tma_row_bias: bool or 16-bit, aligned; float32 and the rest go to the
+// sm80/ kernels). The backward's bias gradient goes to the general step before these kernels are asked.
+template <class Elem, int kDim, int kConsumers = 2>
+bool sm90_takes_features(const FwdParams& p, bool forward) {
   if (!p.has_features()) return true;
   FwdParams rest = p;
   rest.bias_kind = BiasKind::kNone;
-  return p.key_vector_bias() && !rest.has_features();
+  if (rest.has_features()) return false;
+  if (p.key_vector_bias()) return true;
+  return forward ? sm90::kFwdRowBiasTier<Elem, kDim, kConsumers> && p.tma_row_bias()
+                 : sm90::kBwdRowBiasTier<kDim>;
 }
 
-// The shared memory of the Hopper forward with kConsumers consumers for the call: with a key-vector bias,
-// its configuration's (the ring beside the stages).
+// The shared memory of the Hopper forward with kConsumers consumers for the call: with a bias, its form's
+// configuration's (a key vector's ring beside the stages; bias rows: one Q buffer, two stages of tiles).
 template <class Elem, int kDim, int kConsumers>
 size_t sm90_fwd_smem(const FwdParams& p) {
-  return p.key_vector_bias() ? sm90::FwdWsConfig<Elem, kDim, kConsumers, /*kKeyBias=*/true>::kSmemBytes
-                             : sm90::FwdWsConfig<Elem, kDim, kConsumers>::kSmemBytes;
+  using sm90::BiasForm;
+  if (p.key_vector_bias()) return sm90::FwdWsConfig<Elem, kDim, kConsumers, BiasForm::kKeyVector>::kSmemBytes;
+  if (p.bias_kind != BiasKind::kNone) {
+    if constexpr (sm90::kFwdRowBiasTier<Elem, kDim, kConsumers>)
+      return sm90::FwdWsConfig<Elem, kDim, kConsumers, BiasForm::kRows>::kSmemBytes;
+    return SIZE_MAX;
+  }
+  return sm90::FwdWsConfig<Elem, kDim, kConsumers>::kSmemBytes;
 }
 
-// The Hopper forward of an fp16 / bf16 call that is plain or has a key-vector bias, with head_dim ==
+// The Hopper forward of an fp16 / bf16 call that is plain or has a bias it takes, with head_dim ==
 // head_dim_v == kDim: rows that see the kernel's minimum of keys, on grids of at least a block per SM
 // (smaller grids go to the sm80/ kernels, which split walks over keys where the GPU has room);
 // FLASHATTN_CUDA_KERNELS=wgmma drops both.
 template <class Elem, int kDim>
 std::optional<FwdKernel> sm90_fwd(const FwdParams& p, const Limits& lim) {
   using Ws = sm90::FwdWsConfig<Elem, kDim>;
-  if (!sm90::kFwdWgmmaTier<Elem, kDim> || !sm90_takes_features(p) || p.head_dim != kDim || p.head_dim_v != kDim ||
-      !lim.sm90())
+  if (!sm90::kFwdWgmmaTier<Elem, kDim> || p.head_dim != kDim || p.head_dim_v != kDim || !lim.sm90())
     return std::nullopt;
   const bool forced = lim.ov.kernels == KernelsOverride::kWgmma;
   const int64_t keys = mean_visible_keys(p);
@@ -129,12 +140,12 @@ std::optional<FwdKernel> sm90_fwd(const FwdParams& p, const Limits& lim) {
   if constexpr (Ws::kServed) {
     using Ws3 = sm90::FwdWsConfig<Elem, kDim, 3>;
     if constexpr (Ws3::kServed) {
-      if (keys >= Ws::kThreeConsumerKeys && sm90_fwd_smem<Elem, kDim, 3>(p) <= lim.smem && lim.dev.sm90_ws_ready &&
+      if (sm90_takes_features<Elem, kDim, 3>(p, /*forward=*/true) && keys >= Ws::kThreeConsumerKeys && sm90_fwd_smem<Elem, kDim, 3>(p) <= lim.smem && lim.dev.sm90_ws_ready &&
           (forced || fills_gpu(Ws3::kBM)))
         return FwdKernel::kSm90WgmmaWs3;
     }
     const int64_t min_keys = p.causal ? Ws::kMinCausalKeys : Ws::kMinKeys;
-    if (sm90_fwd_smem<Elem, kDim, 2>(p) <= lim.smem && lim.dev.sm90_ws_ready &&
+    if (sm90_takes_features<Elem, kDim>(p, /*forward=*/true) && sm90_fwd_smem<Elem, kDim, 2>(p) <= lim.smem && lim.dev.sm90_ws_ready &&
         (forced || (keys >= min_keys && fills_gpu(Ws::kBM))))
       return FwdKernel::kSm90WgmmaWs;
   }
@@ -142,7 +153,7 @@ std::optional<FwdKernel> sm90_fwd(const FwdParams& p, const Limits& lim) {
 }
 
 // The tensor-core forwards of tier kDim (operands aligned): the decode kernel (few query rows per kv
-// head, a KV cache's key ranges and pages allowed); the Hopper kernels (plain calls, a key-vector bias);
+// head, a KV cache's key ranges and pages allowed); the Hopper kernels (plain calls, a bias they take);
 // for plain calls the plain sm80/ kernel; then the feature variant (smaller tiles), which serves any
 // call its tiles fit. None for a paged call the decode kernel does not take (choose_fwd plans it on its
 // gathered pages).
@@ -164,7 +175,8 @@ std::optional<FwdKernel> tensor_core_fwd(const FwdParams& p, const Limits& lim) 
 bool needs_general_step(const BwdParams& p) { return mods_beyond_bias(p) || p.dropout_p > 0.0 || p.dbias != nullptr; }
 
 // The tensor-core dK/dV kernels of tier kDim. Plain calls and those with a key-vector bias at dims 64 /
-// 96 / 128 / 256 take the Hopper kernel on sm_90; calls without the general step the 2-D kernel (in its
+// 96 / 128 / 256, and those with another bias at 128 / 256 (sm90_takes_features), take the Hopper kernel on
+// sm_90; calls without the general step the 2-D kernel (in its
 // two-block, one-barrier or two-barrier form by shared memory and length) where it has the tier, then the
 // 1-D kernel (plain calls: the forms sm80/bwd_forms.h compiles); calls with it, or that none of those
 // fits, the general variant, then its compact tiles.
@@ -184,7 +196,7 @@ std::optional<BwdKernel> tensor_core_bwd(const BwdParams& p, const Limits& lim) 
     };
     if (needs_general_step(p)) return general();
     if constexpr (sm90::BwdWsConfig<Elem, kDim>::kServed) {
-      if (aligned && lim.sm90() && lim.dev.sm90_ws_ready && sm90_takes_features(p) && p.head_dim == kDim &&
+      if (aligned && lim.sm90() && lim.dev.sm90_ws_ready && sm90_takes_features<Elem, kDim>(p, /*forward=*/false) && p.head_dim == kDim &&
           p.head_dim_v == kDim && sm90::BwdWsConfig<Elem, kDim>::kSmemBytes <= lim.smem)
         return BwdKernel::kSm90Wgmma;
     }

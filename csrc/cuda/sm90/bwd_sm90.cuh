@@ -1,7 +1,8 @@
 // Warp-specialized dK/dV kernel (with dQ) on wgmma (sm_90a): fp16 / bf16 calls at head dims 64, 96, 128
-// and 256 (head_dim == head_dim_v), plain or (kKeyBias) with a key-vector bias, no other optional
-// feature: each consumer lane reads its two keys' bias values once (the block's keys are fixed) and
-// adds their terms to the exponents of P^T. A block of three warpgroups owns a key
+// and 256 (head_dim == head_dim_v), plain or with a bias without its gradient (BiasForm), no other optional
+// feature: with a key vector each consumer lane reads its two keys' bias values once (the block's keys are
+// fixed); with bias rows (at 128 and 256) it loads its fragment's values per query tile while the tile's
+// S^T product runs (key_bias.cuh: QueryTileWords); either adds their terms to the exponents of P^T. A block of three warpgroups owns a key
 // tile of kBN = 128 keys and visits every query tile of kBM rows (128 at dim 64, 64 at 96 and 128) that
 // sees one of its keys, over the kv head's query heads (the walk of the sm80/ kernels, query_walk.cuh):
 //   warpgroup 0, warp 0   copies: K and V once, then per query tile Q and dO (TMA, one thread) and its
@@ -205,7 +206,7 @@ __device__ __forceinline__ void bwd_ws_issue_dq(float (&dq)[kCA][4], uint32_t dq
 }
 
 // S^T -> P^T in place: the lane's keys key0 and key0 + 8 (r = 0, 1) against rows 8 j + 2 t + c, with
-// the rows' LSE from smem and the keys' terms of a key-vector bias (key_terms, key_bias.cuh); keys a row
+// the rows' LSE from smem and the terms of a bias (key_terms.of(x, j, c, r), key_bias.cuh); keys a row
 // does not see (visible(key, row) false) get 0.
 template <int kRA, class Visible, class KeyTerms = NoKeyTerms>
 __device__ __forceinline__ void bwd_ws_probs(float (&st)[kRA][4], const float* lse_s, float score_scale, int key0,
@@ -222,11 +223,29 @@ __device__ __forceinline__ void bwd_ws_probs(float (&st)[kRA][4], const float* l
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int key = key0 + 8 * r, e = 2 * r + c;
-        const float pr = Exp::exp(key_terms.of(st[j][e] * score_scale - lse, r));
+        const float pr = Exp::exp(key_terms.of(st[j][e] * score_scale - lse, j, c, r));
         st[j][e] = visible(key, row) ? pr : 0.f;
       }
     }
   }
+}
+
+// Bias rows (BiasForm::kRows): S^T -> P^T (bwd_ws_probs) after the S^T product's wait (wait_scores), with
+// the query tile's bias words (rows m0 + ..., keys n0 + key0 and + 8 of head h) loaded before the wait, so
+// that their latency hides behind the product. `read(r, row)`: the lane's (key, row) pairs to read
+// (visible, in the sequence).
+template <class Elem, int kRA, class WaitScores, class Visible, class Read>
+__device__ __forceinline__ void bwd_ws_row_bias_probs(float (&st)[kRA][4], const FwdParams& p, const Seq& sq,
+                                                      int64_t h, int64_t m0, int64_t n0, const float* lse_s,
+                                                      float score_scale, int key0, int t,
+                                                      const WaitScores& wait_scores, const Visible& visible,
+                                                      const Read& read) {
+  QueryTileWords<kRA> words;
+  words.template load<Elem>(p, sq, h, m0, n0 + key0, t, read);
+  wait_scores();
+  with_query_tile_terms<Elem>(p, words, [&](const auto& terms) {
+    bwd_ws_probs(st, lse_s, score_scale, key0, t, visible, terms);
+  });
 }
 
 // dP^T -> dS^T = P^T (dP^T - D) in place, with the rows' D from smem.
@@ -300,7 +319,7 @@ __device__ __forceinline__ void bwd_ws_store_dkdv(const BwdParams& p, const Seq&
 // split the query tile's rows: consumer c computes S^T and dP^T against rows [32 c, 32 c + 32), their P^T
 // and dS^T, and stages both in smem; then (one named barrier of both) each adds dV, dK and dQ over its
 // half of the dims, [128 c, 128 c + 128), with every row's P^T and dS^T from smem.
-template <class Elem, int kDim, bool kKeyBias>
+template <class Elem, int kDim, BiasForm kBias>
 __device__ __forceinline__ void bwd_ws_split_consumer(const BwdParams& p, const DqAccum& accum,
                                                       const KeyTileRound& round, const Seq& sq, int64_t n0,
                                                       int rows_k, int64_t hk, int64_t group, unsigned char* tiles,
@@ -321,7 +340,7 @@ __device__ __forceinline__ void bwd_ws_split_consumer(const BwdParams& p, const 
   const uint32_t k_at = smem_addr(tiles), v_at = k_at + Cfg::kKvBytes;
   // This consumer's dims of K (dQ's B operand), Q and dO: panels of 64 dims.
   const uint32_t k_half = k_at + cwg * kHalfPanels * kBN * 128;
-  const auto key_terms = key_pair_terms<Elem, kKeyBias>(p, sq, n0 + key0);
+  const auto key_terms = key_pair_terms<Elem, kBias == BiasForm::kKeyVector>(p, sq, n0 + key0);
 
   float dk[kDA][4], dv[kDA][4];
 #pragma unroll
@@ -350,9 +369,20 @@ __device__ __forceinline__ void bwd_ws_split_consumer(const BwdParams& p, const 
     auto visible = [&](int key, int row) {
       return all_visible || (key - row >= lo0 && key - row <= hi0 && key < k_lim);
     };
-    wgmma_wait<1>();
-    pin(st);
-    bwd_ws_probs(st, lse_s, score_scale, key0, t, visible, key_terms);
+    if constexpr (kBias == BiasForm::kRows) {
+      const int rows = sq.q_tile_rows(m0, kBM) - row0;
+      bwd_ws_row_bias_probs<Elem>(
+          st, p, sq, walk.h, m0 + row0, n0, lse_s, score_scale, key0, t,
+          [&] {
+            wgmma_wait<1>();
+            pin(st);
+          },
+          visible, [&](int r, int row) { return row < rows && visible(key0 + 8 * r, row); });
+    } else {
+      wgmma_wait<1>();
+      pin(st);
+      bwd_ws_probs(st, lse_s, score_scale, key0, t, visible, key_terms);
+    }
     bwd_ws_stage_ds<Elem, kBN>(sP(s), st, key0, t, row0 / 8);
     wgmma_wait<0>();
     pin(dpt);
@@ -391,7 +421,7 @@ __device__ __forceinline__ void bwd_ws_split_consumer(const BwdParams& p, const 
   bwd_ws_store_dkdv<Elem>(p, sq, hk, n0, rows_k, key0, t, dk, dv, cwg * kHalf);
 }
 
-template <class Elem, int kDim, bool kKeyBias = false>
+template <class Elem, int kDim, BiasForm kBias = BiasForm::kNone>
 __global__ void __launch_bounds__(BwdWsConfig<Elem, kDim>::kThreads, 1)
     bwd_ws_kernel(const BwdParams p, const __grid_constant__ BwdPanelMaps maps, const float* dsum_g,
                   const DqAccum accum, KeyTileRound round) {
@@ -441,7 +471,7 @@ __global__ void __launch_bounds__(BwdWsConfig<Elem, kDim>::kThreads, 1)
 
   setmaxnreg_inc<Cfg::kConsumerRegs>();
   if constexpr (Cfg::kSplitDims) {
-    bwd_ws_split_consumer<Elem, kDim, kKeyBias>(p, accum, round, sq, n0, rows_k, hk, group, tiles, wg - 1, warp, lane);
+    bwd_ws_split_consumer<Elem, kDim, kBias>(p, accum, round, sq, n0, rows_k, hk, group, tiles, wg - 1, warp, lane);
   } else {
     const int cwg = wg - 1;
     const int g = lane / 4, t = lane % 4;
@@ -449,7 +479,7 @@ __global__ void __launch_bounds__(BwdWsConfig<Elem, kDim>::kThreads, 1)
     const float score_scale = Exp::score_scale(p.scale);
 
     const uint32_t k_at = smem_addr(sK), v_at = smem_addr(sV);
-    const auto key_terms = key_pair_terms<Elem, kKeyBias>(p, sq, n0 + wkey + g);
+    const auto key_terms = key_pair_terms<Elem, kBias == BiasForm::kKeyVector>(p, sq, n0 + wkey + g);
 
     float dk[kDA][4], dv[kDA][4];
 #pragma unroll
@@ -510,9 +540,20 @@ __global__ void __launch_bounds__(BwdWsConfig<Elem, kDim>::kThreads, 1)
       auto visible = [&](int key, int row) {
         return all_visible || (key - row >= lo0 && key - row <= hi0 && key < k_lim);
       };
-      wgmma_wait<1>();
-      pin(st);
-      bwd_ws_probs(st, lse_s, score_scale, wkey + g, t, visible, key_terms);
+      if constexpr (kBias == BiasForm::kRows) {
+        const int rows = sq.q_tile_rows(m0, kBM);
+        bwd_ws_row_bias_probs<Elem>(
+            st, p, sq, walk.h, m0, n0, lse_s, score_scale, wkey + g, t,
+            [&] {
+              wgmma_wait<1>();
+              pin(st);
+            },
+            visible, [&](int r, int row) { return row < rows && visible(wkey + g + 8 * r, row); });
+      } else {
+        wgmma_wait<1>();
+        pin(st);
+        bwd_ws_probs(st, lse_s, score_scale, wkey + g, t, visible, key_terms);
+      }
       wgmma_wait<0>();
       pin(dpt);
       bwd_ws_dscores(dpt, st, d_s, t);

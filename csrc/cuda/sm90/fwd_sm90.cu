@@ -1,5 +1,5 @@
 // The Hopper forward (wgmma, warp-specialized): fp16 and bf16 at head dims 64, 96, 128 and 256, plain or with
-// a key-vector bias (float8 e4m3 at 128, plain), its launcher as the kernel plan (../plan.cpp) chose, and the
+// a key-vector bias, with bias rows at 128 and 256 (float8 e4m3 at 128, plain), its launcher as the kernel plan (../plan.cpp) chose, and the
 // plan's question whether it can take a call (whose maps the launch passes).
 #include "fwd_ws_sm90.cuh"
 #include "launch.h"
@@ -86,15 +86,17 @@ __global__ void __launch_bounds__(256) fp8_v_transposed_kernel(const FwdParams p
   }
 }
 
-// The kernel's launch with configuration Cfg (the plain kernel or its key-vector bias variant).
+// The kernel's launch with configuration Cfg (the plain kernel or a bias variant; only the bias rows'
+// takes the bias map).
 template <class Elem, int kDim, class Cfg>
-void launch_ws(const FwdParams& p, const FwdPanelMaps& maps, cudaStream_t stream) {
+void launch_ws(const FwdParams& p, const FwdMaps& maps, cudaStream_t stream) {
   const FwdGrid g = fwd_grid<Cfg, fwd_ws_kernel<Elem, kDim, Cfg>>(p);
   // Non-causal grids larger than the GPU: persistent, a block per SM slot walking several items.
   const int64_t slots = int64_t(device_limits().sms) * (g.per_sm > 0 ? g.per_sm : 1);
   const int64_t grid = !p.causal && g.blocks > slots ? slots : g.blocks;
-  fwd_ws_kernel<Elem, kDim, Cfg><<<unsigned(grid), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, maps, g.num_m_tiles,
-                                                                                           unsigned(g.blocks), g.order);
+  const FwdKernelMaps<Cfg>& kernel_maps = maps;
+  fwd_ws_kernel<Elem, kDim, Cfg><<<unsigned(grid), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
+      p, kernel_maps, g.num_m_tiles, unsigned(g.blocks), g.order);
   check_launch("sm90 forward");
 }
 
@@ -112,18 +114,29 @@ bool fwd_fp8_v_transposed(const FwdParams& p, void* vt, cudaStream_t stream) {
   return check_launch("float8 V transpose");
 }
 
-// (A call with a bias is an fp16 / bf16 one whose bias is a key vector: the plan sends no other bias here.
-// Its kernel is the configuration's variant that adds the key vector's terms, FwdWsConfig::kKeyBias.)
+// (A call with a bias is an fp16 / bf16 one whose bias is a key vector, or bias rows the row variant
+// copies (FwdParams::tma_row_bias, kFwdRowBiasTier): the plan sends no other bias here. Its kernel is the
+// configuration's variant for that form, FwdWsConfig::kKeyBias / kRowBias; the bias rows' map is encoded
+// here too, and where the driver refuses it the call goes to the sm80/ kernels.)
 template <class Elem, int kDim, int kConsumers>
-bool fwd_ws_ready(const FwdParams& p, FwdPanelMaps& maps) {
+bool fwd_ws_ready(const FwdParams& p, FwdMaps& maps) {
   using Cfg = FwdWsConfig<Elem, kDim, kConsumers>;
   if constexpr (Cfg::kServed) {
     bool pool;
     if constexpr (Cfg::kFp8) {
       pool = register_pool_holds<fwd_ws_kernel<Elem, kDim, Cfg>, Cfg>();
     } else {
-      using BiasCfg = FwdWsConfig<Elem, kDim, kConsumers, /*kKeyBias=*/true>;
-      pool = p.key_vector_bias() ? register_pool_holds<fwd_ws_kernel<Elem, kDim, BiasCfg>, BiasCfg>()
+      using KeyCfg = FwdWsConfig<Elem, kDim, kConsumers, BiasForm::kKeyVector>;
+      if (p.bias_kind != BiasKind::kNone && !p.key_vector_bias()) {
+        if constexpr (kFwdRowBiasTier<Elem, kDim, kConsumers>) {
+          using RowCfg = FwdWsConfig<Elem, kDim, kConsumers, BiasForm::kRows>;
+          static_assert(RowCfg::kSmemBytes <= 232448, "the bias tiles within sm_90's 227 KB of opt-in smem");
+          return register_pool_holds<fwd_ws_kernel<Elem, kDim, RowCfg>, RowCfg>() &&
+                 encode_row_bias_map(&maps.bias, p, RowCfg::kBN) && encode_ws_maps<Cfg>(p, maps);
+        }
+        return false;
+      }
+      pool = p.key_vector_bias() ? register_pool_holds<fwd_ws_kernel<Elem, kDim, KeyCfg>, KeyCfg>()
                                  : register_pool_holds<fwd_ws_kernel<Elem, kDim, Cfg>, Cfg>();
     }
     return pool && encode_ws_maps<Cfg>(p, maps);
@@ -132,39 +145,46 @@ bool fwd_ws_ready(const FwdParams& p, FwdPanelMaps& maps) {
 }
 
 template <class Elem, int kDim, int kConsumers>
-bool fwd_wgmma(const FwdParams& p, const FwdPanelMaps& maps, cudaStream_t stream) {
+bool fwd_wgmma(const FwdParams& p, const FwdMaps& maps, cudaStream_t stream) {
   using Cfg = FwdWsConfig<Elem, kDim, kConsumers>;
   if constexpr (!Cfg::kFp8) {
     if (p.key_vector_bias()) {
-      launch_ws<Elem, kDim, FwdWsConfig<Elem, kDim, kConsumers, /*kKeyBias=*/true>>(p, maps, stream);
+      launch_ws<Elem, kDim, FwdWsConfig<Elem, kDim, kConsumers, BiasForm::kKeyVector>>(p, maps, stream);
       return true;
+    }
+    if (p.bias_kind != BiasKind::kNone) {
+      if constexpr (kFwdRowBiasTier<Elem, kDim, kConsumers>) {
+        launch_ws<Elem, kDim, FwdWsConfig<Elem, kDim, kConsumers, BiasForm::kRows>>(p, maps, stream);
+        return true;
+      }
+      return false;
     }
   }
   launch_ws<Elem, kDim, Cfg>(p, maps, stream);
   return true;
 }
 
-template bool fwd_wgmma<__nv_bfloat16, 64, 2>(const FwdParams&, const FwdPanelMaps&, cudaStream_t);
-template bool fwd_wgmma<__half, 64, 2>(const FwdParams&, const FwdPanelMaps&, cudaStream_t);
-template bool fwd_wgmma<__nv_bfloat16, 64, 3>(const FwdParams&, const FwdPanelMaps&, cudaStream_t);
-template bool fwd_wgmma<__half, 64, 3>(const FwdParams&, const FwdPanelMaps&, cudaStream_t);
-template bool fwd_wgmma<__nv_bfloat16, 96, 2>(const FwdParams&, const FwdPanelMaps&, cudaStream_t);
-template bool fwd_wgmma<__half, 96, 2>(const FwdParams&, const FwdPanelMaps&, cudaStream_t);
-template bool fwd_wgmma<__nv_bfloat16, 128, 2>(const FwdParams&, const FwdPanelMaps&, cudaStream_t);
-template bool fwd_wgmma<__half, 128, 2>(const FwdParams&, const FwdPanelMaps&, cudaStream_t);
-template bool fwd_wgmma<__nv_bfloat16, 256, 2>(const FwdParams&, const FwdPanelMaps&, cudaStream_t);
-template bool fwd_wgmma<__half, 256, 2>(const FwdParams&, const FwdPanelMaps&, cudaStream_t);
-template bool fwd_ws_ready<__nv_bfloat16, 64, 2>(const FwdParams&, FwdPanelMaps&);
-template bool fwd_ws_ready<__half, 64, 2>(const FwdParams&, FwdPanelMaps&);
-template bool fwd_ws_ready<__nv_bfloat16, 64, 3>(const FwdParams&, FwdPanelMaps&);
-template bool fwd_ws_ready<__half, 64, 3>(const FwdParams&, FwdPanelMaps&);
-template bool fwd_ws_ready<__nv_bfloat16, 96, 2>(const FwdParams&, FwdPanelMaps&);
-template bool fwd_ws_ready<__half, 96, 2>(const FwdParams&, FwdPanelMaps&);
-template bool fwd_ws_ready<__nv_bfloat16, 128, 2>(const FwdParams&, FwdPanelMaps&);
-template bool fwd_ws_ready<__half, 128, 2>(const FwdParams&, FwdPanelMaps&);
-template bool fwd_ws_ready<__nv_bfloat16, 256, 2>(const FwdParams&, FwdPanelMaps&);
-template bool fwd_ws_ready<__half, 256, 2>(const FwdParams&, FwdPanelMaps&);
-template bool fwd_wgmma<__nv_fp8_e4m3, 128, 2>(const FwdParams&, const FwdPanelMaps&, cudaStream_t);
-template bool fwd_ws_ready<__nv_fp8_e4m3, 128, 2>(const FwdParams&, FwdPanelMaps&);
+template bool fwd_wgmma<__nv_bfloat16, 64, 2>(const FwdParams&, const FwdMaps&, cudaStream_t);
+template bool fwd_wgmma<__half, 64, 2>(const FwdParams&, const FwdMaps&, cudaStream_t);
+template bool fwd_wgmma<__nv_bfloat16, 64, 3>(const FwdParams&, const FwdMaps&, cudaStream_t);
+template bool fwd_wgmma<__half, 64, 3>(const FwdParams&, const FwdMaps&, cudaStream_t);
+template bool fwd_wgmma<__nv_bfloat16, 96, 2>(const FwdParams&, const FwdMaps&, cudaStream_t);
+template bool fwd_wgmma<__half, 96, 2>(const FwdParams&, const FwdMaps&, cudaStream_t);
+template bool fwd_wgmma<__nv_bfloat16, 128, 2>(const FwdParams&, const FwdMaps&, cudaStream_t);
+template bool fwd_wgmma<__half, 128, 2>(const FwdParams&, const FwdMaps&, cudaStream_t);
+template bool fwd_wgmma<__nv_bfloat16, 256, 2>(const FwdParams&, const FwdMaps&, cudaStream_t);
+template bool fwd_wgmma<__half, 256, 2>(const FwdParams&, const FwdMaps&, cudaStream_t);
+template bool fwd_ws_ready<__nv_bfloat16, 64, 2>(const FwdParams&, FwdMaps&);
+template bool fwd_ws_ready<__half, 64, 2>(const FwdParams&, FwdMaps&);
+template bool fwd_ws_ready<__nv_bfloat16, 64, 3>(const FwdParams&, FwdMaps&);
+template bool fwd_ws_ready<__half, 64, 3>(const FwdParams&, FwdMaps&);
+template bool fwd_ws_ready<__nv_bfloat16, 96, 2>(const FwdParams&, FwdMaps&);
+template bool fwd_ws_ready<__half, 96, 2>(const FwdParams&, FwdMaps&);
+template bool fwd_ws_ready<__nv_bfloat16, 128, 2>(const FwdParams&, FwdMaps&);
+template bool fwd_ws_ready<__half, 128, 2>(const FwdParams&, FwdMaps&);
+template bool fwd_ws_ready<__nv_bfloat16, 256, 2>(const FwdParams&, FwdMaps&);
+template bool fwd_ws_ready<__half, 256, 2>(const FwdParams&, FwdMaps&);
+template bool fwd_wgmma<__nv_fp8_e4m3, 128, 2>(const FwdParams&, const FwdMaps&, cudaStream_t);
+template bool fwd_ws_ready<__nv_fp8_e4m3, 128, 2>(const FwdParams&, FwdMaps&);
 
 }  // namespace flashattn::cuda::sm90

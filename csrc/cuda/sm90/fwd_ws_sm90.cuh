@@ -1,6 +1,7 @@
 // Warp-specialized forward on wgmma (sm_90a): plain fp16 / bf16 calls at head dims 64, 96, 128 and 256,
 // those with a key-vector bias (FwdWsConfig::kKeyBias: a second producer warp stages its values per key tile,
-// key_bias.cuh), and float8 (e4m3) calls at 128. A block of a producer warpgroup and 64-row consumer
+// key_bias.cuh), those with bias rows at 128 and 256 (FwdWsConfig::kRowBias: a second producer warp copies
+// each key tile's bias tile with TMA), and float8 (e4m3) calls at 128. A block of a producer warpgroup and 64-row consumer
 // warpgroups (three at dim 64, else two).
 // In the producer one thread copies Q, K and V tiles into smem (TMA, each copy completing an
 // mbarrier's phase); the consumers never wait for each other at a block barrier: they take turns at
@@ -82,12 +83,13 @@ __device__ __forceinline__ void fwd_ws_producer(const FwdParams& p, const FwdPan
 
 // The forward's mbarriers: a full and an empty one per K and V stage (the producer's one thread and
 // the consumers' threads), an empty one per Q buffer; with a key-vector bias a full one (its producer
-// warp's lanes) and an empty one per stage of its ring.
+// warp's lanes) and an empty one per stage of its ring; with bias rows a full one (the TMA copy) and an
+// empty one (that consumer's threads) per stage and consumer half.
 template <class Cfg>
 __device__ __forceinline__ void fwd_ws_init_barriers(uint64_t* const k_full, uint64_t* const v_full,
                                                      uint64_t* const k_empty, uint64_t* const v_empty,
                                                      uint64_t* const q_empty, uint64_t* const bias_full,
-                                                     uint64_t* const bias_empty) {
+                                                     uint64_t* const bias_empty, uint64_t* const row_bias_bars) {
   for (int s = 0; s < Cfg::kStages; ++s) {
     mbar_init(k_full + s, 1);
     mbar_init(v_full + s, 1);
@@ -99,6 +101,12 @@ __device__ __forceinline__ void fwd_ws_init_barriers(uint64_t* const k_full, uin
     for (int s = 0; s < Cfg::kBiasStages; ++s) {
       mbar_init(bias_full + s, 32);
       mbar_init(bias_empty + s, 128 * Cfg::kConsumers);
+    }
+  }
+  if constexpr (Cfg::kRowBias) {
+    for (int s = 0; s < 2 * Cfg::kRowBiasStages; ++s) {
+      mbar_init(row_bias_bars + s, 1);
+      mbar_init(row_bias_bars + 2 * Cfg::kRowBiasStages + s, 128);
     }
   }
   fence_mbar_init();
@@ -145,6 +153,53 @@ __device__ __forceinline__ void fwd_ws_key_bias_producer(const FwdParams& p, int
       }
     }
   });
+}
+
+// Bias rows (FwdWsConfig::kRowBias): the block's c-th key tile's bias tile lies in stage c % kRowBiasStages,
+// consumer w's 64 rows in its half w, each half with a full and an empty mbarrier (index 2 * stage + w),
+// whose phases follow c / kRowBiasStages.
+template <class Cfg>
+struct FwdRowBiasRing {
+  unsigned char* tiles;
+  uint64_t *full, *empty;
+  __device__ __forceinline__ unsigned char* half(int cc, int w) const {
+    return tiles + (cc % Cfg::kRowBiasStages) * Cfg::kRowBiasTileBytes + w * Cfg::kRowBiasHalfBytes;
+  }
+  __device__ __forceinline__ int bar(int cc, int w) const { return 2 * (cc % Cfg::kRowBiasStages) + w; }
+  __device__ __forceinline__ void wait(int cc, int w) const {
+    mbar_wait(full + bar(cc, w), uint32_t(cc / Cfg::kRowBiasStages) & 1);
+  }
+  __device__ __forceinline__ void release(int cc, int w) const { mbar_arrive(empty + bar(cc, w)); }
+};
+
+// The bias rows' producer (one thread of a second producer warp): per key tile, in the order of the K / V
+// stages, each consumer half's 64 rows x kBN keys (TMA, panels of encode_row_bias_map's boxes) once that
+// consumer has released the stage's previous tile, in the bias's dims (a broadcast one at coordinate 0).
+template <class Cfg, class Tile>
+__device__ __forceinline__ void fwd_ws_row_bias_producer(const FwdParams& p, const FwdMaps& maps, int num_m_tiles,
+                                                         unsigned num_work, const HeavyLast& order,
+                                                         const FwdRowBiasRing<Cfg>& ring) {
+  constexpr int kBN = Cfg::kBN, kStages = Cfg::kRowBiasStages;
+  tma_prefetch_map(&maps.bias);
+  const int bytes = p.bias_kind == BiasKind::kBool ? 1 : 2;
+  const int panel_keys = kBN * bytes < 128 ? kBN : 128 / bytes, panels = kBN / panel_keys;
+  const bool by_head = p.bias_stride[1] != 0, by_batch = p.bias_stride[0] != 0;
+  int c = 0;
+  for (unsigned index = blockIdx.x; index < num_work; index += gridDim.x) {
+    const Tile tile(p, num_m_tiles, order, index);
+    const int b = by_batch ? int(tile.sq.b) : 0, h = by_head ? int(tile.h) : 0;
+    for (int i = 0; i < tile.n_tiles; ++i, ++c) {
+      const int n0 = int(tile.n_begin) + i * kBN;
+#pragma unroll
+      for (int w = 0; w < 2; ++w) {
+        if (c >= kStages) mbar_wait(ring.empty + ring.bar(c, w), uint32_t(c / kStages - 1) & 1);
+        mbar_arrive_expect_tx(ring.full + ring.bar(c, w), uint32_t(64 * kBN * bytes));
+        for (int pn = 0; pn < panels; ++pn)
+          tma_load_4d(ring.half(c, w) + pn * 64 * panel_keys * bytes, &maps.bias, ring.full + ring.bar(c, w),
+                      n0 + pn * panel_keys, int(tile.m0) + 64 * w, h, b);
+      }
+    }
+  }
 }
 
 // The consumers' side of the K and V stages: the block's c-th K and V tiles lie in stage c % kStages, and
@@ -257,10 +312,14 @@ __device__ __forceinline__ void fwd_ws_idle_turns(int c0, int n_tiles, const Fwd
   }
 }
 
+// The maps a kernel of configuration Cfg takes: the panels, and the bias tiles' map with bias rows.
+template <class Cfg>
+using FwdKernelMaps = std::conditional_t<Cfg::kRowBias, FwdMaps, FwdPanelMaps>;
+
 template <class Elem, int kDim, class Cfg = FwdWsConfig<Elem, kDim>>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
-    fwd_ws_kernel(const FwdParams p, const __grid_constant__ FwdPanelMaps maps, int num_m_tiles, unsigned num_work,
-                  HeavyLast order) {
+    fwd_ws_kernel(const FwdParams p, const __grid_constant__ FwdKernelMaps<Cfg> maps, int num_m_tiles,
+                  unsigned num_work, HeavyLast order) {
 #ifdef FLASHATTN_WGMMA
   using Exp = ExpDomain<float>;
   constexpr int kBM = Cfg::kBM, kBN = Cfg::kBN, kStages = Cfg::kStages, kQBuffers = Cfg::kQBuffers;
@@ -283,9 +342,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // (a key-vector bias: its producer warp's tile c landed; the consumers are done with it)
   const FwdKeyBiasRing<Cfg> bias_ring{reinterpret_cast<float*>(tiles + Cfg::kBiasOffset), bias_bars,
                                       bias_bars + Cfg::kBiasStages};
+  // (bias rows: their tiles after the K / V stages, their full and empty mbarriers after the others)
+  uint64_t* const row_bias_bars = bars + 4 * kStages + kQBuffers;
+  const FwdRowBiasRing<Cfg> row_ring{tiles + Cfg::kRowBiasOffset, row_bias_bars,
+                                     row_bias_bars + 2 * Cfg::kRowBiasStages};
 
   const int tid = threadIdx.x, wg = tid / 128;
-  if (tid == 0) fwd_ws_init_barriers<Cfg>(k_full, v_full, k_empty, v_empty, q_empty, bias_ring.full, bias_ring.empty);
+  if (tid == 0)
+    fwd_ws_init_barriers<Cfg>(k_full, v_full, k_empty, v_empty, q_empty, bias_ring.full, bias_ring.empty,
+                              row_bias_bars);
   __syncthreads();
 
   // A block takes work items blockIdx.x, + gridDim.x, ... (one where the grid has a block per item);
@@ -298,6 +363,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         fwd_ws_key_bias_producer<Elem, Cfg, Tile>(p, num_m_tiles, num_work, order, bias_ring, tid & 31);
         return;
       }
+    }
+    if constexpr (Cfg::kRowBias) {
+      if (tid == 32) fwd_ws_row_bias_producer<Cfg, Tile>(p, maps, num_m_tiles, num_work, order, row_ring);
     }
     if (tid != 0) return;
     fwd_ws_producer<kDim, Cfg, Tile>(p, maps, num_m_tiles, num_work, order, sQ, sK, sV, k_full, v_full, k_empty,
@@ -354,6 +422,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       w.softmax(s, tile, tile.m0 + wrow + g, tile.n_begin + decltype(tile.n_begin)(i) * kBN, t, score_scale, alpha,
                 KeyTileTerms{bias_ring.at(bias_count)});
       bias_ring.release(bias_count++);
+    } else if constexpr (Cfg::kRowBias) {
+      row_ring.wait(bias_count, cwg);
+      w.softmax(s, tile, tile.m0 + wrow + g, tile.n_begin + decltype(tile.n_begin)(i) * kBN, t, score_scale, alpha,
+                RowTileTerms<Elem>{row_ring.half(bias_count, cwg), warp * 16 + g, p.bias_kind == BiasKind::kBool});
+      row_ring.release(bias_count++, cwg);
     } else {
       w.softmax(s, tile, tile.m0 + wrow + g, tile.n_begin + decltype(tile.n_begin)(i) * kBN, t,
                 Cfg::kFp8 ? item_score_scale : score_scale, alpha);

@@ -17,13 +17,13 @@ namespace flashattn::cuda::sm90 {
 
 // Whether the warp-specialized forward with kConsumers consumer warpgroups can take the call (the plan's
 // DeviceInfo::sm90_ws_ready): the driver encodes its tensor maps (into `maps`), and its warpgroups'
-// registers fit the loaded kernel's pool.
+// registers fit the loaded kernel's pool (a bias rows' map too, into maps.bias).
 template <class Elem, int kDim, int kConsumers = 2>
-bool fwd_ws_ready(const FwdParams& p, FwdPanelMaps& maps);
+bool fwd_ws_ready(const FwdParams& p, FwdMaps& maps);
 // Forward (the plan's kSm90WgmmaWs: two consumers; kSm90WgmmaWs3: three, at dim 64) of plain fp16 / bf16
 // calls with head_dim == head_dim_v == kDim on sm_90, from the maps fwd_ws_ready encoded for p.
 template <class Elem, int kDim, int kConsumers = 2>
-bool fwd_wgmma(const FwdParams& p, const FwdPanelMaps& maps, cudaStream_t stream);
+bool fwd_wgmma(const FwdParams& p, const FwdMaps& maps, cudaStream_t stream);
 
 // The float8 forward (FwdWsConfig<__nv_fp8_e4m3, 128>) reads V transposed: the bytes of that copy, and
 // the copy of p.v (float8 (batch, heads_kv, len_k, 128), p.v_stride) into `vt` (FwdParams::v's layout for

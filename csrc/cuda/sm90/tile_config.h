@@ -14,7 +14,19 @@ constexpr bool kFwdWgmmaTier = sizeof(Elem) == 2 && (kDim == 64 || kDim == 96 ||
 template <class Elem, int kDim>
 constexpr bool kFwdFp8Tier = sizeof(Elem) == 1 && kDim == 128;
 
-template <class Elem, int kDim, int kConsumersT = 2, bool kKeyBiasT = false>
+// The bias a variant of the Hopper kernels adds: none, a key vector (FwdParams::key_vector_bias), or rows
+// of a bias over (query, key) pairs (forward: tiles copied by TMA, FwdParams::tma_row_bias; backward: values
+// loaded into registers per query tile).
+enum class BiasForm : int { kNone, kKeyVector, kRows };
+
+// Where the row form runs (the dims where it measured faster than the sm80/ kernels, or, in the forward,
+// where one Q buffer leaves room for two stages of bias tiles); other dims send such a bias to sm80/.
+template <class Elem, int kDim, int kConsumers = 2>
+constexpr bool kFwdRowBiasTier = sizeof(Elem) == 2 && kConsumers == 2 && (kDim == 128 || kDim == 256);
+template <int kDim>
+constexpr bool kBwdRowBiasTier = kDim == 128 || kDim == 256;
+
+template <class Elem, int kDim, int kConsumersT = 2, BiasForm kBiasT = BiasForm::kNone>
 struct FwdWsConfig {
   // Consumers of 64 rows each: two, or three at dim 64 (where one 128 x 128 tile's exponentials take
   // as long as its products, so that a consumer's softmax runs under two others' products). At 128
@@ -29,7 +41,10 @@ struct FwdWsConfig {
   // tile, released early: kEarlyQRelease). Three consumers: 96-key tiles (S, P and O
   // of 128-key tiles spill 264 B in their 160 registers).
   static constexpr int kBM = 64 * kConsumers, kBN = kDim == 256 ? 64 : kConsumers == 3 ? 96 : 128, kStages = 2;
-  static constexpr int kQBuffers = kDim == 256 ? 1 : 2;
+  // Bias rows (BiasForm::kRows): one Q buffer at 128 too, so that two stages of bias tiles fit.
+  static constexpr bool kRowBias = kBiasT == BiasForm::kRows;
+  static_assert(!kRowBias || kFwdRowBiasTier<Elem, kDim, kConsumersT>, "the row form runs at dims 128 and 256");
+  static constexpr int kQBuffers = kDim == 256 || kRowBias ? 1 : 2;
   // One Q buffer: the consumers release it once the item's last S is done and write the output from
   // their registers (no staging through Q), so the next item's Q and first K tile load under this item's
   // last P V and its stores instead of after them (the gap that each item otherwise waits out).
@@ -42,19 +57,27 @@ struct FwdWsConfig {
   // Float8: the bf16 output is staged in its own buffer (two 64-column panels of kBM lines), not in the
   // Q tile's (half its size).
   static constexpr uint32_t kOutStageOffset = kQBuffers * kQBytes + 2 * kStages * kKvBytes;
-  static constexpr uint32_t kBarOffset = kOutStageOffset + (kFp8 ? kBM * kDim * 2 : 0);
+  // Bias rows: kRowBiasStages tiles of kBM rows x kBN keys after the K / V stages, each as two halves of 64
+  // rows (a consumer's), in room for 16-bit values (bools take half): the TMA boxes' panels of 128-byte
+  // lines (64-byte at 64 bool keys), swizzled as the maps say (key_bias.cuh: row_tile_offset).
+  static constexpr int kRowBiasStages = 2;
+  static constexpr uint32_t kRowBiasHalfBytes = 64 * kBN * 2, kRowBiasTileBytes = 2 * kRowBiasHalfBytes;
+  static constexpr uint32_t kRowBiasOffset = kOutStageOffset;
+  static constexpr uint32_t kBarOffset =
+      kOutStageOffset + (kFp8 ? kBM * kDim * 2 : 0) + (kRowBias ? kRowBiasStages * kRowBiasTileBytes : 0);
   // A key-vector bias (FwdParams::key_vector_bias; fp16 / bf16): a ring of kBiasStages tiles of kBN fp32
   // values beside the mbarriers, filled by a producer warp of its own (its full and empty mbarriers after
   // the tiles), so that it runs ahead of the K / V stages by the ring's extra stages.
-  static constexpr bool kKeyBias = kKeyBiasT;
+  static constexpr bool kKeyBias = kBiasT == BiasForm::kKeyVector;
   static constexpr int kBiasStages = 4;
-  static constexpr uint32_t kBarBytes = (4 * kStages + kQBuffers) * 8;
+  // (bias rows: a full and an empty mbarrier per stage and half after the others)
+  static constexpr uint32_t kBarBytes = (4 * kStages + kQBuffers + (kRowBias ? 4 * kRowBiasStages : 0)) * 8;
   static constexpr uint32_t kBiasOffset = (kBarOffset + kBarBytes + 15) / 16 * 16;
   static constexpr uint32_t kBiasBarOffset = kBiasOffset + kBiasStages * kBN * 4;
   // The Q buffers, the K and V stages, (float8) the output's staging, the mbarriers (K / V full and empty
   // per stage, Q empty per buffer), (key-vector bias) its ring, and room to align to 1024: 97 KB at dim 64
   // (three consumers: 97 KB), 193 KB at 128 and 256, 129 KB for float8; the bias ring adds 1.1 KB (dim
-  // 256) to 2.1 KB.
+  // 256) to 2.1 KB; bias rows: 161 KB of Q and K / V and 64 KB of bias tiles at 128 and 256, 225 KB in all.
   static constexpr size_t kSmemBytes =
       (kKeyBias ? kBiasBarOffset + 2 * kBiasStages * 8 : kBarOffset + kBarBytes) + 1024;
   // Registers per thread after the hand-over (128 x producer + 128 x kConsumers x consumer <= 65536, the
@@ -67,7 +90,7 @@ struct FwdWsConfig {
   // The consumers keep their work item in 32-bit fields (FwdKeys) where that measured faster: three
   // consumers (the full item spills in their 160 registers: -5..-8% at L >= 4096) and dim 256 (+2..6%);
   // at 128 the full one (the compact one measured -10..-13% at L <= 1024).
-  static constexpr bool kCompactItems = kConsumers == 3 || kDim == 256;
+  static constexpr bool kCompactItems = kConsumers == 3 || kDim == 256 || kRowBias;
   // Taken where rows see at least kMinKeys keys, on causal grids kMinCausalKeys on average: below, the
   // block's first S and last P V, which nothing overlaps, cost more than the products gain against the
   // sm80/ kernels (measurements: docs/kernels/sm90_forward_ws.md).

@@ -17,6 +17,12 @@ struct FwdPanelMaps {
   CUtensorMap q, k, v;
 };
 
+// The host's maps of a forward call: the panels, and for a bias of rows (BiasForm::kRows) the map of its
+// tiles (encode_row_bias_map), which only that variant's kernel takes.
+struct FwdMaps : FwdPanelMaps {
+  CUtensorMap bias;
+};
+
 // The backward's maps of q, dout (kBM-row boxes), k and v (kBN-row boxes).
 struct BwdPanelMaps {
   CUtensorMap q, dout, k, v;
@@ -61,6 +67,31 @@ inline bool encode_panel_map(CUtensorMap* map, const void* base, const Strides& 
   return encode(map, elem_bytes == 1 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, const_cast<void*>(base), sizes, strides, box, element_steps,
                 CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// A map of the bias rows (FwdParams::tma_row_bias: bool or 16-bit values, keys contiguous, the base and the
+// strides stepped along 16-byte aligned) over its real extents: (keys, query rows, heads, batch), a dim the
+// bias broadcasts (stride 0) of size 1 (the copies' coordinate 0 there). Its box: a panel of keys (128 bytes,
+// 64 at 64 bool keys; swizzled alike, so that a consumer lane's reads of its rows fall in distinct banks)
+// by 64 query rows; rows and keys past the extents land as zeros (masked scores). False where the
+// driver refuses the map (the call then goes to the sm80/ kernels).
+inline bool encode_row_bias_map(CUtensorMap* map, const FwdParams& p, int tile_keys) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  if (encode == nullptr || !p.tma_row_bias()) return false;
+  const int64_t eb = p.bias_kind == BiasKind::kBool ? 1 : 2;
+  const int64_t panel_bytes = tile_keys * eb < 128 ? tile_keys * eb : 128;
+  const bool heads = p.bias_stride[1] != 0, batch = p.bias_stride[0] != 0;
+  const int64_t row = p.bias_stride[2] * eb, head = heads ? p.bias_stride[1] * eb : row * p.len_q;
+  const cuuint64_t sizes[4] = {cuuint64_t(p.len_k), cuuint64_t(p.len_q), cuuint64_t(heads ? p.heads_q : 1),
+                               cuuint64_t(batch ? p.batch : 1)};
+  const cuuint64_t strides[3] = {cuuint64_t(row), cuuint64_t(head),
+                                 cuuint64_t(batch ? p.bias_stride[0] * eb : head * int64_t(sizes[2]))};
+  const cuuint32_t box[4] = {cuuint32_t(panel_bytes / eb), 64, 1, 1};
+  const cuuint32_t element_steps[4] = {1, 1, 1, 1};
+  return encode(map, eb == 1 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_UINT16, 4,
+                const_cast<void*>(p.bias), sizes, strides, box, element_steps, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                panel_bytes == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B,
+                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
 }  // namespace flashattn::cuda::sm90
