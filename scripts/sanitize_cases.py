@@ -90,6 +90,19 @@ CASES = [  # (dtype, batch, heads_q, heads_kv, len_q, len_k, head_dim, head_dim_
     (torch.float16, 2, 4, 2, 256, 150, 96, 96, 0, "bool1"),
     (torch.bfloat16, 1, 100, 50, 400, 300, 128, 128, 0, "bool"),
     (torch.float16, 1, 70, 10, 390, 1030, 64, 64, 0, "float"),
+    # Any other bias ("rows-<dtype>-<form>": the form's batch / heads broadcast, 1 where broadcast; BH1 without
+    # query rows) on the Hopper kernels' row forms (the forward's bias tiles by TMA at dims 128 and 256, one Q
+    # buffer released early; the backward's register loads at 128 and 256): ragged query and key tiles, rows
+    # whose keys are all masked (5 and 6), GQA, both causal alignments, broadcast heads or batch, bools at 64
+    # keys a tile (dim 256: 64-byte swizzled boxes), persistent items at 128 and 256; float32 and a bias
+    # without query rows (the forward on sm80/, the backward's row form).
+    (torch.bfloat16, 2, 4, 2, 200, 330, 128, 128, 2, "rows-bool-1H"),
+    (torch.float16, 1, 2, 1, 150, 334, 256, 256, 0, "rows-float-BH"),
+    (torch.bfloat16, 1, 4, 2, 130, 333, 256, 256, 1, "rows-bool-B1"),
+    (torch.bfloat16, 1, 100, 50, 400, 300, 128, 128, 0, "rows-float-B1"),
+    (torch.float16, 1, 140, 20, 300, 200, 256, 256, 0, "rows-bool-11"),
+    (torch.bfloat16, 2, 2, 2, 130, 333, 128, 128, 0, "rows-float32-BH"),
+    (torch.float16, 1, 4, 2, 200, 300, 128, 128, 2, "rows-bool-BH1"),
 ]
 
 
@@ -102,6 +115,21 @@ def key_mask(kind, b, lq, lk, dtype):
         return keep
     bias = torch.randn(keep.shape, device="cuda", dtype=torch.float32 if kind == "float32" else dtype)
     return bias.masked_fill(~keep, float("-inf"))
+
+
+def row_bias(kind, b, hq, lq, lk, dtype):
+    """A bias of kind "rows-<dtype>-<form>" (see CASES): keys kept at random (70%), rows 5 and 6 of each head
+    masked whole (forms with query rows); rows of lk keys stored 16 elements apart at most (padded to a
+    multiple of 16: the Hopper forward's tensor map steps them)."""
+    _, dt, form = kind.split("-")
+    shape = (b if "B" in form else 1, hq if "H" in form else 1, 1 if form == "BH1" else lq, -(-lk // 16) * 16)
+    keep = (torch.rand(shape, device="cuda") > 0.3)[..., :lk]
+    if shape[2] > 1:
+        keep[:, :, 5:7] = False
+    if dt == "bool":
+        return keep
+    bias = torch.randn(shape, device="cuda", dtype=torch.float32 if dt == "float32" else dtype)[..., :lk]
+    return bias.masked_fill_(~keep, float("-inf"))  # (in place: the view's strides kept)
 
 
 def float8_cases():
@@ -127,7 +155,10 @@ for dtype, b, hq, hk, lq, lk, e, ev, causal, *mask in CASES[slice(*bounds) if bo
     q = torch.randn(b, hq, lq, e, device="cuda", dtype=dtype)
     k = torch.randn(b, hk, lk, e, device="cuda", dtype=dtype)
     v = torch.randn(b, hk, lk, ev, device="cuda", dtype=dtype)
-    bias = key_mask(mask[0], b, lq, lk, dtype) if mask else None
+    if mask and mask[0].startswith("rows"):
+        bias = row_bias(mask[0], b, hq, lq, lk, dtype)
+    else:
+        bias = key_mask(mask[0], b, lq, lk, dtype) if mask else None
     out, lse = torch.ops.flashattn.fwd(q, k, v, e ** -0.5, causal, attn_bias=bias)
     dout = torch.randn_like(out)
     for deterministic in (False, True):

@@ -168,8 +168,9 @@ def test_features():
     assert plan(192, "sm90", backward=True, window_left=128) == "sm80_features/192"
     assert plan(128, "sm86", backward=True, softcap=30.0) == "sm80_compact/128"
     bias = torch.zeros(4, 16, 4096, 4096, dtype=torch.bfloat16)
-    assert plan(128, "sm90", attn_bias=bias) == "sm80_features/128"
-    assert plan(128, "sm90", backward=True, attn_bias=bias) == "sm80_2d/128"
+    assert plan(128, "sm100", attn_bias=bias) == "sm80_features/128"
+    assert plan(128, "sm100", backward=True, attn_bias=bias) == "sm80_2d/128"
+    assert plan(128, "sm90", attn_bias=bias) == "sm90_wgmma_ws/128"  # (test_full_bias_on_sm90)
     assert plan(128, "sm90", backward=True, attn_bias=bias, bias_requires_grad=True) == "sm80_general/128"
     assert plan(64, "sm90", dtype=torch.float32, window_left=3) == "simt/64"
     assert plan(64, "sm90", dtype=torch.float32, backward=True, window_left=3) == "simt/64"
@@ -200,14 +201,60 @@ def test_key_vector_bias_on_sm90():
     # float key masks with their gradient: the backward's general step
     for m in masks[1:]:
         assert plan(128, "sm90", backward=True, attn_bias=m, bias_requires_grad=True) == "sm80_general/128"
-    # a bias per head, or per query row, is not a key vector
+    # a bias per head, or per query row, is not a key vector (test_full_bias_on_sm90)
     per_head = torch.ones(4, 16, 1, 4096, dtype=torch.bool)
     per_row = torch.ones(4, 1, 4096, 4096, dtype=torch.bool)
     for m in (per_head, per_row):
-        assert plan(128, "sm90", attn_bias=m) == "sm80_features/128"
-        assert plan(128, "sm90", backward=True, attn_bias=m) == "sm80_2d/128"
+        assert plan(96, "sm90", attn_bias=m) == "sm80_features/96"
+        assert plan(96, "sm90", backward=True, attn_bias=m) == "sm80_2d/96"
     # a broadcast view of a key vector (stride 0 over heads and rows) is one
     assert plan(128, "sm90", attn_bias=masks[0].expand(4, 16, 4096, 4096)) == "sm90_wgmma_ws/128"
+
+
+def test_full_bias_on_sm90():
+    # Any other bias without a gradient (per head, per query row, both; bool, the inputs' dtype, float32). The
+    # forward: the Hopper kernel's row form (its tiles copied by TMA) at dims 128 and 256 for bool or 16-bit
+    # rows that a tensor map steps (a row dimension of its own, keys contiguous, base and strides 16-byte
+    # aligned); anything else the sm80/ kernels. The backward: the Hopper kernel's row form at 128 and 256
+    # whatever the bias's dtype and strides, sm80/ at 64 and 96.
+    L = 4096
+    rows = [torch.zeros(1, 16, L, L, dtype=torch.bool), torch.zeros(4, 1, L, L, dtype=torch.bfloat16),
+            torch.zeros(1, 1, L, L, dtype=torch.float16)]
+    others = [torch.zeros(1, 1, L, L, dtype=torch.float32), torch.zeros(4, 16, 1, L, dtype=torch.bfloat16)]
+    for m in rows + others:
+        dtype = torch.float16 if m.dtype == torch.float16 else torch.bfloat16
+        for dim in (128, 256):
+            fwd = f"sm90_wgmma_ws/{dim}" if any(m is r for r in rows) else f"sm80_features/{dim}"
+            assert plan(dim, "sm90", dtype=dtype, attn_bias=m) == fwd, (dim, m.shape, m.dtype)
+            assert plan(dim, "sm90", dtype=dtype, backward=True, attn_bias=m) == f"sm90_wgmma/{dim}", (dim, m.shape)
+        assert plan(64, "sm90", dtype=dtype, attn_bias=m) == "sm80_features/64"
+        assert plan(96, "sm90", dtype=dtype, attn_bias=m) == "sm80_features/96"
+        for dim in (64, 96):
+            assert plan(dim, "sm90", dtype=dtype, backward=True, attn_bias=m).startswith("sm80_"), (dim, m.shape)
+        assert plan(128, "sm90", CAUSAL_BOTTOM_RIGHT, dtype=dtype, backward=True, attn_bias=m) == "sm90_wgmma/128"
+        assert plan(128, "sm80", dtype=dtype, attn_bias=m) == "sm80_features/128"
+        assert plan(128, "sm90", dtype=dtype, attn_bias=m, kernels="sm80") == "sm80_features/128"
+        assert plan(128, "sm90", dtype=dtype, attn_bias=m, softcap=30.0) == "sm80_features/128"
+        assert plan(128, "sm90", dtype=dtype, backward=True, attn_bias=m, window_left=100).startswith("sm80_")
+    for m in rows:
+        dtype = torch.float16 if m.dtype == torch.float16 else torch.bfloat16
+        assert plan(128, "sm90", CAUSAL_BOTTOM_RIGHT, dtype=dtype, attn_bias=m) == "sm90_wgmma_ws/128"
+        assert plan(256, "sm90", shape=dict(heads_kv=4), dtype=dtype, attn_bias=m) == "sm90_wgmma_ws/256"  # GQA
+        # the plain path's limits: rows that see fewer than 512 keys go to the sm80/ kernels
+        assert plan(128, "sm90", shape=dict(len_k=256), dtype=dtype, attn_bias=m[..., :256]) == "sm80_features/128"
+    # with its gradient: the backward's general step
+    assert plan(128, "sm90", backward=True, attn_bias=rows[1], bias_requires_grad=True) == "sm80_general/128"
+    # rows a tensor map cannot step (the forward to sm80/, the backward's loads take them): a row stride of 8
+    # bytes past 16, a base 2 bytes past 16, a key stride other than 1
+    odd_rows = torch.zeros(1, 16, L, L + 4, dtype=torch.bfloat16)[..., :L]
+    odd_start = torch.zeros(1, 16, L, L + 8, dtype=torch.bfloat16)[..., 1:L + 1]
+    transposed = torch.zeros(1, 16, L, L, dtype=torch.bfloat16).transpose(-1, -2)
+    for m in (odd_rows, odd_start, transposed):
+        assert plan(128, "sm90", attn_bias=m) == "sm80_features/128", (m.stride(), m.storage_offset())
+        assert plan(128, "sm90", backward=True, attn_bias=m) == "sm90_wgmma/128"
+    # a 16-byte aligned view whose rows are aligned too: the row form
+    aligned = torch.zeros(1, 16, L, L + 8, dtype=torch.bfloat16)[..., 8:L + 8]
+    assert plan(128, "sm90", attn_bias=aligned) == "sm90_wgmma_ws/128"
 
 
 def test_varlen_takes_the_feature_variants():
