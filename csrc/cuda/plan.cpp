@@ -140,12 +140,14 @@ std::optional<FwdKernel> sm90_fwd(const FwdParams& p, const Limits& lim) {
   if constexpr (Ws::kServed) {
     using Ws3 = sm90::FwdWsConfig<Elem, kDim, 3>;
     if constexpr (Ws3::kServed) {
-      if (sm90_takes_features<Elem, kDim, 3>(p, /*forward=*/true) && keys >= Ws::kThreeConsumerKeys && sm90_fwd_smem<Elem, kDim, 3>(p) <= lim.smem && lim.dev.sm90_ws_ready &&
+      if (sm90_takes_features<Elem, kDim, 3>(p, /*forward=*/true) && keys >= Ws::kThreeConsumerKeys &&
+          sm90_fwd_smem<Elem, kDim, 3>(p) <= lim.smem && lim.dev.sm90_ws_ready &&
           (forced || fills_gpu(Ws3::kBM)))
         return FwdKernel::kSm90WgmmaWs3;
     }
     const int64_t min_keys = p.causal ? Ws::kMinCausalKeys : Ws::kMinKeys;
-    if (sm90_takes_features<Elem, kDim>(p, /*forward=*/true) && sm90_fwd_smem<Elem, kDim, 2>(p) <= lim.smem && lim.dev.sm90_ws_ready &&
+    if (sm90_takes_features<Elem, kDim>(p, /*forward=*/true) && sm90_fwd_smem<Elem, kDim, 2>(p) <= lim.smem &&
+        lim.dev.sm90_ws_ready &&
         (forced || (keys >= min_keys && fills_gpu(Ws::kBM))))
       return FwdKernel::kSm90WgmmaWs;
   }
@@ -196,7 +198,8 @@ std::optional<BwdKernel> tensor_core_bwd(const BwdParams& p, const Limits& lim) 
     };
     if (needs_general_step(p)) return general();
     if constexpr (sm90::BwdWsConfig<Elem, kDim>::kServed) {
-      if (aligned && lim.sm90() && lim.dev.sm90_ws_ready && sm90_takes_features<Elem, kDim>(p, /*forward=*/false) && p.head_dim == kDim &&
+      if (aligned && lim.sm90() && lim.dev.sm90_ws_ready && sm90_takes_features<Elem, kDim>(p, /*forward=*/false) &&
+          p.head_dim == kDim &&
           p.head_dim_v == kDim && sm90::BwdWsConfig<Elem, kDim>::kSmemBytes <= lim.smem)
         return BwdKernel::kSm90Wgmma;
     }

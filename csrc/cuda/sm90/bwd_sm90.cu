@@ -1,6 +1,6 @@
 // Hopper dK/dV kernel (wgmma, warp-specialized): fp16 and bf16 at head dims 64, 96, 128 and 256, plain or
-// with a key-vector bias, with bias rows at 128 and 256, as the kernel plan (../plan.cpp) chose; bwd_ws_ready answers the plan's question
-// whether it can take a call, and its maps are the ones the launch passes.
+// with a key-vector bias, with bias rows at 128 and 256, as the kernel plan (../plan.cpp) chose; bwd_ws_ready
+// answers the plan's question whether it can take a call, and its maps are the ones the launch passes.
 #include "bwd_sm90.cuh"
 #include "launch.h"
 #include "register_pool.h"

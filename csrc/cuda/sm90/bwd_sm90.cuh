@@ -2,9 +2,10 @@
 // and 256 (head_dim == head_dim_v), plain or with a bias without its gradient (BiasForm), no other optional
 // feature: with a key vector each consumer lane reads its two keys' bias values once (the block's keys are
 // fixed); with bias rows (at 128 and 256) it loads its fragment's values per query tile while the tile's
-// S^T product runs (key_bias.cuh: QueryTileWords); either adds their terms to the exponents of P^T. A block of three warpgroups owns a key
-// tile of kBN = 128 keys and visits every query tile of kBM rows (128 at dim 64, 64 at 96 and 128) that
-// sees one of its keys, over the kv head's query heads (the walk of the sm80/ kernels, query_walk.cuh):
+// S^T product runs (key_bias.cuh: QueryTileWords); either adds their terms to the exponents of P^T.
+// A block of three warpgroups owns a key tile of kBN = 128 keys and visits every query tile of kBM rows
+// (128 at dim 64, 64 at 96 and 128) that sees one of its keys, over the kv head's query heads (the walk
+// of the sm80/ kernels, query_walk.cuh):
 //   warpgroup 0, warp 0   copies: K and V once, then per query tile Q and dO (TMA, one thread) and its
 //                         LSE and D (cp.async, the warp) into a two-stage ring of mbarriers;
 //   warpgroup 0, warp 1   adds each finished dQ tile, staged in smem by the consumers, into the fp32

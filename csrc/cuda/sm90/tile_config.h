@@ -89,7 +89,8 @@ struct FwdWsConfig {
   static constexpr bool kCarryAcrossItems = kDim == 64 && kConsumers == 2;
   // The consumers keep their work item in 32-bit fields (FwdKeys) where that measured faster: three
   // consumers (the full item spills in their 160 registers: -5..-8% at L >= 4096) and dim 256 (+2..6%);
-  // at 128 the full one (the compact one measured -10..-13% at L <= 1024).
+  // at 128 the full one (the compact one measured -10..-13% at L <= 1024); bias rows at 128 the compact one
+  // (ptxas: 268 B of spill stores against 308 B).
   static constexpr bool kCompactItems = kConsumers == 3 || kDim == 256 || kRowBias;
   // Taken where rows see at least kMinKeys keys, on causal grids kMinCausalKeys on average: below, the
   // block's first S and last P V, which nothing overlaps, cost more than the products gain against the
