@@ -132,13 +132,14 @@ struct FwdParams {
   // The bias is a key vector: one value per key of a batch, broadcast over the query heads and rows
   // (SDPA's key padding mask, (batch or 1, 1, 1, len_k)), which the Hopper kernels take.
   bool key_vector_bias() const { return bias_kind != BiasKind::kNone && bias_stride[1] == 0 && bias_stride[2] == 0; }
-  // A bias of rows the Hopper forward copies tile by tile with TMA (BiasForm::kRows): not a key vector, bool
-  // or 16-bit float (float32 goes to the sm80/ kernels), a row dimension of its own (row stride not 0:
-  // TMA does not repeat a row), keys contiguous, and its base and the strides of the dims it does not
-  // broadcast 16-byte aligned (what a tensor map encodes).
+  // A bias of rows the Hopper forward copies tile by tile with TMA (BiasForm::kRows): not a key vector,
+  // bool or float in the inputs' 16-bit dtype (float32 goes to the sm80/ kernels), a row dimension of its
+  // own (row stride not 0: TMA does not repeat a row), keys contiguous, and its base and the strides of the
+  // dims it does not broadcast 16-byte aligned (what a tensor map encodes).
   bool tma_row_bias() const {
     if (bias_kind == BiasKind::kNone || key_vector_bias()) return false;
-    if (bias_kind == BiasKind::kFloat && bias_dtype != DType::kFloat16 && bias_dtype != DType::kBFloat16) return false;
+    const bool half = dtype == DType::kFloat16 || dtype == DType::kBFloat16;
+    if (bias_kind == BiasKind::kFloat && (bias_dtype != dtype || !half)) return false;
     const int64_t bytes = bias_kind == BiasKind::kBool ? 1 : 2;
     auto aligned = [&](int64_t stride) { return stride * bytes % 16 == 0; };
     return bias_stride[3] == 1 && bias_stride[2] != 0 && reinterpret_cast<uintptr_t>(bias) % 16 == 0 &&
