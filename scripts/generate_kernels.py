@@ -24,8 +24,8 @@ FAMILIES = {
                       f"Forward SIMT kernels, output-column tier {d}.") for d in (32, 64, 128, 256)}),
     "simt_fwd_qres": ("simt", "fwd_simt_qres", "fwd_simt_qres.cuh", "simt",
                       lambda t: ["bool fwd_qres<{T}, {D}>(const FwdParams&, FwdKernel, int, cudaStream_t)"],
-                      {d: ((F32,) + HALF, f"Q-resident forward SIMT kernels, head dims up to {d}.")
-                       for d in (64, 128)}),
+                      {64: ((F32,), "Q-resident forward SIMT kernels (fp32), head dims up to 64."),
+                       128: ((F32,) + HALF, "Q-resident forward SIMT kernels, head dims up to 128.")}),
     "simt_bwd": ("simt", "bwd_simt", "bwd_simt.cuh", "simt",
                  lambda t: ["void bwd_dkdv<{T}, {D}>(const BwdParams&, const void*, void*, int, cudaStream_t)",
                             "void bwd_dq<{T}, {D}>(const BwdParams&, const void*, int, cudaStream_t)"],

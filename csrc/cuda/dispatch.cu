@@ -213,7 +213,9 @@ void fwd_typed(FwdParams& paged_or_not, cudaStream_t stream, const AllocateWorks
     case FwdKernel::kSimtWs:
     case FwdKernel::kSimtQres:
       if constexpr (!std::is_same_v<T, double>) {
-        if (plan.tier == 64) launched = simt::fwd_qres<T, 64>(p, plan.kernel, plan.tf32_keys, stream);
+        if constexpr (std::is_same_v<T, float>) {  // (fp16 / bf16: at 128 only)
+          if (plan.tier == 64) launched = simt::fwd_qres<T, 64>(p, plan.kernel, plan.tf32_keys, stream);
+        }
         if (plan.tier == 128) launched = simt::fwd_qres<T, 128>(p, plan.kernel, plan.tf32_keys, stream);
       }
       break;

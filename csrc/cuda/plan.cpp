@@ -284,9 +284,10 @@ FwdPlan choose_fwd_in_place(const FwdParams& p, const DeviceInfo& dev, const Ove
   }
   // The SIMT kernels: without optional features the Q-resident ones at E <= 64 / 128 where their
   // shared memory fits (fp32 on sm_80+: P V as three TF32 products, at 128 in the warp-specialized
-  // kernel), else the general one.
-  if (p.dtype != DType::kFloat64 && !p.has_features() && e_max <= 128) {
-    const int dim = e_max <= 64 ? 64 : 128;
+  // kernel; fp16 / bf16 at 128 only: the general kernel measured faster at 64), else the general one.
+  const int dim = e_max <= 64 ? 64 : 128;
+  if (p.dtype != DType::kFloat64 && !p.has_features() && e_max <= 128 &&
+      (p.dtype == DType::kFloat32 || dim == 128)) {
     if (p.dtype == DType::kFloat32 && lim.tensor_cores() && dev.major >= 8) {
       if (dim == 128 && simt::WsTraits<128>::kSmemBytes <= lim.smem) {
         plan.kernel = FwdKernel::kSimtWs;

@@ -235,7 +235,8 @@ bool launch_fwd_qres(const FwdParams& p, cudaStream_t stream) {
 // where ptxas allocates the FMA variant differently), with 128-key tiles where 209 KB of smem fit
 // (sm_90, sm_100: +4-10% over 64-key tiles on the H200: twice the FMAs per K load, half the
 // barriers and row reductions per key), else 64-key ones (124 KB: sm_80); fp16/bf16 (here only
-// for calls the tensor-core kernels decline) the FMA one.
+// for calls the tensor-core kernels decline) the FMA one at dim 128. (At dim 64 fp16 / bf16 take the
+// general kernel, fwd_simt.cuh: 1.09-1.16x this one's speed on the H100, E = 36.)
 template <class T, int kDim>
 bool fwd_qres(const FwdParams& p, FwdKernel kernel, int tf32_keys, cudaStream_t stream) {
   if constexpr (std::is_same_v<T, float>) {
