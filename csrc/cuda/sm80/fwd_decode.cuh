@@ -37,8 +37,10 @@
 
 namespace flashattn::cuda::sm80 {
 
-// The grid: blocks (walk, part), walk = (batch, kv head, chunk) with the chunk fastest, then the
-// parts of each walk; `partial` (a slot per block) and `counters` (one per walk) where parts > 1.
+// The grid: blocks (batch, kv head, part, chunk) with the chunk fastest, so that the chunks of a GQA
+// group's part, which read the same K / V tiles, run side by side and share them through L2; a walk is
+// (batch, kv head, chunk). `partial` (a slot per walk and part) and `counters` (one per walk) where
+// parts > 1.
 struct DecodeGrid {
   int chunks = 1, parts = 1;
   float* partial = nullptr;
@@ -63,10 +65,10 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads)
   Elem* sK = sQ + kRows * kLd;          // [kStages] tiles
   Elem* sV = sK + kStages * kBN * kLd;  // [kStages] tiles
 
-  const int part = int(blockIdx.x % unsigned(grid.parts));
-  const int64_t walk = blockIdx.x / unsigned(grid.parts);
-  const int chunk = int(walk % grid.chunks);
-  const int64_t hk = (walk / grid.chunks) % p.heads_kv, b = walk / grid.chunks / p.heads_kv;
+  const int chunk = int(blockIdx.x % unsigned(grid.chunks));
+  const int part = int(blockIdx.x / unsigned(grid.chunks) % unsigned(grid.parts));
+  const int64_t head = blockIdx.x / unsigned(grid.chunks) / unsigned(grid.parts);  // batch x kv head
+  const int64_t hk = head % p.heads_kv, b = head / p.heads_kv, walk = head * grid.chunks + chunk;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
   const int E = int(p.head_dim), Ev = int(p.head_dim_v);
 
@@ -192,7 +194,7 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads)
     // part order (its own read back too), whichever part that is.
     auto slot = [&](int64_t i) { return grid.partial + i * int64_t(Cfg::kSlotFloats); };
     // (Only the chunk's rows: a decode step of a GQA group of 4 fills 4 of the 16.)
-    float* mine = slot(blockIdx.x);
+    float* mine = slot(walk * grid.parts + part);
     if (row < rows) {
 #pragma unroll
       for (int c = 0; c < kCols; ++c) __stcg(reinterpret_cast<float4*>(mine + row * kDim + col0 + 32 * c), acc[c]);
