@@ -92,9 +92,9 @@ CASES = [  # (dtype, batch, heads_q, heads_kv, len_q, len_k, head_dim, head_dim_
     (torch.float16, 1, 70, 10, 390, 1030, 64, 64, 0, "float"),
     # Any other bias ("rows-<dtype>-<form>": the form's batch / heads broadcast, 1 where broadcast; BH1 without
     # query rows) on the Hopper kernels' row forms (the forward's bias tiles by TMA at dims 128 and 256, one Q
-    # buffer released early; the backward's register loads at 128 and 256): ragged query and key tiles, rows
-    # whose keys are all masked (5 and 6), GQA, both causal alignments, broadcast heads or batch, bools at 64
-    # keys a tile (dim 256: 64-byte swizzled boxes), persistent items at 128 and 256; float32 and a bias
+    # buffer released early, and at 64; the backward's register loads at 128 and 256): ragged query and key
+    # tiles, rows whose keys are all masked (5 and 6), GQA, both causal alignments, broadcast heads or batch,
+    # bools at 64 keys a tile (dim 256: 64-byte swizzled boxes), persistent items at 128 and 256; float32 and a bias
     # without query rows (the forward on sm80/, the backward's row form).
     (torch.bfloat16, 2, 4, 2, 200, 330, 128, 128, 2, "rows-bool-1H"),
     (torch.float16, 1, 2, 1, 150, 334, 256, 256, 0, "rows-float-BH"),
@@ -103,6 +103,9 @@ CASES = [  # (dtype, batch, heads_q, heads_kv, len_q, len_k, head_dim, head_dim_
     (torch.float16, 1, 140, 20, 300, 200, 256, 256, 0, "rows-bool-11"),
     (torch.bfloat16, 2, 2, 2, 130, 333, 128, 128, 0, "rows-float32-BH"),
     (torch.float16, 1, 4, 2, 200, 300, 128, 128, 2, "rows-bool-BH1"),
+    # ... at dim 64 (two Q buffers, an item's last P V issued with the next item's first S): persistent items.
+    (torch.bfloat16, 1, 4, 2, 130, 333, 64, 64, 1, "rows-bool-B1"),
+    (torch.float16, 1, 140, 20, 300, 200, 64, 64, 0, "rows-float-BH"),
 ]
 
 

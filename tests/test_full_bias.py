@@ -40,11 +40,11 @@ def _bias(form, kind, batch, heads, len_q, len_k, dtype, device, row_pad):
 
 
 def _hopper_forward_takes(dim, m):
-    """The plan's rule for the Hopper forward's bias rows (FwdParams::tma_row_bias, kFwdRowBiasTier): dims 128 and
-    256, bool or 16-bit values, a row dimension of its own, keys contiguous, base and strides 16-byte aligned."""
+    """The plan's rule for the Hopper forward's bias rows (FwdParams::tma_row_bias, kFwdRowBiasTier): dims 64, 128
+    and 256, bool or 16-bit values, a row dimension of its own, keys contiguous, base and strides 16-byte aligned."""
     size = m.element_size()
     strides = [s for s, n in zip(m.stride()[:3], m.shape[:3]) if n > 1]
-    return (dim in (128, 256) and size <= 2 and m.shape[2] > 1 and m.stride(3) == 1 and m.data_ptr() % 16 == 0
+    return (dim in (64, 128, 256) and size <= 2 and m.shape[2] > 1 and m.stride(3) == 1 and m.data_ptr() % 16 == 0
             and all(s * size % 16 == 0 for s in strides))
 
 

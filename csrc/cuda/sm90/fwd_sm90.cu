@@ -1,5 +1,5 @@
 // The Hopper forward (wgmma, warp-specialized): fp16 and bf16 at head dims 64, 96, 128 and 256, plain or with
-// a key-vector bias, with bias rows at 128 and 256 (float8 e4m3 at 128, plain), its launcher as the kernel
+// a key-vector bias, with bias rows at 64, 128 and 256 (float8 e4m3 at 128, plain), its launcher as the kernel
 // plan (../plan.cpp) chose, and the plan's question whether it can take a call (whose maps the launch passes).
 #include "fwd_ws_sm90.cuh"
 #include "launch.h"

@@ -1,6 +1,6 @@
 // Warp-specialized forward on wgmma (sm_90a): plain fp16 / bf16 calls at head dims 64, 96, 128 and 256,
 // those with a key-vector bias (FwdWsConfig::kKeyBias: a second producer warp stages its values per key tile,
-// key_bias.cuh), those with bias rows at 128 and 256 (FwdWsConfig::kRowBias: a thread of a second producer
+// key_bias.cuh), those with bias rows at 64, 128 and 256 (FwdWsConfig::kRowBias: a thread of a second producer
 // warp copies each key tile's bias tile with TMA), and float8 (e4m3) calls at 128. A block of a producer
 // warpgroup and 64-row consumer warpgroups (three at dim 64, else two).
 // In the producer one thread copies Q, K and V tiles into smem (TMA, each copy completing an

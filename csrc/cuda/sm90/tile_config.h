@@ -19,10 +19,10 @@ constexpr bool kFwdFp8Tier = sizeof(Elem) == 1 && kDim == 128;
 // loaded into registers per query tile).
 enum class BiasForm : int { kNone, kKeyVector, kRows };
 
-// Where the row form runs (the dims where it measured faster than the sm80/ kernels, or, in the forward,
-// where one Q buffer leaves room for two stages of bias tiles); other dims send such a bias to sm80/.
+// Where the row form runs (the dims where it measured faster than the sm80/ kernels; the forward's two
+// stages of bias tiles fit beside two consumers' tiles); other dims send such a bias to sm80/.
 template <class Elem, int kDim, int kConsumers = 2>
-constexpr bool kFwdRowBiasTier = sizeof(Elem) == 2 && kConsumers == 2 && (kDim == 128 || kDim == 256);
+constexpr bool kFwdRowBiasTier = sizeof(Elem) == 2 && kConsumers == 2 && (kDim == 64 || kDim == 128 || kDim == 256);
 template <int kDim>
 constexpr bool kBwdRowBiasTier = kDim == 128 || kDim == 256;
 
@@ -43,8 +43,8 @@ struct FwdWsConfig {
   static constexpr int kBM = 64 * kConsumers, kBN = kDim == 256 ? 64 : kConsumers == 3 ? 96 : 128, kStages = 2;
   // Bias rows (BiasForm::kRows): one Q buffer at 128 too, so that two stages of bias tiles fit.
   static constexpr bool kRowBias = kBiasT == BiasForm::kRows;
-  static_assert(!kRowBias || kFwdRowBiasTier<Elem, kDim, kConsumersT>, "the row form runs at dims 128 and 256");
-  static constexpr int kQBuffers = kDim == 256 || kRowBias ? 1 : 2;
+  static_assert(!kRowBias || kFwdRowBiasTier<Elem, kDim, kConsumersT>, "the row form runs at dims 64, 128, 256");
+  static constexpr int kQBuffers = kDim == 256 || (kRowBias && kDim == 128) ? 1 : 2;
   // One Q buffer: the consumers release it once the item's last S is done and write the output from
   // their registers (no staging through Q), so the next item's Q and first K tile load under this item's
   // last P V and its stores instead of after them (the gap that each item otherwise waits out).
@@ -77,7 +77,8 @@ struct FwdWsConfig {
   // The Q buffers, the K and V stages, (float8) the output's staging, the mbarriers (K / V full and empty
   // per stage, Q empty per buffer), (key-vector bias) its ring, and room to align to 1024: 97 KB at dim 64
   // (three consumers: 97 KB), 193 KB at 128 and 256, 129 KB for float8; the bias ring adds 1.1 KB (dim
-  // 256) to 2.1 KB; bias rows: 161 KB of Q and K / V and 64 KB of bias tiles at 128 and 256, 225 KB in all.
+  // 256) to 2.1 KB; bias rows: 161 KB of Q and K / V and 64 KB of bias tiles at 128 and 256, 225 KB in all
+  // (at 64: 97 KB and 64 KB).
   static constexpr size_t kSmemBytes =
       (kKeyBias ? kBiasBarOffset + 2 * kBiasStages * 8 : kBarOffset + kBarBytes) + 1024;
   // Registers per thread after the hand-over (128 x producer + 128 x kConsumers x consumer <= 65536, the
