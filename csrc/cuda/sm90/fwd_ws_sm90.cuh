@@ -312,6 +312,57 @@ __device__ __forceinline__ void fwd_ws_idle_turns(int c0, int n_tiles, const Fwd
   }
 }
 
+// A consumer's online softmax of an item's key tile i (its scores in s; the lane's rows g and g + 8 of the
+// warp's 16 from wrow in the item's tile): with a key-vector bias plus the values of the bias ring's stage of
+// the block's key tile `count`, with bias rows plus its half of that key tile's bias tile (both taken and
+// released in the block's key-tile order).
+template <class Cfg, class Elem, class Rows, class Item>
+__device__ __forceinline__ void fwd_ws_softmax(Rows& w, typename Rows::Scores& s, const Item& tile, int i,
+                                               const FwdParams& p, const FwdKeyBiasRing<Cfg>& bias_ring,
+                                               const FwdRowBiasRing<Cfg>& row_ring, int& count, int cwg, int wrow,
+                                               int warp, int g, int t, float score_scale, float (&alpha)[2]) {
+  if constexpr (Cfg::kKeyBias) {
+    bias_ring.wait(count);
+    w.softmax(s, tile, tile.m0 + wrow + g, tile.n_begin + decltype(tile.n_begin)(i) * Cfg::kBN, t, score_scale, alpha,
+              KeyTileTerms{bias_ring.at(count)});
+    bias_ring.release(count++);
+  } else if constexpr (Cfg::kRowBias) {
+    row_ring.wait(count, cwg);
+    w.softmax(s, tile, tile.m0 + wrow + g, tile.n_begin + decltype(tile.n_begin)(i) * Cfg::kBN, t, score_scale, alpha,
+              RowTileTerms<Elem>{row_ring.half(count, cwg), warp * 16 + g, p.bias_kind == BiasKind::kBool});
+    row_ring.release(count++, cwg);
+  } else {
+    w.softmax(s, tile, tile.m0 + wrow + g, tile.n_begin + decltype(tile.n_begin)(i) * Cfg::kBN, t, score_scale, alpha);
+  }
+}
+
+// A consumer's output of an item, its rows of the item's Q buffer then released (only this warpgroup's
+// products read them; one with no rows in the item stores none): float8 staged in a buffer of its own; with
+// the early Q release from the registers (the buffer released after the item's last S, here only where the
+// item has no key tile); else staged through those rows of the Q buffer.
+template <class Cfg, class Rows, class Item>
+__device__ __forceinline__ void fwd_ws_store(Rows& w, const FwdParams& p, const Item& tile, unsigned item,
+                                             unsigned char* tiles, uint64_t* q_empty, int cwg, int wrow, int lane,
+                                             float out_scale) {
+  constexpr int kQBuffers = Cfg::kQBuffers;
+  if constexpr (Cfg::kFp8) {
+    __syncwarp();  // the warp's reads of the previous item's staged rows before these writes
+    w.store(tiles + Cfg::kOutStageOffset, p, Rows::dest(p, tile), wrow, lane, out_scale);
+  } else if constexpr (Cfg::kEarlyQRelease) {
+    static_assert(Cfg::kConsumers == 2, "every consumer has rows in each item");
+    w.store_direct(p, Rows::dest(p, tile), wrow, lane);
+    if (tile.n_tiles == 0) mbar_arrive(q_empty + item % kQBuffers);
+    // (a compiler barrier: without it the stores sink into the next item's key loop and take its
+    // registers, 4.5 KB of spills)
+    asm volatile("" ::: "memory");
+    return;
+  } else if (Cfg::kConsumers == 2 || cwg * 64 < tile.rows) {
+    w.store(tiles + (item % kQBuffers) * Cfg::kQBytes, p, Rows::dest(p, tile), wrow, lane);
+  }
+  fence_proxy_async();  // the staging's smem writes before the producer's next TMA copy there
+  mbar_arrive(q_empty + item % kQBuffers);
+}
+
 // The maps a kernel of configuration Cfg takes: the panels, and the bias tiles' map with bias rows.
 template <class Cfg>
 using FwdKernelMaps = std::conditional_t<Cfg::kRowBias, FwdMaps, FwdPanelMaps>;
@@ -417,39 +468,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // releases its tiles in fwd_ws_idle_turns).
   int bias_count = 0;
   auto softmax = [&](typename Rows::Scores& s, const Item& tile, int i) {
-    if constexpr (Cfg::kKeyBias) {
-      bias_ring.wait(bias_count);
-      w.softmax(s, tile, tile.m0 + wrow + g, tile.n_begin + decltype(tile.n_begin)(i) * kBN, t, score_scale, alpha,
-                KeyTileTerms{bias_ring.at(bias_count)});
-      bias_ring.release(bias_count++);
-    } else if constexpr (Cfg::kRowBias) {
-      row_ring.wait(bias_count, cwg);
-      w.softmax(s, tile, tile.m0 + wrow + g, tile.n_begin + decltype(tile.n_begin)(i) * kBN, t, score_scale, alpha,
-                RowTileTerms<Elem>{row_ring.half(bias_count, cwg), warp * 16 + g, p.bias_kind == BiasKind::kBool});
-      row_ring.release(bias_count++, cwg);
-    } else {
-      w.softmax(s, tile, tile.m0 + wrow + g, tile.n_begin + decltype(tile.n_begin)(i) * kBN, t,
-                Cfg::kFp8 ? item_score_scale : score_scale, alpha);
-    }
+    fwd_ws_softmax<Cfg, Elem>(w, s, tile, i, p, bias_ring, row_ring, bias_count, cwg, wrow, warp, g, t,
+                              Cfg::kFp8 ? item_score_scale : score_scale, alpha);
   };
   auto store = [&](const Item& tile, unsigned item) {
-    // (only this warpgroup's products read its rows of the Q tile; one with no rows in the item stores none)
-    if constexpr (Cfg::kFp8) {
-      __syncwarp();  // the warp's reads of the previous item's staged rows before these writes
-      w.store(tiles + Cfg::kOutStageOffset, p, Rows::dest(p, tile), wrow, lane, item_out_scale);
-    } else if constexpr (Cfg::kEarlyQRelease) {
-      static_assert(kConsumers == 2, "every consumer has rows in each item");
-      w.store_direct(p, Rows::dest(p, tile), wrow, lane);
-      if (tile.n_tiles == 0) mbar_arrive(q_empty + item % kQBuffers);  // (else released after the last S)
-      // (a compiler barrier: without it the stores sink into the next item's key loop and take its
-      // registers, 4.5 KB of spills)
-      asm volatile("" ::: "memory");
-      return;
-    } else if (kConsumers == 2 || cwg * 64 < tile.rows) {
-      w.store(sQ(item % kQBuffers), p, Rows::dest(p, tile), wrow, lane);
-    }
-    fence_proxy_async();  // the staging's smem writes before the producer's next TMA copy there
-    mbar_arrive(q_empty + item % kQBuffers);
+    fwd_ws_store<Cfg>(w, p, tile, item, tiles, q_empty, cwg, wrow, lane, item_out_scale);
   };
 
   // (item declared before c: in the other order the compiler numbers the loop's values otherwise and
