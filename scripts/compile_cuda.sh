@@ -24,7 +24,7 @@ compile_one() {
     -D__CUDA_NO_HALF_CONVERSIONS__ -D__CUDA_NO_BFLOAT16_CONVERSIONS__ -D__CUDA_NO_HALF2_OPERATORS__ $GENCODE \
     -c "$1" -o "$OBJDIR/$(echo "$1" | tr / _).o" 2>&1)
   rc=$?
-  if [ "${DEVICE_OPT:-3}" = 1 ]; then log=$(printf '%s\n' "$log" | grep -v "^ptxas info *: (C75[0-9][0-9])"); fi
+  if [ -n "$opt" ]; then log=$(printf '%s\n' "$log" | grep -v "^ptxas info *: (C75[0-9][0-9])"); fi
   [ -z "$log" ] || printf '%s\n' "$1:" "$log"
   return $rc
 }

@@ -286,8 +286,7 @@ FwdPlan choose_fwd_in_place(const FwdParams& p, const DeviceInfo& dev, const Ove
   // shared memory fits (fp32 on sm_80+: P V as three TF32 products, at 128 in the warp-specialized
   // kernel; fp16 / bf16 at 128 only: the general kernel measured faster at 64), else the general one.
   const int dim = e_max <= 64 ? 64 : 128;
-  if (p.dtype != DType::kFloat64 && !p.has_features() && e_max <= 128 &&
-      (p.dtype == DType::kFloat32 || dim == 128)) {
+  if (!p.has_features() && e_max <= 128 && (p.dtype == DType::kFloat32 || (is_half(p.dtype) && dim == 128))) {
     if (p.dtype == DType::kFloat32 && lim.tensor_cores() && dev.major >= 8) {
       if (dim == 128 && simt::WsTraits<128>::kSmemBytes <= lim.smem) {
         plan.kernel = FwdKernel::kSimtWs;

@@ -315,7 +315,8 @@ __device__ __forceinline__ void fwd_ws_idle_turns(int c0, int n_tiles, const Fwd
 // A consumer's online softmax of an item's key tile i (its scores in s; the lane's rows g and g + 8 of the
 // warp's 16 from wrow in the item's tile): with a key-vector bias plus the values of the bias ring's stage of
 // the block's key tile `count`, with bias rows plus its half of that key tile's bias tile (both taken and
-// released in the block's key-tile order).
+// released in the block's key-tile order). (The row and key arguments are written out in each call: taken
+// into locals they changed ptxas's allocation of the kernels.)
 template <class Cfg, class Elem, class Rows, class Item>
 __device__ __forceinline__ void fwd_ws_softmax(Rows& w, typename Rows::Scores& s, const Item& tile, int i,
                                                const FwdParams& p, const FwdKeyBiasRing<Cfg>& bias_ring,
