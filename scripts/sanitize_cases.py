@@ -39,8 +39,8 @@ CASES = [  # (dtype, batch, heads_q, heads_kv, len_q, len_k, head_dim, head_dim_
     (torch.float16, 1, 2, 2, 17, 5000, 64, 48, 2),
     (torch.float64, 1, 2, 2, 50, 70, 128, 128, 0),  # warp pairs (fp64 dim 128)
     # The decode kernel (sm80 fwd_decode.cuh): a GQA decode step in parts over 5000 keys; 3 rows of
-    # 20 heads in 4 chunks that span heads, E_v below the tier's dim; top-left rows at dim 256; the
-    # padded tiles at dims 96 and 192.
+    # 20 heads in 2 chunks that span heads (warp pairs), E_v below the tier's dim; top-left rows at dim 256;
+    # the padded tiles at dims 96 and 192 (an MQA step in warp pairs: the last case).
     (torch.bfloat16, 1, 8, 2, 1, 5000, 128, 128, 0),
     (torch.float16, 1, 20, 1, 3, 1500, 64, 48, 2),
     (torch.bfloat16, 1, 4, 4, 5, 3000, 256, 256, 1),
@@ -106,6 +106,9 @@ CASES = [  # (dtype, batch, heads_q, heads_kv, len_q, len_k, head_dim, head_dim_
     # ... at dim 64 (two Q buffers, an item's last P V issued with the next item's first S): persistent items.
     (torch.bfloat16, 1, 4, 2, 130, 333, 64, 64, 1, "rows-bool-B1"),
     (torch.float16, 1, 140, 20, 300, 200, 64, 64, 0, "rows-float-BH"),
+    # (the decode kernel's warp pairs: an MQA step of 56 query heads, 24 rows of a second chunk, enough key
+    # tiles for 32-row chunks: 4 x 4 walks of 16 rows x 938 tiles, over 96 per SM up to 156 SMs; forward only)
+    (torch.bfloat16, 4, 56, 1, 1, 60000, 128, 128, 0, "forward"),
 ]
 
 
@@ -158,11 +161,16 @@ for dtype, b, hq, hk, lq, lk, e, ev, causal, *mask in CASES[slice(*bounds) if bo
     q = torch.randn(b, hq, lq, e, device="cuda", dtype=dtype)
     k = torch.randn(b, hk, lk, e, device="cuda", dtype=dtype)
     v = torch.randn(b, hk, lk, ev, device="cuda", dtype=dtype)
-    if mask and mask[0].startswith("rows"):
+    forward_only = mask == ["forward"]
+    if forward_only or not mask:
+        bias = None
+    elif mask[0].startswith("rows"):
         bias = row_bias(mask[0], b, hq, lq, lk, dtype)
     else:
-        bias = key_mask(mask[0], b, lq, lk, dtype) if mask else None
+        bias = key_mask(mask[0], b, lq, lk, dtype)
     out, lse = torch.ops.flashattn.fwd(q, k, v, e ** -0.5, causal, attn_bias=bias)
+    if forward_only:
+        continue
     dout = torch.randn_like(out)
     for deterministic in (False, True):
         torch.ops.flashattn.bwd(dout, q, k, v, out, lse, None, e ** -0.5, causal, deterministic, attn_bias=bias)

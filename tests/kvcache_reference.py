@@ -86,8 +86,8 @@ def kvcache_ref(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin
         s = (qb.transpose(0, 1) @ kx.transpose(1, 2)) * scale  # (H, Lq, C)
         if softcap:
             s = softcap * torch.tanh(s / softcap)
-        i = torch.arange(len_q)[:, None] + end - len_q  # the key each query row sits at
-        j = torch.arange(keys.shape[0])[None, :]
+        i = torch.arange(len_q, device=q.device)[:, None] + end - len_q  # the key each query row sits at
+        j = torch.arange(keys.shape[0], device=q.device)[None, :]
         if alibi is not None:
             slopes = (alibi[b] if alibi.dim() == 2 else alibi).to(s.dtype)
             s = s - slopes[:, None, None] * (i - j).abs().to(s.dtype)

@@ -430,3 +430,32 @@ def test_strided_cache_seqlens(device):
                                                         "v_cache": ours["v_cache"].clone()})
         got = flashattn_ext.flash_attn_with_kvcache(**{**ours, "cache_seqlens": strided})
         assert torch.equal(got, want)
+
+
+@needs_cuda
+@pytest.mark.parametrize("paged", [False, True])
+def test_cuda_decode_warp_pairs(paged):
+    """An MQA decode step large enough for the decode kernel's 32-row chunks (its warps in pairs): 56 query
+    heads in chunks of 32 and 24 rows, 10 sequences of up to 32k keys (10 x 4 walks of 16 rows x 512 tiles is
+    over 96 tiles per SM on GPUs of up to 213 SMs), ragged lengths, a sequence shorter than one part; the
+    float64 reference on the GPU."""
+    batch, heads, dim, cache, page = 10, 56, 128, 32768, 256
+    make = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+    seqlens = [cache, 3, 20000, cache - 1, 777, cache, 12345, 1, cache, 30000]
+    ours = dict(q=make(batch, 1, heads, dim), cache_seqlens=torch.tensor(seqlens, dtype=torch.int32, device="cuda"))
+    ref = dict(seqlens=seqlens)
+    if paged:
+        pages = cache // page
+        table = torch.randperm(batch * pages, device="cuda").view(batch, pages).to(torch.int32)
+        ours["block_table"], ref["block_table"] = table, table.tolist()
+        shape = (batch * pages, page, 1, dim)
+    else:
+        shape = (batch, cache, 1, dim)
+    ours["k_cache"], ours["v_cache"] = make(*shape), make(*shape)
+    out, lse = flashattn_ext.flash_attn_with_kvcache(**ours, return_softmax_lse=True)
+    args = dict(q=ours["q"], k_cache=ours["k_cache"], v_cache=ours["v_cache"], **ref)
+    expected = kvcache_ref(**{n: t.double() if isinstance(t, torch.Tensor) else t for n, t in args.items()})
+    same = kvcache_ref(**args)
+    for name, g, r, s in zip(("out", "lse"), (out, lse), expected, same):
+        assert_accurate(name, g.cpu(), r.cpu(), s.cpu(),
+                        REL_ATOL[lse_dtype(torch.bfloat16) if name == "lse" else torch.bfloat16])

@@ -3,10 +3,11 @@
 //
 // The plain forward gives each query head its own block of 128 query rows (dims <= 128): one
 // decode row leaves 127 of them computed for nothing and re-reads K / V once per query head of a
-// group. Here a block takes a 16-row chunk of a kv head's "packed" rows (its group's query heads
+// group. Here a block takes a 32-row chunk of a kv head's "packed" rows (its group's query heads
 // x the call's query rows, row r: head hk * group + r / len_q, row r % len_q), so that K and V
-// are read once per chunk, and its 4 warps take 16 keys each of every 64-key tile: each warp
-// runs the online softmax over its own keys, and at the end the warps' rows merge through smem.
+// are read once per chunk. With at most 16 rows its 4 warps take 16 keys each of every 64-key tile;
+// with more, warps 2 i and 2 i + 1 take rows 16 i .. 16 i + 15, over 32 keys each (two slots of 16).
+// Each warp runs the online softmax over its own keys, and at the end the warps' rows merge through smem.
 // K / V tiles stream through kStages buffers (cp.async). A grid smaller than the GPU cuts each
 // walk over the keys into parts, a block each; a part stores its merged rows (fp32) in the
 // workspace, and the walk's last part to finish (a counter per walk) adds every part in part
@@ -42,7 +43,7 @@ namespace flashattn::cuda::sm80 {
 // (batch, kv head, chunk). `partial` (a slot per walk and part) and `counters` (one per walk) where
 // parts > 1.
 struct DecodeGrid {
-  int chunks = 1, parts = 1;
+  int chunks = 1, parts = 1, chunk_rows = kDecodeChunkRows;  // chunk_rows: 16 or 32 (decode_chunk_rows)
   float* partial = nullptr;
   unsigned* counters = nullptr;
 };
@@ -74,8 +75,11 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads)
 
   const Seq sq = sequence(p, b);
   const int64_t group = p.heads_q / p.heads_kv;
-  const int64_t r0 = int64_t(chunk) * kRows;  // the chunk's first packed row
-  const int rows = int(group * sq.len_q - r0 < kRows ? group * sq.len_q - r0 : kRows);
+  const int64_t r0 = int64_t(chunk) * grid.chunk_rows;  // the chunk's first packed row
+  const int rows = int(group * sq.len_q - r0 < grid.chunk_rows ? group * sq.len_q - r0 : grid.chunk_rows);
+  // More than one row group: the warps in pairs, a pair's warps on its group's rows over two slots each.
+  const bool pairs = rows > Cfg::kWarpRows;
+  const int row_group = pairs ? warp >> 1 : 0, key_slot = pairs ? 2 * (warp & 1) : warp;
   auto head_of = [&](int64_t r) { return hk * group + r / sq.len_q; };
   auto row_of = [&](int64_t r) { return r % sq.len_q; };
 
@@ -118,13 +122,13 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads)
     cp_async_commit();
   }
 
-  const DecodeOperandReads<Cfg, Elem> read(sQ, sK, sV, warp, lane);
+  const DecodeOperandReads<Cfg, Elem> read(sQ, sK, sV, row_group, key_slot, lane);
 
-  // The lane's rows g and g + 8: their bands (none past the chunk's rows).
+  // The lane's rows g and g + 8 of the warp's group: their bands (none past the chunk's rows).
   int64_t lo[2], hi[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const int row = g + 8 * r;
+    const int row = 16 * row_group + g + 8 * r;
     lo[r] = row < rows ? sq.key_begin(row_of(r0 + row)) : 0;
     hi[r] = row < rows ? sq.key_end(row_of(r0 + row)) : 0;
   }
@@ -145,12 +149,16 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads)
     }
     const int64_t n0 = n_begin + int64_t(j) * kBN;
 
-    // S = Q K^T for the warp's 16 keys; the online softmax over them; O rescaled, then O += P V.
-    float s[2][4] = {};
-    warp_scores<kDim>(s, read, stage, n0, all_visible, lo, hi, score_scale, warp, t);
-    float alpha[2];
-    warp_softmax(s, row_max, row_sum, alpha);
-    warp_pv(o, s, alpha, read, stage);
+    // S = Q K^T for the warp's 16 keys of a slot; the online softmax over them; O rescaled, then O += P V.
+    auto keys_of_slot = [&](int next) {
+      float s[2][4] = {};
+      warp_scores<kDim>(s, read, stage, next, n0, all_visible, lo, hi, score_scale, t);
+      float alpha[2];
+      warp_softmax(s, row_max, row_sum, alpha);
+      warp_pv(o, s, alpha, read, stage, next);
+    };
+    keys_of_slot(0);
+    if (pairs) keys_of_slot(1);
     stage = stage == kStages - 1 ? 0 : stage + 1;
   }
   cp_async_wait<0>();
@@ -158,15 +166,23 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads)
 
   // The warps' rows into smem (reusing the K / V buffers).
   float* sO = reinterpret_cast<float*>(sK);
-  float* sStats = sO + Cfg::kWarps * kRows * Cfg::kOLd;
+  constexpr int kWarpRows = Cfg::kWarpRows;
+  float* sStats = sO + Cfg::kWarps * kWarpRows * Cfg::kOLd;
   stash_warp_rows<Cfg>(sO, sStats, o, row_max, row_sum, warp, g, t);
   __syncthreads();
 
-  // A thread's share of the block's rows: row tid / 8, columns 4 (tid % 8) + 32 c.
+  // A thread's share of a row group's 16 rows: row tid / 8 of the group, columns 4 (tid % 8) + 32 c. The row
+  // groups in turn (two where the warps pair up), each from its warps (its pair, or all four).
   constexpr int kCols = kDim / 32;
-  const int row = tid / 8, col0 = 4 * (tid % 8);
-  float mx = neg_inf<float>(), l = 0.f;
+  const int groups = pairs ? 2 : 1, col0 = 4 * (tid % 8);
+  float mx, l;
   float4 acc[kCols];
+  auto reset = [&] {
+    mx = neg_inf<float>();
+    l = 0.f;
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) acc[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+  };
   // Adds rows of max m_i, sum l_i and O o_i (read by `load`) in turn, rescaled to the running max.
   auto add_rows = [&](float m_i, float l_i, auto load) {
     const float new_max = acc_max(mx, m_i), base = exp_base(new_max);
@@ -180,22 +196,49 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads)
                            acc[c].w * a + x.w * f);
     }
   };
+  auto merge_warps = [&](int group_i) {  // the thread's row of row group group_i, from its warps
+    reset();
+    const int first = pairs ? 2 * group_i : 0, last = pairs ? first + 2 : Cfg::kWarps, r = tid / 8;
+    for (int w = first; w < last; ++w) {
+      const float* src = sO + (w * kWarpRows + r) * Cfg::kOLd + col0;
+      add_rows(sStats[(2 * w) * kWarpRows + r], sStats[(2 * w + 1) * kWarpRows + r],
+               [&](int c) { return *reinterpret_cast<const float4*>(src + 32 * c); });
+    }
+  };
+  // The output of chunk row `row`: O / l (0 and LSE -inf for a row that sees no key; a NaN sum, an invalid
+  // sequence's too, propagates).
+  auto store_row = [&](int row) {
+    l = sq.row_sum(l);
+    const int64_t h = head_of(r0 + row), m = row_of(r0 + row);
+    const bool empty = l == 0.f;
+    const float inv = empty ? 0.f : 1.f / l;
+    Elem* out = sq.q_rows<Elem>(p.out, p.out_stride, h, m);
 #pragma unroll
-  for (int c = 0; c < kCols; ++c) acc[c] = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-  for (int w = 0; w < Cfg::kWarps; ++w) {
-    const float* src = sO + (w * kRows + row) * Cfg::kOLd + col0;
-    add_rows(sStats[(2 * w) * kRows + row], sStats[(2 * w + 1) * kRows + row],
-             [&](int c) { return *reinterpret_cast<const float4*>(src + 32 * c); });
-  }
+    for (int c = 0; c < kCols; ++c) {
+      const int col = col0 + 32 * c;  // Ev is a multiple of 8: a chunk of 4 is in or out whole
+      if (col < Ev)
+        *reinterpret_cast<uint2*>(out + col) =
+            make_uint2(M::pack(acc[c].x * inv, acc[c].y * inv), M::pack(acc[c].z * inv, acc[c].w * inv));
+    }
+    if (tid % 8 == 0)
+      static_cast<float*>(p.lse)[sq.row_index(p.heads_q, h, m)] = empty ? neg_inf<float>() : Exp::lse(mx, l);
+  };
 
-  if (grid.parts > 1) {
-    // A part: its rows to its slot; the walk's last part to finish adds every part's rows in
-    // part order (its own read back too), whichever part that is.
-    auto slot = [&](int64_t i) { return grid.partial + i * int64_t(Cfg::kSlotFloats); };
-    // (Only the chunk's rows: a decode step of a GQA group of 4 fills 4 of the 16.)
-    float* mine = slot(walk * grid.parts + part);
-    if (row < rows) {
+  if (grid.parts == 1) {
+    for (int i = 0; i < groups; ++i) {
+      merge_warps(i);
+      if (16 * i + tid / 8 < rows) store_row(16 * i + tid / 8);
+    }
+    return;
+  }
+  // A part: its rows to its slot; the walk's last part to finish adds every part's rows in part order (its own
+  // read back too), whichever part that is.
+  auto slot = [&](int64_t i) { return grid.partial + i * int64_t(Cfg::kSlotFloats); };
+  float* mine = slot(walk * grid.parts + part);
+  for (int i = 0; i < groups; ++i) {
+    merge_warps(i);
+    const int row = 16 * i + tid / 8;
+    if (row < rows) {  // (only the chunk's rows: a decode step of a GQA group of 4 fills 4 of the 32)
 #pragma unroll
       for (int c = 0; c < kCols; ++c) __stcg(reinterpret_cast<float4*>(mine + row * kDim + col0 + 32 * c), acc[c]);
       if (tid % 8 == 0) {
@@ -203,40 +246,25 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads)
         __stcg(mine + kRows * kDim + kRows + row, l);
       }
     }
-    __threadfence();  // this thread's rows reach L2 before the count that publishes them
-    __syncthreads();
-    bool merge = false;
-    if (tid == 0) merge = atomicAdd(grid.counters + walk, 1u) == unsigned(grid.parts - 1);
-    if (!__syncthreads_or(merge) || row >= rows) return;
-    __threadfence();  // the other parts' rows, published before their counts, are seen
-    mx = neg_inf<float>();
-    l = 0.f;
-#pragma unroll
-    for (int c = 0; c < kCols; ++c) acc[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  __threadfence();  // this thread's rows reach L2 before the count that publishes them
+  __syncthreads();
+  bool merge = false;
+  if (tid == 0) merge = atomicAdd(grid.counters + walk, 1u) == unsigned(grid.parts - 1);
+  if (!__syncthreads_or(merge)) return;
+  __threadfence();  // the other parts' rows, published before their counts, are seen
+  for (int i = 0; i < groups; ++i) {
+    const int row = 16 * i + tid / 8;
+    if (row >= rows) return;
+    reset();
 #pragma unroll 4
-    for (int i = 0; i < grid.parts; ++i) {
-      const float* src = slot(walk * grid.parts + i);
+    for (int j = 0; j < grid.parts; ++j) {
+      const float* src = slot(walk * grid.parts + j);
       add_rows(__ldcg(src + kRows * kDim + row), __ldcg(src + kRows * kDim + kRows + row),
                [&](int c) { return __ldcg(reinterpret_cast<const float4*>(src + row * kDim + col0 + 32 * c)); });
     }
+    store_row(row);
   }
-
-  // The output: O / l (0 and LSE -inf for a row that sees no key; a NaN sum, an invalid
-  // sequence's too, propagates).
-  if (row >= rows) return;
-  l = sq.row_sum(l);
-  const int64_t h = head_of(r0 + row), m = row_of(r0 + row);
-  const bool empty = l == 0.f;
-  const float inv = empty ? 0.f : 1.f / l;
-  Elem* out = sq.q_rows<Elem>(p.out, p.out_stride, h, m);
-#pragma unroll
-  for (int c = 0; c < kCols; ++c) {
-    const int col = col0 + 32 * c;  // Ev is a multiple of 8: a chunk of 4 is in or out whole
-    if (col < Ev)
-      *reinterpret_cast<uint2*>(out + col) =
-          make_uint2(M::pack(acc[c].x * inv, acc[c].y * inv), M::pack(acc[c].z * inv, acc[c].w * inv));
-  }
-  if (tid % 8 == 0) static_cast<float*>(p.lse)[sq.row_index(p.heads_q, h, m)] = empty ? neg_inf<float>() : Exp::lse(mx, l);
 }
 
 // The plan of a decode call: blocks per SM (smem set, asked once per device), chunks, and parts
@@ -244,6 +272,16 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads)
 // Parts: enough to fill one wave of the GPU, each of at least kDecodeMinPartTiles key tiles, at
 // most kDecodeMaxParts (the merge reads every part's rows).
 constexpr int64_t kDecodeMinPartTiles = 4, kDecodeMaxParts = 64;
+
+// Rows of a chunk: 32 (warp pairs: each K / V tile read once per 32 rows) where the call reads enough tiles to
+// be bound by memory, else 16 (twice the blocks, half the steps per warp, one merge pass; each tile read twice,
+// the second time partly from L2). walks16: the walks of 16-row chunks. H200, bf16, dim 128, MQA of 32 query
+// heads, time with 32-row / 16-row chunks by walks16 x tiles per SM: <= 31 1.10-1.49x (dense) / 0.97-1.31x
+// (paged), 62 0.99-1.31x / 0.84-1.15x, 124 0.92-1.04x / 0.77-0.90x, >= 248 0.82-0.90x / 0.70-0.76x.
+constexpr int64_t kDecodePairTilesPerSm = 100;
+inline int decode_chunk_rows(int64_t walks16, int64_t tiles, int64_t sms) {
+  return walks16 * tiles >= kDecodePairTilesPerSm * sms ? 32 : 16;
+}
 
 template <class Elem, int kDim>
 struct DecodeLaunch {
@@ -257,9 +295,11 @@ struct DecodeLaunch {
     const int per_sm = blocks_per_sm_once(p.is_paged());
     if (per_sm < 1) return;
     usable = true;
-    grid.chunks = int((p.len_q * p.group() + Cfg::kRows - 1) / Cfg::kRows);
+    const int64_t packed = p.len_q * p.group(), tiles = (p.len_k + Cfg::kBN - 1) / Cfg::kBN;
+    const int64_t sms = device_limits().sms, slots = sms * per_sm;
+    grid.chunk_rows = decode_chunk_rows(p.batch * p.heads_kv * ((packed + 15) / 16), tiles, sms);
+    grid.chunks = int((packed + grid.chunk_rows - 1) / grid.chunk_rows);
     walks = p.batch * p.heads_kv * grid.chunks;
-    const int64_t slots = int64_t(device_limits().sms) * per_sm, tiles = (p.len_k + Cfg::kBN - 1) / Cfg::kBN;
     int64_t parts = walks < slots ? slots / walks : 1;
     parts = parts < tiles / kDecodeMinPartTiles ? parts : tiles / kDecodeMinPartTiles;
     parts = parts < kDecodeMaxParts ? parts : kDecodeMaxParts;

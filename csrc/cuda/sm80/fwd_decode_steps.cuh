@@ -1,6 +1,6 @@
 // The steps of the decode kernel (fwd_decode.cuh): the chunk's Q rows into smem, per key tile a
-// warp's S over its 16 keys, the online softmax and P V, then the warps' rows merged through smem,
-// a walk's parts merged through the workspace, and the output.
+// warp's S over its 16 keys (or two slots of 16 keys), the online softmax and P V, then the warps' rows
+// merged through smem, a walk's parts merged through the workspace, and the output.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -35,8 +35,9 @@ __device__ __forceinline__ void load_chunk_q(Elem* sQ, const FwdParams& p, const
   }
 }
 
-// The operand reads: Q rows 0-15 and the warp's 16 keys of a K / V tile, swizzled tiles through
-// the lane's smem addresses, padded ones through pointers (fragments.cuh).
+// The operand reads: the warp's 16 Q rows (row group `group`: rows 16 group ..) and its 16 keys of a K / V
+// tile (slot `slot`, keys 16 slot ..; `next` reads the slot after it), swizzled tiles through the lane's smem
+// addresses, padded ones through pointers (fragments.cuh).
 template <class Cfg, class Elem>
 struct DecodeOperandReads {
   using M = Mma<Elem>;
@@ -45,40 +46,41 @@ struct DecodeOperandReads {
   static constexpr uint32_t kTileBytes = kBN * kLd * sizeof(Elem);
   static constexpr bool kSw = Cfg::kSwizzle;
   Elem *sQ, *sK, *sV;
-  int warp, lane;
+  int slot, lane;
   uint32_t q_at = 0, k_at = 0, v_at = 0;
 
-  __device__ __forceinline__ DecodeOperandReads(Elem* sQ_, Elem* sK_, Elem* sV_, int warp_, int lane_)
-      : sQ(sQ_), sK(sK_), sV(sV_), warp(warp_), lane(lane_) {
+  __device__ __forceinline__ DecodeOperandReads(Elem* sQ_, Elem* sK_, Elem* sV_, int group, int slot_, int lane_)
+      : sQ(sQ_ + 16 * group * kLd), sK(sK_), sV(sV_), slot(slot_), lane(lane_) {
     if constexpr (kSw) {
       const auto rows_first = M::rows_first(lane), chunks_first = M::chunks_first(lane);
-      q_at = TA::base(sQ, rows_first.row, rows_first.chunk);
-      k_at = TA::base(sK, 16 * warp + chunks_first.row, chunks_first.chunk);
-      v_at = TA::base(sV, 16 * warp + rows_first.row, rows_first.chunk);
+      q_at = TA::base(sQ_, 16 * group + rows_first.row, rows_first.chunk);
+      k_at = TA::base(sK, 16 * slot + chunks_first.row, chunks_first.chunk);
+      v_at = TA::base(sV, 16 * slot + rows_first.row, rows_first.chunk);
     }
   }
-  __device__ __forceinline__ void q(typename M::A& a, int kk) const {  // rows 0-15, k kk..
+  __device__ __forceinline__ void q(typename M::A& a, int kk) const {  // the warp's rows, k kk..
     if constexpr (kSw) M::load_a(a, TA::at(q_at, 0, kk / 8));
     else M::load_a(a, sQ + kk, kLd, lane);
   }
-  __device__ __forceinline__ void k(typename M::B (&b)[2], int stage, int kk) const {  // the warp's keys, k kk..
-    if constexpr (kSw) M::load_b2_nk(b, TA::at(k_at + stage * kTileBytes, 0, kk / 8));
-    else M::load_b2_nk(b, sK + (stage * kBN + 16 * warp) * kLd + kk, kLd, lane);
+  // the warp's keys (slot + next), k kk..
+  __device__ __forceinline__ void k(typename M::B (&b)[2], int stage, int next, int kk) const {
+    if constexpr (kSw) M::load_b2_nk(b, TA::at(k_at + stage * kTileBytes, 16 * next, kk / 8));
+    else M::load_b2_nk(b, sK + (stage * kBN + 16 * (slot + next)) * kLd + kk, kLd, lane);
   }
-  // the warp's keys, columns col..
-  __device__ __forceinline__ void v(typename M::B (&b)[2], int stage, int col) const {
-    if constexpr (kSw) M::load_b2_kn(b, TA::at(v_at + stage * kTileBytes, 0, col / 8));
-    else M::load_b2_kn(b, sV + (stage * kBN + 16 * warp) * kLd + col, kLd, lane);
+  // the warp's keys (slot + next), columns col..
+  __device__ __forceinline__ void v(typename M::B (&b)[2], int stage, int next, int col) const {
+    if constexpr (kSw) M::load_b2_kn(b, TA::at(v_at + stage * kTileBytes, 16 * next, col / 8));
+    else M::load_b2_kn(b, sV + (stage * kBN + 16 * (slot + next)) * kLd + col, kLd, lane);
   }
 };
 
-// S = Q K^T for the warp's 16 keys of the tile in buffer `stage` (keys from n0 + 16 warp), scaled,
-// and -inf outside the lane's rows' bands [lo[r], hi[r]) unless every row sees the tile whole
-// (all_visible(n0)).
+// S = Q K^T for the warp's rows and its 16 keys of the tile in buffer `stage` (slot read.slot + next: keys
+// from n0 + 16 (slot + next)), scaled, and -inf outside the lane's rows' bands [lo[r], hi[r]) unless every row
+// sees the tile whole (all_visible(n0)).
 template <int kDim, class Reads, class AllVisible>
-__device__ __forceinline__ void warp_scores(float (&s)[2][4], const Reads& read, int stage, int64_t n0,
+__device__ __forceinline__ void warp_scores(float (&s)[2][4], const Reads& read, int stage, int next, int64_t n0,
                                             const AllVisible& all_visible, const int64_t (&lo)[2],
-                                            const int64_t (&hi)[2], float score_scale, int warp, int t) {
+                                            const int64_t (&hi)[2], float score_scale, int t) {
   using M = typename Reads::M;
   constexpr int kKSteps = kDim / 16;
 #pragma unroll
@@ -86,7 +88,7 @@ __device__ __forceinline__ void warp_scores(float (&s)[2][4], const Reads& read,
     typename M::A a;
     typename M::B bk[2];
     read.q(a, 16 * ks);
-    read.k(bk, stage, 16 * ks);
+    read.k(bk, stage, next, 16 * ks);
     M::mma(s[0], a, bk[0]);
     M::mma(s[1], a, bk[1]);
   }
@@ -95,7 +97,7 @@ __device__ __forceinline__ void warp_scores(float (&s)[2][4], const Reads& read,
   for (int jn = 0; jn < 2; ++jn)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int64_t col = n0 + 16 * warp + 8 * jn + 2 * t + (e & 1);
+      const int64_t col = n0 + 16 * (read.slot + next) + 8 * jn + 2 * t + (e & 1);
       const int r = e >> 1;
       s[jn][e] = visible || (col >= lo[r] && col < hi[r]) ? s[jn][e] * score_scale : neg_inf<float>();
     }
@@ -117,10 +119,10 @@ __device__ __forceinline__ void warp_softmax(float (&s)[2][4], float (&row_max)[
   }
 }
 
-// O = alpha O + P V over the warp's 16 keys (V from buffer `stage`).
+// O = alpha O + P V over the warp's 16 keys (V from buffer `stage`, slot read.slot + next).
 template <int kDA, class Reads>
 __device__ __forceinline__ void warp_pv(float (&o)[kDA][4], float (&s)[2][4], const float (&alpha)[2],
-                                        const Reads& read, int stage) {
+                                        const Reads& read, int stage, int next) {
   using M = typename Reads::M;
   typename M::A pa;
   M::a_from_acc(pa, s);
@@ -132,18 +134,18 @@ __device__ __forceinline__ void warp_pv(float (&o)[kDA][4], float (&s)[2][4], co
       o[d + 1][e] *= alpha[e >> 1];
     }
     typename M::B bv[2];
-    read.v(bv, stage, 8 * d);
+    read.v(bv, stage, next, 8 * d);
     M::mma(o[d], pa, bv[0]);
     M::mma(o[d + 1], pa, bv[1]);
   }
 }
 
-// The warp's rows into smem for the merge: O [warp][row][kOLd], then max and sum [warp][2][row].
+// The warp's 16 rows into smem for the merge: O [warp][row][kOLd], then max and sum [warp][2][row].
 template <class Cfg, int kDA>
 __device__ __forceinline__ void stash_warp_rows(float* sO, float* sStats, const float (&o)[kDA][4],
                                                 const float (&row_max)[2], const float (&row_sum)[2], int warp, int g,
                                                 int t) {
-  constexpr int kRows = Cfg::kRows;
+  constexpr int kRows = Cfg::kWarpRows;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = g + 8 * r;
