@@ -3,8 +3,8 @@
 //
 // The plain forward gives each query head its own block of 128 query rows (dims <= 128): one
 // decode row leaves 127 of them computed for nothing and re-reads K / V once per query head of a
-// group. Here a block takes a 32-row chunk of a kv head's "packed" rows (its group's query heads
-// x the call's query rows, row r: head hk * group + r / len_q, row r % len_q), so that K and V
+// group. Here a block takes a chunk of 16 or 32 (decode_chunk_rows) of a kv head's "packed" rows (its group's
+// query heads x the call's query rows, row r: head hk * group + r / len_q, row r % len_q), so that K and V
 // are read once per chunk. With at most 16 rows its 4 warps take 16 keys each of every 64-key tile;
 // with more, warps 2 i and 2 i + 1 take rows 16 i .. 16 i + 15, over 32 keys each (two slots of 16).
 // Each warp runs the online softmax over its own keys, and at the end the warps' rows merge through smem.
@@ -58,6 +58,7 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads)
   using Exp = ExpDomain<float>;
   constexpr int kRows = Cfg::kRows, kBN = Cfg::kBN, kLd = Cfg::kLd, kStages = Cfg::kStages;
   constexpr int kThreads = Cfg::kThreads, kDA = kDim / 8;
+  constexpr int kWarpRows = Cfg::kWarpRows;  // a warp's rows (one m16 row group)
   constexpr bool kSw = Cfg::kSwizzle;
 
   // (16 as every kernel declares it: one declaration per file; the window starts 128-byte aligned)
@@ -78,7 +79,7 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads)
   const int64_t r0 = int64_t(chunk) * grid.chunk_rows;  // the chunk's first packed row
   const int rows = int(group * sq.len_q - r0 < grid.chunk_rows ? group * sq.len_q - r0 : grid.chunk_rows);
   // More than one row group: the warps in pairs, a pair's warps on its group's rows over two slots each.
-  const bool pairs = rows > Cfg::kWarpRows;
+  const bool pairs = rows > kWarpRows;
   const int row_group = pairs ? warp >> 1 : 0, key_slot = pairs ? 2 * (warp & 1) : warp;
   auto head_of = [&](int64_t r) { return hk * group + r / sq.len_q; };
   auto row_of = [&](int64_t r) { return r % sq.len_q; };
@@ -128,7 +129,7 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads)
   int64_t lo[2], hi[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const int row = 16 * row_group + g + 8 * r;
+    const int row = kWarpRows * row_group + g + 8 * r;
     lo[r] = row < rows ? sq.key_begin(row_of(r0 + row)) : 0;
     hi[r] = row < rows ? sq.key_end(row_of(r0 + row)) : 0;
   }
@@ -166,7 +167,6 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads)
 
   // The warps' rows into smem (reusing the K / V buffers).
   float* sO = reinterpret_cast<float*>(sK);
-  constexpr int kWarpRows = Cfg::kWarpRows;
   float* sStats = sO + Cfg::kWarps * kWarpRows * Cfg::kOLd;
   stash_warp_rows<Cfg>(sO, sStats, o, row_max, row_sum, warp, g, t);
   __syncthreads();
@@ -227,7 +227,7 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads)
   if (grid.parts == 1) {
     for (int i = 0; i < groups; ++i) {
       merge_warps(i);
-      if (16 * i + tid / 8 < rows) store_row(16 * i + tid / 8);
+      if (kWarpRows * i + tid / 8 < rows) store_row(kWarpRows * i + tid / 8);
     }
     return;
   }
@@ -237,7 +237,7 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads)
   float* mine = slot(walk * grid.parts + part);
   for (int i = 0; i < groups; ++i) {
     merge_warps(i);
-    const int row = 16 * i + tid / 8;
+    const int row = kWarpRows * i + tid / 8;
     if (row < rows) {  // (only the chunk's rows: a decode step of a GQA group of 4 fills 4 of the 32)
 #pragma unroll
       for (int c = 0; c < kCols; ++c) __stcg(reinterpret_cast<float4*>(mine + row * kDim + col0 + 32 * c), acc[c]);
@@ -254,7 +254,7 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads)
   if (!__syncthreads_or(merge)) return;
   __threadfence();  // the other parts' rows, published before their counts, are seen
   for (int i = 0; i < groups; ++i) {
-    const int row = 16 * i + tid / 8;
+    const int row = kWarpRows * i + tid / 8;
     if (row >= rows) return;
     reset();
 #pragma unroll 4
@@ -280,7 +280,7 @@ constexpr int64_t kDecodeMinPartTiles = 4, kDecodeMaxParts = 64;
 // (paged), 62 0.99-1.31x / 0.84-1.15x, 124 0.92-1.04x / 0.77-0.90x, >= 248 0.82-0.90x / 0.70-0.76x.
 constexpr int64_t kDecodePairTilesPerSm = 100;
 inline int decode_chunk_rows(int64_t walks16, int64_t tiles, int64_t sms) {
-  return walks16 * tiles >= kDecodePairTilesPerSm * sms ? 32 : 16;
+  return walks16 * tiles >= kDecodePairTilesPerSm * sms ? kDecodeChunkRows : kDecodeChunkRows / 2;
 }
 
 template <class Elem, int kDim>
@@ -297,7 +297,8 @@ struct DecodeLaunch {
     usable = true;
     const int64_t packed = p.len_q * p.group(), tiles = (p.len_k + Cfg::kBN - 1) / Cfg::kBN;
     const int64_t sms = device_limits().sms, slots = sms * per_sm;
-    grid.chunk_rows = decode_chunk_rows(p.batch * p.heads_kv * ((packed + 15) / 16), tiles, sms);
+    const int64_t walks16 = p.batch * p.heads_kv * ((packed + Cfg::kWarpRows - 1) / Cfg::kWarpRows);
+    grid.chunk_rows = decode_chunk_rows(walks16, tiles, sms);
     grid.chunks = int((packed + grid.chunk_rows - 1) / grid.chunk_rows);
     walks = p.batch * p.heads_kv * grid.chunks;
     int64_t parts = walks < slots ? slots / walks : 1;
