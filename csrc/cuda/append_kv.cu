@@ -36,14 +36,16 @@ __device__ __forceinline__ void rotate_unit(const AppendParams& p, const T* from
   to[f.second] = from_acc<T>(r.second);
 }
 
-// A block per (sequence, row), its threads along the row's heads and features: new key row t
-// (rotated with tables) and value row t into the caches, and query row t into q_rotated (rotated,
-// or copied for a sequence that breaks a rule). A decode step moves a few KB, so this is one
-// short launch. The block's threads check the sequence's pages together. With no rows, a block
-// per sequence checks its rules and writes its seqused only.
+// A block per (sequence, row, head), its threads along the head's features: new key row t of kv head h
+// (rotated with tables) and its value row into the caches, and query row t of query head h into q_rotated
+// (rotated, or copied for a sequence that breaks a rule); heads = the larger of heads_kv and heads_q. (A block
+// per (sequence, row) walking every head took 40 us for one row of 32 heads on an H100: a decode step's
+// append would cost as much as its attention.) Each block checks its sequence's rules and pages (its threads
+// together: the same answer in every block of the sequence); block (b, 0, 0) writes seqused. With no rows, a
+// block per sequence checks its rules and writes its seqused only.
 template <class T>
-__global__ void append_kernel(const AppendParams p, int64_t rows) {
-  const int64_t b = blockIdx.x / rows, t = blockIdx.x % rows;
+__global__ void append_kernel(const AppendParams p, int64_t rows, int64_t heads) {
+  const int64_t h = blockIdx.x % heads, bt = blockIdx.x / heads, b = bt / rows, t = bt % rows;
   const bool lengths_ok = append_lengths_allowed(p, b);
   bool bad_page = false;
   if (p.block_table && lengths_ok) {
@@ -52,30 +54,23 @@ __global__ void append_kernel(const AppendParams p, int64_t rows) {
       bad_page = bad_page || !block_allowed(p, b, page);
   }
   const bool allowed = !__syncthreads_or(!lengths_ok || bad_page);
-  if (t == 0 && threadIdx.x == 0) p.seqused[b] = allowed ? int32_t(p.seqlens[b] + p.len_new) : -1;
+  if (t == 0 && h == 0 && threadIdx.x == 0) p.seqused[b] = allowed ? int32_t(p.seqlens[b] + p.len_new) : -1;
   const int64_t units = rotary_units(p);
-  if (allowed && t < p.len_new) {
-    const int64_t k_work = p.heads_kv * units, all_work = k_work + p.heads_kv * p.head_dim_v;
-    for (int64_t i = threadIdx.x; i < all_work; i += blockDim.x) {
-      if (i < k_work) {
-        const int64_t h = i / units;
-        const T* from = static_cast<const T*>(p.k) + b * p.k_stride.batch + t * p.k_stride.row + h * p.k_stride.head;
-        T* to = static_cast<T*>(p.k_cache) + append_offset(p, p.k_cache_stride, b, t, h);
-        rotate_unit(p, from, to, int64_t(p.seqlens[b]) + t, i % units);
-      } else {
-        const int64_t h = (i - k_work) / p.head_dim_v, c = (i - k_work) % p.head_dim_v;
-        const T* from = static_cast<const T*>(p.v) + b * p.v_stride.batch + t * p.v_stride.row + h * p.v_stride.head;
-        static_cast<T*>(p.v_cache)[append_offset(p, p.v_cache_stride, b, t, h) + c] = from[c];
-      }
-    }
+  if (allowed && t < p.len_new && h < p.heads_kv) {
+    const T* k_from = static_cast<const T*>(p.k) + b * p.k_stride.batch + t * p.k_stride.row + h * p.k_stride.head;
+    T* k_to = static_cast<T*>(p.k_cache) + append_offset(p, p.k_cache_stride, b, t, h);
+    for (int64_t u = threadIdx.x; u < units; u += blockDim.x)
+      rotate_unit(p, k_from, k_to, int64_t(p.seqlens[b]) + t, u);
+    const T* v_from = static_cast<const T*>(p.v) + b * p.v_stride.batch + t * p.v_stride.row + h * p.v_stride.head;
+    T* v_to = static_cast<T*>(p.v_cache) + append_offset(p, p.v_cache_stride, b, t, h);
+    for (int64_t c = threadIdx.x; c < p.head_dim_v; c += blockDim.x) v_to[c] = v_from[c];
   }
-  if (p.q && t < p.len_q) {
+  if (p.q && t < p.len_q && h < p.heads_q) {
     const int64_t q_units = allowed ? units : p.head_dim;
-    for (int64_t i = threadIdx.x; i < p.heads_q * q_units; i += blockDim.x) {
-      const int64_t h = i / q_units, u = i % q_units;
-      const T* from = static_cast<const T*>(p.q) + b * p.q_stride.batch + t * p.q_stride.row + h * p.q_stride.head;
-      T* to = static_cast<T*>(p.q_rotated) + b * p.q_rotated_stride.batch + t * p.q_rotated_stride.row +
-              h * p.q_rotated_stride.head;
+    const T* from = static_cast<const T*>(p.q) + b * p.q_stride.batch + t * p.q_stride.row + h * p.q_stride.head;
+    T* to = static_cast<T*>(p.q_rotated) + b * p.q_rotated_stride.batch + t * p.q_rotated_stride.row +
+            h * p.q_rotated_stride.head;
+    for (int64_t u = threadIdx.x; u < q_units; u += blockDim.x) {
       if (allowed)
         rotate_unit(p, from, to, q_position(p, b, t), u);
       else
@@ -88,8 +83,11 @@ template <class T>
 void append(const AppendParams& p, cudaStream_t stream) {
   const int64_t q_rows = p.q ? p.len_q : 0;
   const int64_t rows = p.len_new > q_rows ? p.len_new : q_rows > 0 ? q_rows : 1;
-  if (grid_too_large(p.batch * rows, "append_kernel")) return;
-  append_kernel<T><<<unsigned(p.batch * rows), 128, 0, stream>>>(p, rows);
+  // Blocks over the heads that have rows to write (none: one block per sequence, for its rules).
+  const int64_t heads_kv = p.len_new > 0 ? p.heads_kv : 0, heads_q = q_rows > 0 ? p.heads_q : 0;
+  const int64_t heads = heads_kv > heads_q ? heads_kv : heads_q > 0 ? heads_q : 1;
+  if (grid_too_large(p.batch * rows * heads, "append_kernel")) return;
+  append_kernel<T><<<unsigned(p.batch * rows * heads), 128, 0, stream>>>(p, rows, heads);
   check_launch("append_kernel");
 }
 
