@@ -129,6 +129,11 @@ def test_decode_steps():
     assert plan(128, "sm86", shape=decode) == "sm80_plain/128"
     assert plan(64, "sm86", shape=decode) == "sm80_decode/64"
     assert plan(256, "sm80", shape=decode) == "sm80_decode/256"
+    # Tiers 32 and 192 run at the next tier's decode kernel (where it fits: at 256 not on a 99 KB GPU).
+    assert plan(32, "sm90", shape=decode) == "sm80_decode/64"
+    assert plan(192, "sm80", shape=decode) == "sm80_decode/256"
+    assert plan(192, "sm86", shape=decode) == "sm80_plain/192"
+    assert plan(96, "sm86", shape=decode) == "sm80_decode/96"
     assert plan(64, "sm90", shape=dict(decode, len_q=16, heads_kv=16, heads=32)) == "sm80_decode/64"
     # More than 64 packed rows (len_q x group): the plain kernel.
     assert plan(64, "sm90", shape=dict(decode, len_q=16)) == "sm80_decode/64"  # 16 x 4 = 64

@@ -154,17 +154,27 @@ std::optional<FwdKernel> sm90_fwd(const FwdParams& p, const Limits& lim) {
   return std::nullopt;
 }
 
-// The tensor-core forwards of tier kDim (operands aligned): the decode kernel (few query rows per kv
-// head, a KV cache's key ranges and pages allowed); the Hopper kernels (plain calls, a bias they take);
+// The decode kernel's tier for an fp16 / bf16 call of tensor-core tier `tier` that it takes (few query rows
+// per kv head, a KV cache's key ranges and pages allowed), where its tiles fit; 0 if none. Tiers 32 and 192
+// run at the next one: a memory-bound kernel, for which the wider products cost less than the build time of
+// two more tiers (dims 16 / 32 / 176 / 192 measured within x% of their own tiers).
+int decode_tier(const FwdParams& p, const Limits& lim, int tier) {
+  if (!is_half(p.dtype) || !sm80::decode_call(p)) return 0;
+  const int t = tier == 32 ? 64 : tier == 192 ? 256 : tier;
+  const auto smem = on_tensor_core_tier<Half>(t, [](auto d) -> std::optional<size_t> {
+    using Cfg = sm80::DecodeConfig<Half, decltype(d)::value>;
+    if constexpr (Cfg::kServed) return Cfg::kSmemBytes;
+    return std::nullopt;
+  });
+  return smem && lim.sm80_fits(*smem) ? t : 0;
+}
+
+// The tensor-core forwards of tier kDim (operands aligned) past the decode kernel: the Hopper kernels (plain calls, a bias they take);
 // for plain calls the plain sm80/ kernel; then the feature variant (smaller tiles), which serves any
 // call its tiles fit. None for a paged call the decode kernel does not take (choose_fwd plans it on its
 // gathered pages).
 template <class Elem, int kDim>
 std::optional<FwdKernel> tensor_core_fwd(const FwdParams& p, const Limits& lim) {
-  if constexpr (sm80::DecodeConfig<Elem, kDim>::kServed) {
-    if (sm80::decode_call(p) && lim.sm80_fits(sm80::DecodeConfig<Elem, kDim>::kSmemBytes))
-      return FwdKernel::kSm80Decode;
-  }
   if (p.is_paged()) return std::nullopt;
   if (const auto hopper = sm90_fwd<Elem, kDim>(p, lim)) return hopper;
   if (!p.has_features() && lim.sm80_fits(with_bias_tiles<sm80::FwdConfig<Elem, kDim, false>>(p)))
@@ -271,6 +281,11 @@ FwdPlan choose_fwd_in_place(const FwdParams& p, const DeviceInfo& dev, const Ove
   // (scores ~1e4: tf32 pairs keep ~22 bits).
   const int tier = p.dtype == DType::kFloat32 || !lim.tensor_cores() ? 0 : tensor_core_tier(p.dtype, e_max);
   if (tier > 0 && fwd_operands_aligned(p)) {
+    if (const int decode = decode_tier(p, lim, tier)) {
+      plan.kernel = FwdKernel::kSm80Decode;
+      plan.tier = decode;
+      return plan;
+    }
     auto on_elem = [&](auto elem) {  // the tier's kernel for element type T (fp64 or a 2-byte one)
       using T = decltype(elem);
       return on_tensor_core_tier<T>(tier, [&](auto t) { return tensor_core_fwd<T, decltype(t)::value>(p, lim); });

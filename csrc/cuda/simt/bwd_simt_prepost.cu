@@ -6,7 +6,6 @@
 // are memory-bound, and element-wise loads with index arithmetic per element made them take
 // 10-15% of a backward call at L = 1024 (H200).
 #include <cstdint>
-#include <type_traits>
 
 #include "../../common/sequence.h"
 #include "../common/check.h"
@@ -50,13 +49,11 @@ __device__ __forceinline__ int64_t row_offset(int64_t row, int64_t len, int64_t 
   return (bh / heads) * s.batch + (bh % heads) * s.head + m * s.row;
 }
 
+// D of the rows, kVec values per access.
 template <class T, int kVec>
-__global__ void __launch_bounds__(kThreads)
-    dot_do_o_kernel(const BwdParams p, acc_t<T>* dsum, uint4* zero, int64_t zero_vecs, int lane_shift) {
+__device__ __forceinline__ void dot_do_o_rows(const BwdParams& p, acc_t<T>* dsum, int lane_shift) {
   using Acc = acc_t<T>;
   using V = Pack<T, kVec>;
-  for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < zero_vecs; i += int64_t(gridDim.x) * kThreads)
-    zero[i] = make_uint4(0, 0, 0, 0);
   const int64_t len = tensor_rows(p);
   const int64_t rows = tensor_batches(p) * p.heads_q * len;
   const int step = kVec << lane_shift, Ev = int(p.head_dim_v);
@@ -78,12 +75,23 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// The accumulator's values are read in runs of up to Layout::kRun adjacent columns starting at
-// a multiple of it, which lie together (4 row-major, 2 blocked).
-template <class T, int kVec, class Layout>
+// `wide`: every row of dout and out takes accesses of kVec values (16 bytes), else one value each. One kernel
+// for both (a branch per call, not per access).
+template <class T, int kVec>
 __global__ void __launch_bounds__(kThreads)
-    dq_convert_kernel(const BwdParams p, const acc_t<T>* dq_accum, int slices, int64_t slice_elems, Layout layout,
-                      int lane_shift) {
+    dot_do_o_kernel(const BwdParams p, acc_t<T>* dsum, uint4* zero, int64_t zero_vecs, int lane_shift, bool wide) {
+  for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < zero_vecs; i += int64_t(gridDim.x) * kThreads)
+    zero[i] = make_uint4(0, 0, 0, 0);
+  if (wide) dot_do_o_rows<T, kVec>(p, dsum, lane_shift);
+  else dot_do_o_rows<T, 1>(p, dsum, lane_shift);
+}
+
+// dq of the rows from the accumulator, kVec values per access. The accumulator's values are read in runs of
+// up to Layout::kRun adjacent columns starting at a multiple of it, which lie together (4 row-major, 2
+// blocked).
+template <class T, int kVec, class Layout>
+__device__ __forceinline__ void dq_convert_rows(const BwdParams& p, const acc_t<T>* dq_accum, int slices,
+                                                int64_t slice_elems, Layout layout, int lane_shift) {
   using Acc = acc_t<T>;
   constexpr int kRun = kVec < Layout::kRun ? kVec : Layout::kRun;
   const int64_t len = tensor_rows(p);
@@ -113,6 +121,19 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// `blocked`: the tensor-core kernels' accumulator (DqBlocked; fp16 / bf16, whose dq rows the plan lets take
+// 16-byte stores), else row-major; `wide`: dq's rows take stores of kVec values (16 bytes), else one value each.
+template <class T, int kVec>
+__global__ void __launch_bounds__(kThreads)
+    dq_convert_kernel(const BwdParams p, const acc_t<T>* dq_accum, int slices, int64_t slice_elems, bool blocked,
+                      bool wide, int lane_shift) {
+  if constexpr (sizeof(T) == 2) {
+    if (blocked) return dq_convert_rows<T, kVec>(p, dq_accum, slices, slice_elems, DqBlocked(p.head_dim), lane_shift);
+  }
+  if (wide) dq_convert_rows<T, kVec>(p, dq_accum, slices, slice_elems, DqRowMajor{p.head_dim}, lane_shift);
+  else dq_convert_rows<T, 1>(p, dq_accum, slices, slice_elems, DqRowMajor{p.head_dim}, lane_shift);
+}
+
 unsigned capped_blocks(int64_t work, int64_t per_block) {
   const int64_t blocks = (work + per_block - 1) / per_block;
   return unsigned(blocks < 65536 ? blocks : 65536);  // grid-stride loops cover the rest
@@ -125,28 +146,20 @@ bool vec_ok(const void* base, const Strides& s, int64_t width) {
          s.head % kVec == 0 && s.row % kVec == 0 && width % kVec == 0;
 }
 
-// log2 of the lanes a row of `width` elements takes, kVec at a time.
+// log2 of the lanes a row of `width` elements takes, vec at a time.
 int lane_shift(int64_t width, int vec) {
   int shift = 0;
   while (shift < 5 && (int64_t(vec) << shift) < width) ++shift;
   return shift;
 }
 
-// Calls launch(vec, blocks, lane_shift) with vec = integral_constant<kVec> for `rows` rows of `width`
-// elements.
-template <int kVec, class Launch>
-void launch_vec_rows(int64_t rows, int64_t width, const char* name, Launch&& launch) {
-  const int shift = lane_shift(width, kVec);
-  launch(std::integral_constant<int, kVec>{}, capped_blocks(rows, int64_t(kWarps) * (32 >> shift)), shift);
-  check_launch(name);
-}
-
-// launch_vec_rows with kVec where every tensor allows 16-byte accesses (`wide`), else 1.
-template <int kVec, class Launch>
-void launch_rows(bool wide, int64_t rows, int64_t width, const char* name, Launch&& launch) {
-  if (wide) launch_vec_rows<kVec>(rows, width, name, launch);
-  else launch_vec_rows<1>(rows, width, name, launch);
-}
+// The grid of a walk over `rows` rows of `width` elements, `vec` at a time: blocks and the lane shift.
+struct RowGrid {
+  int shift;
+  unsigned blocks;
+  RowGrid(int64_t rows, int64_t width, int vec)
+      : shift(lane_shift(width, vec)), blocks(capped_blocks(rows, int64_t(kWarps) * (32 >> shift))) {}
+};
 
 }  // namespace
 
@@ -155,11 +168,10 @@ void bwd_dot_do_o(const BwdParams& p, void* dsum, void* zero, size_t zero_bytes,
   constexpr int kVec = 16 / sizeof(T);
   const int64_t rows = tensor_batches(p) * p.heads_q * tensor_rows(p);
   const bool wide = vec_ok<T, kVec>(p.dout, p.dout_stride, p.head_dim_v) && vec_ok<T, kVec>(p.out, p.out_stride, 0);
-  auto* d = static_cast<acc_t<T>*>(dsum);
-  launch_rows<kVec>(wide, rows, p.head_dim_v, "dot_do_o_kernel", [&](auto vec, unsigned blocks, int shift) {
-    dot_do_o_kernel<T, decltype(vec)::value><<<blocks, kThreads, 0, stream>>>(p, d, static_cast<uint4*>(zero),
-                                                                               int64_t(zero_bytes / 16), shift);
-  });
+  const RowGrid g(rows, p.head_dim_v, wide ? kVec : 1);
+  dot_do_o_kernel<T, kVec><<<g.blocks, kThreads, 0, stream>>>(p, static_cast<acc_t<T>*>(dsum), static_cast<uint4*>(zero),
+                                                              int64_t(zero_bytes / 16), g.shift, wide);
+  check_launch("dot_do_o_kernel");
 }
 
 template <class T>
@@ -169,23 +181,15 @@ void bwd_dq_convert(const BwdParams& p, const void* dq_accum, bool blocked, int 
   const int64_t rows = tensor_batches(p) * p.heads_q * tensor_rows(p);
   // The accumulator is 256-byte aligned; its rows (row-major) or 2-column runs (blocked) too.
   const bool wide = vec_ok<T, kVec>(p.dq, p.dq_stride, p.head_dim);
-  auto* acc = static_cast<const acc_t<T>*>(dq_accum);
-  auto convert = [&](auto layout) {
-    return [&, layout](auto vec, unsigned blocks, int shift) {
-      dq_convert_kernel<T, decltype(vec)::value><<<blocks, kThreads, 0, stream>>>(p, acc, slices, slice_elems, layout,
-                                                                                  shift);
-    };
-  };
-  if constexpr (sizeof(T) == 2) {
-    // The blocked layout is the tensor-core kernels', which the plan gives only a dq whose rows take
-    // 16-byte stores (bwd_operands_aligned): converted kVec at a time, with no element-wise form.
-    if (blocked) {
-      if (!wide) return fail("dq_convert_kernel: the tensor-core kernels' dQ accumulator for a dq whose rows do not "
-                             "take 16-byte stores (the plan's operand alignment was not checked)");
-      return launch_vec_rows<kVec>(rows, p.head_dim, "dq_convert_kernel", convert(DqBlocked(p.head_dim)));
-    }
-  }
-  launch_rows<kVec>(wide, rows, p.head_dim, "dq_convert_kernel", convert(DqRowMajor{p.head_dim}));
+  // The blocked layout (fp16 / bf16) is the tensor-core kernels', which the plan gives only a dq whose rows take
+  // 16-byte stores (bwd_operands_aligned): converted kVec at a time, with no element-wise form.
+  if (sizeof(T) == 2 && blocked && !wide)
+    return fail("dq_convert_kernel: the tensor-core kernels' dQ accumulator for a dq whose rows do not take 16-byte "
+                "stores (the plan's operand alignment was not checked)");
+  const RowGrid g(rows, p.head_dim, wide ? kVec : 1);
+  dq_convert_kernel<T, kVec><<<g.blocks, kThreads, 0, stream>>>(p, static_cast<const acc_t<T>*>(dq_accum), slices,
+                                                                slice_elems, blocked, wide, g.shift);
+  check_launch("dq_convert_kernel");
 }
 
 template void bwd_dot_do_o<double>(const BwdParams&, void*, void*, size_t, cudaStream_t);

@@ -160,4 +160,74 @@ __device__ __forceinline__ void stash_warp_rows(float* sO, float* sStats, const 
   }
 }
 
+// The merge of rows held as (max, sum, O) in the exp domain, for a thread's share of one row: columns col0 +
+// 32 c (c < kCols, four each). Rows are added in turn, rescaled to the running max; `load(c)` reads a row's
+// four columns col0 + 32 c.
+template <int kCols>
+struct DecodeRowMerge {
+  using Exp = ExpDomain<float>;
+  float mx, l;
+  float4 acc[kCols];
+  __device__ __forceinline__ void reset() {
+    mx = neg_inf<float>();
+    l = 0.f;
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) acc[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  template <class Load>
+  __device__ __forceinline__ void add(float m_i, float l_i, const Load& load) {
+    const float new_max = acc_max(mx, m_i), base = exp_base(new_max);
+    const float a = Exp::exp(mx - base), f = Exp::exp(m_i - base);
+    mx = new_max;
+    l = l * a + l_i * f;
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) {
+      const float4 x = load(c);
+      acc[c] = make_float4(acc[c].x * a + x.x * f, acc[c].y * a + x.y * f, acc[c].z * a + x.z * f,
+                           acc[c].w * a + x.w * f);
+    }
+  }
+  // Warps first .. last - 1's row r, stashed by stash_warp_rows.
+  template <class Cfg>
+  __device__ __forceinline__ void add_warps(const float* sO, const float* sStats, int first, int last, int r,
+                                            int col0) {
+    for (int w = first; w < last; ++w) {
+      const float* src = sO + (w * Cfg::kWarpRows + r) * Cfg::kOLd + col0;
+      add(sStats[(2 * w) * Cfg::kWarpRows + r], sStats[(2 * w + 1) * Cfg::kWarpRows + r],
+          [&](int c) { return *reinterpret_cast<const float4*>(src + 32 * c); });
+    }
+  }
+  // A part's slot of the workspace (kRows rows of kDim columns, then kRows maxima and kRows sums): row `row`
+  // stored (`stats`: this thread stores its max and sum too), or added.
+  template <int kRows, int kDim>
+  __device__ __forceinline__ void store_slot(float* slot, int row, int col0, bool stats) const {
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) __stcg(reinterpret_cast<float4*>(slot + row * kDim + col0 + 32 * c), acc[c]);
+    if (stats) {
+      __stcg(slot + kRows * kDim + row, mx);
+      __stcg(slot + kRows * kDim + kRows + row, l);
+    }
+  }
+  template <int kRows, int kDim>
+  __device__ __forceinline__ void add_slot(const float* slot, int row, int col0) {
+    add(__ldcg(slot + kRows * kDim + row), __ldcg(slot + kRows * kDim + kRows + row),
+        [&](int c) { return __ldcg(reinterpret_cast<const float4*>(slot + row * kDim + col0 + 32 * c)); });
+  }
+  // O / l into out (a query row, columns below Ev; Ev is a multiple of 8: a chunk of 4 is in or out whole),
+  // 0 where the row sees no key (l == 0); returns the row's LSE (-inf there). A NaN sum propagates.
+  template <class M, class Elem>
+  __device__ __forceinline__ float store_row(Elem* out, int col0, int Ev) const {
+    const bool empty = l == 0.f;
+    const float inv = empty ? 0.f : 1.f / l;
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) {
+      const int col = col0 + 32 * c;
+      if (col < Ev)
+        *reinterpret_cast<uint2*>(out + col) =
+            make_uint2(M::pack(acc[c].x * inv, acc[c].y * inv), M::pack(acc[c].z * inv, acc[c].w * inv));
+    }
+    return empty ? neg_inf<float>() : Exp::lse(mx, l);
+  }
+};
+
 }  // namespace flashattn::cuda::sm80

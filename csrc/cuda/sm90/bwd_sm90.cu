@@ -1,5 +1,6 @@
 // Hopper dK/dV kernel (wgmma, warp-specialized): fp16 and bf16 at head dims 64, 96, 128 and 256, plain or
-// with a key-vector bias, with bias rows at 128 and 256, as the kernel plan (../plan.cpp) chose; bwd_ws_ready
+// with a key-vector bias (one kernel: the values are read at run time), with bias rows at 128 and 256 (a
+// second), as the kernel plan (../plan.cpp) chose; bwd_ws_ready
 // answers the plan's question whether it can take a call, and its maps are the ones the launch passes.
 #include "bwd_sm90.cuh"
 #include "launch.h"
@@ -21,15 +22,13 @@ bool encode_bwd_maps(const BwdParams& p, BwdPanelMaps& maps) {
 }
 
 // The kernel of element type Elem and dim kDim can take the call: its maps encode (the box sizes of its
-// tiles) and its register pool holds the hand-over (of the call's variant: plain, with a key-vector bias,
-// or with bias rows where kBwdRowBiasTier, the biases the plan sends here).
+// tiles) and its register pool holds the hand-over (of the call's variant: plain or with a key-vector bias, or
+// with bias rows where kBwdRowBiasTier, the biases the plan sends here).
 template <class Elem, int kDim>
 bool ws_ready(const BwdParams& p, BwdPanelMaps& maps) {
   using Cfg = BwdWsConfig<Elem, kDim>;
   bool pool = false;
-  if (p.key_vector_bias()) {
-    pool = register_pool_holds<bwd_ws_kernel<Elem, kDim, BiasForm::kKeyVector>, Cfg>();
-  } else if (p.bias_kind != BiasKind::kNone) {
+  if (p.bias_kind != BiasKind::kNone && !p.key_vector_bias()) {
     if constexpr (kBwdRowBiasTier<kDim>) pool = register_pool_holds<bwd_ws_kernel<Elem, kDim, BiasForm::kRows>, Cfg>();
   } else {
     pool = register_pool_holds<bwd_ws_kernel<Elem, kDim>, Cfg>();
@@ -66,9 +65,7 @@ bool bwd_ws_ready(const BwdParams& p, int dim, BwdPanelMaps& maps) {
 template <class Elem, int kDim>
 bool bwd_wgmma(const BwdParams& p, const BwdPanelMaps& maps, const void* dsum, const DqAccum& accum,
                cudaStream_t stream) {
-  if (p.key_vector_bias()) {
-    launch_ws<Elem, kDim, bwd_ws_kernel<Elem, kDim, BiasForm::kKeyVector>>(p, maps, dsum, accum, stream);
-  } else if (p.bias_kind != BiasKind::kNone) {
+  if (p.bias_kind != BiasKind::kNone && !p.key_vector_bias()) {
     if constexpr (!kBwdRowBiasTier<kDim>) return false;
     else launch_ws<Elem, kDim, bwd_ws_kernel<Elem, kDim, BiasForm::kRows>>(p, maps, dsum, accum, stream);
   } else {

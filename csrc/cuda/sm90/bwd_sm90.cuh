@@ -341,7 +341,7 @@ __device__ __forceinline__ void bwd_ws_split_consumer(const BwdParams& p, const 
   const uint32_t k_at = smem_addr(tiles), v_at = k_at + Cfg::kKvBytes;
   // This consumer's dims of K (dQ's B operand), Q and dO: panels of 64 dims.
   const uint32_t k_half = k_at + cwg * kHalfPanels * kBN * 128;
-  const auto key_terms = key_pair_terms<Elem, kBias == BiasForm::kKeyVector>(p, sq, n0 + key0);
+  const auto key_terms = key_pair_terms<Elem, kBias>(p, sq, n0 + key0);
 
   float dk[kDA][4], dv[kDA][4];
 #pragma unroll
@@ -422,6 +422,7 @@ __device__ __forceinline__ void bwd_ws_split_consumer(const BwdParams& p, const 
   bwd_ws_store_dkdv<Elem>(p, sq, hk, n0, rows_k, key0, t, dk, dv, cwg * kHalf);
 }
 
+// kBias: kNone (plain calls, and a key-vector bias: its values are read at run time) or kRows.
 template <class Elem, int kDim, BiasForm kBias = BiasForm::kNone>
 __global__ void __launch_bounds__(BwdWsConfig<Elem, kDim>::kThreads, 1)
     bwd_ws_kernel(const BwdParams p, const __grid_constant__ BwdPanelMaps maps, const float* dsum_g,
@@ -480,7 +481,7 @@ __global__ void __launch_bounds__(BwdWsConfig<Elem, kDim>::kThreads, 1)
     const float score_scale = Exp::score_scale(p.scale);
 
     const uint32_t k_at = smem_addr(sK), v_at = smem_addr(sV);
-    const auto key_terms = key_pair_terms<Elem, kBias == BiasForm::kKeyVector>(p, sq, n0 + wkey + g);
+    const auto key_terms = key_pair_terms<Elem, kBias>(p, sq, n0 + wkey + g);
 
     float dk[kDA][4], dv[kDA][4];
 #pragma unroll

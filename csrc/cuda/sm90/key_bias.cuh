@@ -2,7 +2,7 @@
 // value per key of a batch, broadcast over the query heads and rows): the value each key adds to its
 // scores, read from global memory (with_key_reader), and its terms in the forward's scores of a key tile
 // (KeyTileTerms) and in the backward's exponents of a lane's two keys (KeyPairTerms); NoKeyTerms for the
-// plain kernels. The terms are added as the sm80/ kernels add a bias: the value times log2(e), onto the
+// plain forward kernels. The terms are added as the sm80/ kernels add a bias: the value times log2(e), onto the
 // scaled score before the masks (params.h's order), so the paths agree to fp32 rounding.
 #pragma once
 #include <cstdint>
@@ -13,6 +13,7 @@
 #include "../common/features.cuh"
 #include "../common/numeric.cuh"
 #include "../common/online_softmax.cuh"
+#include "tile_config.h"
 
 namespace flashattn::cuda::sm90 {
 
@@ -65,19 +66,23 @@ struct KeyPairTerms {
   }
 };
 
-// The terms of keys `key` and key + 8 of sequence sq: KeyPairTerms with a key-vector bias, else none.
-template <class Elem, bool kKeyBias>
+// The terms of keys `key` and key + 8 of sequence sq in the backward kernel of bias form kBias: none in the bias
+// rows' kernel; in the other their key-vector bias, zeros without one (read at run time: one kernel serves
+// plain calls and key vectors, at one add per exponent for plain calls).
+template <class Elem, BiasForm kBias>
 __device__ __forceinline__ auto key_pair_terms(const FwdParams& p, const Seq& sq, int64_t key) {
-  if constexpr (kKeyBias) {
-    KeyPairTerms terms{};
-    const unsigned char* const keys = bias_element(p, sq, 0, 0, 0);
-    with_key_reader<Elem>(p, [&](auto key_value) {
-      terms.values[0] = key_value(keys, key);
-      terms.values[1] = key_value(keys, key + 8);
-    });
-    return terms;
-  } else {
+  if constexpr (kBias == BiasForm::kRows) {
     return NoKeyTerms{};
+  } else {
+    KeyPairTerms terms{};
+    if (p.bias_kind != BiasKind::kNone) {  // (a key vector: the launcher sends bias rows to the kRows kernel)
+      const unsigned char* const keys = bias_element(p, sq, 0, 0, 0);
+      with_key_reader<Elem>(p, [&](auto key_value) {
+        terms.values[0] = key_value(keys, key);
+        terms.values[1] = key_value(keys, key + 8);
+      });
+    }
+    return terms;
   }
 }
 
