@@ -20,7 +20,7 @@ HALF = (BF16, F16)
 FAMILIES = {
     "simt_fwd": ("simt", "fwd_simt", "fwd_simt.cuh", "simt",
                  lambda t: ["void fwd<{T}, {D}>(const FwdParams&, int, cudaStream_t)"],
-                 {d: ((F64, F32) + HALF if d < 256 else (F32,) + HALF,
+                 {d: ((F64, F32) + HALF if d == 128 else (F32,) + HALF,
                       f"Forward SIMT kernels, output-column tier {d}.") for d in (32, 64, 128, 256)}),
     "simt_fwd_qres": ("simt", "fwd_simt_qres", "fwd_simt_qres.cuh", "simt",
                       lambda t: ["bool fwd_qres<{T}, {D}>(const FwdParams&, FwdKernel, int, cudaStream_t)"],
@@ -29,7 +29,7 @@ FAMILIES = {
     "simt_bwd": ("simt", "bwd_simt", "bwd_simt.cuh", "simt",
                  lambda t: ["void bwd_dkdv<{T}, {D}>(const BwdParams&, const void*, void*, int, cudaStream_t)",
                             "void bwd_dq<{T}, {D}>(const BwdParams&, const void*, int, cudaStream_t)"],
-                 {d: ((F64, F32) + HALF if d < 128 else (F32,) + HALF,
+                 {d: ((F64, F32) + HALF if d == 64 else (F32,) + HALF,
                       f"Backward SIMT kernels, output-column tier {d}.") for d in (32, 64, 128)}),
     "simt_bwd_kvres": ("simt", "bwd_simt_kvres", "bwd_simt_kvres.cuh", "simt",
                        lambda t: ["bool bwd_dkdv_kvres<{T}, {D}>(const BwdParams&, const void*, void*, cudaStream_t)"],

@@ -86,8 +86,11 @@ def test_fp32_stays_on_simt():
 
 def test_fp64():
     # Forward 108 / 204 KB at dims 64 / 128: on 163 KB the dim-128 forward runs SIMT, on 99 KB every fp64 kernel.
+    # The fp64 SIMT kernels have one tier each way: the forward's 128, the backward's 64.
     assert [plan(64, g, dtype=torch.float64) for g in ("sm90", "sm80", "sm86")] == ["sm80_plain/64", "sm80_plain/64",
-                                                                                      "simt/64"]
+                                                                                      "simt/128"]
+    assert plan(32, "sm86", dtype=torch.float64) == "simt/128"
+    assert plan(32, "sm86", dtype=torch.float64, backward=True) == "simt/64"
     assert [plan(128, g, dtype=torch.float64) for g in ("sm90", "sm80", "sm86")] == ["sm80_plain/128", "simt/128",
                                                                                        "simt/128"]
     # dK/dV 204.5 / 159 KB: at 64 on 163 KB the general variant's smaller tiles.
@@ -129,11 +132,6 @@ def test_decode_steps():
     assert plan(128, "sm86", shape=decode) == "sm80_plain/128"
     assert plan(64, "sm86", shape=decode) == "sm80_decode/64"
     assert plan(256, "sm80", shape=decode) == "sm80_decode/256"
-    # Tiers 32 and 192 run at the next tier's decode kernel (where it fits: at 256 not on a 99 KB GPU).
-    assert plan(32, "sm90", shape=decode) == "sm80_decode/64"
-    assert plan(192, "sm80", shape=decode) == "sm80_decode/256"
-    assert plan(192, "sm86", shape=decode) == "sm80_plain/192"
-    assert plan(96, "sm86", shape=decode) == "sm80_decode/96"
     assert plan(64, "sm90", shape=dict(decode, len_q=16, heads_kv=16, heads=32)) == "sm80_decode/64"
     # More than 64 packed rows (len_q x group): the plain kernel.
     assert plan(64, "sm90", shape=dict(decode, len_q=16)) == "sm80_decode/64"  # 16 x 4 = 64
@@ -327,7 +325,7 @@ def test_smem_limit_override():
     assert plan(64, "sm90", backward=True, smem_limit="201000") == "sm90_wgmma/64"
     assert plan(128, "sm90", dtype=torch.float64, smem_limit="166912") == "simt/128"
     assert plan(128, "sm90", backward=True, smem_limit="101376") == "sm80_compact/128"
-    assert plan(64, "sm90", dtype=torch.float64, smem_limit="101376") == "simt/64"
+    assert plan(64, "sm90", dtype=torch.float64, smem_limit="101376") == "simt/128"
     assert plan(128, "sm90", dtype=torch.float64, smem_limit="300000") == "sm80_plain/128"
     assert plan(128, "sm90", dtype=torch.float64, smem_limit="-5") == "sm80_plain/128"
     assert plan(128, "sm90", dtype=torch.float64, smem_limit="cap") == "sm80_plain/128"

@@ -89,13 +89,17 @@ void on_dtype(DType dtype, Run&& run) {
   }
 }
 
-// Calls run(std::integral_constant<int, tier>) for a SIMT tier up to kCap (32, 64, 128, 256).
-template <int kCap, class Run>
+// Calls run(std::integral_constant<int, tier>) for a SIMT tier from kLow to kCap (32, 64, 128, 256).
+template <int kLow, int kCap, class Run>
 bool on_simt_tier(int tier, Run&& run) {
   using std::integral_constant;
   switch (tier) {
-    case 32: return run(integral_constant<int, 32>{});
-    case 64: return run(integral_constant<int, 64>{});
+    case 32:
+      if constexpr (kLow <= 32) return run(integral_constant<int, 32>{});
+      return false;
+    case 64:
+      if constexpr (kLow <= 64 && kCap >= 64) return run(integral_constant<int, 64>{});
+      return false;
     case 128:
       if constexpr (kCap >= 128) return run(integral_constant<int, 128>{});
       return false;
@@ -219,12 +223,14 @@ void fwd_typed(FwdParams& paged_or_not, cudaStream_t stream, const AllocateWorks
         if (plan.tier == 128) launched = simt::fwd_qres<T, 128>(p, plan.kernel, plan.tf32_keys, stream);
       }
       break;
-    case FwdKernel::kSimt:
-      launched = on_simt_tier<std::is_same_v<T, double> ? 128 : 256>(plan.tier, [&](auto tier) {
+    case FwdKernel::kSimt: {
+      constexpr bool kF64 = std::is_same_v<T, double>;  // fp64: tier 128 alone (plan.cpp's simt_fwd_tier)
+      launched = on_simt_tier<kF64 ? 128 : 32, kF64 ? 128 : 256>(plan.tier, [&](auto tier) {
         simt::fwd<T, decltype(tier)::value>(p, plan.slices, stream);
         return true;
       });
       break;
+    }
   }
   check_launched(launched, plan);
 }
@@ -295,20 +301,21 @@ void bwd_typed(const BwdParams& p, const BwdCall& call, cudaStream_t stream) {
   } else {
     // The SIMT kernels: dQ atomically into the accumulator, or (deterministic) by the dQ kernel.
     void* simt_dq_accum = p.deterministic ? nullptr : dq_accum;
-    constexpr int kSimtBwdCap = std::is_same_v<T, double> ? 64 : 128;
+    constexpr bool kF64 = std::is_same_v<T, double>;  // fp64: tier 64 alone (plan.cpp's simt_bwd_tier)
+    constexpr int kSimtBwdLow = kF64 ? 64 : 32, kSimtBwdCap = kF64 ? 64 : 128;
     if (plan.kernel == BwdKernel::kSimtKvres) {
       if constexpr (!std::is_same_v<T, double>) {
         if (plan.tier == 64) launched = simt::bwd_dkdv_kvres<T, 64>(p, dsum, simt_dq_accum, stream);
         if (plan.tier == 128) launched = simt::bwd_dkdv_kvres<T, 128>(p, dsum, simt_dq_accum, stream);
       }
     } else {
-      launched = on_simt_tier<kSimtBwdCap>(plan.tier, [&](auto tier) {
+      launched = on_simt_tier<kSimtBwdLow, kSimtBwdCap>(plan.tier, [&](auto tier) {
         simt::bwd_dkdv<T, decltype(tier)::value>(p, dsum, simt_dq_accum, plan.slices, stream);
         return true;
       });
     }
     if (launched && p.deterministic) {
-      launched = on_simt_tier<kSimtBwdCap>(plan.dq_tier, [&](auto tier) {
+      launched = on_simt_tier<kSimtBwdLow, kSimtBwdCap>(plan.dq_tier, [&](auto tier) {
         constexpr int kTier = decltype(tier)::value;
         simt::bwd_dq<T, kTier>(p, dsum, int((p.head_dim + kTier - 1) / kTier), stream);
         return true;

@@ -56,12 +56,18 @@ int tensor_core_tier(DType t, int64_t e_max) {
   return 0;
 }
 
-// The smallest SIMT tier >= dim (32, 64, ...), capped; dims above the cap are cut into column slices.
-int simt_tier(int64_t dim, int cap) {
-  int tier = 32;
+// The smallest SIMT tier >= dim (32, 64, ...) of the dtype's tiers, `low` to `cap` (fp64, whose kernels
+// matter only where the fp64 tensor-core ones decline a call, has one tier each way: the forward's 128, the
+// backward's 64); dims above the cap are cut into column slices.
+int simt_tier(int64_t dim, int low, int cap) {
+  int tier = low;
   while (tier < dim && tier < cap) tier *= 2;
   return tier;
 }
+int simt_fwd_tier(const FwdParams& p) {
+  return p.dtype == DType::kFloat64 ? 128 : simt_tier(p.head_dim_v, 32, 256);
+}
+int simt_bwd_tier(DType t, int64_t e_max) { return t == DType::kFloat64 ? 64 : simt_tier(e_max, 32, 128); }
 int slices_of(int64_t dim, int tier) { return int((dim + tier - 1) / tier); }
 
 // What the call may take on this GPU: the shared memory per block (capped by the override), the
@@ -154,27 +160,17 @@ std::optional<FwdKernel> sm90_fwd(const FwdParams& p, const Limits& lim) {
   return std::nullopt;
 }
 
-// The decode kernel's tier for an fp16 / bf16 call of tensor-core tier `tier` that it takes (few query rows
-// per kv head, a KV cache's key ranges and pages allowed), where its tiles fit; 0 if none. Tiers 32 and 192
-// run at the next one: a memory-bound kernel, for which the wider products cost less than the build time of
-// two more tiers (dims 16 / 32 / 176 / 192 measured within x% of their own tiers).
-int decode_tier(const FwdParams& p, const Limits& lim, int tier) {
-  if (!is_half(p.dtype) || !sm80::decode_call(p)) return 0;
-  const int t = tier == 32 ? 64 : tier == 192 ? 256 : tier;
-  const auto smem = on_tensor_core_tier<Half>(t, [](auto d) -> std::optional<size_t> {
-    using Cfg = sm80::DecodeConfig<Half, decltype(d)::value>;
-    if constexpr (Cfg::kServed) return Cfg::kSmemBytes;
-    return std::nullopt;
-  });
-  return smem && lim.sm80_fits(*smem) ? t : 0;
-}
-
-// The tensor-core forwards of tier kDim (operands aligned) past the decode kernel: the Hopper kernels (plain calls, a bias they take);
+// The tensor-core forwards of tier kDim (operands aligned): the decode kernel (few query rows per kv
+// head, a KV cache's key ranges and pages allowed); the Hopper kernels (plain calls, a bias they take);
 // for plain calls the plain sm80/ kernel; then the feature variant (smaller tiles), which serves any
 // call its tiles fit. None for a paged call the decode kernel does not take (choose_fwd plans it on its
 // gathered pages).
 template <class Elem, int kDim>
 std::optional<FwdKernel> tensor_core_fwd(const FwdParams& p, const Limits& lim) {
+  if constexpr (sm80::DecodeConfig<Elem, kDim>::kServed) {
+    if (sm80::decode_call(p) && lim.sm80_fits(sm80::DecodeConfig<Elem, kDim>::kSmemBytes))
+      return FwdKernel::kSm80Decode;
+  }
   if (p.is_paged()) return std::nullopt;
   if (const auto hopper = sm90_fwd<Elem, kDim>(p, lim)) return hopper;
   if (!p.has_features() && lim.sm80_fits(with_bias_tiles<sm80::FwdConfig<Elem, kDim, false>>(p)))
@@ -281,11 +277,6 @@ FwdPlan choose_fwd_in_place(const FwdParams& p, const DeviceInfo& dev, const Ove
   // (scores ~1e4: tf32 pairs keep ~22 bits).
   const int tier = p.dtype == DType::kFloat32 || !lim.tensor_cores() ? 0 : tensor_core_tier(p.dtype, e_max);
   if (tier > 0 && fwd_operands_aligned(p)) {
-    if (const int decode = decode_tier(p, lim, tier)) {
-      plan.kernel = FwdKernel::kSm80Decode;
-      plan.tier = decode;
-      return plan;
-    }
     auto on_elem = [&](auto elem) {  // the tier's kernel for element type T (fp64 or a 2-byte one)
       using T = decltype(elem);
       return on_tensor_core_tier<T>(tier, [&](auto t) { return tensor_core_fwd<T, decltype(t)::value>(p, lim); });
@@ -330,7 +321,7 @@ FwdPlan choose_fwd_in_place(const FwdParams& p, const DeviceInfo& dev, const Ove
     }
   }
   plan.kernel = FwdKernel::kSimt;
-  plan.tier = simt_tier(p.head_dim_v, p.dtype == DType::kFloat64 ? 128 : 256);
+  plan.tier = simt_fwd_tier(p);
   plan.slices = slices_of(p.head_dim_v, plan.tier);
   return plan;
 }
@@ -369,7 +360,7 @@ BwdPlan choose_bwd(const BwdParams& p, const DeviceInfo& dev, const Overrides& o
   }
   // The SIMT kernels: the K-resident one at E <= 64 / 128 without features where its shared memory
   // fits, else the general one (cutting dims above its tier into column slices).
-  const int simt = simt_tier(e_max, p.dtype == DType::kFloat64 ? 64 : 128);
+  const int simt = simt_bwd_tier(p.dtype, e_max);
   plan.dq_tier = simt;
   if (p.dtype != DType::kFloat64 && !p.has_features() && e_max <= 128) {
     const int dim = e_max <= 64 ? 64 : 128;

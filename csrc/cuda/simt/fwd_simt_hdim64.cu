@@ -2,7 +2,6 @@
 #include "fwd_simt.cuh"
 
 namespace flashattn::cuda::simt {
-template void fwd<double, 64>(const FwdParams&, int, cudaStream_t);
 template void fwd<float, 64>(const FwdParams&, int, cudaStream_t);
 template void fwd<__nv_bfloat16, 64>(const FwdParams&, int, cudaStream_t);
 template void fwd<__half, 64>(const FwdParams&, int, cudaStream_t);

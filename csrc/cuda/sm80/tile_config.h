@@ -220,8 +220,7 @@ constexpr int kDecodeChunkRows = 32;
 
 template <class Elem, int kDim>
 struct DecodeConfig {
-  // Tiers 64, 96, 128 and 256; calls of tiers 32 and 192 run at the next tier (decode_tier in ../plan.cpp).
-  static constexpr bool kServed = sizeof(Elem) == 2 && kDim != 32 && kDim != 192;
+  static constexpr bool kServed = sizeof(Elem) == 2;
   static constexpr int kWarps = 4, kThreads = 32 * kWarps;
   static constexpr int kRows = kDecodeChunkRows, kWarpRows = 16;  // the block's rows; a warp's (m16)
   static constexpr int kWarpKeys = 16;            // a warp's keys of a tile: one P V k-step
