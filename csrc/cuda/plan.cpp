@@ -56,18 +56,16 @@ int tensor_core_tier(DType t, int64_t e_max) {
   return 0;
 }
 
-// The smallest SIMT tier >= dim (32, 64, ...) of the dtype's tiers, `low` to `cap` (fp64, whose kernels
-// matter only where the fp64 tensor-core ones decline a call, has one tier each way: the forward's 128, the
-// backward's 64); dims above the cap are cut into column slices.
-int simt_tier(int64_t dim, int low, int cap) {
-  int tier = low;
+// The smallest SIMT tier >= dim (32, 64, ...), capped; dims above the cap are cut into column slices.
+int simt_tier(int64_t dim, int cap) {
+  int tier = 32;
   while (tier < dim && tier < cap) tier *= 2;
   return tier;
 }
-int simt_fwd_tier(const FwdParams& p) {
-  return p.dtype == DType::kFloat64 ? 128 : simt_tier(p.head_dim_v, 32, 256);
-}
-int simt_bwd_tier(DType t, int64_t e_max) { return t == DType::kFloat64 ? 64 : simt_tier(e_max, 32, 128); }
+// The SIMT kernels' tiers: fp64's, which run only where the fp64 tensor-core kernels decline a call, one
+// each way (the forward's 128, the backward's 64).
+int simt_fwd_tier(const FwdParams& p) { return p.dtype == DType::kFloat64 ? 128 : simt_tier(p.head_dim_v, 256); }
+int simt_bwd_tier(DType t, int64_t e_max) { return t == DType::kFloat64 ? 64 : simt_tier(e_max, 128); }
 int slices_of(int64_t dim, int tier) { return int((dim + tier - 1) / tier); }
 
 // What the call may take on this GPU: the shared memory per block (capped by the override), the
