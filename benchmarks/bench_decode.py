@@ -19,7 +19,9 @@ would pass --max-gb are skipped.
 
 --impls may also name ours-rotary and ours-rotary-graph (not in the default list): the dense step
 with rotary tables (float32, the whole head, causal), q and the new keys rotated inside the
-append's launch.
+append's launch; and flex-paged: torch's FlexAttention reading the paged cache in place (its
+PagedAttention helper maps the logical block mask onto the shuffled pages; page-sized key blocks),
+compiled once per row (the compile is not timed), attention only as SDPA.
 """
 import argparse
 import datetime
@@ -36,7 +38,7 @@ import flashattn_ext
 from flashattn_ext import _measure as M
 
 IMPLS = ("ours", "ours-graph", "ours-paged", "ours-paged-graph", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "copy")
-OPTIONAL_IMPLS = ("ours-rotary", "ours-rotary-graph")
+OPTIONAL_IMPLS = ("ours-rotary", "ours-rotary-graph", "flex-paged")
 KINDS = {"mha": 1, "gqa": 4, "mqa": None}  # query heads per key/value head (None: one key/value head)
 
 
@@ -100,6 +102,30 @@ def make_row(batch, cache, heads, heads_kv, dim, len_q, page, dtype, device):
     return t
 
 
+def flex_paged_step(t):
+    """FlexAttention over the paged cache: the pages as one (1, Hkv, pages x page, E) sequence (a view),
+    torch's PagedAttention table set to the row's block table, the logical block mask (every key of a
+    sequence) converted to pages; the whole cache attended, nothing appended."""
+    from torch.nn.attention.experimental._paged_attention import PagedAttention
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    q = t["q"].transpose(1, 2)
+    pages, page, heads_kv, dim = t["k_cache_paged"].shape
+    batch, blocks = t["block_table"].shape
+    table = PagedAttention(pages, page, batch, device=q.device)
+    table.page_table[:, :blocks] = t["block_table"].long()
+    rows = torch.arange(batch, device=q.device)[:, None]
+    table.physical_to_logical[rows, t["block_table"].long()] = torch.arange(blocks, device=q.device)
+    table.capacity[:] = blocks * page
+    logical = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= 0, batch, None, q.shape[2], blocks * page,
+                                device=q.device, BLOCK_SIZE=(128, page))
+    mask = table.convert_logical_block_mask(logical)
+    k, v = (t[n].view(pages * page, heads_kv, dim).permute(1, 0, 2).unsqueeze(0)
+            for n in ("k_cache_paged", "v_cache_paged"))
+    torch._dynamo.reset()  # one compiled graph per row: no recompilation limit across the grid
+    attend = torch.compile(flex_attention, dynamic=False)
+    return lambda: attend(q, k, v, block_mask=mask, enable_gqa=heads_kv != q.shape[1])
+
+
 def step_fn(impl, t):
     """One decode step of `impl` on the row's tensors."""
     if impl == "ours":
@@ -124,6 +150,10 @@ def step_fn(impl, t):
         return lambda: flashattn_ext.flash_attn_with_kvcache(
             t["q"], t["k_cache_paged"], t["v_cache_paged"], t["k"], t["v"], cache_seqlens=t["cache_seqlens"],
             block_table=t["block_table"])
+    if impl == "flex-paged":  # compiled once per row (the guard below and the measurement share it)
+        if "flex_step" not in t:
+            t["flex_step"] = flex_paged_step(t)
+        return t["flex_step"]
     if impl == "copy":
         src = torch.empty(2 * t["k_cache"].numel() * t["k_cache"].element_size(), dtype=torch.uint8,
                           device=t["q"].device)
@@ -147,7 +177,7 @@ def first_line(text):
 def measure(impl, t, kv_bytes, args):
     if impl.endswith("-graph") and args.device != "cuda":
         return {"skipped": "CUDA graphs need a CUDA device"}
-    if impl.startswith("ours-paged") and "block_table" not in t:
+    if (impl.startswith("ours-paged") or impl == "flex-paged") and "block_table" not in t:
         return {"skipped": f"cache length not a multiple of the page size {args.page_size}"}
     fn = step_fn(impl, t)
     with warnings.catch_warnings(record=True) as caught:
@@ -169,6 +199,16 @@ def check_paged_equals_dense(t):
     paged = step_fn("ours-paged", t)()
     if not torch.allclose(dense.float(), paged.float(), rtol=1e-2, atol=1e-2):
         raise AssertionError(f"paged and dense outputs differ by {(dense - paged).abs().max().item():.3g}")
+
+
+def check_flex_equals_ours(t):
+    """flex-paged attends to the paged cache after ours-paged appended the step's rows: the output of ours
+    (dense, the same rows appended) up to rounding."""
+    step_fn("ours-paged", t)()
+    ours = step_fn("ours", t)()
+    flex = step_fn("flex-paged", t)().transpose(1, 2)
+    if not torch.allclose(ours.float(), flex.float(), rtol=2e-2, atol=2e-2):
+        raise AssertionError(f"flex-paged and ours differ by {(ours.float() - flex.float()).abs().max().item():.3g}")
 
 
 # The done-when numbers of a row (None where a side was not measured).
@@ -215,8 +255,15 @@ def run_grid(args):
         t = make_row(batch, cache, args.heads, heads_kv, dim, args.len_q, args.page_size, dtype, args.device)
         if "ours" in args.impls and "ours-paged" in args.impls and "block_table" in t:
             check_paged_equals_dense(t)
+        if "flex-paged" in args.impls and "block_table" in t:
+            try:
+                check_flex_equals_ours(t)
+            except (RuntimeError, ValueError, NotImplementedError, torch.cuda.OutOfMemoryError) as e:
+                t["flex_step"] = None  # measure() reports why
+                row["flex-paged"] = {"skipped": first_line(str(e))}
         for impl in args.impls:
-            row[impl] = measure(impl, t, kv_bytes, args)
+            if impl not in row:
+                row[impl] = measure(impl, t, kv_bytes, args)
         del t
         if args.device == "cuda":
             torch.cuda.empty_cache()
