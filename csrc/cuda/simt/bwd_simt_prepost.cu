@@ -169,8 +169,9 @@ void bwd_dot_do_o(const BwdParams& p, void* dsum, void* zero, size_t zero_bytes,
   const int64_t rows = tensor_batches(p) * p.heads_q * tensor_rows(p);
   const bool wide = vec_ok<T, kVec>(p.dout, p.dout_stride, p.head_dim_v) && vec_ok<T, kVec>(p.out, p.out_stride, 0);
   const RowGrid g(rows, p.head_dim_v, wide ? kVec : 1);
-  dot_do_o_kernel<T, kVec><<<g.blocks, kThreads, 0, stream>>>(p, static_cast<acc_t<T>*>(dsum), static_cast<uint4*>(zero),
-                                                              int64_t(zero_bytes / 16), g.shift, wide);
+  dot_do_o_kernel<T, kVec><<<g.blocks, kThreads, 0, stream>>>(p, static_cast<acc_t<T>*>(dsum),
+                                                              static_cast<uint4*>(zero), int64_t(zero_bytes / 16),
+                                                              g.shift, wide);
   check_launch("dot_do_o_kernel");
 }
 
