@@ -67,19 +67,9 @@ struct DkDvTail {
   int64_t rows;
 };
 
-// Calls whose walks all take the same time, the only ones the tail split serves: plain
-// non-causal calls off the deterministic path (whose rounds keep their own order).
-inline bool tail_split_serves(const BwdParams& p) { return !p.deterministic && !p.causal && !p.has_features(); }
 // Plain causal calls off the deterministic path, whose walks shorten with the key tile: their
 // last pairs run heaviest first (causal_order.cuh).
 inline bool heavy_last_serves(const BwdParams& p) { return !p.deterministic && p.causal && !p.has_features(); }
-
-// Keys of dK / dV the tail split may hold: one wave of blocks of at most 128 keys per SM
-// (kBN * blocks per SM <= 128 for every 2-D config), never more than the call has.
-inline int64_t tail_split_rows(const BwdParams& p, int sms) {
-  const int64_t keys = p.batch * p.heads_kv * ((p.len_k + 127) / 128 * 128);
-  return keys < int64_t(sms) * 128 ? keys : int64_t(sms) * 128;
-}
 
 // Calls launch(blocks, round) for the launches of a dK/dV kernel with kBN-key tiles: one with a
 // block per key tile (accum.slices == 0), or (deterministic) rounds of accum.slices blocks per

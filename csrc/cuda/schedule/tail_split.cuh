@@ -34,8 +34,8 @@ namespace flashattn::cuda {
 constexpr int64_t kMinPartIters = 2, kPartOverheadIters = 1, kMinSplitWalkIters = 16;
 
 // The split of a launch of `blocks` blocks (kBN keys, kBM-row query tiles, `per_sm` resident per
-// SM) where it serves: only calls given a tail area (tail_split_serves: not the deterministic
-// rounds, causal calls or the feature variants, whose walks differ in length). The number of
+// SM) where it serves: only calls given a tail area (the plan's tail_rows, ../plan.cpp: not the
+// deterministic rounds, causal calls or the feature variants, whose walks differ in length). The number of
 // parts minimises the last wave's estimated time: ceil(R x parts / S) rounds of a part's
 // iterations plus its overhead (in iterations).
 inline TailSplit plan_tail_split(const BwdParams& p, const DkDvTail& area, int kBM, int kBN, int64_t blocks,
