@@ -173,18 +173,55 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads)
 
   // A thread's share of a row group's 16 rows: row tid / 8 of the group, columns 4 (tid % 8) + 32 c. The row
   // groups in turn (two where the warps pair up), each from its warps (its pair, or all four).
+  constexpr int kCols = kDim / 32;
   const int groups = pairs ? 2 : 1, col0 = 4 * (tid % 8);
-  DecodeRowMerge<kDim / 32> merge;
-  auto merge_warps = [&](int group_i) {  // the thread's row of row group group_i, from its warps
-    merge.reset();
-    const int first = pairs ? 2 * group_i : 0;
-    merge.template add_warps<Cfg>(sO, sStats, first, pairs ? first + 2 : Cfg::kWarps, tid / 8, col0);
+  float mx, l;
+  float4 acc[kCols];
+  auto reset = [&] {
+    mx = neg_inf<float>();
+    l = 0.f;
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) acc[c] = make_float4(0.f, 0.f, 0.f, 0.f);
   };
-  auto store_row = [&](int row) {  // the output of chunk row `row`, and its LSE
-    merge.l = sq.row_sum(merge.l);
+  // Adds rows of max m_i, sum l_i and O o_i (read by `load`) in turn, rescaled to the running max.
+  auto add_rows = [&](float m_i, float l_i, auto load) {
+    const float new_max = acc_max(mx, m_i), base = exp_base(new_max);
+    const float a = Exp::exp(mx - base), f = Exp::exp(m_i - base);
+    mx = new_max;
+    l = l * a + l_i * f;
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) {
+      const float4 x = load(c);
+      acc[c] = make_float4(acc[c].x * a + x.x * f, acc[c].y * a + x.y * f, acc[c].z * a + x.z * f,
+                           acc[c].w * a + x.w * f);
+    }
+  };
+  auto merge_warps = [&](int group_i) {  // the thread's row of row group group_i, from its warps
+    reset();
+    const int first = pairs ? 2 * group_i : 0, last = pairs ? first + 2 : Cfg::kWarps, r = tid / 8;
+    for (int w = first; w < last; ++w) {
+      const float* src = sO + (w * kWarpRows + r) * Cfg::kOLd + col0;
+      add_rows(sStats[(2 * w) * kWarpRows + r], sStats[(2 * w + 1) * kWarpRows + r],
+               [&](int c) { return *reinterpret_cast<const float4*>(src + 32 * c); });
+    }
+  };
+  // The output of chunk row `row`: O / l (0 and LSE -inf for a row that sees no key; a NaN sum, an invalid
+  // sequence's too, propagates).
+  auto store_row = [&](int row) {
+    l = sq.row_sum(l);
     const int64_t h = head_of(r0 + row), m = row_of(r0 + row);
-    const float lse = merge.template store_row<M>(sq.q_rows<Elem>(p.out, p.out_stride, h, m), col0, Ev);
-    if (tid % 8 == 0) static_cast<float*>(p.lse)[sq.row_index(p.heads_q, h, m)] = lse;
+    const bool empty = l == 0.f;
+    const float inv = empty ? 0.f : 1.f / l;
+    Elem* out = sq.q_rows<Elem>(p.out, p.out_stride, h, m);
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) {
+      const int col = col0 + 32 * c;  // Ev is a multiple of 8: a chunk of 4 is in or out whole
+      if (col < Ev)
+        *reinterpret_cast<uint2*>(out + col) =
+            make_uint2(M::pack(acc[c].x * inv, acc[c].y * inv), M::pack(acc[c].z * inv, acc[c].w * inv));
+    }
+    if (tid % 8 == 0)
+      static_cast<float*>(p.lse)[sq.row_index(p.heads_q, h, m)] = empty ? neg_inf<float>() : Exp::lse(mx, l);
   };
 
   if (grid.parts == 1) {
@@ -197,24 +234,35 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads)
   // A part: its rows to its slot; the walk's last part to finish adds every part's rows in part order (its own
   // read back too), whichever part that is.
   auto slot = [&](int64_t i) { return grid.partial + i * int64_t(Cfg::kSlotFloats); };
+  float* mine = slot(walk * grid.parts + part);
   for (int i = 0; i < groups; ++i) {
     merge_warps(i);
     const int row = kWarpRows * i + tid / 8;
-    // (only the chunk's rows: a decode step of a GQA group of 4 fills 4 of the 32)
-    if (row < rows) merge.template store_slot<kRows, kDim>(slot(walk * grid.parts + part), row, col0, tid % 8 == 0);
+    if (row < rows) {  // (only the chunk's rows: a decode step of a GQA group of 4 fills 4 of the 32)
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) __stcg(reinterpret_cast<float4*>(mine + row * kDim + col0 + 32 * c), acc[c]);
+      if (tid % 8 == 0) {
+        __stcg(mine + kRows * kDim + row, mx);
+        __stcg(mine + kRows * kDim + kRows + row, l);
+      }
+    }
   }
   __threadfence();  // this thread's rows reach L2 before the count that publishes them
   __syncthreads();
-  bool last_part = false;
-  if (tid == 0) last_part = atomicAdd(grid.counters + walk, 1u) == unsigned(grid.parts - 1);
-  if (!__syncthreads_or(last_part)) return;
+  bool merge = false;
+  if (tid == 0) merge = atomicAdd(grid.counters + walk, 1u) == unsigned(grid.parts - 1);
+  if (!__syncthreads_or(merge)) return;
   __threadfence();  // the other parts' rows, published before their counts, are seen
   for (int i = 0; i < groups; ++i) {
     const int row = kWarpRows * i + tid / 8;
     if (row >= rows) return;
-    merge.reset();
+    reset();
 #pragma unroll 4
-    for (int j = 0; j < grid.parts; ++j) merge.template add_slot<kRows, kDim>(slot(walk * grid.parts + j), row, col0);
+    for (int j = 0; j < grid.parts; ++j) {
+      const float* src = slot(walk * grid.parts + j);
+      add_rows(__ldcg(src + kRows * kDim + row), __ldcg(src + kRows * kDim + kRows + row),
+               [&](int c) { return __ldcg(reinterpret_cast<const float4*>(src + row * kDim + col0 + 32 * c)); });
+    }
     store_row(row);
   }
 }
