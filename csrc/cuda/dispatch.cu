@@ -27,6 +27,7 @@
 #include "gather_pages.h"
 #include "plan.h"
 #include "simt/launch.h"
+#include "simt/tiers.h"
 #include "sm80/launch.h"
 #include "sm90/launch.h"
 #include "tensor_core_tiers.h"
@@ -87,27 +88,6 @@ void on_dtype(DType dtype, Run&& run) {
     case DType::kBFloat16: run(__nv_bfloat16{}); break;
     case DType::kFloat16: run(__half{}); break;
   }
-}
-
-// Calls run(std::integral_constant<int, tier>) for a SIMT tier from kLow to kCap (32, 64, 128, 256).
-template <int kLow, int kCap, class Run>
-bool on_simt_tier(int tier, Run&& run) {
-  using std::integral_constant;
-  switch (tier) {
-    case 32:
-      if constexpr (kLow <= 32) return run(integral_constant<int, 32>{});
-      return false;
-    case 64:
-      if constexpr (kLow <= 64 && kCap >= 64) return run(integral_constant<int, 64>{});
-      return false;
-    case 128:
-      if constexpr (kCap >= 128) return run(integral_constant<int, 128>{});
-      return false;
-    case 256:
-      if constexpr (kCap >= 256) return run(integral_constant<int, 256>{});
-      return false;
-  }
-  return false;
 }
 
 DeviceInfo device_info() {
@@ -224,8 +204,8 @@ void fwd_typed(FwdParams& paged_or_not, cudaStream_t stream, const AllocateWorks
       }
       break;
     case FwdKernel::kSimt: {
-      constexpr bool kF64 = std::is_same_v<T, double>;  // fp64: tier 128 alone (plan.cpp's simt_fwd_tier)
-      launched = on_simt_tier<kF64 ? 128 : 32, kF64 ? 128 : 256>(plan.tier, [&](auto tier) {
+      constexpr simt::Tiers kTiers = simt::fwd_tiers(std::is_same_v<T, double>);
+      launched = simt::on_simt_tier<kTiers.low, kTiers.cap>(plan.tier, [&](auto tier) {
         simt::fwd<T, decltype(tier)::value>(p, plan.slices, stream);
         return true;
       });
@@ -301,21 +281,20 @@ void bwd_typed(const BwdParams& p, const BwdCall& call, cudaStream_t stream) {
   } else {
     // The SIMT kernels: dQ atomically into the accumulator, or (deterministic) by the dQ kernel.
     void* simt_dq_accum = p.deterministic ? nullptr : dq_accum;
-    constexpr bool kF64 = std::is_same_v<T, double>;  // fp64: tier 64 alone (plan.cpp's simt_bwd_tier)
-    constexpr int kSimtBwdLow = kF64 ? 64 : 32, kSimtBwdCap = kF64 ? 64 : 128;
+    constexpr simt::Tiers kTiers = simt::bwd_tiers(std::is_same_v<T, double>);
     if (plan.kernel == BwdKernel::kSimtKvres) {
       if constexpr (!std::is_same_v<T, double>) {
         if (plan.tier == 64) launched = simt::bwd_dkdv_kvres<T, 64>(p, dsum, simt_dq_accum, stream);
         if (plan.tier == 128) launched = simt::bwd_dkdv_kvres<T, 128>(p, dsum, simt_dq_accum, stream);
       }
     } else {
-      launched = on_simt_tier<kSimtBwdLow, kSimtBwdCap>(plan.tier, [&](auto tier) {
+      launched = simt::on_simt_tier<kTiers.low, kTiers.cap>(plan.tier, [&](auto tier) {
         simt::bwd_dkdv<T, decltype(tier)::value>(p, dsum, simt_dq_accum, plan.slices, stream);
         return true;
       });
     }
     if (launched && p.deterministic) {
-      launched = on_simt_tier<kSimtBwdLow, kSimtBwdCap>(plan.dq_tier, [&](auto tier) {
+      launched = simt::on_simt_tier<kTiers.low, kTiers.cap>(plan.dq_tier, [&](auto tier) {
         constexpr int kTier = decltype(tier)::value;
         simt::bwd_dq<T, kTier>(p, dsum, int((p.head_dim + kTier - 1) / kTier), stream);
         return true;

@@ -11,6 +11,7 @@
 #include "common/bias_tile_layout.h"
 #include "common/operand_alignment.h"
 #include "simt/resident_config.h"
+#include "simt/tiers.h"
 #include "sm80/bwd_forms.h"
 #include "sm80/tile_config.h"
 #include "sm90/tile_config.h"
@@ -56,16 +57,7 @@ int tensor_core_tier(DType t, int64_t e_max) {
   return 0;
 }
 
-// The smallest SIMT tier >= dim (32, 64, ...), capped; dims above the cap are cut into column slices.
-int simt_tier(int64_t dim, int cap) {
-  int tier = 32;
-  while (tier < dim && tier < cap) tier *= 2;
-  return tier;
-}
-// The SIMT kernels' tiers: fp64's, which run only where the fp64 tensor-core kernels decline a call, one
-// each way (the forward's 128, the backward's 64).
-int simt_fwd_tier(const FwdParams& p) { return p.dtype == DType::kFloat64 ? 128 : simt_tier(p.head_dim_v, 256); }
-int simt_bwd_tier(DType t, int64_t e_max) { return t == DType::kFloat64 ? 64 : simt_tier(e_max, 128); }
+// Column slices of `tier` columns covering `dim` (a SIMT kernel cuts dims above its tier: simt/tiers.h).
 int slices_of(int64_t dim, int tier) { return int((dim + tier - 1) / tier); }
 
 // What the call may take on this GPU: the shared memory per block (capped by the override), the
@@ -319,7 +311,7 @@ FwdPlan choose_fwd_in_place(const FwdParams& p, const DeviceInfo& dev, const Ove
     }
   }
   plan.kernel = FwdKernel::kSimt;
-  plan.tier = simt_fwd_tier(p);
+  plan.tier = simt::tier_of(p.head_dim_v, simt::fwd_tiers(p.dtype == DType::kFloat64));
   plan.slices = slices_of(p.head_dim_v, plan.tier);
   return plan;
 }
@@ -358,7 +350,7 @@ BwdPlan choose_bwd(const BwdParams& p, const DeviceInfo& dev, const Overrides& o
   }
   // The SIMT kernels: the K-resident one at E <= 64 / 128 without features where its shared memory
   // fits, else the general one (cutting dims above its tier into column slices).
-  const int simt = simt_bwd_tier(p.dtype, e_max);
+  const int simt = simt::tier_of(e_max, simt::bwd_tiers(p.dtype == DType::kFloat64));
   plan.dq_tier = simt;
   if (p.dtype != DType::kFloat64 && !p.has_features() && e_max <= 128) {
     const int dim = e_max <= 64 ? 64 : 128;
