@@ -293,6 +293,8 @@ struct Features {
   int64_t max_seqlen_q = 0, max_seqlen_k = 0;
   std::optional<Tensor> seqused_k, leftpad_k;
   std::optional<Tensor> block_table;
+  unsigned* zeroed = nullptr;  // FwdParams::zeroed (kvcache_step)
+  int64_t zeroed_words = 0;
 
   bool varlen() const { return cu_seqlens_q.has_value() || cu_seqlens_k.has_value(); }
   bool key_ranges() const { return seqused_k.has_value() || leftpad_k.has_value(); }
@@ -591,6 +593,8 @@ Error fwd(Tensor q, Tensor k, Tensor v, double scale, int64_t causal, const Feat
   FA_TRY(fill_common(p, q, k, v, d, scale, causal));
   FA_TRY(check_and_fill_features(p, f, q, d, causal));
   if (f.block_table.has_value()) FA_TRY(fill_pages(p, *f.block_table, k));
+  p.zeroed = f.zeroed;
+  p.zeroed_words = f.zeroed_words;
   bool done = false;
   FA_TRY(fwd_outputs(p, q, d, q.scalar_type(), lse_type(q.scalar_type()), out, lse, done));
   if (done) return {};
@@ -910,11 +914,14 @@ Error check_rotary(const Tensor& k_cache, const std::optional<Tensor>& rotary_co
 // left padding, cache row, the blocks of the pages that hold its keys) allow no step. The values
 // are read only where the backends read them (a CUDA step never waits). With rotary tables the new
 // keys are written rotated, and q's rows rotated into q_rotated, in the same launch (check_rotary).
+// zero_words > 0: as many words, allocated after seqused's, cleared in the same launch too, at `zeroed`
+// (the attention's counters: FwdParams::zeroed).
 Error kvcache_append(Tensor k_cache, Tensor v_cache, Tensor k, Tensor v, Tensor seqlens,
                      const std::optional<Tensor>& batch_idx, const std::optional<Tensor>& block_table,
                      const std::optional<Tensor>& leftpad, const std::optional<Tensor>& rotary_cos,
                      const std::optional<Tensor>& rotary_sin, bool rotary_interleaved, const std::optional<Tensor>& q,
-                     const std::optional<Tensor>& q_rotated, bool q_rows_consecutive, Tensor& seqused) {
+                     const std::optional<Tensor>& q_rotated, bool q_rows_consecutive, Tensor& seqused,
+                     int64_t zero_words = 0, unsigned** zeroed = nullptr) {
   const std::pair<const Tensor*, const char*> named[] = {
       {&k_cache, "k_cache"}, {&v_cache, "v_cache"}, {&k, "k"}, {&v, "v"}};
   for (const auto& [t, name] : named) {
@@ -971,7 +978,17 @@ Error kvcache_append(Tensor k_cache, Tensor v_cache, Tensor k, Tensor v, Tensor 
     p.leftpad = static_cast<const int32_t*>(leftpad->const_data_ptr());
   }
   FA_TRY(check_rotary(k_cache, rotary_cos, rotary_sin, rotary_interleaved, q, q_rotated, q_rows_consecutive, p));
-  FA_TRY(allocate({p.batch}, ScalarType::Int, k_cache, "seqused", seqused));
+  FA_TRY(allocate({p.batch + zero_words}, ScalarType::Int, k_cache, "seqused", seqused));
+  if (zero_words > 0) {
+    p.zero = reinterpret_cast<unsigned*>(static_cast<int32_t*>(seqused.mutable_data_ptr()) + p.batch);
+    p.zero_words = zero_words;
+    *zeroed = p.zero;
+    const int64_t size = p.batch, stride = 1;
+    AtenTensorHandle handle = nullptr;
+    FA_CHECK(aoti_torch__reinterpret_tensor(seqused.get(), 1, &size, &stride, 0, &handle) == AOTI_TORCH_SUCCESS,
+             "flashattn: could not make the view of seqused");
+    seqused = Tensor(handle);
+  }
   p.k_cache = k_cache.mutable_data_ptr();
   p.v_cache = v_cache.mutable_data_ptr();
   // (batch, len, heads, dim) tensors: Strides' head and row are their dimensions 2 and 1.
@@ -1057,6 +1074,7 @@ Error kvcache_step(Tensor k_cache, Tensor v_cache, Tensor q, const std::optional
   FA_CHECK(k.has_value() == v.has_value(), "flashattn: arguments 'k' and 'v' must be given together");
   const bool rotary = rotary_cos.has_value();
   std::optional<Tensor> seqused = seqlens;
+  unsigned* zeroed = nullptr;
   Tensor q_attended = q;
   if (k.has_value() || rotary || block_table.has_value() || leftpad.has_value()) {
     FA_CHECK(seqlens.has_value(), "flashattn: argument 'seqlens' is needed with new rows, rotary tables, a "
@@ -1087,9 +1105,12 @@ Error kvcache_step(Tensor k_cache, Tensor v_cache, Tensor q, const std::optional
       q_rotated = t;
     }
     Tensor used = q;
+#ifdef FLASHATTN_WITH_CUDA
+    if (q.is_cuda()) zero_words = cuda::step_counter_words(q.size(0), k_cache.size(2));
+#endif
     FA_TRY(kvcache_append(k_cache, v_cache, k_new, v_new, *seqlens, std::nullopt, block_table, leftpad, rotary_cos,
                           rotary_sin, rotary_interleaved, rotary ? std::optional<Tensor>(q) : std::nullopt, q_rotated,
-                          causal, used));
+                          causal, used, zero_words, &zeroed));
     seqused = used;
     if (rotary) q_attended = *q_rotated;
   }
@@ -1101,6 +1122,8 @@ Error kvcache_step(Tensor k_cache, Tensor v_cache, Tensor q, const std::optional
   f.seqused_k = seqused;
   f.leftpad_k = leftpad;
   f.block_table = block_table;
+  f.zeroed = zeroed;
+  f.zeroed_words = zero_words;
   FA_TRY(fwd(q_view, k_view, v_view, scale, causal ? kCausalBottomRight : kCausalNone, f, out_view, lse));
   return swap_len_heads(out_view, "out", out);
 }

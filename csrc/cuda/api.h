@@ -27,6 +27,9 @@ inline constexpr const char* kFp8Unavailable = "float8 kernel unavailable: ";
 std::string run_fwd_fp8(FwdParams& p, void* stream, const AllocateWorkspace& allocate);
 // The in-place append of a KV-cache step and its seqused output (common/append.h), one launch.
 std::string run_append(const AppendParams& p, void* stream);
+// Counters the attention of a KV-cache step of `batch` sequences and `heads_kv` kv heads may need
+// (the decode kernel's, a walk each): the step's append clears them (AppendParams::zero).
+int64_t step_counter_words(int64_t batch, int64_t heads_kv);
 
 // The kernels the plan (plan.h) chooses for the call on the current device under `ov`, as describe()
 // names them.

@@ -5,7 +5,9 @@
 #include "../common/append.h"
 #include "api.h"
 #include "common/check.h"
+#include "common/dependent_launch.cuh"
 #include "common/numeric.cuh"
+#include "sm80/tile_config.h"
 
 namespace flashattn::cuda {
 namespace {
@@ -36,16 +38,48 @@ __device__ __forceinline__ void rotate_unit(const AppendParams& p, const T* from
   to[f.second] = from_acc<T>(r.second);
 }
 
-// A block per (sequence, row, head), its threads along the head's features: new key row t of kv head h
-// (rotated with tables) and its value row into the caches, and query row t of query head h into q_rotated
-// (rotated, or copied for a sequence that breaks a rule); heads = the larger of heads_kv and heads_q. (A block
-// per (sequence, row) walking every head took 40 us for one row of 32 heads on an H100: a decode step's
-// append would cost as much as its attention.) Each block checks its sequence's rules and pages (its threads
-// together: the same answer in every block of the sequence); block (b, 0, 0) writes seqused. With no rows, a
-// block per sequence checks its rules and writes its seqused only.
+// Copies a row of n elements across the warp's lanes: 16 bytes a lane where both rows are 16-byte
+// aligned and n fills whole 16-byte chunks, else an element a lane.
 template <class T>
-__global__ void append_kernel(const AppendParams p, int64_t rows, int64_t heads) {
-  const int64_t h = blockIdx.x % heads, bt = blockIdx.x / heads, b = bt / rows, t = bt % rows;
+__device__ __forceinline__ void copy_row(const T* from, T* to, int64_t n, int lane) {
+  constexpr int64_t kVec = 16 / sizeof(T);
+  if (((reinterpret_cast<uintptr_t>(from) | reinterpret_cast<uintptr_t>(to)) & 15) == 0 && n % kVec == 0) {
+    for (int64_t c = lane; c < n / kVec; c += 32) reinterpret_cast<uint4*>(to)[c] = reinterpret_cast<const uint4*>(from)[c];
+    return;
+  }
+  for (int64_t c = lane; c < n; c += 32) to[c] = from[c];
+}
+
+// A row of a head rotated at `position` (units across the warp's lanes), or copied where there are no
+// tables or the sequence breaks a rule.
+template <class T>
+__device__ __forceinline__ void rotate_row(const AppendParams& p, const T* from, T* to, int64_t position,
+                                           bool rotate, int lane) {
+  if (!rotate || p.rotary_half == 0) return copy_row(from, to, p.head_dim, lane);
+  const int64_t units = rotary_units(p);
+  for (int64_t u = lane; u < units; u += 32) rotate_unit(p, from, to, position, u);
+}
+
+// A warp per (sequence, row, head), kAppendWarps heads to a block: new key row t of kv head h (rotated
+// with tables) and its value row into the caches, and query row t of query head h into q_rotated
+// (rotated, or copied for a sequence that breaks a rule); heads = the larger of heads_kv and heads_q.
+// (A block per (sequence, row) walking every head with its threads along the features took 40 us for
+// one row of 32 heads on an H100: a decode step's append would cost as much as its attention.) Each
+// block checks its sequence's rules and pages (its threads together: the same answer in every block of
+// the sequence); block (b, 0, 0) writes seqused. With no rows, a block per sequence checks its rules and
+// writes its seqused only. The blocks also clear p.zero, and let the attention's launch start (sm_90:
+// its blocks wait for this grid before they read anything).
+constexpr int kAppendWarps = 4;
+
+template <class T>
+__global__ void __launch_bounds__(32 * kAppendWarps) append_kernel(const AppendParams p, int64_t rows,
+                                                                   int64_t head_blocks) {
+  allow_dependent_launch();
+  const int64_t hb = blockIdx.x % head_blocks, bt = blockIdx.x / head_blocks, b = bt / rows, t = bt % rows;
+  const int lane = threadIdx.x & 31;
+  const int64_t h = hb * kAppendWarps + (threadIdx.x >> 5);
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < p.zero_words; i += int64_t(gridDim.x) * blockDim.x)
+    p.zero[i] = 0;
   const bool lengths_ok = append_lengths_allowed(p, b);
   bool bad_page = false;
   if (p.block_table && lengths_ok) {
@@ -54,28 +88,20 @@ __global__ void append_kernel(const AppendParams p, int64_t rows, int64_t heads)
       bad_page = bad_page || !block_allowed(p, b, page);
   }
   const bool allowed = !__syncthreads_or(!lengths_ok || bad_page);
-  if (t == 0 && h == 0 && threadIdx.x == 0) p.seqused[b] = allowed ? int32_t(p.seqlens[b] + p.len_new) : -1;
-  const int64_t units = rotary_units(p);
+  if (t == 0 && hb == 0 && threadIdx.x == 0) p.seqused[b] = allowed ? int32_t(p.seqlens[b] + p.len_new) : -1;
   if (allowed && t < p.len_new && h < p.heads_kv) {
     const T* k_from = static_cast<const T*>(p.k) + b * p.k_stride.batch + t * p.k_stride.row + h * p.k_stride.head;
     T* k_to = static_cast<T*>(p.k_cache) + append_offset(p, p.k_cache_stride, b, t, h);
-    for (int64_t u = threadIdx.x; u < units; u += blockDim.x)
-      rotate_unit(p, k_from, k_to, int64_t(p.seqlens[b]) + t, u);
+    rotate_row(p, k_from, k_to, int64_t(p.seqlens[b]) + t, true, lane);
     const T* v_from = static_cast<const T*>(p.v) + b * p.v_stride.batch + t * p.v_stride.row + h * p.v_stride.head;
     T* v_to = static_cast<T*>(p.v_cache) + append_offset(p, p.v_cache_stride, b, t, h);
-    for (int64_t c = threadIdx.x; c < p.head_dim_v; c += blockDim.x) v_to[c] = v_from[c];
+    copy_row(v_from, v_to, p.head_dim_v, lane);
   }
   if (p.q && t < p.len_q && h < p.heads_q) {
-    const int64_t q_units = allowed ? units : p.head_dim;
     const T* from = static_cast<const T*>(p.q) + b * p.q_stride.batch + t * p.q_stride.row + h * p.q_stride.head;
     T* to = static_cast<T*>(p.q_rotated) + b * p.q_rotated_stride.batch + t * p.q_rotated_stride.row +
             h * p.q_rotated_stride.head;
-    for (int64_t u = threadIdx.x; u < q_units; u += blockDim.x) {
-      if (allowed)
-        rotate_unit(p, from, to, q_position(p, b, t), u);
-      else
-        to[u] = from[u];
-    }
+    rotate_row(p, from, to, allowed ? q_position(p, b, t) : 0, allowed, lane);
   }
 }
 
@@ -86,8 +112,9 @@ void append(const AppendParams& p, cudaStream_t stream) {
   // Blocks over the heads that have rows to write (none: one block per sequence, for its rules).
   const int64_t heads_kv = p.len_new > 0 ? p.heads_kv : 0, heads_q = q_rows > 0 ? p.heads_q : 0;
   const int64_t heads = heads_kv > heads_q ? heads_kv : heads_q > 0 ? heads_q : 1;
-  if (grid_too_large(p.batch * rows * heads, "append_kernel")) return;
-  append_kernel<T><<<unsigned(p.batch * rows * heads), 128, 0, stream>>>(p, rows, heads);
+  const int64_t head_blocks = (heads + kAppendWarps - 1) / kAppendWarps;
+  if (grid_too_large(p.batch * rows * head_blocks, "append_kernel")) return;
+  append_kernel<T><<<unsigned(p.batch * rows * head_blocks), 32 * kAppendWarps, 0, stream>>>(p, rows, head_blocks);
   check_launch("append_kernel");
 }
 
@@ -104,6 +131,11 @@ std::string run_append(const AppendParams& p, void* stream) {
     case DType::kFloat16: append<__half>(p, s); break;
   }
   return take_error();
+}
+
+// (The decode kernel's walks: a chunk of at least 16 of a kv head's at most 64 packed rows each.)
+int64_t step_counter_words(int64_t batch, int64_t heads_kv) {
+  return batch * heads_kv * (sm80::kDecodeChunkRows * sm80::kDecodeMaxChunks / (sm80::kDecodeChunkRows / 2));
 }
 
 }  // namespace flashattn::cuda

@@ -29,6 +29,7 @@
 #include "../../common/sequence.h"
 #include "../../params.h"
 #include "../common/check.h"
+#include "../common/dependent_launch.cuh"
 #include "../common/fragments.cuh"
 #include "../common/online_softmax.cuh"
 #include "../common/tile_copy.cuh"
@@ -67,6 +68,7 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads)
   Elem* sK = sQ + kRows * kLd;          // [kStages] tiles
   Elem* sV = sK + kStages * kBN * kLd;  // [kStages] tiles
 
+  wait_for_prior_grids();  // (a dependent launch: nothing is read before the kernels before it are done)
   const int chunk = int(blockIdx.x % unsigned(grid.chunks));
   const int part = int(blockIdx.x / unsigned(grid.chunks) % unsigned(grid.parts));
   const int64_t head = blockIdx.x / unsigned(grid.chunks) / unsigned(grid.parts);  // batch x kv head
@@ -334,20 +336,24 @@ bool launch_decode(const FwdParams& p, cudaStream_t stream) {
     DecodeGrid grid = l.grid;
     if (grid.parts > 1) {
       // The workspace ops.cpp allocated from fwd_workspace_bytes (the same plan); whole walks
-      // without it.
+      // without it. The counters: those a KV-cache step's append cleared, else cleared here.
       if (p.workspace != nullptr && p.workspace_bytes >= l.workspace_bytes()) {
         char* ws = static_cast<char*>(p.workspace);
-        grid.counters = reinterpret_cast<unsigned*>(ws);
         grid.partial = reinterpret_cast<float*>(ws + l.counter_bytes());
-        check_cuda(cudaMemsetAsync(grid.counters, 0, size_t(l.walks) * sizeof(unsigned), stream),
-                   "cudaMemsetAsync(decode counters)");
+        if (p.zeroed != nullptr && p.zeroed_words >= l.walks) {
+          grid.counters = p.zeroed;
+        } else {
+          grid.counters = reinterpret_cast<unsigned*>(ws);
+          check_cuda(cudaMemsetAsync(grid.counters, 0, size_t(l.walks) * sizeof(unsigned), stream),
+                     "cudaMemsetAsync(decode counters)");
+        }
       } else {
         grid.parts = 1;
       }
     }
     const auto kernel = p.is_paged() ? fwd_decode_kernel<Elem, kDim, true> : fwd_decode_kernel<Elem, kDim, false>;
-    kernel<<<unsigned(l.walks * grid.parts), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, grid);
-    check_launch("sm80::fwd_decode_kernel");
+    launch_after_prior(kernel, unsigned(l.walks * grid.parts), Cfg::kThreads, Cfg::kSmemBytes, stream,
+                       "sm80::fwd_decode_kernel", p, grid);
     return true;
   }
 }

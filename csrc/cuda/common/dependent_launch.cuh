@@ -1,0 +1,46 @@
+// Programmatic dependent launch (sm_90+): a kernel launched with launch_after_prior() may start while
+// the kernel before it in the stream still runs (its launch and first instructions overlap that
+// kernel's tail), and waits for that kernel's grid, memory included, in wait_for_prior_grids() before it
+// reads anything. The kernel before it lets it start early with allow_dependent_launch(); without
+// that call it starts as the earlier grid's blocks exit. Before sm_90 both are no-ops and the launch is
+// a plain one. A decode step is two short launches (the append, then the attention), and the gap
+// between them is a visible share of its time.
+#pragma once
+#include <cuda_runtime.h>
+
+#include "check.h"
+
+namespace flashattn::cuda {
+
+__device__ __forceinline__ void allow_dependent_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void wait_for_prior_grids() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+// Launches kernel<<<grid, threads, smem, stream>>>(args...) as a dependent launch where the device
+// has it (sm_90+); the kernel must call wait_for_prior_grids() before its first global read.
+template <class... Params, class... Args>
+void launch_after_prior(void (*kernel)(Params...), unsigned grid, unsigned threads, size_t smem,
+                        cudaStream_t stream, const char* name, Args&&... args) {
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(grid);
+  config.blockDim = dim3(threads);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = attribute;
+  config.numAttrs = device_limits().major >= 9 ? 1 : 0;
+  check_cuda(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...),
+             (std::string("launching ") + name).c_str());
+}
+
+}  // namespace flashattn::cuda
