@@ -1074,7 +1074,8 @@ Error kvcache_step(Tensor k_cache, Tensor v_cache, Tensor q, const std::optional
   FA_CHECK(k.has_value() == v.has_value(), "flashattn: arguments 'k' and 'v' must be given together");
   const bool rotary = rotary_cos.has_value();
   std::optional<Tensor> seqused = seqlens;
-  unsigned* zeroed = nullptr;
+  unsigned* zeroed = nullptr;  // the decode kernel's counters, cleared by the append (CUDA)
+  int64_t zero_words = 0;
   Tensor q_attended = q;
   if (k.has_value() || rotary || block_table.has_value() || leftpad.has_value()) {
     FA_CHECK(seqlens.has_value(), "flashattn: argument 'seqlens' is needed with new rows, rotary tables, a "

@@ -1,7 +1,8 @@
 """A small representative set of CUDA forward and backward calls for compute-sanitizer
 (memcheck, racecheck): ragged lengths, both causal alignments, GQA, every dtype, and both the
 tensor-core (sm80/, sm90/) and the SIMT kernels (run it again with FLASHATTN_CUDA_KERNELS=simt), plain
-and with the optional features. Arguments FIRST [LAST]: only CASES[FIRST:LAST]; "fp8": only the float8 forward's calls."""
+and with the optional features. Arguments FIRST [LAST]: only CASES[FIRST:LAST]; "fp8": only the float8 forward's
+calls; "kvcache": only flash_attn_with_kvcache steps."""
 import sys
 
 import torch
@@ -151,8 +152,35 @@ def float8_cases():
                         q_descale=descale, k_descale=0.5, v_descale=descale)
 
 
-if sys.argv[1:] == ["fp8"]:
-    float8_cases()
+def kvcache_cases(device="cuda"):
+    """flash_attn_with_kvcache steps: the append (a warp per head; the decode kernel's counters cleared in its
+    launch) and the decode kernel started as a dependent launch, in parts: GQA and MHA dense steps, a paged
+    step with a ragged batch and left padding, rotary tables (q rotated in the append), an odd head dim
+    (the append's element-wise copies), and two rows per step."""
+    from flashattn_ext import flash_attn_with_kvcache
+    gen = torch.Generator(device=device).manual_seed(0)
+    steps = ((2, 8, 2, 128, 3000, 1, False, False), (1, 4, 4, 64, 5000, 1, False, True),
+             (3, 6, 2, 128, 1024, 2, True, False), (2, 4, 1, 40, 700, 1, False, False))
+    for b, hq, hk, e, cache, lq, paged, rotary in steps:
+        randn = lambda *s: torch.randn(*s, generator=gen, device=device, dtype=torch.bfloat16)
+        q, k, v = randn(b, lq, hq, e), randn(b, lq, hk, e), randn(b, lq, hk, e)
+        seqlens = torch.tensor([cache - lq - 7 * i for i in range(b)], dtype=torch.int32, device=device)
+        kw = {}
+        if paged:
+            page = 256
+            k_cache, v_cache = randn(b * cache // page, page, hk, e), randn(b * cache // page, page, hk, e)
+            kw["block_table"] = torch.randperm(b * cache // page, device=device).view(b, -1).to(torch.int32)
+            kw["cache_leftpad"] = torch.tensor([0] + [100] * (b - 1), dtype=torch.int32, device=device)
+        else:
+            k_cache, v_cache = randn(b, cache, hk, e), randn(b, cache, hk, e)
+        if rotary:
+            angle = torch.rand(cache, e // 2, generator=gen, device=device)
+            kw.update(rotary_cos=angle.cos(), rotary_sin=angle.sin(), causal=True)
+        flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, **kw)
+
+
+if sys.argv[1:] in (["fp8"], ["kvcache"]):
+    float8_cases() if sys.argv[1] == "fp8" else kvcache_cases()
     torch.cuda.synchronize()
     sys.exit(0)
 

@@ -39,6 +39,10 @@ void launch_after_prior(void (*kernel)(Params...), unsigned grid, unsigned threa
   config.stream = stream;
   config.attrs = attribute;
   config.numAttrs = device_limits().major >= 9 ? 1 : 0;
+  if (config.numAttrs > 0 && cudaLaunchKernelEx(&config, kernel, args...) == cudaSuccess) return;
+  // (A driver or capture that refuses the attribute: a plain launch; its failure is the call's.)
+  (void)cudaGetLastError();
+  config.numAttrs = 0;
   check_cuda(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...),
              (std::string("launching ") + name).c_str());
 }
