@@ -44,7 +44,8 @@ template <class T>
 __device__ __forceinline__ void copy_row(const T* from, T* to, int64_t n, int lane) {
   constexpr int64_t kVec = 16 / sizeof(T);
   if (((reinterpret_cast<uintptr_t>(from) | reinterpret_cast<uintptr_t>(to)) & 15) == 0 && n % kVec == 0) {
-    for (int64_t c = lane; c < n / kVec; c += 32) reinterpret_cast<uint4*>(to)[c] = reinterpret_cast<const uint4*>(from)[c];
+    for (int64_t c = lane; c < n / kVec; c += 32)
+      reinterpret_cast<uint4*>(to)[c] = reinterpret_cast<const uint4*>(from)[c];
     return;
   }
   for (int64_t c = lane; c < n; c += 32) to[c] = from[c];
@@ -78,7 +79,8 @@ __global__ void __launch_bounds__(32 * kAppendWarps) append_kernel(const AppendP
   const int64_t hb = blockIdx.x % head_blocks, bt = blockIdx.x / head_blocks, b = bt / rows, t = bt % rows;
   const int lane = threadIdx.x & 31;
   const int64_t h = hb * kAppendWarps + (threadIdx.x >> 5);
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < p.zero_words; i += int64_t(gridDim.x) * blockDim.x)
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < p.zero_words;
+       i += int64_t(gridDim.x) * blockDim.x)
     p.zero[i] = 0;
   const bool lengths_ok = append_lengths_allowed(p, b);
   bool bad_page = false;
