@@ -38,11 +38,12 @@ void launch_after_prior(void (*kernel)(Params...), unsigned grid, unsigned threa
   config.dynamicSmemBytes = smem;
   config.stream = stream;
   config.attrs = attribute;
-  config.numAttrs = device_limits().major >= 9 ? 1 : 0;
-  if (config.numAttrs > 0 && cudaLaunchKernelEx(&config, kernel, args...) == cudaSuccess) return;
-  // (A driver or capture that refuses the attribute: a plain launch; its failure is the call's.)
-  (void)cudaGetLastError();
-  config.numAttrs = 0;
+  if (device_limits().major >= 9) {
+    config.numAttrs = 1;
+    if (cudaLaunchKernelEx(&config, kernel, args...) == cudaSuccess) return;
+    (void)cudaGetLastError();  // (a driver or capture that refuses the attribute: the plain launch below)
+    config.numAttrs = 0;
+  }
   check_cuda(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...),
              (std::string("launching ") + name).c_str());
 }
