@@ -101,6 +101,7 @@ CASES = {
     "alibi_rows_beyond_new_keys": dict(alibi=(HEADS,), len_q=4, len_new=1, causal=True, seqlens=(0, 2, None)),
     "mqa": dict(heads_kv=1, len_q=2, causal=True),
     "mha_dim_v": dict(heads_kv=4, dim_v=8),
+    "dim_v_odd_rotary": dict(dim_v=6, rotary=True, len_q=2),  # (rows of 12 / 24 bytes: the append's element copies)
     "full_cache": dict(seqlens=(None, None, None), len_new=2, len_q=2),
     "no_seqlens": dict(len_new=0, cache_seqlens=None),
     "rotary_interleaved": dict(rotary=True, len_q=2),
@@ -152,7 +153,7 @@ def test_kvcache_fp32(device, case):
 
 @pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
 @pytest.mark.parametrize("case", ["append_causal_spec_rows", "paged_rotary_leftpad", "everything_paged",
-                                  "batch_idx_rotary", "rotary_f32_tables_paged_halves"])
+                                  "batch_idx_rotary", "rotary_f32_tables_paged_halves", "dim_v_odd_rotary"])
 def test_kvcache_dtypes(device, case, dtype):
     run_and_check(*make_case(device, dtype, **CASES[case]))
 
