@@ -12,8 +12,6 @@ import os
 import sys
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
@@ -80,31 +78,18 @@ for spec in args.rows.split(","):
     heads_kv = {"mha": heads, "gqa": heads // 4, "mqa": 1}[kind]
     t = BD.make_row(batch, cache, heads, heads_kv, args.head_dim, 1, args.page_size, torch.bfloat16, "cuda")
     full = t["cache_seqlens"] + 1
-    step = lambda: flashattn_ext.flash_attn_with_kvcache(  # noqa: E731
-        t["q"], t["k_cache"], t["v_cache"], t["k"], t["v"], cache_seqlens=t["cache_seqlens"])
     read_only = lambda: flashattn_ext.flash_attn_with_kvcache(  # noqa: E731
         t["q"], t["k_cache"], t["v_cache"], cache_seqlens=full)
-    paged = lambda: flashattn_ext.flash_attn_with_kvcache(  # noqa: E731
-        t["q"], t["k_cache_paged"], t["v_cache_paged"], t["k"], t["v"], cache_seqlens=t["cache_seqlens"],
-        block_table=t["block_table"])
-    q, k, v = (t[n].transpose(1, 2) for n in ("q", "k_cache", "v_cache"))
-
-    def sdpa(backend):
-        def call():
-            with sdpa_kernel(backend):
-                return F.scaled_dot_product_attention(q, k, v, enable_gqa=heads_kv != heads)
-        return call
-    src = torch.empty(2 * t["k_cache"].numel() * t["k_cache"].element_size(), dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    calls = {"step": step, "read_only": read_only, "paged": paged, "cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
-             "flash": sdpa(SDPBackend.FLASH_ATTENTION)}
+    # (bench_decode's steps: ours appends, SDPA reads the same dense cache)
+    calls = {"step": BD.step_fn("ours", t), "read_only": read_only, "paged": BD.step_fn("ours-paged", t),
+             "cudnn": BD.step_fn("sdpa-cudnn", t), "flash": BD.step_fn("sdpa-flash", t)}
     graphs = {name: graph_of(fn) for name, fn in calls.items()}
-    graphs["copy"] = graph_of(lambda: dst.copy_(src))
+    graphs["copy"] = graph_of(BD.step_fn("copy", t))
     row = {"row": spec, "graph_us": median_us(graphs),
            "kernels_us": {name: kernel_us(calls[name]) for name in ("step", "paged", "cudnn", "flash")}}
     results.append(row)
     print(json.dumps(row), flush=True)
-    del t, src, dst, calls, graphs
+    del t, calls, graphs
     torch.cuda.empty_cache()
 with open(args.out, "w") as f:
     json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": results}, f, indent=1)

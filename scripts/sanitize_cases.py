@@ -155,8 +155,8 @@ def float8_cases():
 def kvcache_cases(device="cuda"):
     """flash_attn_with_kvcache steps: the append (a warp per head; the decode kernel's counters cleared in its
     launch) and the decode kernel started as a dependent launch, in parts: GQA and MHA dense steps, a paged
-    step with a ragged batch and left padding, rotary tables (q rotated in the append), an odd head dim
-    (the append's element-wise copies), and two rows per step."""
+    step with a ragged batch and left padding, rotary tables (q rotated in the append), head dim 40, and two
+    rows per step."""
     from flashattn_ext import flash_attn_with_kvcache
     gen = torch.Generator(device=device).manual_seed(0)
     steps = ((2, 8, 2, 128, 3000, 1, False, False), (1, 4, 4, 64, 5000, 1, False, True),

@@ -135,9 +135,8 @@ std::string run_append(const AppendParams& p, void* stream) {
   return take_error();
 }
 
-// (The decode kernel's walks: a chunk of at least 16 of a kv head's at most 64 packed rows each.)
 int64_t step_counter_words(int64_t batch, int64_t heads_kv) {
-  return batch * heads_kv * (sm80::kDecodeChunkRows * sm80::kDecodeMaxChunks / (sm80::kDecodeChunkRows / 2));
+  return batch * heads_kv * sm80::kDecodeMaxWalksPerHead;  // (a counter per walk of the decode kernel)
 }
 
 }  // namespace flashattn::cuda

@@ -282,7 +282,7 @@ constexpr int64_t kDecodeMinPartTiles = 4, kDecodeMaxParts = 64;
 // (paged), 62 0.99-1.31x / 0.84-1.15x, 124 0.92-1.04x / 0.77-0.90x, >= 248 0.82-0.90x / 0.70-0.76x.
 constexpr int64_t kDecodePairTilesPerSm = 100;
 inline int decode_chunk_rows(int64_t walks16, int64_t tiles, int64_t sms) {
-  return walks16 * tiles >= kDecodePairTilesPerSm * sms ? kDecodeChunkRows : kDecodeChunkRows / 2;
+  return walks16 * tiles >= kDecodePairTilesPerSm * sms ? kDecodeChunkRows : kDecodeSmallChunkRows;
 }
 
 template <class Elem, int kDim>

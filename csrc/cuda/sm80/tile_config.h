@@ -217,6 +217,7 @@ struct Bwd2dConfig {
 // pair on one row group over half of every tile's keys, so that a GQA / MQA group of up to 32 rows reads
 // each K / V tile once (two 16-row blocks read each twice: 1.3x the time of a GQA step of as many bytes).
 constexpr int kDecodeChunkRows = 32;
+constexpr int kDecodeSmallChunkRows = kDecodeChunkRows / 2;  // one row group: calls of few key tiles
 
 template <class Elem, int kDim>
 struct DecodeConfig {
@@ -250,5 +251,7 @@ inline bool decode_call(const FwdParams& p) {
   return !p.has_features_beyond_key_ranges() && p.len_q <= kDecodeMaxLenQ &&
          p.len_q * p.group() <= kDecodeChunkRows * kDecodeMaxChunks;
 }
+// The most walks (chunks) a kv head of a call decode_call takes can have: its rows in small chunks.
+constexpr int64_t kDecodeMaxWalksPerHead = kDecodeChunkRows * kDecodeMaxChunks / kDecodeSmallChunkRows;
 
 }  // namespace flashattn::cuda::sm80
