@@ -52,7 +52,7 @@ struct DecodeGrid {
 // kPaged: K / V read through p.block_table (a template parameter: the lookups' registers would
 // cost the dense kernel occupancy, 126 -> 165 registers at dim 64).
 template <class Elem, int kDim, bool kPaged>
-__global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads)
+__global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads, DecodeConfig<Elem, kDim>::kBlocksPerSm)
     fwd_decode_kernel(const FwdParams p, DecodeGrid grid) {
   using Cfg = DecodeConfig<Elem, kDim>;
   using M = Mma<Elem>;
@@ -116,11 +116,11 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads)
     copy_tile_async<kBN, kDim, kThreads, false, kSw, true>(sV + stage * kBN * kLd, kLd, v + n0 * p.v_stride.row,
                                                             p.v_stride.row, rows_k, Ev, tid);
   };
-  // Q with the first tile, then the next kStages - 2 tiles, a commit group each.
+  // Q with the first tile, then the next kStages - 1 tiles, a commit group each: every buffer in flight.
   if (tiles > 0) load_kv(0, 0);
   cp_async_commit();
 #pragma unroll
-  for (int s = 1; s < kStages - 1; ++s) {
+  for (int s = 1; s < kStages; ++s) {
     if (s < tiles) load_kv(s, s);
     cp_async_commit();
   }
@@ -143,13 +143,9 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads)
   int stage = 0;
 #pragma unroll 1
   for (int j = 0; j < tiles; ++j) {
-    cp_async_wait<kStages - 2>();
-    __syncthreads();  // tile j landed for all; every warp is done with tile j - 1's buffer
-    {
-      const int ahead = j + kStages - 1, ahead_stage = stage == 0 ? kStages - 1 : stage - 1;
-      if (ahead < tiles) load_kv(ahead, ahead_stage);  // into tile j - 1's buffer
-      cp_async_commit();
-    }
+    // Tile j landed for all, tiles j + 1 .. j + kStages - 1 may still be in flight.
+    cp_async_wait<kStages - 1>();
+    __syncthreads();
     const int64_t n0 = n_begin + int64_t(j) * kBN;
 
     // S = Q K^T for the warp's 16 keys of a slot; the online softmax over them; O rescaled, then O += P V.
@@ -162,6 +158,11 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads)
     };
     keys_of_slot(0);
     if (pairs) keys_of_slot(1);
+    // The buffer refilled as soon as every warp is done with it, before the wait for tile j + 1: a block
+    // that waits has kStages tiles in flight (refilled at the next tile's top instead, one fewer).
+    __syncthreads();
+    if (j + kStages < tiles) load_kv(j + kStages, stage);
+    cp_async_commit();
     stage = stage == kStages - 1 ? 0 : stage + 1;
   }
   cp_async_wait<0>();
