@@ -433,25 +433,19 @@ def test_strided_cache_seqlens(device):
         assert torch.equal(got, want)
 
 
-@needs_cuda
-@pytest.mark.parametrize("paged", [False, True])
-def test_cuda_decode_warp_pairs(paged):
-    """An MQA decode step large enough for the decode kernel's 32-row chunks (its warps in pairs): 56 query
-    heads in chunks of 32 and 24 rows, 10 sequences of up to 32k keys (10 x 4 walks of 16 rows x 512 tiles is
-    over 96 tiles per SM on GPUs of up to 213 SMs), ragged lengths, a sequence shorter than one part; the
-    float64 reference on the GPU."""
-    batch, heads, dim, cache, page = 10, 56, 128, 32768, 256
+def _check_cuda_step(batch, heads, heads_kv, dim, cache, seqlens, page=None):
+    """One bf16 decode step (dense, or paged with pages of `page` keys in shuffled blocks) against the float64
+    reference on the GPU."""
     make = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
-    seqlens = [cache, 3, 20000, cache - 1, 777, cache, 12345, 1, cache, 30000]
     ours = dict(q=make(batch, 1, heads, dim), cache_seqlens=torch.tensor(seqlens, dtype=torch.int32, device="cuda"))
     ref = dict(seqlens=seqlens)
-    if paged:
+    if page:
         pages = cache // page
         table = torch.randperm(batch * pages, device="cuda").view(batch, pages).to(torch.int32)
         ours["block_table"], ref["block_table"] = table, table.tolist()
-        shape = (batch * pages, page, 1, dim)
+        shape = (batch * pages, page, heads_kv, dim)
     else:
-        shape = (batch, cache, 1, dim)
+        shape = (batch, cache, heads_kv, dim)
     ours["k_cache"], ours["v_cache"] = make(*shape), make(*shape)
     out, lse = flashattn_ext.flash_attn_with_kvcache(**ours, return_softmax_lse=True)
     args = dict(q=ours["q"], k_cache=ours["k_cache"], v_cache=ours["v_cache"], **ref)
@@ -460,3 +454,21 @@ def test_cuda_decode_warp_pairs(paged):
     for name, g, r, s in zip(("out", "lse"), (out, lse), expected, same):
         assert_accurate(name, g.cpu(), r.cpu(), s.cpu(),
                         REL_ATOL[lse_dtype(torch.bfloat16) if name == "lse" else torch.bfloat16])
+
+
+@needs_cuda
+@pytest.mark.parametrize("paged", [False, True])
+def test_cuda_decode_warp_pairs(paged):
+    """An MQA decode step large enough for the decode kernel's 32-row chunks (its warps in pairs): 56 query
+    heads in chunks of 32 and 24 rows, 10 sequences of up to 32k keys (10 x 4 walks of 16 rows x 512 tiles is
+    over 96 tiles per SM on GPUs of up to 213 SMs), ragged lengths, a sequence shorter than one part."""
+    seqlens = [32768, 3, 20000, 32767, 777, 32768, 12345, 1, 32768, 30000]
+    _check_cuda_step(10, 56, 1, 128, 32768, seqlens, page=256 if paged else None)
+
+
+@needs_cuda
+def test_cuda_paged_whole_walks_of_small_pages():
+    """A paged step whose walks are not cut into parts (8 x 64 walks fill GPUs of up to 170 SMs), each over up to
+    1024 pages of 16 keys in shuffled blocks, ragged lengths down to one page."""
+    seqlens = [16384, 9000, 8192, 100, 16383, 4097, 12000, 16]
+    _check_cuda_step(8, 64, 64, 64, 16384, seqlens, page=16)
