@@ -129,12 +129,14 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("leftpad", [True, False], ids=["leftpad", "from_0"])
 @pytest.mark.parametrize("page,cache", [(16, 64), (48, 144), (64, 128), (256, 256)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_paged_page_sizes(device, dtype, page, cache):
+def test_paged_page_sizes(device, dtype, page, cache, leftpad):
     """Pages of 16 (a 64-key tile spans 4), 48 (tiles start mid-page), 64 and 256 keys, with left
-    padding (sequences start mid-page), ragged lengths, MQA, several query rows, causal."""
-    run_and_check(*make_case(device, dtype, paged=True, page=page, cache=cache, leftpad=True, heads_kv=1, len_q=3,
+    padding (sequences start mid-page) or without (the CUDA decode kernel's whole-tile copies at pages of
+    64 and 256), ragged lengths, MQA, several query rows, causal."""
+    run_and_check(*make_case(device, dtype, paged=True, page=page, cache=cache, leftpad=leftpad, heads_kv=1, len_q=3,
                              len_new=2, causal=True, seqlens=(5, cache // 2 + 3, None)))
 
 

@@ -49,9 +49,19 @@ struct DecodeGrid {
   unsigned* counters = nullptr;
 };
 
-// kPaged: K / V read through p.block_table (a template parameter: the lookups' registers would
-// cost the dense kernel occupancy, 126 -> 165 registers at dim 64).
-template <class Elem, int kDim, bool kPaged>
+// How K / V are addressed (a template parameter: the lookups' registers would cost the dense kernel occupancy,
+// 126 -> 165 registers at dim 64): dense; paged with every tile inside one page (pages of a multiple of the
+// tile's keys, sequences from their cache's first key): a table lookup per tile, then the dense copy; paged
+// otherwise: row by row through the table (paged_copy.cuh).
+enum class DecodeKv { kDense, kPagedTiles, kPagedRows };
+// The variant that reads a call's K / V.
+inline DecodeKv decode_kv(const FwdParams& p, int tile_keys) {
+  if (!p.is_paged()) return DecodeKv::kDense;
+  const bool whole_tiles = p.page_size % tile_keys == 0 && p.leftpad_k == nullptr && p.cu_seqlens_k == nullptr;
+  return whole_tiles ? DecodeKv::kPagedTiles : DecodeKv::kPagedRows;
+}
+
+template <class Elem, int kDim, DecodeKv kKv>
 __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads, DecodeConfig<Elem, kDim>::kBlocksPerSm)
     fwd_decode_kernel(const FwdParams p, DecodeGrid grid) {
   using Cfg = DecodeConfig<Elem, kDim>;
@@ -100,27 +110,35 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads, DecodeConf
   auto all_visible = [&](int64_t n0) { return n0 >= sq.key_begin(m_hi) && n0 + kBN <= sq.key_end(m_lo); };
 
   load_chunk_q<kDim>(sQ, p, sq, r0, rows, E, head_of, row_of, tid);  // past the chunk's rows zeros
-  // The sequence's first key row (dense: paged tiles are addressed row by row).
-  const Elem* k = kPaged ? nullptr : sq.k_rows<const Elem>(p.k, p.k_stride, hk, 0);
-  const Elem* v = kPaged ? nullptr : sq.k_rows<const Elem>(p.v, p.v_stride, hk, 0);
+  // Dense: the sequence's first key row; paged whole tiles: the head's row 0 of block 0.
+  const Elem* k = kKv == DecodeKv::kDense ? sq.k_rows<const Elem>(p.k, p.k_stride, hk, 0)
+                                          : static_cast<const Elem*>(p.k) + hk * p.k_stride.head;
+  const Elem* v = kKv == DecodeKv::kDense ? sq.k_rows<const Elem>(p.v, p.v_stride, hk, 0)
+                                          : static_cast<const Elem*>(p.v) + hk * p.v_stride.head;
   auto load_kv = [&](int j, int stage) {  // tile j of the part into buffer `stage`
     const int64_t n0 = n_begin + int64_t(j) * kBN;
     const int rows_k = sq.k_tile_rows(n0, kBN);
-    if constexpr (kPaged) {  // (n0 counted from the sequence's first key, k0 from the start of its cache)
+    if constexpr (kKv == DecodeKv::kPagedRows) {  // (n0 counted from the sequence's first key, k0 from its cache's)
       copy_paged_kv_async<kBN, kDim, kThreads, kSw>(sK + stage * kBN * kLd, sV + stage * kBN * kLd, kLd, p, b, hk,
                                                     sq.k0 + n0, rows_k, E, Ev, tid);
       return;
     }
-    copy_tile_async<kBN, kDim, kThreads, false, kSw, true>(sK + stage * kBN * kLd, kLd, k + n0 * p.k_stride.row,
-                                                            p.k_stride.row, rows_k, E, tid);
-    copy_tile_async<kBN, kDim, kThreads, false, kSw, true>(sV + stage * kBN * kLd, kLd, v + n0 * p.v_stride.row,
-                                                            p.v_stride.row, rows_k, Ev, tid);
+    int64_t k_at = n0 * p.k_stride.row, v_at = n0 * p.v_stride.row;
+    if constexpr (kKv == DecodeKv::kPagedTiles) {  // (k0 is 0: the tile lies in page n0 / page_size)
+      const int64_t page = page_of(p, n0), block = block_of(p, b, page);
+      k_at = block * p.k_stride.batch + (n0 - page * p.page_size) * p.k_stride.row;
+      v_at = block * p.v_stride.batch + (n0 - page * p.page_size) * p.v_stride.row;
+    }
+    copy_tile_async<kBN, kDim, kThreads, false, kSw, true>(sK + stage * kBN * kLd, kLd, k + k_at, p.k_stride.row,
+                                                            rows_k, E, tid);
+    copy_tile_async<kBN, kDim, kThreads, false, kSw, true>(sV + stage * kBN * kLd, kLd, v + v_at, p.v_stride.row,
+                                                            rows_k, Ev, tid);
   };
   // When a tile's buffer is refilled: dense, right after the tile (a second barrier per tile), so that a block
-  // waiting for its next tile has all kStages in flight; paged, at the top of the tile after it, once the wait
-  // for that tile is over (one tile fewer in flight). The paged copy's table loads then overlap the wait, not
-  // the tile's products: refilled early, paged MQA steps took up to 1.09x the time, dense ones 0.82-1.0x.
-  constexpr bool kRefillEarly = !kPaged;
+  // waiting for its next tile has all kStages in flight; paged row by row, at the top of the tile after it, once
+  // the wait for that tile is over (one tile fewer in flight). The row copy's table loads then overlap the wait,
+  // not the tile's products: refilled early, its MQA steps took up to 1.09x the time, dense ones 0.82-1.0x.
+  constexpr bool kRefillEarly = kKv != DecodeKv::kPagedRows;
   constexpr int kAhead = kRefillEarly ? kStages : kStages - 1;  // tiles in flight while a tile is computed
   // Q with the first tile, then the next kAhead - 1 tiles, a commit group each.
   if (tiles > 0) load_kv(0, 0);
@@ -305,7 +323,7 @@ struct DecodeLaunch {
 
   explicit DecodeLaunch(const FwdParams& p) {
     if (!Cfg::kServed || !decode_call(p) || !tensor_cores_usable(Cfg::kSmemBytes)) return;
-    const int per_sm = blocks_per_sm_once(p.is_paged());
+    const int per_sm = blocks_per_sm_once(decode_kv(p, Cfg::kBN));
     if (per_sm < 1) return;
     usable = true;
     const int64_t packed = p.len_q * p.group(), tiles = (p.len_k + Cfg::kBN - 1) / Cfg::kBN;
@@ -326,12 +344,19 @@ struct DecodeLaunch {
     return grid.parts > 1 ? counter_bytes() + size_t(walks) * grid.parts * Cfg::kSlotFloats * sizeof(float) : 0;
   }
 
-  // Blocks per SM of the dense or paged kernel, its smem limit set first: once per device and thread.
-  static int blocks_per_sm_once(bool paged) {
-    return paged ? blocks_per_sm_cached<fwd_decode_kernel<Elem, kDim, true>>(Cfg::kThreads, Cfg::kSmemBytes,
-                                                                             "sm80::fwd_decode_kernel (paged)")
-                 : blocks_per_sm_cached<fwd_decode_kernel<Elem, kDim, false>>(Cfg::kThreads, Cfg::kSmemBytes,
-                                                                              "sm80::fwd_decode_kernel");
+  // Blocks per SM of the call's kernel, its smem limit set first: once per device and thread.
+  static int blocks_per_sm_once(DecodeKv kv) {
+    switch (kv) {
+      case DecodeKv::kDense:
+        return blocks_per_sm_cached<fwd_decode_kernel<Elem, kDim, DecodeKv::kDense>>(Cfg::kThreads, Cfg::kSmemBytes,
+                                                                                    "sm80::fwd_decode_kernel");
+      case DecodeKv::kPagedTiles:
+        return blocks_per_sm_cached<fwd_decode_kernel<Elem, kDim, DecodeKv::kPagedTiles>>(
+            Cfg::kThreads, Cfg::kSmemBytes, "sm80::fwd_decode_kernel (paged tiles)");
+      default:
+        return blocks_per_sm_cached<fwd_decode_kernel<Elem, kDim, DecodeKv::kPagedRows>>(
+            Cfg::kThreads, Cfg::kSmemBytes, "sm80::fwd_decode_kernel (paged rows)");
+    }
   }
 };
 
@@ -362,7 +387,10 @@ bool launch_decode(const FwdParams& p, cudaStream_t stream) {
         grid.parts = 1;
       }
     }
-    const auto kernel = p.is_paged() ? fwd_decode_kernel<Elem, kDim, true> : fwd_decode_kernel<Elem, kDim, false>;
+    const DecodeKv kv = decode_kv(p, Cfg::kBN);
+    const auto kernel = kv == DecodeKv::kDense        ? fwd_decode_kernel<Elem, kDim, DecodeKv::kDense>
+                        : kv == DecodeKv::kPagedTiles ? fwd_decode_kernel<Elem, kDim, DecodeKv::kPagedTiles>
+                                                      : fwd_decode_kernel<Elem, kDim, DecodeKv::kPagedRows>;
     launch_after_prior(kernel, unsigned(l.walks * grid.parts), Cfg::kThreads, Cfg::kSmemBytes, stream,
                        "sm80::fwd_decode_kernel", p, grid);
     return true;
