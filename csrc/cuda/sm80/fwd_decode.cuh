@@ -17,8 +17,9 @@
 // the host from len_k (the cache's length, the longest possible walk), so the grid never depends
 // on values the host has not read (CUDA graphs). A part past its sequence's keys is empty (max
 // -inf, sum 0) and adds nothing to the merge.
-// Paged caches (block_table) are read in place (paged_copy.cuh): each row is looked up in the
-// table, one lookup for K and V, so a tile may span pages of any size and start anywhere in a page.
+// Paged caches (block_table) are read in place: a tile's block looked up once where every tile lies in one
+// page, else each row looked up in the table (paged_copy.cuh), one lookup for K and V, so that a tile may span
+// pages of any size and start anywhere in a page (DecodeKv).
 // fp16 / bf16 calls with no optional feature but the key ranges, at every head-dim tier;
 // decode_call says which.
 #pragma once
