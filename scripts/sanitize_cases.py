@@ -154,13 +154,15 @@ def float8_cases():
 
 def kvcache_cases(device="cuda"):
     """flash_attn_with_kvcache steps: the append (a warp per head; the decode kernel's counters cleared in its
-    launch) and the decode kernel started as a dependent launch, in parts: GQA and MHA dense steps, a paged
-    step with a ragged batch and left padding, rotary tables (q rotated in the append), head dim 40, and two
-    rows per step."""
+    launch) and the decode kernel started as a dependent launch, in parts: GQA and MHA dense steps, paged steps
+    with a ragged batch and left padding (row copies) and from each cache's first key (whole-tile copies), rotary
+    tables (q rotated in the append), head dim 40, and two rows per step."""
     from flashattn_ext import flash_attn_with_kvcache
     gen = torch.Generator(device=device).manual_seed(0)
-    steps = ((2, 8, 2, 128, 3000, 1, False, False), (1, 4, 4, 64, 5000, 1, False, True),
-             (3, 6, 2, 128, 1024, 2, True, False), (2, 4, 1, 40, 700, 1, False, False))
+    # (batch, heads_q, heads_kv, head dim, cache, rows, paged: None, "leftpad" or "from 0", rotary)
+    steps = ((2, 8, 2, 128, 3000, 1, None, False), (1, 4, 4, 64, 5000, 1, None, True),
+             (3, 6, 2, 128, 1024, 2, "leftpad", False), (2, 8, 1, 128, 4096, 1, "from 0", False),
+             (2, 4, 1, 40, 700, 1, None, False))
     for b, hq, hk, e, cache, lq, paged, rotary in steps:
         randn = lambda *s: torch.randn(*s, generator=gen, device=device, dtype=torch.bfloat16)
         q, k, v = randn(b, lq, hq, e), randn(b, lq, hk, e), randn(b, lq, hk, e)
@@ -170,7 +172,8 @@ def kvcache_cases(device="cuda"):
             page = 256
             k_cache, v_cache = randn(b * cache // page, page, hk, e), randn(b * cache // page, page, hk, e)
             kw["block_table"] = torch.randperm(b * cache // page, device=device).view(b, -1).to(torch.int32)
-            kw["cache_leftpad"] = torch.tensor([0] + [100] * (b - 1), dtype=torch.int32, device=device)
+            if paged == "leftpad":
+                kw["cache_leftpad"] = torch.tensor([0] + [100] * (b - 1), dtype=torch.int32, device=device)
         else:
             k_cache, v_cache = randn(b, cache, hk, e), randn(b, cache, hk, e)
         if rotary:
