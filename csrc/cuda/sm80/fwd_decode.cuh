@@ -138,7 +138,7 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads, DecodeConf
   // When a tile's buffer is refilled: dense, right after the tile (a second barrier per tile), so that a block
   // waiting for its next tile has all kStages in flight; paged row by row, at the top of the tile after it, once
   // the wait for that tile is over (one tile fewer in flight). The row copy's table loads then overlap the wait,
-  // not the tile's products: refilled early, its MQA steps took up to 1.09x the time, dense ones 0.82-1.0x.
+  // not the tile's products: refilled early, its MQA steps took up to 1.09x the time, dense ones 0.84-1.02x.
   constexpr bool kRefillEarly = kKv != DecodeKv::kPagedRows;
   constexpr int kAhead = kRefillEarly ? kStages : kStages - 1;  // tiles in flight while a tile is computed
   // Q with the first tile, then the next kAhead - 1 tiles, a commit group each.
