@@ -228,8 +228,9 @@ struct DecodeConfig {
   static constexpr int kBN = kWarps * kWarpKeys;  // keys per tile
   // K / V tiles in flight: three stages where two blocks per SM still fit (dims <= 128), two above.
   static constexpr int kStages = kDim <= 128 ? 3 : 2;
-  // The blocks per SM the smem allows on sm_90 (228 KB), named to ptxas: without it, it caps dim 128 at
-  // 168 registers (three blocks' worth) and spills.
+  // Blocks per SM the registers are budgeted for (named to ptxas): at dims 128 / 256 those the smem allows on
+  // sm_90 (228 KB); three at dims <= 64. Without it ptxas capped dim 128 at 168 registers (three blocks' worth)
+  // and spilled.
   static constexpr int kBlocksPerSm = kDim <= 64 ? 3 : kDim <= 128 ? 2 : 1;
   // Swizzled rows at the tiers where the forward's are.
   static constexpr bool kSwizzle = tier_row(kFwdHalfTiers, kDim).swizzle;
