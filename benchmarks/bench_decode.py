@@ -3,21 +3,20 @@ cuDNN and efficient backends on the same dense cache, and a device-to-device cop
 
 One row = one decode step of B sequences, each with C keys in its cache: q (B, Lq, H, E) with
 Lq = 1 by default, the new keys appended at C - Lq (ours), attention to all C keys, not causal
-(bottom-right causal is a no-op for one row). ours-graph and ours-paged-graph are the dense and
-paged steps captured once in a CUDA graph and replayed (no Python or launch overhead). SDPA reads
-the same (B, Hkv, C, E) cache views in place, with enable_gqa where Hkv < H, and appends nothing.
+(bottom-right causal is a no-op for one row). SDPA reads the same (B, Hkv, C, E) cache views in place,
+with enable_gqa where Hkv < H, and appends nothing. Every implementation X is measured twice: X, eager
+calls, and X-graph, the same call captured once in a CUDA graph and replayed (no Python or launch overhead).
 Per row: µs per step (CUDA events, warm-up, median) and K/V bandwidth = bytes of K and V read
 (B·C·Hkv·2E·itemsize) / time. The copy column is the bandwidth ceiling: a device-to-device copy of
-that many bytes, counted as read + write bytes / time (what a copy moves). Summary columns: ours
-(the better of eager and graph) over the fastest SDPA backend (time), ours' K/V bandwidth as a
-percentage of the copy's, and paged over dense (time, graphs where measured). Rows whose buffers
-would pass --max-gb are skipped.
+that many bytes, counted as read + write bytes / time (what a copy moves). Summary columns (each side
+the better of eager and graph): ours over the fastest SDPA backend (time), ours' K/V bandwidth as a
+percentage of the copy's, and paged over dense (time). Rows whose buffers would pass --max-gb are skipped.
 
     python benchmarks/bench_decode.py                       # the default grid (bf16, E=128)
     python benchmarks/bench_decode.py --full                # B 1..64, C 1k..128k, E 64/128/256
     python benchmarks/bench_decode.py --device cpu --quick  # tiny sizes on the CPU (code paths only)
 
---impls may also name ours-rotary and ours-rotary-graph (not in the default list): the dense step
+--impls may also name ours-rotary (and ours-rotary-graph; not in the default list): the dense step
 with rotary tables (float32, the whole head, causal), q and the new keys rotated inside the
 append's launch; and flex-paged: torch's FlexAttention reading the paged cache in place (its
 PagedAttention helper maps the logical block mask onto the shuffled pages; page-sized key blocks),
@@ -37,7 +36,8 @@ import torch.nn.functional as F
 import flashattn_ext
 from flashattn_ext import _measure as M
 
-IMPLS = ("ours", "ours-graph", "ours-paged", "ours-paged-graph", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "copy")
+BASE_IMPLS = ("ours", "ours-paged", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "copy")
+IMPLS = tuple(i + suffix for i in BASE_IMPLS for suffix in ("", "-graph"))
 OPTIONAL_IMPLS = ("ours-rotary", "ours-rotary-graph", "flex-paged")
 KINDS = {"mha": 1, "gqa": 4, "mqa": None}  # query heads per key/value head (None: one key/value head)
 
@@ -139,7 +139,7 @@ def step_fn(impl, t):
         return lambda: flashattn_ext.flash_attn_with_kvcache(t["q"], t["k_cache"], t["v_cache"], t["k"], t["v"],
                                                              cache_seqlens=t["cache_seqlens"], rotary_cos=cos,
                                                              rotary_sin=sin, causal=True)
-    if impl in ("ours-graph", "ours-paged-graph", "ours-rotary-graph"):  # no Python or launch overhead
+    if impl.endswith("-graph"):  # no Python or launch overhead
         step = step_fn(impl[:-len("-graph")], t)
         step()  # lazy initialisation outside the capture
         graph = torch.cuda.CUDAGraph()
@@ -179,10 +179,10 @@ def measure(impl, t, kv_bytes, args):
         return {"skipped": "CUDA graphs need a CUDA device"}
     if (impl.startswith("ours-paged") or impl == "flex-paged") and "block_table" not in t:
         return {"skipped": f"cache length not a multiple of the page size {args.page_size}"}
-    fn = step_fn(impl, t)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
+            fn = step_fn(impl, t)  # (a graph is captured here)
             fn()
         except (RuntimeError, ValueError, NotImplementedError, torch.cuda.OutOfMemoryError) as e:
             notes = "; ".join(first_line(str(w.message)) for w in caught)
@@ -220,18 +220,20 @@ def _best_us(row, impls):
     return min(times) if times else None
 
 
+def best_us(row, base):
+    """The better of implementation `base`'s eager and graph-replay times (None where neither ran)."""
+    return _best_us(row, (base, base + "-graph"))
+
+
 def summarize(row):
-    """ours (the better of eager and graph) over the fastest SDPA backend, in time; ours' K/V
-    bandwidth as a percentage of the copy's; paged over dense, in time (graph replays where both
-    were measured, else eager)."""
-    ours, sdpa = _best_us(row, ("ours", "ours-graph")), _best_us(row, [i for i in row if i.startswith("sdpa-")])
+    """Each side the better of eager and graph replay: ours over the fastest SDPA backend, in time; ours'
+    K/V bandwidth as a percentage of the copy's; paged over dense, in time."""
+    ours, sdpa = best_us(row, "ours"), _best_us(row, [i for i in row if i.startswith("sdpa-")])
     row["ours_over_fastest_sdpa"] = ours / sdpa if ours and sdpa else None
-    copy = row.get("copy", {}).get("gb_per_s")
-    row["ours_pct_of_copy_bw"] = 100 * row["kv_bytes"] / (ours * 1e-6) / 1e9 / copy if ours and copy else None
-    graphs = all("us" in row.get(i, {}) for i in ("ours-graph", "ours-paged-graph"))
-    dense, paged = ("ours-graph", "ours-paged-graph") if graphs else ("ours", "ours-paged")
-    row["paged_over_dense"] = row[paged]["us"] / row[dense]["us"] if "us" in row.get(paged, {}) and \
-        "us" in row.get(dense, {}) else None
+    copy = best_us(row, "copy")
+    row["ours_pct_of_copy_bw"] = 100 * copy / (2 * ours) if ours and copy else None  # (a copy moves 2 kv_bytes)
+    paged = best_us(row, "ours-paged")
+    row["paged_over_dense"] = paged / ours if ours and paged else None
 
 
 def run_grid(args):
@@ -291,10 +293,11 @@ def plot(rows, impls, out_dir):
         fig, axes = plt.subplots(1, len(batches), figsize=(4.2 * len(batches), 3.8), squeeze=False)
         for ax, batch in zip(axes[0], batches):
             pts = sorted((r for r in sel if r["batch"] == batch), key=lambda r: r["cache"])
-            for impl in impls:
-                xy = [(r["cache"], r[impl]["gb_per_s"]) for r in pts if "gb_per_s" in r[impl]]
+            for base in dict.fromkeys(i[:-len("-graph")] if i.endswith("-graph") else i for i in impls):
+                moved = 2 if base == "copy" else 1  # (a copy's bandwidth counts read + written bytes)
+                xy = [(r["cache"], moved * r["kv_bytes"] / best_us(r, base) / 1e3) for r in pts if best_us(r, base)]
                 if xy:
-                    ax.plot(*zip(*xy), marker="o", label=impl, linestyle="--" if impl == "copy" else "-")
+                    ax.plot(*zip(*xy), marker="o", label=base, linestyle="--" if base == "copy" else "-")
             ax.set_xscale("log", base=2)
             ax.set_xlabel("cache length (keys)")
             ax.set_ylabel("K/V bandwidth (GB/s)")

@@ -1,7 +1,8 @@
 """A/B of decode steps across source trees (scripts/snapshot.sh puts them under snapshots/, each built in
 place): runs benchmarks/bench_decode.py in each tree in interleaved rounds (tree order reversed every other
 round), then prints per row and implementation the median time of each tree and its ratio to the first tree's.
-On a GPU machine, after building the trees:
+A tree given as PATH@VAR=VALUE[,VAR=VALUE...] runs with those environment variables set (one build measured
+under several settings). On a GPU machine, after building the trees:
 
     python3 scripts/decode_compare.py snapshots/a snapshots/b --rounds 2 \\
         --args "--impls ours-graph,ours-paged-graph --batches 1,8,64 --caches 8192,32768,131072 --repeats 100"
@@ -15,7 +16,7 @@ import sys
 import tempfile
 
 p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-p.add_argument("trees", nargs="+", help="source trees, each with its extension built in place")
+p.add_argument("trees", nargs="+", help="source trees, each with its extension built in place (PATH[@VAR=VALUE,...])")
 p.add_argument("--rounds", type=int, default=2)
 p.add_argument("--args", default="--impls ours-graph,ours-paged-graph --repeats 100",
                help="bench_decode.py arguments (the same for every tree)")
@@ -27,10 +28,12 @@ with tempfile.TemporaryDirectory() as tmp:
     for r in range(args.rounds):
         for i, tree in enumerate(args.trees if r % 2 == 0 else args.trees[::-1]):
             out_dir = os.path.join(tmp, f"r{r}_{i}")
-            root = os.path.abspath(tree)
+            path, _, settings = tree.partition("@")
+            root = os.path.abspath(path)
+            env = dict(kv.split("=", 1) for kv in settings.split(",") if kv)
             cmd = [sys.executable, "benchmarks/bench_decode.py", "--no-plots", "--out-dir", out_dir,
                    *shlex.split(args.args)]
-            done = subprocess.run(cmd, cwd=root, env={**os.environ, "PYTHONPATH": root}, capture_output=True,
+            done = subprocess.run(cmd, cwd=root, env={**os.environ, **env, "PYTHONPATH": root}, capture_output=True,
                                   text=True)
             if done.returncode != 0:
                 sys.exit(f"{tree}: bench_decode.py failed:\n{done.stderr[-2000:]}")

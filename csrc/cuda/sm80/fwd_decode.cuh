@@ -26,6 +26,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "../../common/sequence.h"
 #include "../../params.h"
@@ -315,16 +316,36 @@ inline int decode_chunk_rows(int64_t walks16, int64_t tiles, int64_t sms) {
   return walks16 * tiles >= kDecodePairTilesPerSm * sms ? kDecodeChunkRows : kDecodeSmallChunkRows;
 }
 
+// f(std::integral_constant<DecodeKv, kv>) for the call's kv: what names each variant's kernel.
+template <class F>
+auto with_decode_kv(DecodeKv kv, F&& f) {
+  switch (kv) {
+    case DecodeKv::kDense:
+      return f(std::integral_constant<DecodeKv, DecodeKv::kDense>{});
+    case DecodeKv::kPagedTiles:
+      return f(std::integral_constant<DecodeKv, DecodeKv::kPagedTiles>{});
+    default:
+      return f(std::integral_constant<DecodeKv, DecodeKv::kPagedRows>{});
+  }
+}
+constexpr const char* decode_kernel_name(DecodeKv kv) {
+  return kv == DecodeKv::kDense        ? "sm80::fwd_decode_kernel"
+         : kv == DecodeKv::kPagedTiles ? "sm80::fwd_decode_kernel (paged tiles)"
+                                       : "sm80::fwd_decode_kernel (paged rows)";
+}
+
 template <class Elem, int kDim>
 struct DecodeLaunch {
   using Cfg = DecodeConfig<Elem, kDim>;
   DecodeGrid grid;
+  DecodeKv kv = DecodeKv::kDense;
   int64_t walks = 0;
   bool usable = false;
 
   explicit DecodeLaunch(const FwdParams& p) {
     if (!Cfg::kServed || !decode_call(p) || !tensor_cores_usable(Cfg::kSmemBytes)) return;
-    const int per_sm = blocks_per_sm_once(decode_kv(p, Cfg::kBN));
+    kv = decode_kv(p, Cfg::kBN);
+    const int per_sm = blocks_per_sm_once(kv);
     if (per_sm < 1) return;
     usable = true;
     const int64_t packed = p.len_q * p.group(), tiles = (p.len_k + Cfg::kBN - 1) / Cfg::kBN;
@@ -345,19 +366,13 @@ struct DecodeLaunch {
     return grid.parts > 1 ? counter_bytes() + size_t(walks) * grid.parts * Cfg::kSlotFloats * sizeof(float) : 0;
   }
 
-  // Blocks per SM of the call's kernel, its smem limit set first: once per device and thread.
+  // Blocks per SM of the call's kernel, its smem limit set first: once per device, thread and variant.
   static int blocks_per_sm_once(DecodeKv kv) {
-    switch (kv) {
-      case DecodeKv::kDense:
-        return blocks_per_sm_cached<fwd_decode_kernel<Elem, kDim, DecodeKv::kDense>>(Cfg::kThreads, Cfg::kSmemBytes,
-                                                                                    "sm80::fwd_decode_kernel");
-      case DecodeKv::kPagedTiles:
-        return blocks_per_sm_cached<fwd_decode_kernel<Elem, kDim, DecodeKv::kPagedTiles>>(
-            Cfg::kThreads, Cfg::kSmemBytes, "sm80::fwd_decode_kernel (paged tiles)");
-      default:
-        return blocks_per_sm_cached<fwd_decode_kernel<Elem, kDim, DecodeKv::kPagedRows>>(
-            Cfg::kThreads, Cfg::kSmemBytes, "sm80::fwd_decode_kernel (paged rows)");
-    }
+    return with_decode_kv(kv, [](auto k) {
+      constexpr DecodeKv kKv = decltype(k)::value;
+      return blocks_per_sm_cached<fwd_decode_kernel<Elem, kDim, kKv>>(Cfg::kThreads, Cfg::kSmemBytes,
+                                                                      decode_kernel_name(kKv));
+    });
   }
 };
 
@@ -388,12 +403,11 @@ bool launch_decode(const FwdParams& p, cudaStream_t stream) {
         grid.parts = 1;
       }
     }
-    const DecodeKv kv = decode_kv(p, Cfg::kBN);
-    const auto kernel = kv == DecodeKv::kDense        ? fwd_decode_kernel<Elem, kDim, DecodeKv::kDense>
-                        : kv == DecodeKv::kPagedTiles ? fwd_decode_kernel<Elem, kDim, DecodeKv::kPagedTiles>
-                                                      : fwd_decode_kernel<Elem, kDim, DecodeKv::kPagedRows>;
-    launch_after_prior(kernel, unsigned(l.walks * grid.parts), Cfg::kThreads, Cfg::kSmemBytes, stream,
-                       "sm80::fwd_decode_kernel", p, grid);
+    with_decode_kv(l.kv, [&](auto k) {
+      constexpr DecodeKv kKv = decltype(k)::value;
+      launch_after_prior(fwd_decode_kernel<Elem, kDim, kKv>, unsigned(l.walks * grid.parts), Cfg::kThreads,
+                         Cfg::kSmemBytes, stream, decode_kernel_name(kKv), p, grid);
+    });
     return true;
   }
 }
