@@ -92,26 +92,44 @@ __device__ __forceinline__ void warp_scores(float (&s)[2][4], const Reads& read,
     M::mma(s[0], a, bk[0]);
     M::mma(s[1], a, bk[1]);
   }
-  const bool visible = all_visible(n0);
+  if (all_visible(n0)) {  // (uniform across the block: the common tile skips the columns' arithmetic)
+#pragma unroll
+    for (int jn = 0; jn < 2; ++jn)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[jn][e] *= score_scale;
+    return;
+  }
 #pragma unroll
   for (int jn = 0; jn < 2; ++jn)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int64_t col = n0 + 16 * (read.slot + next) + 8 * jn + 2 * t + (e & 1);
       const int r = e >> 1;
-      s[jn][e] = visible || (col >= lo[r] && col < hi[r]) ? s[jn][e] * score_scale : neg_inf<float>();
+      s[jn][e] = col >= lo[r] && col < hi[r] ? s[jn][e] * score_scale : neg_inf<float>();
     }
 }
 
-// The online softmax over the warp's keys of a tile (s: scaled scores, masked ones -inf; becomes
-// the unnormalised P), the lane's rows' max and sum updated (online_softmax_step, the SIMT kernels'
-// step, on a row's four scores); alpha rescales O.
+// The online softmax over the warp's keys of a tile (s: scaled scores, masked ones -inf; becomes the
+// unnormalised P), the lane's rows' max and sum updated; alpha rescales O. A tile that does not raise a row's max
+// gives it alpha = 1 without an exponential: along a long walk most tiles, so that warp_pv skips the rescale.
 __device__ __forceinline__ void warp_softmax(float (&s)[2][4], float (&row_max)[2], float (&row_sum)[2],
                                              float (&alpha)[2]) {
+  using Exp = ExpDomain<float>;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float x[4] = {s[0][2 * r], s[0][2 * r + 1], s[1][2 * r], s[1][2 * r + 1]};
-    alpha[r] = online_softmax_step<4>(x, row_max[r], row_sum[r]);
+    const float tile_max = reduce_max_lanes<4>(acc_max(acc_max(x[0], x[1]), acc_max(x[2], x[3])));
+    const bool moves = tile_max > row_max[r];  // (row_max -inf: any visible key raises it)
+    const float base = exp_base(moves ? tile_max : row_max[r]);
+    alpha[r] = moves ? Exp::exp(row_max[r] - base) : 1.f;
+    if (moves) row_max[r] = tile_max;
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      x[j] = Exp::exp(x[j] - base);
+      sum += x[j];
+    }
+    row_sum[r] = row_sum[r] * alpha[r] + sum;
     s[0][2 * r] = x[0];
     s[0][2 * r + 1] = x[1];
     s[1][2 * r] = x[2];
@@ -126,13 +144,14 @@ __device__ __forceinline__ void warp_pv(float (&o)[kDA][4], float (&s)[2][4], co
   using M = typename Reads::M;
   typename M::A pa;
   M::a_from_acc(pa, s);
+  if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {  // (a row's max rose: rarely, late in a walk)
+#pragma unroll
+    for (int d = 0; d < kDA; ++d)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[d][e] *= alpha[e >> 1];
+  }
 #pragma unroll
   for (int d = 0; d < kDA; d += 2) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      o[d][e] *= alpha[e >> 1];
-      o[d + 1][e] *= alpha[e >> 1];
-    }
     typename M::B bv[2];
     read.v(bv, stage, next, 8 * d);
     M::mma(o[d], pa, bv[0]);
