@@ -154,7 +154,8 @@ def float8_cases():
 
 def kvcache_cases(device="cuda"):
     """flash_attn_with_kvcache steps: the append (a warp per head; the decode kernel's counters cleared in its
-    launch) and the decode kernel started as a dependent launch, in parts: GQA and MHA dense steps, paged steps
+    launch) and the decode kernel started as a dependent launch, in parts (more than 8 in the first and fourth
+    steps: their rows merged in sets): GQA and MHA dense steps, paged steps
     with a ragged batch and left padding (row copies) and from each cache's first key (whole-tile copies), rotary
     tables (q rotated in the append), head dim 40, and two rows per step."""
     from flashattn_ext import flash_attn_with_kvcache

@@ -469,6 +469,17 @@ def test_cuda_decode_warp_pairs(paged):
 
 
 @needs_cuda
+@pytest.mark.parametrize("paged", [False, True])
+def test_cuda_decode_merge_in_sets(paged):
+    """MQA steps whose walks are cut into more parts than a set holds, so that the parts' rows merge in two
+    levels (sets of parts, then the sets): one sequence of 32 query heads (two 16-row walks of 400 tiles, cut
+    into 100 parts on a 132-SM GPU: 13 sets, the last of 4 parts), and three of 96 query heads at dim 64
+    (eighteen walks of 22 parts there: sets of 8, 8 and 6; ragged lengths, one shorter than a part)."""
+    _check_cuda_step(1, 32, 1, 128, 25600, [25600], page=256 if paged else None)
+    _check_cuda_step(3, 96, 1, 64, 32768, [32768, 20001, 70], page=64 if paged else None)
+
+
+@needs_cuda
 def test_cuda_paged_whole_walks_of_small_pages():
     """A paged step whose walks are not cut into parts (8 x 64 walks fill GPUs of up to 170 SMs), each over up to
     1024 pages of 16 keys in shuffled blocks, ragged lengths down to one page."""

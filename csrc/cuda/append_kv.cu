@@ -136,7 +136,10 @@ std::string run_append(const AppendParams& p, void* stream) {
 }
 
 int64_t step_counter_words(int64_t batch, int64_t heads_kv) {
-  return batch * heads_kv * sm80::kDecodeMaxWalksPerHead;  // (a counter per walk of the decode kernel)
+  // The decode kernel's counters: one per walk, and one per walk and set of parts, where a walk has at most
+  // parts / kDecodePartsPerSet + 1 sets and the walks' parts fill at most one wave (at most 32 blocks per SM).
+  const int64_t walks = batch * heads_kv * sm80::kDecodeMaxWalksPerHead;
+  return 2 * walks + 32 * device_limits().sms / sm80::kDecodePartsPerSet;
 }
 
 }  // namespace flashattn::cuda

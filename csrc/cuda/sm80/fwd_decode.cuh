@@ -43,10 +43,11 @@ namespace flashattn::cuda::sm80 {
 
 // The grid: blocks (batch, kv head, part, chunk) with the chunk fastest, so that the chunks of a GQA
 // group's part, which read the same K / V tiles, run side by side and share them through L2; a walk is
-// (batch, kv head, chunk). `partial` (a slot per walk and part) and `counters` (one per walk) where
-// parts > 1.
+// (batch, kv head, chunk). Where parts > 1, `partial`: a slot per walk and part, then one per walk and set;
+// `counters`: one per walk, then one per walk and set.
 struct DecodeGrid {
   int chunks = 1, parts = 1, chunk_rows = kDecodeChunkRows;  // chunk_rows: 16 or 32 (decode_chunk_rows)
+  int per_set = 1 << 30;  // parts per set of the two-level merge (>= parts: one level)
   float* partial = nullptr;
   unsigned* counters = nullptr;
 };
@@ -265,37 +266,68 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads, DecodeConf
     return;
   }
   // A part: its rows to its slot; the walk's last part to finish adds every part's rows in part order (its own
-  // read back too), whichever part that is.
+  // read back too), whichever part that is. With sets (grid.per_set < parts), the last part of each set of
+  // per_set parts first adds the set's rows into the set's slot, and the walk's last set adds the sets': the
+  // rows a walk's merge reads are then spread over the sets' blocks.
   auto slot = [&](int64_t i) { return grid.partial + i * int64_t(Cfg::kSlotFloats); };
-  float* mine = slot(walk * grid.parts + part);
-  for (int i = 0; i < groups; ++i) {
-    merge_warps(i);
-    const int row = kWarpRows * i + tid / 8;
-    if (row < rows) {  // (only the chunk's rows: a decode step of a GQA group of 4 fills 4 of the 32)
+  auto store_slot = [&](float* dst, int row) {  // the thread's share of row `row` (acc, mx, l)
 #pragma unroll
-      for (int c = 0; c < kCols; ++c) __stcg(reinterpret_cast<float4*>(mine + row * kDim + col0 + 32 * c), acc[c]);
-      if (tid % 8 == 0) {
-        __stcg(mine + kRows * kDim + row, mx);
-        __stcg(mine + kRows * kDim + kRows + row, l);
-      }
+    for (int c = 0; c < kCols; ++c) __stcg(reinterpret_cast<float4*>(dst + row * kDim + col0 + 32 * c), acc[c]);
+    if (tid % 8 == 0) {
+      __stcg(dst + kRows * kDim + row, mx);
+      __stcg(dst + kRows * kDim + kRows + row, l);
     }
-  }
-  __threadfence();  // this thread's rows reach L2 before the count that publishes them
-  __syncthreads();
-  bool merge = false;
-  if (tid == 0) merge = atomicAdd(grid.counters + walk, 1u) == unsigned(grid.parts - 1);
-  if (!__syncthreads_or(merge)) return;
-  __threadfence();  // the other parts' rows, published before their counts, are seen
-  for (int i = 0; i < groups; ++i) {
-    const int row = kWarpRows * i + tid / 8;
-    if (row >= rows) return;
+  };
+  auto add_slots = [&](int64_t first, int n, int row) {  // row `row` of slots first .. first + n - 1, in order
     reset();
 #pragma unroll 4
-    for (int j = 0; j < grid.parts; ++j) {
-      const float* src = slot(walk * grid.parts + j);
+    for (int j = 0; j < n; ++j) {
+      const float* src = slot(first + j);
       add_rows(__ldcg(src + kRows * kDim + row), __ldcg(src + kRows * kDim + kRows + row),
                [&](int c) { return __ldcg(reinterpret_cast<const float4*>(src + row * kDim + col0 + 32 * c)); });
     }
+  };
+  // Counts the block at `counter`; true (in every thread) in the last of `blocks` to arrive, which then sees the
+  // rows the others stored before they counted.
+  auto last_of = [&](unsigned* counter, int blocks) {
+    __threadfence();  // this thread's rows reach L2 before the count that publishes them
+    __syncthreads();
+    bool last = false;
+    if (tid == 0) last = atomicAdd(counter, 1u) == unsigned(blocks - 1);
+    if (!__syncthreads_or(last)) return false;
+    __threadfence();
+    return true;
+  };
+  for (int i = 0; i < groups; ++i) {
+    merge_warps(i);
+    const int row = kWarpRows * i + tid / 8;
+    // (only the chunk's rows: a decode step of a GQA group of 4 fills 4 of the 32)
+    if (row < rows) store_slot(slot(walk * grid.parts + part), row);
+  }
+  const int64_t walks = gridDim.x / unsigned(grid.parts);
+  int64_t merged = walk * grid.parts;  // the slots the walk's last block adds: merged .. merged + count - 1
+  int count = grid.parts;
+  if (grid.per_set < grid.parts) {
+    const int sets = (grid.parts + grid.per_set - 1) / grid.per_set, set = part / grid.per_set;
+    const int in_set = grid.parts - set * grid.per_set < grid.per_set ? grid.parts - set * grid.per_set
+                                                                      : grid.per_set;
+    if (!last_of(grid.counters + walks + walk * sets + set, in_set)) return;
+    const int64_t set_slot = walks * grid.parts + walk * sets;
+    for (int i = 0; i < groups; ++i) {
+      const int row = kWarpRows * i + tid / 8;
+      if (row < rows) {
+        add_slots(walk * grid.parts + set * grid.per_set, in_set, row);
+        store_slot(slot(set_slot + set), row);
+      }
+    }
+    merged = set_slot;
+    count = sets;
+  }
+  if (!last_of(grid.counters + walk, count)) return;
+  for (int i = 0; i < groups; ++i) {
+    const int row = kWarpRows * i + tid / 8;
+    if (row >= rows) return;
+    add_slots(merged, count, row);
     store_row(row);
   }
 }
@@ -303,8 +335,9 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads, DecodeConf
 // The plan of a decode call: blocks per SM (smem set, asked once per device), chunks, and parts
 // where the walks are fewer than the GPU's slots.
 // Parts: enough to fill one wave of the GPU, each of at least kDecodeMinPartTiles key tiles, at
-// most kDecodeMaxParts (the merge reads every part's rows).
-constexpr int64_t kDecodeMinPartTiles = 4, kDecodeMaxParts = 64;
+// most kDecodeMaxParts; merged in sets of kDecodePartsPerSet where there are more (one block reading 64 parts'
+// rows, 512 KB at MQA's 16 rows a part, was the largest share of a small MQA step).
+constexpr int64_t kDecodeMinPartTiles = 4, kDecodeMaxParts = 128;
 
 // Rows of a chunk: 32 (warp pairs: each K / V tile read once per 32 rows) where the call reads enough tiles to
 // be bound by memory, else 16 (twice the blocks, half the steps per warp, one merge pass; each tile read twice,
@@ -359,11 +392,16 @@ struct DecodeLaunch {
     parts = parts < kDecodeMaxParts ? parts : kDecodeMaxParts;
     grid.parts = parts > 1 ? int(parts) : 1;
     if (walks * grid.parts > 0x7fffffff) grid.parts = 1;
+    if (grid.parts > kDecodePartsPerSet) grid.per_set = int(kDecodePartsPerSet);
     if (grid_too_large(walks, "sm80::fwd_decode_kernel")) usable = false;
   }
-  size_t counter_bytes() const { return (size_t(walks) * sizeof(unsigned) + 255) / 256 * 256; }
+  int64_t sets() const { return grid.per_set < grid.parts ? (grid.parts + grid.per_set - 1) / grid.per_set : 0; }
+  int64_t counter_words() const { return walks * (1 + sets()); }
+  size_t counter_bytes() const { return (size_t(counter_words()) * sizeof(unsigned) + 255) / 256 * 256; }
   size_t workspace_bytes() const {
-    return grid.parts > 1 ? counter_bytes() + size_t(walks) * grid.parts * Cfg::kSlotFloats * sizeof(float) : 0;
+    return grid.parts > 1
+               ? counter_bytes() + size_t(walks) * (grid.parts + sets()) * Cfg::kSlotFloats * sizeof(float)
+               : 0;
   }
 
   // Blocks per SM of the call's kernel, its smem limit set first: once per device, thread and variant.
@@ -392,11 +430,11 @@ bool launch_decode(const FwdParams& p, cudaStream_t stream) {
       if (p.workspace != nullptr && p.workspace_bytes >= l.workspace_bytes()) {
         char* ws = static_cast<char*>(p.workspace);
         grid.partial = reinterpret_cast<float*>(ws + l.counter_bytes());
-        if (p.zeroed != nullptr && p.zeroed_words >= l.walks) {
+        if (p.zeroed != nullptr && p.zeroed_words >= l.counter_words()) {
           grid.counters = p.zeroed;
         } else {
           grid.counters = reinterpret_cast<unsigned*>(ws);
-          check_cuda(cudaMemsetAsync(grid.counters, 0, size_t(l.walks) * sizeof(unsigned), stream),
+          check_cuda(cudaMemsetAsync(grid.counters, 0, size_t(l.counter_words()) * sizeof(unsigned), stream),
                      "cudaMemsetAsync(decode counters)");
         }
       } else {

@@ -257,5 +257,7 @@ inline bool decode_call(const FwdParams& p) {
 }
 // The most walks (chunks) a kv head of a call decode_call takes can have: its rows in small chunks.
 constexpr int64_t kDecodeMaxWalksPerHead = kDecodeChunkRows * kDecodeMaxChunks / kDecodeSmallChunkRows;
+// Parts per set of the decode kernel's two-level merge (fwd_decode.cuh).
+constexpr int64_t kDecodePartsPerSet = 8;
 
 }  // namespace flashattn::cuda::sm80
