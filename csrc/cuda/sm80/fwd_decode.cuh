@@ -11,7 +11,8 @@
 // K / V tiles stream through kStages buffers (cp.async). A grid smaller than the GPU cuts each
 // walk over the keys into parts, a block each; a part stores its merged rows (fp32) in the
 // workspace, and the walk's last part to finish (a counter per walk) adds every part in part
-// order, so the output does not depend on which part that is.
+// order, so the output does not depend on which part that is (in sets of 8 parts first where there
+// are more: the last part of each set adds its set).
 // Per-sequence key ranges (seqused_k, leftpad_k: a KV cache's lengths and left padding) are read
 // on the device (sequence()): a walk covers its own sequence's keys, while the parts are sized on
 // the host from len_k (the cache's length, the longest possible walk), so the grid never depends
