@@ -73,7 +73,7 @@ if [[ " $STEPS " == *" sanitize "* ]]; then
     if [[ " $SANITIZE_KERNELS " == *" wgmma "* ]]; then
       echo "--- $tool, kernels: wgmma" | tee -a "$OUT/sanitize.log"
       FLASHATTN_CUDA_KERNELS=wgmma compute-sanitizer --tool $tool --error-exitcode 9 \
-        python3 scripts/sanitize_cases.py 30 60 2>&1 | tee -a "$OUT/sanitize.log" | tail -4
+        python3 scripts/sanitize_cases.py 30 70 2>&1 | tee -a "$OUT/sanitize.log" | tail -4
       status=$(( status | ${PIPESTATUS[0]} ))
     fi
     if [[ " $SANITIZE_KERNELS " == *" sm80 "* ]]; then

@@ -68,6 +68,12 @@ CASES = [  # (dtype, batch, heads_q, heads_kv, len_q, len_k, head_dim, head_dim_
     # the second 192-row item; persistent with 400 rows (the third item: one consumer's rows).
     (torch.bfloat16, 1, 4, 2, 200, 2500, 64, 64, 2),
     (torch.float16, 1, 150, 50, 400, 2100, 64, 64, 0),
+    # ... causal grids larger than the GPU with few query tiles per head, persistent in pairs of a heavy and
+    # a light tile (schedule/causal_order.cuh): 3 tiles (two heads' middle tiles paired) of an odd head count,
+    # 5 bottom-right over GQA, 16 at dim 64 (items carried into each other); forward only.
+    (torch.bfloat16, 1, 135, 135, 300, 300, 128, 128, 1, "forward"),
+    (torch.float16, 1, 45, 15, 600, 900, 128, 128, 2, "forward"),
+    (torch.bfloat16, 1, 20, 10, 2000, 2100, 64, 64, 2, "forward"),
     # The warp-specialized dK/dV kernel on sm_90 (sm90/bwd_sm90.cuh) with query lengths a multiple
     # of 16: dQ tiles through smem and the bulk reduce-add (other lengths: the consumers' atomics), GQA,
     # ragged key tiles; dims 128 and 64.

@@ -180,6 +180,26 @@ def test_forward_long_key_walks(device, dtype, head_dim, causal, len_q, heads_kv
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [TOP_LEFT, BOTTOM_RIGHT], ids=["top_left", "bottom_right"])
+@pytest.mark.parametrize("heads,heads_kv,len_q,len_k", [(0, 0, 100, 100), (0, 0, 300, 300), (33, 11, 1100, 1100),
+                                                        (45, 45, 600, 900)],
+                         ids=["one_tile", "three_tiles", "gqa_nine_tiles", "five_tiles_more_keys"])
+def test_forward_causal_paired_walk(device, head_dim, causal, heads, heads_kv, len_q, len_k):
+    """Causal grids larger than the GPU whose heads have few query tiles: on sm_90 the wgmma forward's
+    persistent grid pairs each head's heavy and light tiles (schedule/causal_order.cuh: paired_walk_block),
+    two heads of an odd tile count (1, 3, 9, 5 at 128 rows) their middle tiles, and an odd head count
+    (SMs + 3, 33, 45) leaves a last head of single tiles after the pairs' rounds. (Dim 64 below 2048 keys
+    per row runs the sm80/ kernels unless the wgmma forward is forced.) CPU: two heads, 130 rows."""
+    if device == "cuda":
+        heads = heads or torch.cuda.get_device_properties(device).multi_processor_count + 3
+        heads_kv = heads_kv or heads
+    else:
+        heads, heads_kv, len_q, len_k = 2, (1 if heads_kv != heads else 2), 130, 130 + len_k - len_q
+    q, k, v = make_qkv(1, heads, heads_kv, len_q, len_k, head_dim, head_dim, torch.bfloat16, device)
+    check_against_reference(q, k, v, head_dim**-0.5, causal)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("heads_q,len_q", [(2, 20), (8, 1)], ids=["split_walks", "decode"])
 def test_forward_split_is_deterministic_and_keeps_nan(device, head_dim, heads_q, len_q):
     """The merges add a walk's parts in part order whichever part finishes last (and the decode

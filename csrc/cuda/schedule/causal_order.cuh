@@ -55,4 +55,54 @@ __device__ __forceinline__ unsigned ordered_block(const HeavyLast& order, int ti
   return kOrdered && b >= order.start ? heavy_last_block(order, tiles, b) : b;
 }
 
+// The order of the Hopper forward's work items (sm90/fwd_rows.cuh: FwdTile): on a grid of a block
+// per item, a causal grid's last pairs tile slowest (`heavy`); on a persistent causal grid, where a
+// block walks items index = blockIdx.x, + gridDim.x, ..., paired_walk_block's pairs of a heavy and a
+// light tile (`paired`).
+struct FwdOrder {
+  HeavyLast heavy{};
+  bool paired = false;
+};
+
+// Where a causal forward grid goes persistent with paired_walk_block's order: grids larger than the
+// GPU's slots whose (batch, head) pairs have at most `max_tiles` query tiles (the kernel's measured
+// bound, sm90/tile_config.h: FwdWsConfig::kPairedMaxTiles).
+inline bool plan_paired_walk(int64_t items, int64_t tiles, int64_t slots, int64_t max_tiles) {
+  return items > slots && tiles <= max_tiles;
+}
+
+// The block of the plain grid (`tiles` query tiles per (batch, head) pair, the heaviest first; `pairs`
+// pairs) that work item `s` of a persistent grid of `grid` blocks runs, block b taking s = b, b + grid,
+// .... A causal pair's tile j and tile tiles - 1 - j together see as many keys as any other two so
+// paired (their rows see the keys up to them), so a block takes such a unit's heavy tile and then its
+// light one: the blocks' shares are equal. Units go pair by pair (the blocks in flight share a few
+// pairs' K / V in L2); two pairs of an odd tile count pair their middle tiles. The units that do not
+// fill a round of the grid end it, each tile on its own (the heavy ones first), and an odd last pair's
+// tiles after them.
+__host__ __device__ __forceinline__ unsigned paired_walk_block(unsigned tiles, unsigned pairs, unsigned grid,
+                                                               unsigned s) {
+  const unsigned half = tiles / 2, units = pairs / 2 * tiles, full = units / grid * grid;
+  auto unit_tile = [&](unsigned u, bool heavy) {
+    const unsigned two = u / tiles, r = u % tiles;  // (units of two pairs: `tiles` of them)
+    if (r < 2 * half) {
+      const unsigned j = r % half;
+      return (2 * two + r / half) * tiles + (heavy ? j : tiles - 1 - j);
+    }
+    return (2 * two + (heavy ? 0 : 1)) * tiles + half;  // the two pairs' middle tiles
+  };
+  if (s < 2 * full) return unit_tile(s / grid / 2 * grid + s % grid, s / grid % 2 == 0);
+  if (s < 2 * units) {
+    const unsigned t = s - 2 * full, rest = units - full;
+    return t < rest ? unit_tile(full + t, true) : unit_tile(full + 2 * rest - 1 - t, false);
+  }
+  return (pairs - 1) * tiles + (s - 2 * units);
+}
+
+// The block of the plain grid that work item `index` of a forward grid in `order` runs.
+__device__ __forceinline__ unsigned fwd_ordered_block(const FwdOrder& order, int tiles, unsigned pairs,
+                                                      unsigned index) {
+  if (order.paired) return paired_walk_block(unsigned(tiles), pairs, gridDim.x, index);
+  return index >= order.heavy.start ? heavy_last_block(order.heavy, tiles, index) : index;
+}
+
 }  // namespace flashattn::cuda

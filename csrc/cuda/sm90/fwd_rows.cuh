@@ -42,7 +42,7 @@ struct FwdKeys {
   }
 };
 
-// The block's query tile of kBM rows (the last tiles first; a causal grid's last heads tile slowest,
+// The block's query tile of kBM rows (the last tiles first; a causal grid's in FwdOrder's order,
 // schedule/causal_order.cuh) and the key tiles of kBN keys that its rows see.
 template <int kBM, int kBN>
 struct FwdTile {
@@ -51,9 +51,9 @@ struct FwdTile {
   int rows, n_tiles;
 
   // Work item `index` of the grid's order (blockIdx.x where a block takes one).
-  __device__ __forceinline__ FwdTile(const FwdParams& p, int num_m_tiles, const HeavyLast& order,
+  __device__ __forceinline__ FwdTile(const FwdParams& p, int num_m_tiles, const FwdOrder& order,
                                      unsigned index = blockIdx.x) {
-    const unsigned ordered = index >= order.start ? heavy_last_block(order, num_m_tiles, index) : index;
+    const unsigned ordered = fwd_ordered_block(order, num_m_tiles, unsigned(p.heads_q * p.batch), index);
     const TileBlock blk = tile_block(num_m_tiles, 1, p.heads_q, /*heaviest_first=*/true, ordered);
     h = blk.head;
     hk = kv_head(p, h);

@@ -29,26 +29,32 @@ bool encode_ws_maps(const FwdParams& p, FwdPanelMaps& maps) {
          encode_panel_map(&maps.v, p.v, p.v_stride, p.batch, p.heads_kv, p.len_k, p.head_dim_v, Cfg::kBN);
 }
 
-// The grid of a kernel with kBM-row query tiles: its blocks, the last tiles first (a causal grid's
-// last heads tile slowest, schedule/causal_order.cuh), and the kernel's blocks per SM.
+// The grid of a kernel with kBM-row query tiles: its work items (one per query tile, the last tiles
+// first), the blocks that walk them, their order (schedule/causal_order.cuh) and the kernel's blocks per SM.
+// Grids larger than the GPU are persistent: a block per SM slot walks several items. Non-causal items
+// are alike; causal ones differ in length and walk in pairs of a heavy and a light tile where the kernel
+// gains by it (plan_paired_walk), else a block per item, the last pairs' tiles slowest.
 struct FwdGrid {
-  int64_t blocks;
+  int64_t items, blocks;
   int num_m_tiles, per_sm;
-  HeavyLast order;
+  FwdOrder order;
 };
 
 template <class Cfg, auto kKernel>
 FwdGrid fwd_grid(const FwdParams& p) {
   FwdGrid g{};
   const int64_t num_m_tiles = (p.len_q + Cfg::kBM - 1) / Cfg::kBM;
-  g.blocks = num_m_tiles * p.heads_q * p.batch;
-  if (grid_too_large(g.blocks, "sm90 forward")) {
-    g.blocks = 0;  // (an empty grid fails to launch: the failure above is the one reported)
+  g.items = num_m_tiles * p.heads_q * p.batch;
+  if (grid_too_large(g.items, "sm90 forward")) {
+    g.items = g.blocks = 0;  // (an empty grid fails to launch: the failure above is the one reported)
     return g;
   }
   g.num_m_tiles = int(num_m_tiles);
   g.per_sm = blocks_per_sm_cached<kKernel>(Cfg::kThreads, Cfg::kSmemBytes, "sm90 forward");
-  if (p.causal) g.order = plan_heavy_last(g.blocks, num_m_tiles, g.per_sm);
+  const int64_t slots = int64_t(device_limits().sms) * (g.per_sm > 0 ? g.per_sm : 1);
+  g.order.paired = p.causal && plan_paired_walk(g.items, num_m_tiles, slots, Cfg::kPairedMaxTiles);
+  g.blocks = g.items > slots && (!p.causal || g.order.paired) ? slots : g.items;
+  if (p.causal && !g.order.paired) g.order.heavy = plan_heavy_last(g.items, num_m_tiles, g.per_sm);
   return g;
 }
 
@@ -91,12 +97,9 @@ __global__ void __launch_bounds__(256) fp8_v_transposed_kernel(const FwdParams p
 template <class Elem, int kDim, class Cfg>
 void launch_ws(const FwdParams& p, const FwdMaps& maps, cudaStream_t stream) {
   const FwdGrid g = fwd_grid<Cfg, fwd_ws_kernel<Elem, kDim, Cfg>>(p);
-  // Non-causal grids larger than the GPU: persistent, a block per SM slot walking several items.
-  const int64_t slots = int64_t(device_limits().sms) * (g.per_sm > 0 ? g.per_sm : 1);
-  const int64_t grid = !p.causal && g.blocks > slots ? slots : g.blocks;
   const FwdKernelMaps<Cfg>& kernel_maps = maps;
-  fwd_ws_kernel<Elem, kDim, Cfg><<<unsigned(grid), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
-      p, kernel_maps, g.num_m_tiles, unsigned(g.blocks), g.order);
+  fwd_ws_kernel<Elem, kDim, Cfg><<<unsigned(g.blocks), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
+      p, kernel_maps, g.num_m_tiles, unsigned(g.items), g.order);
   check_launch("sm90 forward");
 }
 

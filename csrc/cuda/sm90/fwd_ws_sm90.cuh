@@ -11,11 +11,11 @@
 // consumers (setmaxnreg): at the launch's even share (168 per thread at 384 threads) their key loop
 // spilled.
 //
-// On non-causal grids larger than the GPU the grid is persistent (fwd_sm90.cu): a block per SM walks
-// several work items of 64 rows per consumer, with two Q buffers (one at dim 256), so the producer
-// copies the next item's Q and first K / V tiles while the consumers finish this one (its last P V and
-// output); a block per item otherwise (causal items differ in length, which fixed shares per block
-// would leave unbalanced).
+// On grids larger than the GPU the grid is persistent (fwd_sm90.cu): a block per SM walks several work
+// items of 64 rows per consumer, with two Q buffers (one at dim 256), so the producer copies the next
+// item's Q and first K / V tiles while the consumers finish this one (its last P V and output). Causal
+// items differ in length: a block takes a heavy and a light one in turn (schedule/causal_order.cuh) where
+// the configuration gains by it (FwdWsConfig::kPairedMaxTiles), else the grid has a block per item.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -34,7 +34,7 @@ namespace flashattn::cuda::sm90 {
 // or Q buffer waits for the consumers to have released its previous use.
 template <int kDim, class Cfg, class Tile, class QAt, class KAt, class VAt>
 __device__ __forceinline__ void fwd_ws_producer(const FwdParams& p, const FwdPanelMaps& maps, int num_m_tiles,
-                                                unsigned num_work, const HeavyLast& order, const QAt& sQ,
+                                                unsigned num_work, const FwdOrder& order, const QAt& sQ,
                                                 const KAt& sK, const VAt& sV, uint64_t* const k_full,
                                                 uint64_t* const v_full, uint64_t* const k_empty,
                                                 uint64_t* const v_empty, uint64_t* const q_empty) {
@@ -131,7 +131,7 @@ struct FwdKeyBiasRing {
 // loads run ahead of the consumers' softmax by up to kBiasStages tiles.
 template <class Elem, class Cfg, class Tile>
 __device__ __forceinline__ void fwd_ws_key_bias_producer(const FwdParams& p, int num_m_tiles, unsigned num_work,
-                                                         const HeavyLast& order, const FwdKeyBiasRing<Cfg>& ring,
+                                                         const FwdOrder& order, const FwdKeyBiasRing<Cfg>& ring,
                                                          int lane) {
   constexpr int kBN = Cfg::kBN, kStages = Cfg::kBiasStages, kPerLane = kBN / 32;
   with_key_reader<Elem>(p, [&](auto key_value) {
@@ -177,7 +177,7 @@ struct FwdRowBiasRing {
 // consumer has released the stage's previous tile, in the bias's dims (a broadcast one at coordinate 0).
 template <class Cfg, class Tile>
 __device__ __forceinline__ void fwd_ws_row_bias_producer(const FwdParams& p, const FwdMaps& maps, int num_m_tiles,
-                                                         unsigned num_work, const HeavyLast& order,
+                                                         unsigned num_work, const FwdOrder& order,
                                                          const FwdRowBiasRing<Cfg>& ring) {
   constexpr int kBN = Cfg::kBN, kStages = Cfg::kRowBiasStages;
   tma_prefetch_map(&maps.bias);
@@ -371,7 +371,7 @@ using FwdKernelMaps = std::conditional_t<Cfg::kRowBias, FwdMaps, FwdPanelMaps>;
 template <class Elem, int kDim, class Cfg = FwdWsConfig<Elem, kDim>>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     fwd_ws_kernel(const FwdParams p, const __grid_constant__ FwdKernelMaps<Cfg> maps, int num_m_tiles,
-                  unsigned num_work, HeavyLast order) {
+                  unsigned num_work, FwdOrder order) {
 #ifdef FLASHATTN_WGMMA
   using Exp = ExpDomain<float>;
   constexpr int kBM = Cfg::kBM, kBN = Cfg::kBN, kStages = Cfg::kStages, kQBuffers = Cfg::kQBuffers;

@@ -97,7 +97,15 @@ struct FwdWsConfig {
   // block's first S and last P V, which nothing overlaps, cost more than the products gain against the
   // sm80/ kernels (measurements: docs/kernels/sm90_forward_ws.md).
   static constexpr int64_t kMinKeys = 512;
-  static constexpr int64_t kMinCausalKeys = kDim == 64 ? 2048 : kDim == 256 ? 512 : 0;
+  static constexpr int64_t kMinCausalKeys = kDim == 64 ? 1024 : kDim == 256 ? 512 : 0;
+  // Causal grids larger than the GPU whose heads have at most this many query tiles run persistent, each
+  // block taking a heavy and a light tile in turn (schedule/causal_order.cuh: paired_walk_block), where
+  // that measured faster than a block per tile: with two Q buffers (the next item's Q and first K / V
+  // tiles load under this item), most at dim 64, whose items also carry into each other. H100, bf16,
+  // causal, B.L = 16k, H.E = 2048: dim 128 L = 512 / 1024 +12..16% / +5..8%, 2048 even, 4096 -4%;
+  // dim 64 (two consumers) L = 2048 +7% over the sm80/ kernel that took it; dim 256 (one Q buffer)
+  // and three consumers lost (-3..-11%).
+  static constexpr int64_t kPairedMaxTiles = kConsumers == 3 || kQBuffers == 1 ? 0 : kCarryAcrossItems ? 16 : 8;
   // Dim 64: three consumers where rows see at least this many keys (on average, causal); two below, where
   // 192-row items leave more of the last item of each head idle and the block's first and last products
   // weigh more.
