@@ -121,8 +121,8 @@ def test_hopper_forward_by_shape():
     # Dim 256: from 512 keys per row (mean visible keys under a causal mask).
     assert plan(256, "sm90", shape=dict(len_q=512)) == "sm90_wgmma_ws/256"
     assert plan(256, "sm90", shape=dict(len_q=256)) == "sm80_plain/256"
-    assert plan(256, "sm90", CAUSAL_TOP_LEFT, shape=dict(len_q=512)) == "sm80_plain/256"  # 256 on average
-    assert plan(256, "sm90", CAUSAL_TOP_LEFT, shape=dict(len_q=1024)) == "sm90_wgmma_ws/256"
+    assert plan(256, "sm90", CAUSAL_TOP_LEFT, shape=dict(len_q=256)) == "sm80_plain/256"  # 128 on average
+    assert plan(256, "sm90", CAUSAL_TOP_LEFT, shape=dict(len_q=512)) == "sm90_wgmma_ws/256"  # 256 on average
 
 
 def test_decode_steps():
