@@ -23,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NVCC_FLAGS = ["-std=c++17", "-O3", "--expt-relaxed-constexpr", "-I" + os.path.join(ROOT, "csrc"),
               "-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__",
               "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__",
-              "-gencode=arch=compute_90,code=sm_90", "-cubin"]
+              "-DFLASHATTN_SM90A", "-gencode=arch=compute_90a,code=sm_90a", "-cubin"]  # (sm_90a: the wgmma kernels too)
 
 
 def tool_dir():

@@ -98,10 +98,14 @@ __host__ __device__ __forceinline__ unsigned paired_walk_block(unsigned tiles, u
   return (pairs - 1) * tiles + (s - 2 * units);
 }
 
-// The block of the plain grid that work item `index` of a forward grid in `order` runs.
+// The block of the plain grid that work item `index` of a forward grid in `order` runs; `kPairs`: the
+// kernel takes paired walks (the others' code stays without them).
+template <bool kPairs>
 __device__ __forceinline__ unsigned fwd_ordered_block(const FwdOrder& order, int tiles, unsigned pairs,
                                                       unsigned index) {
-  if (order.paired) return paired_walk_block(unsigned(tiles), pairs, gridDim.x, index);
+  if constexpr (kPairs) {
+    if (order.paired) return paired_walk_block(unsigned(tiles), pairs, gridDim.x, index);
+  }
   return index >= order.heavy.start ? heavy_last_block(order.heavy, tiles, index) : index;
 }
 

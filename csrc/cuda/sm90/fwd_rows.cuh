@@ -43,8 +43,8 @@ struct FwdKeys {
 };
 
 // The block's query tile of kBM rows (the last tiles first; a causal grid's in FwdOrder's order,
-// schedule/causal_order.cuh) and the key tiles of kBN keys that its rows see.
-template <int kBM, int kBN>
+// schedule/causal_order.cuh; paired walks where kPairs) and the key tiles of kBN keys that its rows see.
+template <int kBM, int kBN, bool kPairs = false>
 struct FwdTile {
   Seq sq;
   int64_t h, hk, m0, m_last, n_begin;
@@ -53,7 +53,7 @@ struct FwdTile {
   // Work item `index` of the grid's order (blockIdx.x where a block takes one).
   __device__ __forceinline__ FwdTile(const FwdParams& p, int num_m_tiles, const FwdOrder& order,
                                      unsigned index = blockIdx.x) {
-    const unsigned ordered = fwd_ordered_block(order, num_m_tiles, unsigned(p.heads_q * p.batch), index);
+    const unsigned ordered = fwd_ordered_block<kPairs>(order, num_m_tiles, unsigned(p.heads_q * p.batch), index);
     const TileBlock blk = tile_block(num_m_tiles, 1, p.heads_q, /*heaviest_first=*/true, ordered);
     h = blk.head;
     hk = kv_head(p, h);

@@ -376,7 +376,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   using Exp = ExpDomain<float>;
   constexpr int kBM = Cfg::kBM, kBN = Cfg::kBN, kStages = Cfg::kStages, kQBuffers = Cfg::kQBuffers;
   using Rows = FwdRows<Elem, kDim, kBN, kBM>;
-  using Tile = FwdTile<kBM, kBN>;
+  using Tile = FwdTile<kBM, kBN, (Cfg::kPairedMaxTiles > 0)>;
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* const tiles = align_1024(smem_raw);

@@ -104,7 +104,7 @@ struct FwdWsConfig {
   // tiles load under this item), most at dim 64, whose items also carry into each other. H100, bf16,
   // causal, B.L = 16k, H.E = 2048: dim 128 L = 512 / 1024 +12..16% / +5..8%, 2048 even, 4096 -4%;
   // dim 64 (two consumers) L = 2048 +7% over the sm80/ kernel that took it; dim 256 (one Q buffer)
-  // and three consumers lost (-3..-11%).
+  // and three consumers lost (-3..-11%). Configurations with 0 compile without the walk (FwdTile's kPairs).
   static constexpr int64_t kPairedMaxTiles = kConsumers == 3 || kQBuffers == 1 ? 0 : kCarryAcrossItems ? 16 : 8;
   // Dim 64: three consumers where rows see at least this many keys (on average, causal); two below, where
   // 192-row items leave more of the last item of each head idle and the block's first and last products
