@@ -3,7 +3,7 @@
     python scripts/sass_diff.py [--ref REF] [FILE.cu ...]
 
 compiles each file (default: every csrc/cuda/sm80/*.cu) as it is at git ref REF (default HEAD)
-and as it is in the working tree, for sm_90 with sass_blocks.py's flags, and prints per kernel its
+and as it is in the working tree, for sm_90a with sass_blocks.py's flags, and prints per kernel its
 registers and spill bytes (ptxas) in both (kernels matched by name and template arguments), and `same` where the two SASS listings are identical,
 else both instruction counts and, for their largest loops, `loop same` where the loop's
 instructions are identical (branch targets masked) or both loops' sizes. A change meant for one kernel
@@ -70,6 +70,7 @@ def main():
         jobs = [(r, f, os.path.join(tmp, tag)) for f in files for tag, r in (("old", ref_root), ("new", root))]
         for _, _, d in jobs:
             os.makedirs(d, exist_ok=True)
+        sb.tool_dir()  # (fetched once before the threads: two extracting the tools at once collide)
         with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
             results = list(pool.map(lambda j: compile_file(*j), jobs))
     changed = 0
