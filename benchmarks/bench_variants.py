@@ -1,7 +1,8 @@
 """Forward (or backward) TFLOP/s of kernel variants chosen by environment variables
 (FLASHATTN_CUDA_KERNELS=sm80 / wgmma, PYTHONPATH=another build, ...), each in its own process, in
-interleaved rounds: variant A, B, C, A, B, C, ... so that a slow stretch of the GPU (medians 20-80% low
-now and then, docs/performance.md) hits one reading, not one variant. Prints every round
+interleaved rounds: variant A, B, C, then C, B, A, ... so that a slow stretch of the GPU (medians 20-80% low
+now and then, docs/performance.md) hits one reading, not one variant, and a drift within a round (long rows
+have read a few % low in the second of two processes) falls on each variant alike. Prints every round
 and the mean over rounds per variant and row.
 
   python benchmarks/bench_variants.py --rows 128:512,64:1024 --rounds 3 \\
@@ -89,7 +90,7 @@ def main():
             "--pass", args.pass_, "--repeats", str(args.repeats), "--warmup-s", str(args.warmup_s)]
     base += ["--causal"] if args.causal else []
     for r in range(args.rounds):
-        for name, env, impl in variants:
+        for name, env, impl in (variants if r % 2 == 0 else variants[::-1]):
             try:
                 res = subprocess.run(base + ["--impl", impl], env={**os.environ, **env}, capture_output=True, text=True,
                                      timeout=args.child_timeout)
