@@ -19,13 +19,14 @@ op = torch.ops.flashattn.fwd
 
 def _shape(device, causal):
     """(batch, heads_kv, group, len_q, len_k). CUDA: 2 x 200-row query tiles of 128 (dim 64 at >= 2048 keys:
-    192) per head, heads for a block per SM; rows that see >= 1000 keys, causal (bottom-right) 2200 on
-    average (the Hopper forward's bars: 512, dim 64 causal 2048). CPU: small."""
+    192) per head, heads for more than a block per SM (a persistent grid; causal ones at 96 and 128 walk in
+    pairs of a heavy and a light tile); rows that see >= 1000 keys, causal (bottom-right) 2200 on average (the
+    Hopper forward's bars: 512, dim 64 causal 1024). CPU: small."""
     if device != "cuda":
         return 2, 1, 2, 70, 150 if causal == NONE else 170
     len_q, len_k = 200, 2300 if causal != NONE else 1000
     group, sms = 3, torch.cuda.get_device_properties(device).multi_processor_count
-    return 2, -(-sms // (2 * 2 * group)), group, len_q, len_k
+    return 2, sms // (2 * 2 * group) + 1, group, len_q, len_k
 
 
 def _key_mask(kind, batch, len_q, len_k, causal, dtype, device):
