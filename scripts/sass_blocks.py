@@ -2,7 +2,7 @@
 
     python scripts/sass_blocks.py csrc/cuda/sm80/bwd_sm80_hdim128.cu bwd_dkdv_kernelI13__nv_bfloat16Li128ELb0
 
-compiles the file for sm_90 with nvcc (the flags of scripts/compile_cuda.sh), disassembles it
+compiles the file for sm_90a with nvcc (the flags of scripts/compile_cuda.sh), disassembles it
 with cuobjdump (which runs nvdisasm), picks the first function whose mangled name contains the given text, and prints
 for the largest loop (the longest backward branch) each basic block: address, instruction count
 and the most frequent opcodes. cuobjdump and nvdisasm are taken from PATH, else from the

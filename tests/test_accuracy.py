@@ -188,8 +188,9 @@ def test_forward_causal_paired_walk(device, head_dim, causal, heads, heads_kv, l
     """Causal grids larger than the GPU whose heads have few query tiles: on sm_90 the wgmma forward's
     persistent grid pairs each head's heavy and light tiles (schedule/causal_order.cuh: paired_walk_block),
     two heads of an odd tile count (1, 3, 9, 5 at 128 rows) their middle tiles, and an odd head count
-    (SMs + 3, 33, 45) leaves a last head of single tiles after the pairs' rounds. (Dim 64 below 2048 keys
-    per row runs the sm80/ kernels unless the wgmma forward is forced.) CPU: two heads, 130 rows."""
+    (SMs + 3, 33, 45) leaves a last head of single tiles after the pairs' rounds. (Below the Hopper forward's
+    causal bars, 1024 mean keys at dim 64 and 256 at 256, the sm80/ kernels run these unless the wgmma
+    forward is forced.) CPU: two heads, 130 rows."""
     if device == "cuda":
         heads = heads or torch.cuda.get_device_properties(device).multi_processor_count + 3
         heads_kv = heads_kv or heads
