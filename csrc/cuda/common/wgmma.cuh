@@ -44,6 +44,32 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo, uint3
          (uint64_t(1) << 62);
 }
 
+// Descriptor `desc` moved `bytes` (a multiple of 16) further in smem. Only the start address field
+// changes (the low word's bits 0-13: addresses >> 4), and every operand ends below 256 KB, so the add
+// never carries out of it: one 32-bit add per k step instead of building each step's descriptor.
+__device__ __forceinline__ uint64_t desc_advance(uint64_t desc, uint32_t bytes) {
+  const uint32_t lo = uint32_t(desc) + (bytes >> 4), hi = uint32_t(desc >> 32);
+  return uint64_t(hi) << 32 | lo;
+}
+// A K-major operand (its lines run along the reduction: Q, K): `first` describes its first k step; step
+// kk lies 32 bytes further along the line, in panel kk / 4 (`lines` lines per panel).
+__device__ __forceinline__ uint64_t kmajor_step(uint64_t first, int kk, int lines) {
+  return desc_advance(first, (kk / 4) * lines * 128 + (kk % 4) * 32);
+}
+// (The first step's descriptor passes through an opaque move: where ptxas sees its bit fields it masks
+// every step's sum again, one more instruction per product.)
+__device__ __forceinline__ uint64_t opaque_desc(uint64_t desc) {
+  asm("" : "+l"(desc));
+  return desc;
+}
+__device__ __forceinline__ uint64_t kmajor_desc(uint32_t addr) { return opaque_desc(smem_desc(addr, 16, 1024)); }
+// An MN-major operand (V in P V, keys along the rows; dO / Q in the backward's dV / dK) of `lines` lines a
+// panel: `first` its first k step; a k16 step is 16 lines further.
+__device__ __forceinline__ uint64_t mnmajor_desc(uint32_t addr, int lines) {
+  return opaque_desc(smem_desc(addr, lines * 128, 1024));
+}
+__device__ __forceinline__ uint64_t mnmajor_step(uint64_t first, int kk) { return desc_advance(first, kk * 16 * 128); }
+
 // Orders this warp's earlier register writes (accumulators, A fragments) before the wgmma that
 // follow.
 __device__ __forceinline__ void wgmma_fence() {

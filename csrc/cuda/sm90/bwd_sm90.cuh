@@ -148,32 +148,24 @@ __device__ __forceinline__ void bwd_ws_init_barriers(uint64_t* const kv_full, ui
   fence_mbar_init();
 }
 
-// wgmma smem descriptors of the panel layout (common/wgmma.cuh) at k16 step kk of an operand of `lines`
-// lines a panel: K-major (Q, K, V, dO as the scores' operands: panel kk / 4, 32 bytes along the line
-// per step) and MN-major (dO, Q, dS^T, K as the gradients' operands: 16 lines per step).
-__device__ __forceinline__ uint64_t bwd_kmajor(uint32_t at, int kk, int lines) {
-  return smem_desc(at + (kk / 4) * lines * 128 + (kk % 4) * 32, 16, 1024);
-}
-__device__ __forceinline__ uint64_t bwd_mnmajor(uint32_t at, int kk, int lines) {
-  return smem_desc(at + kk * 16 * 128, lines * 128, 1024);
-}
-
 // S^T = K Q^T and dP^T = V dO^T of the warpgroup's 64 keys (k_at, v_at: their lines of K and V) against
 // kRows rows (q_at, do_at: their lines of Q and dO, panels of kBM lines) in two commit groups: the
 // exponentials run under dP^T's product.
 template <class Elem, int kDim, int kBM, int kBN, int kRows = kBM, int kRA>
 __device__ __forceinline__ void bwd_ws_issue_scores(float (&st)[kRA][4], float (&dpt)[kRA][4], uint32_t k_at,
                                                     uint32_t v_at, uint32_t q_at, uint32_t do_at) {
+  // (K-major: K, V, Q and dO as the scores' operands; descriptors of common/wgmma.cuh)
+  const uint64_t k = kmajor_desc(k_at), v = kmajor_desc(v_at), q = kmajor_desc(q_at), dO = kmajor_desc(do_at);
   wgmma_fence();
-  Wgmma<Elem, kRows>::template ss<0>(st, bwd_kmajor(k_at, 0, kBN), bwd_kmajor(q_at, 0, kBM));
+  Wgmma<Elem, kRows>::template ss<0>(st, k, q);
 #pragma unroll
   for (int kk = 1; kk < kDim / 16; ++kk)
-    Wgmma<Elem, kRows>::template ss<1>(st, bwd_kmajor(k_at, kk, kBN), bwd_kmajor(q_at, kk, kBM));
+    Wgmma<Elem, kRows>::template ss<1>(st, kmajor_step(k, kk, kBN), kmajor_step(q, kk, kBM));
   wgmma_commit();
-  Wgmma<Elem, kRows>::template ss<0>(dpt, bwd_kmajor(v_at, 0, kBN), bwd_kmajor(do_at, 0, kBM));
+  Wgmma<Elem, kRows>::template ss<0>(dpt, v, dO);
 #pragma unroll
   for (int kk = 1; kk < kDim / 16; ++kk)
-    Wgmma<Elem, kRows>::template ss<1>(dpt, bwd_kmajor(v_at, kk, kBN), bwd_kmajor(do_at, kk, kBM));
+    Wgmma<Elem, kRows>::template ss<1>(dpt, kmajor_step(v, kk, kBN), kmajor_step(dO, kk, kBM));
   wgmma_commit();
 }
 
@@ -186,11 +178,12 @@ __device__ __forceinline__ void bwd_ws_issue_dkdv(float (&dk)[kDA][4], float (&d
   pin(dv);
   pin(pa);
   pin(dsa);
+  const uint64_t dO = mnmajor_desc(do_at, kBM), q = mnmajor_desc(q_at, kBM);
   wgmma_fence();
 #pragma unroll
-  for (int kk = 0; kk < kBM / 16; ++kk) Wgmma<Elem, kDim>::rs(dv, pa[kk], bwd_mnmajor(do_at, kk, kBM));
+  for (int kk = 0; kk < kBM / 16; ++kk) Wgmma<Elem, kDim>::rs(dv, pa[kk], mnmajor_step(dO, kk));
 #pragma unroll
-  for (int kk = 0; kk < kBM / 16; ++kk) Wgmma<Elem, kDim>::rs(dk, dsa[kk], bwd_mnmajor(q_at, kk, kBM));
+  for (int kk = 0; kk < kBM / 16; ++kk) Wgmma<Elem, kDim>::rs(dk, dsa[kk], mnmajor_step(q, kk));
   wgmma_commit();
 }
 
@@ -198,11 +191,12 @@ __device__ __forceinline__ void bwd_ws_issue_dkdv(float (&dk)[kDA][4], float (&d
 // commit group.
 template <class Elem, int kDqCols, int kBN, int kCA>
 __device__ __forceinline__ void bwd_ws_issue_dq(float (&dq)[kCA][4], uint32_t dq_a, uint32_t dq_b) {
+  const uint64_t a = mnmajor_desc(dq_a, kBN), b = mnmajor_desc(dq_b, kBN);
   wgmma_fence();
-  Wgmma<Elem, kDqCols>::template ss<0, 1, 1>(dq, bwd_mnmajor(dq_a, 0, kBN), bwd_mnmajor(dq_b, 0, kBN));
+  Wgmma<Elem, kDqCols>::template ss<0, 1, 1>(dq, a, b);
 #pragma unroll
   for (int kk = 1; kk < kBN / 16; ++kk)
-    Wgmma<Elem, kDqCols>::template ss<1, 1, 1>(dq, bwd_mnmajor(dq_a, kk, kBN), bwd_mnmajor(dq_b, kk, kBN));
+    Wgmma<Elem, kDqCols>::template ss<1, 1, 1>(dq, mnmajor_step(a, kk), mnmajor_step(b, kk));
   wgmma_commit();
 }
 
@@ -396,12 +390,14 @@ __device__ __forceinline__ void bwd_ws_split_consumer(const BwdParams& p, const 
     pin(dk);
     pin(dv);
     wgmma_fence();
+    const uint64_t pt = kmajor_desc(p_at), dst = kmajor_desc(ds_at);
+    const uint64_t dO = mnmajor_desc(do_half, kBM), q = mnmajor_desc(q_half, kBM);
 #pragma unroll
     for (int kk = 0; kk < kBM / 16; ++kk)
-      Wgmma<Elem, kHalf>::template ss<1, 0, 1>(dv, bwd_kmajor(p_at, kk, kBN), bwd_mnmajor(do_half, kk, kBM));
+      Wgmma<Elem, kHalf>::template ss<1, 0, 1>(dv, kmajor_step(pt, kk, kBN), mnmajor_step(dO, kk));
 #pragma unroll
     for (int kk = 0; kk < kBM / 16; ++kk)
-      Wgmma<Elem, kHalf>::template ss<1, 0, 1>(dk, bwd_kmajor(ds_at, kk, kBN), bwd_mnmajor(q_half, kk, kBM));
+      Wgmma<Elem, kHalf>::template ss<1, 0, 1>(dk, kmajor_step(dst, kk, kBN), mnmajor_step(q, kk));
     wgmma_commit();
     float dq[2][1][kDA / 2][4];
     bwd_ws_issue_dq<Elem, kHalf / 2, kBN>(dq[0][0], ds_at, k_half);
@@ -472,10 +468,13 @@ __global__ void __launch_bounds__(BwdWsConfig<Elem, kDim>::kThreads, 1)
   }
 
   setmaxnreg_inc<Cfg::kConsumerRegs>();
+  // The consumer warpgroup, and the same broadcast from lane 0 for the products' smem addresses: ptxas then
+  // knows that it is the same across the warp and builds their descriptors in uniform registers, not per lane.
+  const int cwg = wg - 1, uniform_cwg = __shfl_sync(0xffffffffu, cwg, 0);
   if constexpr (Cfg::kSplitDims) {
-    bwd_ws_split_consumer<Elem, kDim, kBias>(p, accum, round, sq, n0, rows_k, hk, group, tiles, wg - 1, warp, lane);
+    bwd_ws_split_consumer<Elem, kDim, kBias>(p, accum, round, sq, n0, rows_k, hk, group, tiles, uniform_cwg, warp,
+                                             lane);
   } else {
-    const int cwg = wg - 1;
     const int g = lane / 4, t = lane % 4;
     const int wkey = cwg * 64 + warp * 16;  // the warp's first key in the tile
     const float score_scale = Exp::score_scale(p.scale);
@@ -498,7 +497,7 @@ __global__ void __launch_bounds__(BwdWsConfig<Elem, kDim>::kThreads, 1)
     constexpr int kLastCols = kSplitRows ? kDim : kDim - kDqCols;  // the second warpgroup's
     const int dq_row0 = (kSplitRows ? cwg * 64 : 0) + warp * 16, dq_col0 = kSplitRows ? 0 : cwg * kDqCols;
     const uint32_t dq_b =
-        kSplitRows ? k_at : k_at + (kDim == 128 || kDim == 96 ? cwg * kBN * 128 : cwg * kDqCols * 2);
+        kSplitRows ? k_at : k_at + (kDim == 128 || kDim == 96 ? uniform_cwg * kBN * 128 : uniform_cwg * kDqCols * 2);
     float dq[1][kDqCols / 8][4];
     // Adds a finished dQ tile: into sdQ in the accumulator's blocked layout (dq_layout.cuh: the warp's 16
     // rows x 8 columns per atom, a lane's 4 values together) once the bulk add has read the one before,
@@ -532,7 +531,8 @@ __global__ void __launch_bounds__(BwdWsConfig<Elem, kDim>::kThreads, 1)
       const uint32_t q_at = smem_addr(sQ(s)), do_at = smem_addr(sdO(s));
       mbar_wait(q_full + s, uint32_t(it >> 1) & 1);
       float st[kRA][4], dpt[kRA][4];
-      bwd_ws_issue_scores<Elem, kDim, kBM, kBN>(st, dpt, k_at + cwg * 64 * 128, v_at + cwg * 64 * 128, q_at, do_at);
+      bwd_ws_issue_scores<Elem, kDim, kBM, kBN>(st, dpt, k_at + uniform_cwg * 64 * 128, v_at + uniform_cwg * 64 * 128,
+                                                q_at, do_at);
       const float* lse_s = sStats + s * 2 * kBM;
       const float* d_s = lse_s + kBM;
       const bool all_visible = n0 >= sq.key_begin(m0 + kBM - 1) && n0 + kBN <= sq.key_end(m0);
@@ -575,7 +575,7 @@ __global__ void __launch_bounds__(BwdWsConfig<Elem, kDim>::kThreads, 1)
       pin(dsa);
       mbar_arrive(q_empty + s);  // Q, dO, LSE and D of this stage are read
       bar_sync(1, 256);          // both halves of dS^T in smem
-      bwd_ws_issue_dq<Elem, kDqCols, kBN>(dq[0], smem_addr(sdS(s)) + (kSplitRows ? cwg * kBN * 128 : 0), dq_b);
+      bwd_ws_issue_dq<Elem, kDqCols, kBN>(dq[0], smem_addr(sdS(s)) + (kSplitRows ? uniform_cwg * kBN * 128 : 0), dq_b);
       wgmma_wait<0>();
       add_dq(it, walk.h, m0);
       walk.advance(kBM);

@@ -141,17 +141,14 @@ struct FwdRows {
     for (int r = 0; r < 2; ++r) row_max[r] = mx[r], row_sum[r] = sum[r];
   }
 
-  // A K-major operand (Q, K; float8's V^T) at smem address `at`, k step kk: panel kk / 4, 32 bytes
-  // along the line per step.
-  static __device__ __forceinline__ uint64_t kmajor(uint32_t at, int kk, int rows_per_panel) {
-    return smem_desc(at + (kk / 4) * rows_per_panel * 128 + (kk % 4) * 32, 16, 1024);
-  }
   // S = Q K^T of the warpgroup's Q rows (q_at) and a K tile (k_at), issued and committed; the caller waits.
+  // (Q, K and float8's V^T are K-major: panel kk / 4 of a k step kk, 32 bytes along the line per step.)
   static __device__ __forceinline__ void issue_scores(Scores& s, uint32_t q_at, uint32_t k_at) {
-    Wgmma<Elem, kBN>::template ss<0>(s, kmajor(q_at, 0, kBM), kmajor(k_at, 0, kBN));
+    const uint64_t q = kmajor_desc(q_at), k = kmajor_desc(k_at);
+    Wgmma<Elem, kBN>::template ss<0>(s, q, k);
 #pragma unroll
     for (int kk = 1; kk < kDim / kKStep; ++kk)
-      Wgmma<Elem, kBN>::template ss<1>(s, kmajor(q_at, kk, kBM), kmajor(k_at, kk, kBN));
+      Wgmma<Elem, kBN>::template ss<1>(s, kmajor_step(q, kk, kBM), kmajor_step(k, kk, kBN));
     wgmma_commit();
   }
   // O += P V of a V tile (v_at; the MN-major B: a k16 step is 16 keys = 16 lines further, its
@@ -159,11 +156,13 @@ struct FwdRows {
   // Float8: V^T is K-major (kDim lines of kBN keys), stepped along the line as K.
   __device__ __forceinline__ void issue_pv(const Probs& pa, uint32_t v_at) {
     if constexpr (kFp8) {
+      const uint64_t v = kmajor_desc(v_at);
 #pragma unroll
-      for (int kk = 0; kk < kBN / kKStep; ++kk) Wgmma<Elem, kDim>::rs(o, pa[kk], kmajor(v_at, kk, kDim));
+      for (int kk = 0; kk < kBN / kKStep; ++kk) Wgmma<Elem, kDim>::rs(o, pa[kk], kmajor_step(v, kk, kDim));
     } else {
+      const uint64_t v = mnmajor_desc(v_at, kBN);
 #pragma unroll
-      for (int kk = 0; kk < kBN / 16; ++kk) Wgmma<Elem, kDim>::rs(o, pa[kk], smem_desc(v_at + kk * 16 * 128, kBN * 128, 1024));
+      for (int kk = 0; kk < kBN / 16; ++kk) Wgmma<Elem, kDim>::rs(o, pa[kk], mnmajor_step(v, kk));
     }
     wgmma_commit();
   }

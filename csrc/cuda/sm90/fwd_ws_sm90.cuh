@@ -442,7 +442,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // then runs under that P V (the output of the item after it): `started` marks an item whose S 0 is
   // thus already in pa.
   const FwdWsRing<Cfg> ring{kv_tiles, k_full, v_full, k_empty, v_empty};
-  auto q_at = [&](unsigned item) { return smem_addr(sQ(item % kQBuffers)) + cwg * 64 * 128; };  // this warpgroup's Q rows
+  // This warpgroup's Q rows. (Its index broadcast from lane 0: ptxas then knows that it is the same across
+  // the warp and builds the products' smem descriptors in uniform registers, not per lane.)
+  const int uniform_cwg = __shfl_sync(0xffffffffu, cwg, 0);
+  auto q_at = [&](unsigned item) { return smem_addr(sQ(item % kQBuffers)) + uniform_cwg * 64 * 128; };
   Rows w;
   typename Rows::Probs pa;
   float alpha[2] = {1.f, 1.f};  // rescales O before the next P V
