@@ -230,7 +230,10 @@ struct FwdRows {
       }
     }
   }
+  // O *= alpha, skipped by a warp whose rows all kept their max (alpha exactly 1: the result is the same
+  // bit for bit), which late in a long row is most tiles: kDim / 2 multiplies per lane.
   __device__ __forceinline__ void rescale_o(const float (&alpha)[2]) {
+    if (__all_sync(0xffffffffu, alpha[0] == 1.f && alpha[1] == 1.f)) return;
 #pragma unroll
     for (int d = 0; d < kDA; ++d)
 #pragma unroll
