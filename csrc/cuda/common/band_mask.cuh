@@ -21,6 +21,23 @@ __device__ __forceinline__ void mask_columns(Acc (&s)[kNA][4], int r, int lo, in
     }
 }
 
+// The same (0 <= lo, hi <= kBN) by bit masks: column 8 j + 2 t + c lies in [lo, hi) for the atoms j in
+// [ceil((lo - 2t - c) / 8), ceil((hi - 2t - c) / 8)), one mask per c, then a bit test per score (ptxas moves
+// the bits into predicates, R2P: about one instruction a score against three comparing both bounds).
+// The wgmma forward's; in the sm80/ forward's register budget the masks spilled.
+template <int kBN, int kNA, class Acc>
+__device__ __forceinline__ void mask_columns_by_bits(Acc (&s)[kNA][4], int r, int lo, int hi, int t) {
+  static_assert(kNA < 32, "one bit per atom");
+#pragma unroll
+  for (int c = 0; c < 2; ++c) {
+    const int first = (lo - 2 * t - c + 7) >> 3, end = (hi - 2 * t - c + 7) >> 3;  // (numerators >= 0)
+    const uint32_t keep = end > first ? (1u << end) - (1u << first) : 0u;
+#pragma unroll
+    for (int j = 0; j < kNA; ++j)
+      if (!(keep >> j & 1u)) s[j][2 * r + c] = neg_inf<Acc>();
+  }
+}
+
 // The scores of row half r of the kBN-key tile at n0 that query row m sees: keys outside
 // [key_begin(m), key_end(m)) -> -inf, compared as 32-bit columns of the tile.
 template <int kBN, int kNA, class Acc>
