@@ -8,9 +8,9 @@ and the mean over rounds per variant and row.
   python benchmarks/bench_variants.py --rows 128:512,64:1024 --rounds 3 \\
       --variant sm80 FLASHATTN_CUDA_KERNELS=sm80 --variant wgmma FLASHATTN_CUDA_KERNELS=wgmma --flash
 
-Rows are E:L, non-causal unless --causal, bf16 unless --dtype fp16, B·L = 16384 and H·E = 2048 as in
-bench_gpu.py; the forward, or with --pass bwd the backward alone on a retained graph of one forward as
-bench_gpu.py times it (FLOPs 2.5x the forward's). One process times its rows with 40 calls per median
+Rows are E:L, non-causal unless --causal, bf16 unless --dtype fp16 (or e4m3: the float8 forward), B·L = 16384
+and H·E = 2048 as in bench_gpu.py; the forward, or with --pass bwd the backward alone on a retained graph of
+one forward as bench_gpu.py times it (FLOPs 2.5x the forward's). One process times its rows with 40 calls per median
 after at least 0.3 s of warm-up (--repeats, --warmup-s); a process that fails or runs past --child-timeout seconds (a kernel
 that hangs) leaves its round's readings empty."""
 import argparse
@@ -29,7 +29,18 @@ def child(args):
     sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import flashattn_ext
     from flashattn_ext import _measure as M
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "e4m3": torch.bfloat16}[args.dtype]
+
+    def float8_call(q, k, v, causal):
+        """flash_attn_func on e4m3 copies of bf16 q, k, v (B, H, L, E), each scaled per (batch, head) to
+        e4m3's range with FlashAttention-3's descales."""
+        def quantize(x):
+            amax = x.detach().abs().amax(dim=(2, 3)).float().clamp_min(1e-12)
+            descale = amax / torch.finfo(torch.float8_e4m3fn).max
+            return (x.detach() / descale[:, :, None, None]).to(torch.float8_e4m3fn).transpose(1, 2), descale
+        (q8, qd), (k8, kd), (v8, vd) = quantize(q), quantize(k), quantize(v)
+        return lambda: flashattn_ext.flash_attn_func(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd,
+                                                     v_descale=vd)
 
     def attn(q, k, v, causal):
         if args.impl == "flash":
@@ -44,7 +55,9 @@ def child(args):
         if args.device == "cpu":  # a debug run of the script's own code: tiny shapes
             b, h, length = 1, 2, min(length, 128)
         q, k, v, dout = M.make_inputs(b, h, length, e, dtype, args.device)
-        if args.pass_ == "bwd":
+        if args.dtype == "e4m3":
+            fn = float8_call(q, k, v, args.causal)
+        elif args.pass_ == "bwd":
             fn = M.bwd_only_fn(attn, q, k, v, dout, args.causal)
         else:
             fn = lambda: attn(q, k, v, args.causal)  # noqa: E731
@@ -62,7 +75,8 @@ def main():
     p.add_argument("--flash", action="store_true", help="SDPA's flash backend as one more variant")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--causal", action="store_true")
-    p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "e4m3"), default="bf16",
+                   help="e4m3: flash_attn_func's float8 forward (per-(batch, head) descales) on bf16 inputs quantized")
     p.add_argument("--pass", dest="pass_", choices=("fwd", "bwd"), default="fwd")
     p.add_argument("--device", default="cuda", help="'cpu' runs the script's code on tiny shapes (debug only)")
     p.add_argument("--repeats", type=int, default=40, help="calls per median")
