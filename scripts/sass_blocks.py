@@ -4,8 +4,9 @@
 
 compiles the file for sm_90a with nvcc (the flags of scripts/compile_cuda.sh), disassembles it
 with cuobjdump (which runs nvdisasm), picks the first function whose mangled name contains the given text, and prints
-for the largest loop (the longest backward branch) each basic block: address, instruction count
-and the most frequent opcodes. cuobjdump and nvdisasm are taken from PATH, else from the
+for its key loop (the shortest backward branch's range that holds a tensor-core product: a persistent kernel's
+loop over key tiles, not the one over its work items), else its largest loop, each basic block: address,
+instruction count and the most frequent opcodes. cuobjdump and nvdisasm are taken from PATH, else from the
 nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm wheels, fetched once with pip into
 ~/.cache/flashattn_sass (the CUDA toolkit on the development machine has nvcc and ptxas only).
 """
@@ -76,6 +77,15 @@ def largest_loop(ins):
     return max(back, key=lambda x: x[1] - x[0]) if back else None
 
 
+def key_loop(ins):
+    """(first, last) address of the shortest backward branch's range that holds a tensor-core product
+    (HMMA, HGMMA, QGMMA), or None."""
+    back = [(int(t, 16), a) for a, b in ins for t in re.findall(r"BRA[^;]*?0x([0-9a-f]+)", b) if int(t, 16) < a]
+    products = [a for a, b in ins if re.search(r"\b(HMMA|HGMMA|QGMMA)\b", b)]
+    holding = [(lo, hi) for lo, hi in back if any(lo <= a <= hi for a in products)]
+    return min(holding, key=lambda x: x[1] - x[0]) if holding else None
+
+
 def main():
     if len(sys.argv) != 3:
         sys.exit(__doc__)
@@ -83,11 +93,13 @@ def main():
     print(body.split("\n")[0])
     ins = instructions(body)
     targets = {int(t, 16) for _, b in ins for t in re.findall(r"BRA[^;]*?0x([0-9a-f]+)", b)}
-    loop = largest_loop(ins)
+    loop, kind = key_loop(ins), "key loop"
+    if loop is None:
+        loop, kind = largest_loop(ins), "largest loop"
     if loop is None:
         sys.exit("sass_blocks: no loop")
     lo, hi = loop
-    print(f"largest loop: {hex(lo)} .. {hex(hi)}, {sum(lo <= a <= hi for a, _ in ins)} instructions")
+    print(f"{kind}: {hex(lo)} .. {hex(hi)}, {sum(lo <= a <= hi for a, _ in ins)} instructions")
     blocks, cur = [], None
     for a, b in ins:
         if not lo <= a <= hi:

@@ -4,10 +4,11 @@
 
 compiles each file (default: every csrc/cuda/sm80/*.cu) as it is at git ref REF (default HEAD)
 and as it is in the working tree, for sm_90a with sass_blocks.py's flags, and prints per kernel its
-registers and spill bytes (ptxas) in both (kernels matched by name and template arguments), and `same` where the two SASS listings are identical,
-else both instruction counts and, for their largest loops, `loop same` where the loop's
-instructions are identical (branch targets masked) or both loops' sizes. A change meant for one kernel
-should leave the others `same`: one that moves another kernel's registers or key loop (docs/kernels/
+registers and spill bytes (ptxas) in both (kernels matched by name and template arguments), and
+`same` where the two SASS listings are identical, else both instruction counts and, for their key
+loops (sass_blocks.key_loop: the loop over key tiles), `loop same` where the loop's instructions are
+identical (branch targets masked) or both loops' sizes. A change meant for one kernel should leave
+the others `same`: one that moves another kernel's registers or key loop (docs/kernels/
 sm80_forward.md: such moves cost 1-5%) shows here before it costs a device call.
 """
 import argparse
@@ -43,14 +44,23 @@ def compile_file(root, rel, out_dir):
 
 
 def loop_text(lines):
-    """The largest loop's instructions, branch targets masked (code moved before the loop shifts them)."""
-    loop = sb.largest_loop(lines)
+    """The key loop's instructions (sass_blocks.key_loop; else the largest loop's), branch targets masked
+    (code moved before the loop shifts them)."""
+    loop = sb.key_loop(lines) or sb.largest_loop(lines)
     return [re.sub(r"0x[0-9a-f]+", "X", b) for a, b in lines if loop[0] <= a <= loop[1]] if loop else []
 
 
 def short(fn):
-    demangled = subprocess.run(["c++filt", fn], capture_output=True, text=True).stdout.strip() or fn
-    return re.sub(r"\(.*", "", demangled.replace("flashattn::cuda::", "")).replace("__nv_bfloat16", "bf16")
+    """The demangled name without its parameter list (template arguments may hold parentheses too)."""
+    name = subprocess.run(["c++filt", fn], capture_output=True, text=True).stdout.strip() or fn
+    if name.endswith(")"):
+        depth = 0
+        for i in range(len(name) - 1, -1, -1):
+            depth += {")": 1, "(": -1}.get(name[i], 0)
+            if depth == 0:
+                name = name[:i]
+                break
+    return name.replace("flashattn::cuda::", "").replace("__nv_bfloat16", "bf16")
 
 
 def main():
