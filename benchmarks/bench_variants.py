@@ -34,11 +34,8 @@ def child(args):
     def float8_call(q, k, v, causal):
         """flash_attn_func on e4m3 copies of bf16 q, k, v (B, H, L, E), each scaled per (batch, head) to
         e4m3's range with FlashAttention-3's descales."""
-        def quantize(x):
-            amax = x.detach().abs().amax(dim=(2, 3)).float().clamp_min(1e-12)
-            descale = amax / torch.finfo(torch.float8_e4m3fn).max
-            return (x.detach() / descale[:, :, None, None]).to(torch.float8_e4m3fn).transpose(1, 2), descale
-        (q8, qd), (k8, kd), (v8, vd) = quantize(q), quantize(k), quantize(v)
+        (q8, qd), (k8, kd), (v8, vd) = (M.quantize_fp8(x.transpose(1, 2), torch.float8_e4m3fn, per_head=True)
+                                        for x in (q, k, v))
         return lambda: flashattn_ext.flash_attn_func(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd,
                                                      v_descale=vd)
 

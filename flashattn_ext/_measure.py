@@ -94,6 +94,16 @@ def get_attention(name, enable_gqa=False):
     return forced
 
 
+def quantize_fp8(x, dtype, per_head):
+    """x (B, L, H, E) as float8 `dtype` scaled to its range, and the descale of FlashAttention-3's float8 API:
+    per tensor (a float) or per (batch, head) (a float32 (B, H) tensor)."""
+    x = x.detach()
+    amax = (x.abs().amax(dim=(1, 3)) if per_head else x.abs().max()).float().clamp_min(1e-12)
+    descale = amax / torch.finfo(dtype).max
+    scaled = x / (descale[:, None, :, None] if per_head else descale)
+    return scaled.to(dtype), (descale if per_head else descale.item())
+
+
 def make_inputs(batch, heads, length, head_dim, dtype, device, seed=0):
     """q, k, v (requiring grad) and dout, all (B, H, L, E), standard normal, drawn on `device` (a grid's
     134 M values per row took ~2 s on a 2-core CPU)."""

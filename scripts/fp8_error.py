@@ -10,16 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from flashattn_ext import flash_attn_func
+from flashattn_ext._measure import quantize_fp8 as quantize
 
 FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
-
-
-def quantize(x, dtype, per_head):
-    """x (B, L, H, E) as float8 and its descale: per tensor (a float) or per (batch, head)."""
-    amax = x.abs().amax(dim=(1, 3)) if per_head else x.abs().max()
-    descale = (amax / torch.finfo(dtype).max).float()
-    scaled = x / (descale[:, None, :, None] if per_head else descale)
-    return scaled.to(dtype), (descale if per_head else descale.item())
 
 
 def dequantize(x8, descale):
