@@ -5,31 +5,61 @@ say its tile shapes):
     ncu --profile-from-start off --section LaunchStats --section SpeedOfLight ... \
         python3 scripts/profile_vs_cudnn.py --cases 128:0:1024 256:0:4096 [--impls ours sdpa-cudnn] [--fwd-only]
 
-A case is E:causal:L at B·L = 16384, H·E = 2048 (the benchmark grid's shapes). The kernels of every call are
-warmed up twice outside the range first."""
+A case is E:causal:L at B·L = 16384, H·E = 2048 (the benchmark grid's shapes). `--mask padding` gives every
+call a bool (B, 1, 1, L) key padding mask (each sequence keeps a different prefix of its keys), `--mask bias`
+a float (1, H, L, L) bias; both non-causal. The kernels of every call are warmed up twice outside the range
+first."""
 import argparse
 
 import torch
+import torch.nn.functional as F
 
+import flashattn_ext
 from flashattn_ext import _measure
 
 p = argparse.ArgumentParser()
 p.add_argument("--cases", nargs="+", required=True, help="E:causal:L, e.g. 128:0:4096")
 p.add_argument("--impls", nargs="+", default=["ours", "sdpa-cudnn"], choices=_measure.IMPLS)
 p.add_argument("--dtype", default="bfloat16")
+p.add_argument("--mask", choices=["none", "padding", "bias"], default="none")
 p.add_argument("--fwd-only", action="store_true")
 args = p.parse_args()
 dtype = getattr(torch, args.dtype)
+
+
+def attention(impl, mask):
+    """f(q, k, v, causal) of an implementation, with the case's mask where there is one."""
+    if mask is None:
+        return _measure.get_attention(impl)
+    if impl.startswith("ours"):
+        return lambda q, k, v, causal: flashattn_ext.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    backend = getattr(torch.nn.attention.SDPBackend, _measure.SDPA_BACKENDS.get(impl, "MATH"))
+
+    def forced(q, k, v, causal):
+        with torch.nn.attention.sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return forced
+
+
 for case in args.cases:
     e, causal, length = (int(x) for x in case.split(":"))
-    q, k, v, dout = _measure.make_inputs(max(1, 16384 // length), 2048 // e, length, e, dtype, "cuda")
+    if causal and args.mask != "none":
+        p.error(f"case {case}: --mask {args.mask} profiles non-causal cases only")
+    b, h = max(1, 16384 // length), 2048 // e
+    q, k, v, dout = _measure.make_inputs(b, h, length, e, dtype, "cuda")
+    mask = None
+    if args.mask == "padding":
+        keep = torch.arange(length, device="cuda") < torch.randint(length // 4, length + 1, (b, 1), device="cuda")
+        mask = keep[:, None, None, :]
+    elif args.mask == "bias":
+        mask = torch.randn(1, h, length, length, device="cuda", dtype=dtype)
     for impl in args.impls:
-        attn = _measure.get_attention(impl)
+        attn = attention(impl, mask)
         for _ in range(2):
             out = attn(q, k, v, bool(causal))
             torch.autograd.grad(out, (q, k, v), dout)
         torch.cuda.synchronize()
-        print(f"profile: E={e} causal={causal} L={length} {impl}", flush=True)
+        print(f"profile: E={e} causal={causal} L={length} mask={args.mask} {impl}", flush=True)
         torch.cuda.profiler.start()
         out = attn(q, k, v, bool(causal))
         torch.cuda.synchronize()
