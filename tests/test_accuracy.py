@@ -189,7 +189,7 @@ def test_forward_causal_paired_walk(device, head_dim, causal, heads, heads_kv, l
     persistent grid pairs each head's heavy and light tiles (schedule/causal_order.cuh: paired_walk_block),
     two heads of an odd tile count (1, 3, 9, 5 at 128 rows) their middle tiles, and an odd head count
     (SMs + 3, 33, 45) leaves a last head of single tiles after the pairs' rounds. (Below the Hopper forward's
-    causal bars, 512 mean keys at dim 64 and 256 at 256, the sm80/ kernels run these unless the wgmma
+    causal bars, 256 mean keys at dims 64 and 256, the sm80/ kernels run these unless the wgmma
     forward is forced.) CPU: two heads, 130 rows."""
     if device == "cuda":
         heads = heads or torch.cuda.get_device_properties(device).multi_processor_count + 3

@@ -112,8 +112,9 @@ def test_hopper_forward_by_shape():
     assert plan(64, "sm90", shape=dict(len_q=1024, len_k=2048)) == "sm90_wgmma_ws3/64"
     assert plan(64, "sm90", shape=dict(small, len_q=300, len_k=3000), kernels="wgmma") == "sm90_wgmma_ws3/64"
     assert plan(64, "sm90", shape=dict(small, len_q=300, len_k=1000), kernels="wgmma") == "sm90_wgmma_ws/64"
-    # Causal at 64: the warp-specialized kernel from 512 mean visible keys, three consumers from 2048.
-    assert plan(64, "sm90", CAUSAL_TOP_LEFT, shape=dict(len_q=512)) == "sm80_plain/64"  # 256 on average
+    # Causal at 64: the warp-specialized kernel from 256 mean visible keys, three consumers from 2048.
+    assert plan(64, "sm90", CAUSAL_TOP_LEFT, shape=dict(len_q=256, heads=32)) == "sm80_plain/64"  # 128 on average
+    assert plan(64, "sm90", CAUSAL_TOP_LEFT, shape=dict(len_q=512)) == "sm90_wgmma_ws/64"  # 256 on average
     assert plan(64, "sm90", CAUSAL_TOP_LEFT, shape=dict(len_q=1024)) == "sm90_wgmma_ws/64"  # 512 on average
     assert plan(64, "sm90", CAUSAL_TOP_LEFT, shape=dict(len_q=2048)) == "sm90_wgmma_ws/64"  # 1024 on average
     assert plan(64, "sm90", CAUSAL_TOP_LEFT, shape=dict(len_q=4096)) == "sm90_wgmma_ws3/64"

@@ -97,7 +97,7 @@ struct FwdWsConfig {
   // block's first S and last P V, which nothing overlaps, cost more than the products gain against the
   // sm80/ kernels (measurements: docs/kernels/sm90_forward_ws.md).
   static constexpr int64_t kMinKeys = 512;
-  static constexpr int64_t kMinCausalKeys = kDim == 64 ? 512 : kDim == 256 ? 256 : 0;
+  static constexpr int64_t kMinCausalKeys = kDim == 64 || kDim == 256 ? 256 : 0;
   // Causal grids larger than the GPU whose heads have at most this many query tiles run persistent, each
   // block taking a heavy and a light tile in turn (schedule/causal_order.cuh: paired_walk_block), where
   // that measured faster than a block per tile: with two Q buffers (the next item's Q and first K / V
