@@ -301,12 +301,24 @@ def test_kernel(device, kind, causal, lens, monkeypatch):
     the error of its own arithmetic emulated in float64 (P rounded to e4m3), lse within the float8
     tensor cores' accumulation error of the scores; GQA, ragged key tiles, bottom-right causal with
     rows that see no key."""
+    check_kernel(device, kind, causal, lens, (2, 4, 2), monkeypatch)
+
+
+@pytest.mark.parametrize("kind", ["per_head", "mixed"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_kernel_persistent_grid(device, kind, causal, monkeypatch):
+    """More work items than SMs: each block walks several items of different (batch, kv head), issuing an
+    item's last P V with the next item's first scores, and must keep each item's own descales."""
+    check_kernel(device, kind, causal, (384, 640), (3, 48, 24), monkeypatch)
+
+
+def check_kernel(device, kind, causal, lens, heads_shape, monkeypatch):
     if not fp8_kernel_runs(device):
         pytest.skip("the float8 kernel runs on sm_90 GPUs")
     calls = []
     kernel = flashattn_ext.ops.fwd_fp8_kernel()
     monkeypatch.setattr(flashattn_ext.ops, "fwd_fp8_kernel", lambda: lambda *a: calls.append(1) or kernel(*a))
-    (len_q, len_k), batch, heads, heads_kv, dim = lens, 2, 4, 2, 128
+    (len_q, len_k), (batch, heads, heads_kv), dim = lens, heads_shape, 128
     amax = 1.0 if kind == "none" else AMAX
     q, k, v = quantized_qkv(batch, len_q, len_k, heads, heads_kv, dim, E4M3, device, amax)
     qd, kd, vd = descales(kind, batch, heads_kv, device)
