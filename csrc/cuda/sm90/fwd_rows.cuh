@@ -177,31 +177,54 @@ struct FwdRows {
   // The online softmax of the key tile at n0, in place (scaled, the key-vector bias's terms added,
   // masked outside each row's band, exponentiated); returns through alpha the factor that rescales O.
   // `item` (FwdTile or FwdKeys) is the block's work item, the lane's rows row0 and row0 + 8; t = lane % 4.
+  // The scale goes into each exponent's FFMA, 2^(s c - max), with the max of the raw scores times c (the same
+  // value as the max of the scaled ones: rounding is monotonic for c > 0), where no bias adds terms to the scaled
+  // scores and c > 0; else the scores are scaled first and c = 1. Besides one instruction per score, each
+  // exponent is then rounded once, and a row's exponents share one error, the rounding of its max (up to 2^-24
+  // of it), which O's normalization and the LSE take out. But a one-hot row's P = 2^error rounds to 1 in P V
+  // and not in the row sum, so O = V / 2^error: where some row's |max| reaches 2^10 (an error of 2^-14, under
+  // half an fp16 ulp) the warp scales the tile's scores first instead, as the bias form does.
   template <class Item, class Index, class KeyTerms = NoKeyTerms>
   __device__ __forceinline__ void softmax(Scores& s, const Item& item, Index row0, Index n0, int t, float score_scale,
                                           float (&alpha)[2], const KeyTerms& key_terms = {}) {
+    auto scale_scores = [&](float c) {
 #pragma unroll
-    for (int j = 0; j < kNA; ++j)
+      for (int j = 0; j < kNA; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[j][e] *= score_scale;
+        for (int e = 0; e < 4; ++e) s[j][e] *= c;
+    };
+    float c = score_scale;
+    if (!std::is_same_v<KeyTerms, NoKeyTerms> || !(c > 0.f)) {
+      scale_scores(c);
+      c = 1.f;
+    }
     key_terms.add(s, t);
     item.template mask<kBN>(s, row0, n0, t);
+    float base[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       float mx[kNA];
 #pragma unroll
       for (int j = 0; j < kNA; ++j) mx[j] = acc_max(s[j][2 * r], s[j][2 * r + 1]);
-      const float tile_max = reduce_max_lanes<4>(tree_reduce(mx, [](float a, float c) { return acc_max(a, c); }));
+      const float tile_max =
+          reduce_max_lanes<4>(tree_reduce(mx, [](float a, float b) { return acc_max(a, b); })) * c;
       const float new_max = acc_max(row_max[r], tile_max);
       alpha[r] = Exp::exp(row_max[r] - exp_base(new_max));
       row_max[r] = new_max;
-      float base = exp_base(new_max);
-      if constexpr (kFp8) base -= kPLog2Offset;
+      base[r] = exp_base(new_max);
+    }
+    if (c != 1.f && !__all_sync(0xffffffffu, fabsf(base[0]) < 1024.f && fabsf(base[1]) < 1024.f)) {
+      scale_scores(c);
+      c = 1.f;
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float b = kFp8 ? base[r] - kPLog2Offset : base[r];
       float sums[kNA];
 #pragma unroll
       for (int j = 0; j < kNA; ++j) {
-        s[j][2 * r] = Exp::exp(s[j][2 * r] - base);
-        s[j][2 * r + 1] = Exp::exp(s[j][2 * r + 1] - base);
+        s[j][2 * r] = Exp::exp(fmaf(s[j][2 * r], c, -b));
+        s[j][2 * r + 1] = Exp::exp(fmaf(s[j][2 * r + 1], c, -b));
         sums[j] = s[j][2 * r] + s[j][2 * r + 1];
       }
       row_sum[r] = row_sum[r] * alpha[r] + tree_reduce(sums, [](float a, float c) { return a + c; });
