@@ -2,13 +2,13 @@
 # On the GPU machine: kernel patches measured against the working tree without a whole build per patch.
 # Builds the tree in place, then for each variants/NAME.patch (the folder is ignored by git: `run` with
 # carry ["variants"]) applies it, rebuilds (ninja recompiles only what the patch touches), keeps the package
-# with that build in variant_builds/NAME and takes the patch back out. Then, per build, TESTS (pytest
-# arguments; the patch applied and its extension in the tree) and BENCH (benchmarks/bench_variants.py
-# arguments, one string per run, several separated by '|'), every build a variant of its interleaved rounds.
-# Logs under $OUT (else gpu_out/).
-#   TESTS="-k cuda tests/test_accuracy.py" BENCH="--rows 128:1024,128:4096 | --causal --rows 64:512" \
+# with that build in variant_builds/NAME and takes the patch back out. Then, per build, each TESTS run
+# (pytest arguments; the patch applied and its extension in the tree) and each BENCH run
+# (benchmarks/bench_variants.py arguments), every build a variant of its interleaved rounds. Runs are
+# separated by '|'; leading VAR=VALUE words of a run are its environment. Logs under $OUT (else gpu_out/).
+#   TESTS="-k cuda tests/test_accuracy.py | FLASHATTN_CUDA_KERNELS=sm80 -k cuda tests/test_autograd.py" \
+#   BENCH="--rows 128:1024,128:4096 | FLASHATTN_CUDA_KERNELS=sm80 --causal --rows 64:512" \
 #     bash scripts/gpu_variants.sh
-# TEST_ENV: environment settings for the tests' process, e.g. TEST_ENV="FLASHATTN_CUDA_KERNELS=wgmma".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}
@@ -16,6 +16,15 @@ mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
 build() { env FLASHATTN_BUILD="${FLASHATTN_BUILD:-cuda}" python3 setup.py build_ext --inplace > "$OUT/build_$1.log" 2>&1; }
 extension() { ls flashattn_ext/_C*.so; }
+# A run's words -> run_env (its leading VAR=VALUE words) and run_args (the rest).
+split_run() {
+  local words w
+  read -ra words <<< "$1"
+  run_env=() run_args=()
+  for w in "${words[@]}"; do
+    if [[ ${#run_args[@]} -eq 0 && $w =~ ^[A-Z_][A-Z0-9_]*= ]]; then run_env+=("$w"); else run_args+=("$w"); fi
+  done
+}
 status=0
 
 start=$(date +%s)
@@ -42,24 +51,30 @@ done
 
 if [[ -n "${TESTS:-}" ]]; then
   procs=$([[ ${PYTEST_PROCS:-6} -gt 0 ]] && echo "-n ${PYTEST_PROCS:-6}")  # (0: one process, no pytest-xdist)
+  IFS='|' read -ra test_runs <<< "$TESTS"
   kept=$(mktemp) && cp "$(extension)" "$kept"
   for name in "${names[@]}"; do
     [[ $name == base ]] || git apply "variants/$name.patch"
     cp "variant_builds/$name/flashattn_ext/$(basename "$(extension)")" flashattn_ext/
-    env OMP_NUM_THREADS=2 ${TEST_ENV:-} python3 -m pytest -q $procs $TESTS > "$OUT/tests_$name.log" 2>&1
-    status=$(( status | $? ))
-    echo "$name: $(grep -E '^(FAILED|ERROR)' "$OUT/tests_$name.log" | head -5)$(tail -1 "$OUT/tests_$name.log")"
+    for i in "${!test_runs[@]}"; do
+      split_run "${test_runs[$i]}"
+      log="$OUT/tests_${name}_$i.log"
+      env OMP_NUM_THREADS=2 "${run_env[@]}" python3 -m pytest -q $procs "${run_args[@]}" > "$log" 2>&1
+      status=$(( status | $? ))
+      echo "$name, tests $i: $(grep -E '^(FAILED|ERROR)' "$log" | head -5)$(tail -1 "$log")"
+    done
     [[ $name == base ]] || git apply -R "variants/$name.patch"
   done
   cp "$kept" "flashattn_ext/$(basename "$(extension)")" && rm -f "$kept"
 fi
 
 if [[ -n "${BENCH:-}" ]]; then
-  variants=()
-  for name in "${names[@]}"; do variants+=(--variant "$name" "PYTHONPATH=$PWD/variant_builds/$name"); done
-  IFS='|' read -ra benches <<< "$BENCH"
-  for args in "${benches[@]}"; do
-    python3 benchmarks/bench_variants.py $args --json "$OUT/bench.jsonl" "${variants[@]}" 2>&1 \
+  IFS='|' read -ra bench_runs <<< "$BENCH"
+  for run in "${bench_runs[@]}"; do
+    split_run "$run"
+    variants=()
+    for name in "${names[@]}"; do variants+=(--variant "$name" "PYTHONPATH=$PWD/variant_builds/$name" "${run_env[@]}"); done
+    python3 benchmarks/bench_variants.py "${run_args[@]}" --json "$OUT/bench.jsonl" "${variants[@]}" 2>&1 \
       | tee -a "$OUT/bench.log" | sed -n '/^mean over/,$p'
     status=$(( status | ${PIPESTATUS[0]} ))
   done
