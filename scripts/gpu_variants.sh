@@ -15,7 +15,7 @@ OUT=${OUT:-gpu_out}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
 build() { env FLASHATTN_BUILD="${FLASHATTN_BUILD:-cuda}" python3 setup.py build_ext --inplace > "$OUT/build_$1.log" 2>&1; }
-extension() { ls flashattn_ext/_C*.so; }
+extension() { ls flashattn_ext/_C*.so | head -1; }
 # A run's words -> run_env (its leading VAR=VALUE words) and run_args (the rest).
 split_run() {
   local words w
