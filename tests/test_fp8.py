@@ -307,8 +307,8 @@ def test_kernel(device, kind, causal, lens, monkeypatch):
 @pytest.mark.parametrize("kind", ["per_head", "mixed"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_kernel_persistent_grid(device, kind, causal, monkeypatch):
-    """More work items than SMs: each block walks several items of different (batch, kv head), issuing an
-    item's last P V with the next item's first scores, and must keep each item's own descales."""
+    """More work items than SMs: each block of the persistent grid walks several items of different (batch,
+    kv head), each with its own descales (taken with the item, its output scaled by its own v_descale)."""
     check_kernel(device, kind, causal, (384, 640), (3, 48, 24), monkeypatch)
 
 
