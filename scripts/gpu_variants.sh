@@ -27,11 +27,16 @@ split_run() {
 }
 status=0
 
+# A warm machine keeps the last call's objects, built with its last patch applied, while the copied tree's
+# sources may look older to ninja: touch what the last call's patches changed so that base is rebuilt from them.
+[[ -s variant_builds/patched_files ]] && xargs -r touch < variant_builds/patched_files
 start=$(date +%s)
 build base || { echo "base: build failed"; tail -30 "$OUT/build_base.log"; exit 1; }
 echo "base: built in $(( $(date +%s) - start )) s"
 rm -rf variant_builds && mkdir -p variant_builds/base && cp -r flashattn_ext variant_builds/base/
 names=(base)
+for patch in variants/*.patch; do [[ -e $patch ]] && git apply --numstat "$patch" | cut -f3; done \
+  | sort -u > variant_builds/patched_files
 for patch in variants/*.patch; do
   [[ -e $patch ]] || continue
   name=$(basename "$patch" .patch)
