@@ -1,5 +1,5 @@
 """Markdown tables of a bench_gpu.py result (docs/performance.md's form): one per dtype, a row per
-(head dim, causal, L) with forward and backward TFLOP/s and peak MiB of ours / FA2 / cuDNN.
+(head dim, causal, L) with forward and backward TFLOP/s and peak MiB of ours / FA2 / cuDNN (those the run timed).
 
     python scripts/perf_tables.py benchmarks/results/h100/gpu_grid.json [--rows readme]
 
@@ -7,11 +7,11 @@
 import argparse
 import json
 
-IMPLS = ("ours", "sdpa-flash", "sdpa-cudnn")
+IMPLS = {"ours": "ours", "sdpa-flash": "FA2", "sdpa-cudnn": "cuDNN"}
 
 
-def cell(row, key, spec="{:.1f}"):
-    vals = [row.get(i, {}).get(key) for i in IMPLS]
+def cell(row, impls, key, spec="{:.1f}"):
+    vals = [row.get(i, {}).get(key) for i in impls]
     return " / ".join("-" if v is None else spec.format(v) for v in vals)
 
 
@@ -22,25 +22,26 @@ def main():
     args = p.parse_args()
     rows = json.load(open(args.result))["rows"]
     readme = args.rows == "readme"
+    impls = [i for i in IMPLS if any(i in r for r in rows)]  # the backends this run timed
+    names = " / ".join(IMPLS[i] for i in impls)
     for dtype in sorted({r["dtype"] for r in rows}, key=lambda d: d != "bf16"):
         print(f"{dtype}:\n")
         if readme:
-            print("| E | causal | L | forward ours / FA2 / cuDNN | backward ours / FA2 / cuDNN |")
+            print(f"| E | causal | L | forward {names} | backward {names} |")
             print("|---:|:---:|---:|---:|---:|")
         else:
-            print("| E | causal | L | B × H | forward ours / FA2 / cuDNN | backward ours / FA2 / cuDNN "
-                  "| peak MiB ours / FA2 / cuDNN |")
+            print(f"| E | causal | L | B × H | forward {names} | backward {names} | peak MiB {names} |")
             print("|---:|:---:|---:|---:|---:|---:|---:|")
         sel = sorted((r for r in rows if r["dtype"] == dtype), key=lambda r: (r["head_dim"], r["causal"], r["len"]))
         for r in sel:
             if readme and r["len"] not in (1024, 16384):
                 continue
             head = f"| {r['head_dim']} | {'yes' if r['causal'] else 'no'} | {r['len']} |"
-            fb = f" {cell(r, 'fwd_tflops')} | {cell(r, 'bwd_tflops')} |"
+            fb = f" {cell(r, impls, 'fwd_tflops')} | {cell(r, impls, 'bwd_tflops')} |"
             if readme:
                 print(head + fb)
             else:
-                print(head + f" {r['batch']} × {r['heads']} |" + fb + f" {cell(r, 'peak_extra_mib', '{:.0f}')} |")
+                print(head + f" {r['batch']} × {r['heads']} |" + fb + f" {cell(r, impls, 'peak_extra_mib', '{:.0f}')} |")
         print()
 
 
