@@ -79,6 +79,10 @@ CASES = [  # (dtype, batch, heads_q, heads_kv, len_q, len_k, head_dim, head_dim_
     # ragged key tiles; dims 128 and 64.
     (torch.bfloat16, 2, 4, 2, 256, 200, 128, 128, 1),
     (torch.float16, 1, 2, 1, 320, 150, 64, 64, 0),
+    # ... bottom-right causal with 416 more rows than keys: whole query tiles that no key tile visits, then
+    # tiles visited by one and two key tiles, over a GQA group.
+    (torch.bfloat16, 1, 4, 2, 544, 128, 128, 128, 2),
+    (torch.float16, 1, 4, 2, 544, 200, 64, 64, 2),
     # ... at dim 256 (the consumers split the dims, P^T and dS^T through smem, dQ by atomics): GQA, ragged,
     # bottom-right causal; a key tile that walks 6 query tiles of each head.
     (torch.bfloat16, 1, 4, 2, 200, 330, 256, 256, 2),
