@@ -41,7 +41,8 @@ def main():
             if readme:
                 print(head + fb)
             else:
-                print(head + f" {r['batch']} × {r['heads']} |" + fb + f" {cell(r, impls, 'peak_extra_mib', '{:.0f}')} |")
+                mib = cell(r, impls, "peak_extra_mib", "{:.0f}")
+                print(head + f" {r['batch']} × {r['heads']} |" + fb + f" {mib} |")
         print()
 
 
