@@ -6,6 +6,7 @@
 # (pytest arguments; the patch applied and its extension in the tree) and each BENCH run
 # (benchmarks/bench_variants.py arguments), every build a variant of its interleaved rounds. Runs are
 # separated by '|'; leading VAR=VALUE words of a run are its environment. Logs under $OUT (else gpu_out/).
+# REUSE_BUILDS=1 on a warm machine skips the builds and uses the previous call's (variant_builds/).
 #   TESTS="-k cuda tests/test_accuracy.py | FLASHATTN_CUDA_KERNELS=sm80 -k cuda tests/test_autograd.py" \
 #   BENCH="--rows 128:1024,128:4096 | FLASHATTN_CUDA_KERNELS=sm80 --causal --rows 64:512" \
 #     bash scripts/gpu_variants.sh
@@ -27,32 +28,43 @@ split_run() {
 }
 status=0
 
-# A warm machine keeps the last call's objects, built with its last patch applied, while the copied tree's
-# sources may look older to ninja: touch what the last call's patches changed so that base is rebuilt from them.
-[[ -s variant_builds/patched_files ]] && xargs -r touch < variant_builds/patched_files
-start=$(date +%s)
-build base || { echo "base: build failed"; tail -30 "$OUT/build_base.log"; exit 1; }
-echo "base: built in $(( $(date +%s) - start )) s"
-rm -rf variant_builds && mkdir -p variant_builds/base && cp -r flashattn_ext variant_builds/base/
-names=(base)
-for patch in variants/*.patch; do [[ -e $patch ]] && git apply --numstat "$patch" | cut -f3; done \
-  | sort -u > variant_builds/patched_files
-for patch in variants/*.patch; do
-  [[ -e $patch ]] || continue
-  name=$(basename "$patch" .patch)
-  git apply "$patch" || { echo "$name: does not apply"; status=1; continue; }
+if [[ ${REUSE_BUILDS:-0} == 1 && -d variant_builds/base ]]; then
+  # (REUSE_BUILDS=1 on a warm machine: the builds of the previous call, for tests or rounds of their own)
+  names=(base)
+  for patch in variants/*.patch; do
+    name=$(basename "$patch" .patch)
+    [[ -d variant_builds/$name ]] && names+=("$name")
+  done
+  cp "variant_builds/base/flashattn_ext/$(basename "$(extension)")" flashattn_ext/
+  echo "reused builds: ${names[*]}"
+else
+  # A warm machine keeps the last call's objects, built with its last patch applied, while the copied tree's
+  # sources may look older to ninja: touch what the last call's patches changed so that base is rebuilt from them.
+  [[ -s variant_builds/patched_files ]] && xargs -r touch < variant_builds/patched_files
   start=$(date +%s)
-  if build "$name"; then
-    echo "$name: built in $(( $(date +%s) - start )) s"
-    mkdir -p "variant_builds/$name" && cp -r flashattn_ext "variant_builds/$name/"
-    names+=("$name")
-  else
-    echo "$name: build failed"
-    tail -20 "$OUT/build_$name.log"
-    status=1
-  fi
-  git apply -R "$patch"
-done
+  build base || { echo "base: build failed"; tail -30 "$OUT/build_base.log"; exit 1; }
+  echo "base: built in $(( $(date +%s) - start )) s"
+  rm -rf variant_builds && mkdir -p variant_builds/base && cp -r flashattn_ext variant_builds/base/
+  names=(base)
+  for patch in variants/*.patch; do [[ -e $patch ]] && git apply --numstat "$patch" | cut -f3; done \
+    | sort -u > variant_builds/patched_files
+  for patch in variants/*.patch; do
+    [[ -e $patch ]] || continue
+    name=$(basename "$patch" .patch)
+    git apply "$patch" || { echo "$name: does not apply"; status=1; continue; }
+    start=$(date +%s)
+    if build "$name"; then
+      echo "$name: built in $(( $(date +%s) - start )) s"
+      mkdir -p "variant_builds/$name" && cp -r flashattn_ext "variant_builds/$name/"
+      names+=("$name")
+    else
+      echo "$name: build failed"
+      tail -20 "$OUT/build_$name.log"
+      status=1
+    fi
+    git apply -R "$patch"
+  done
+fi
 
 if [[ -n "${TESTS:-}" ]]; then
   procs=$([[ ${PYTEST_PROCS:-6} -gt 0 ]] && echo "-n ${PYTEST_PROCS:-6}")  # (0: one process, no pytest-xdist)
