@@ -568,14 +568,15 @@ __global__ void __launch_bounds__(BwdWsConfig<Elem, kDim>::kThreads, 1)
       // dS^T to smem (buffer it % 2: the other warpgroup may still read the previous tile's for its dQ).
       bwd_ws_stage_ds<Elem, kBN>(sdS(s), dpt, wkey + g, t);
       fence_proxy_async();
-      wgmma_wait<0>();
+      // dQ is issued behind dV / dK, so that the tensor cores do not drain at the barrier.
+      bar_sync(1, 256);  // both halves of dS^T in smem
+      bwd_ws_issue_dq<Elem, kDqCols, kBN>(dq[0], smem_addr(sdS(s)) + (kSplitRows ? uniform_cwg * kBN * 128 : 0), dq_b);
+      wgmma_wait<1>();
       pin(dk);
       pin(dv);
       pin(pa);
       pin(dsa);
       mbar_arrive(q_empty + s);  // Q, dO, LSE and D of this stage are read
-      bar_sync(1, 256);          // both halves of dS^T in smem
-      bwd_ws_issue_dq<Elem, kDqCols, kBN>(dq[0], smem_addr(sdS(s)) + (kSplitRows ? uniform_cwg * kBN * 128 : 0), dq_b);
       wgmma_wait<0>();
       add_dq(it, walk.h, m0);
       walk.advance(kBM);
