@@ -6,11 +6,14 @@ have read a few % low in the second of two processes) falls on each variant alik
 and the mean over rounds per variant and row.
 
   python benchmarks/bench_variants.py --rows 128:512,64:1024 --rounds 3 \\
-      --variant sm80 FLASHATTN_CUDA_KERNELS=sm80 --variant wgmma FLASHATTN_CUDA_KERNELS=wgmma --flash
+      --variant sm80 FLASHATTN_CUDA_KERNELS=sm80 --variant wgmma FLASHATTN_CUDA_KERNELS=wgmma --sdpa sdpa-flash
 
 Rows are E:L, non-causal unless --causal, bf16 unless --dtype fp16 (or e4m3: the float8 forward), B·L = 16384
 and H·E = 2048 as in bench_gpu.py; the forward, or with --pass bwd the backward alone on a retained graph of
-one forward as bench_gpu.py times it (FLOPs 2.5x the forward's). One process times its rows with 40 calls per median
+one forward as bench_gpu.py times it (FLOPs 2.5x the forward's). With --pass decode rows are KIND:B:C (mha, gqa
+or mqa as in bench_decode.py: H = 32, E = 128, one query row against C cached keys) and the reading is µs per
+read-only flash_attn_with_kvcache step replayed from a CUDA graph (ours-read-graph; --sdpa: that SDPA backend on
+the same shape, eager). One process times its rows with 40 calls per median
 after at least 0.3 s of warm-up (--repeats, --warmup-s); a process that fails or runs past --child-timeout seconds (a kernel
 that hangs) leaves its round's readings empty."""
 import argparse
@@ -40,12 +43,26 @@ def child(args):
                                                      v_descale=vd)
 
     def attn(q, k, v, causal):
-        if args.impl == "flash":
-            with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+        if args.impl != "ours":
+            with torch.nn.attention.sdpa_kernel(getattr(torch.nn.attention.SDPBackend, M.SDPA_BACKENDS[args.impl])):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         return flashattn_ext.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
     out = []
+    if args.pass_ == "decode":
+        import bench_decode as D
+        for row in args.rows.split(","):
+            kind, b, cache = row.split(":")
+            heads, dim = 32, 128
+            if args.device == "cpu":  # a debug run of the script's own code: tiny shapes
+                heads, dim, cache = 4, 16, min(int(cache), 256)
+            group = D.KINDS[kind]
+            t = D.make_row(int(b), int(cache), heads, heads // group if group else 1, dim, 1, 256, dtype, args.device)
+            impl = args.impl if args.impl != "ours" else "ours-read" + ("-graph" if args.device == "cuda" else "")
+            ms = M.median_ms(D.step_fn(impl, t), args.device, warmup=3, repeats=args.repeats, warmup_s=args.warmup_s)
+            out.append(f"{ms * 1e3:.2f}")
+        print(" ".join(out))
+        return
     for row in args.rows.split(","):
         e, length = map(int, row.split(":"))
         b, h = 16384 // length, 2048 // e
@@ -66,15 +83,16 @@ def child(args):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rows", required=True, help="comma list of E:L")
+    p.add_argument("--rows", required=True, help="comma list of E:L (--pass decode: KIND:B:C)")
     p.add_argument("--variant", nargs="+", action="append", default=[], metavar=("NAME", "ENV=VALUE"),
                    help="a name and the environment variables that select it (repeatable)")
-    p.add_argument("--flash", action="store_true", help="SDPA's flash backend as one more variant")
+    p.add_argument("--sdpa", choices=("sdpa-flash", "sdpa-cudnn", "sdpa-efficient"),
+                   help="that SDPA backend as one more variant")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--causal", action="store_true")
     p.add_argument("--dtype", choices=("bf16", "fp16", "e4m3"), default="bf16",
                    help="e4m3: flash_attn_func's float8 forward (per-(batch, head) descales) on bf16 inputs quantized")
-    p.add_argument("--pass", dest="pass_", choices=("fwd", "bwd"), default="fwd")
+    p.add_argument("--pass", dest="pass_", choices=("fwd", "bwd", "decode"), default="fwd")
     p.add_argument("--device", default="cuda", help="'cpu' runs the script's code on tiny shapes (debug only)")
     p.add_argument("--repeats", type=int, default=40, help="calls per median")
     p.add_argument("--warmup-s", type=float, default=0.3, help="seconds of warm-up per row")
@@ -89,10 +107,10 @@ def main():
     if bad:
         p.error(f"--variant: environment settings are ENV=VALUE, got {bad}")
     variants = [(v[0], dict(kv.split("=", 1) for kv in v[1:]), "ours") for v in args.variant]
-    if args.flash:
-        variants.append(("flash", {}, "flash"))
+    if args.sdpa:
+        variants.append((args.sdpa, {}, args.sdpa))
     if not variants:
-        p.error("name at least one --variant (or --flash)")
+        p.error("name at least one --variant (or --sdpa)")
     if len({name for name, _, _ in variants}) != len(variants):
         p.error(f"variant names must differ: {[name for name, _, _ in variants]}")
     rows = args.rows.split(",")
@@ -114,7 +132,8 @@ def main():
             values = [float(x) for x in res.stdout.split()]
             readings[name].append(values)
             print(f"round {r + 1} {name:>12}: " + " ".join(f"{row}={x}" for row, x in zip(rows, values)), flush=True)
-    print(f"\nmean over {args.rounds} rounds, TFLOP/s ({args.pass_}, {args.dtype}, {'causal' if args.causal else 'non-causal'})")
+    unit = "µs per step" if args.pass_ == "decode" else "TFLOP/s"
+    print(f"\nmean over {args.rounds} rounds, {unit} ({args.pass_}, {args.dtype}, {'causal' if args.causal else 'non-causal'})")
     print(f"{'variant':>12} " + " ".join(f"{row:>9}" for row in rows))
     for name, values in readings.items():
         means = [statistics.mean(col) for col in zip(*values)] if values else [float("nan")] * len(rows)
