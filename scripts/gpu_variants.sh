@@ -6,7 +6,8 @@
 # (pytest arguments; the patch applied and its extension in the tree) and each BENCH run
 # (benchmarks/bench_variants.py arguments), every build a variant of its interleaved rounds. Runs are
 # separated by '|'; leading VAR=VALUE words of a run are its environment. Logs under $OUT (else gpu_out/).
-# REUSE_BUILDS=1 on a warm machine skips the builds and uses the previous call's (variant_builds/).
+# REUSE_BUILDS=1 on a warm machine skips the builds and uses the previous call's (variant_builds/). A run's
+# ONLY=a,b word restricts it to base and builds a and b; TEST_ONLY=a,b the tests to those builds.
 #   TESTS="-k cuda tests/test_accuracy.py | FLASHATTN_CUDA_KERNELS=sm80 -k cuda tests/test_autograd.py" \
 #   BENCH="--rows 128:1024,128:4096 | FLASHATTN_CUDA_KERNELS=sm80 --causal --rows 64:512" \
 #     bash scripts/gpu_variants.sh
@@ -72,6 +73,7 @@ if [[ -n "${TESTS:-}" ]]; then
   kept=$(mktemp) && cp "$(extension)" "$kept"
   for name in "${names[@]}"; do
     [[ $name == base && ${TEST_BASE:-1} == 0 ]] && continue  # (TEST_BASE=0: the tree's tests passed before)
+    [[ -z ${TEST_ONLY:-} || ",$TEST_ONLY," == *",$name,"* ]] || continue  # (TEST_ONLY=a,b: those builds' tests)
     [[ $name == base ]] || git apply "variants/$name.patch"
     cp "variant_builds/$name/flashattn_ext/$(basename "$(extension)")" flashattn_ext/
     for i in "${!test_runs[@]}"; do
@@ -90,8 +92,14 @@ if [[ -n "${BENCH:-}" ]]; then
   IFS='|' read -ra bench_runs <<< "$BENCH"
   for run in "${bench_runs[@]}"; do
     split_run "$run"
+    # ONLY=a,b among a run's VAR=VALUE words: that run times base and builds a and b only.
+    only="" env_words=()
+    for w in "${run_env[@]}"; do [[ $w == ONLY=* ]] && only=",${w#ONLY=}," || env_words+=("$w"); done
     variants=()
-    for name in "${names[@]}"; do variants+=(--variant "$name" "PYTHONPATH=$PWD/variant_builds/$name" "${run_env[@]}"); done
+    for name in "${names[@]}"; do
+      [[ -z $only || $name == base || $only == *",$name,"* ]] || continue
+      variants+=(--variant "$name" "PYTHONPATH=$PWD/variant_builds/$name" "${env_words[@]}")
+    done
     python3 benchmarks/bench_variants.py "${run_args[@]}" --json "$OUT/bench.jsonl" "${variants[@]}" 2>&1 \
       | tee -a "$OUT/bench.log" | sed -n '/^mean over/,$p'
     status=$(( status | ${PIPESTATUS[0]} ))
