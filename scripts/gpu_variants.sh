@@ -79,7 +79,9 @@ if [[ -n "${TESTS:-}" ]]; then
     for i in "${!test_runs[@]}"; do
       split_run "${test_runs[$i]}"
       log="$OUT/tests_${name}_$i.log"
-      env OMP_NUM_THREADS=2 "${run_env[@]}" python3 -m pytest -q $procs "${run_args[@]}" > "$log" 2>&1
+      # (a kernel that hangs costs TEST_TIMEOUT seconds, not the call)
+      timeout "${TEST_TIMEOUT:-400}" env OMP_NUM_THREADS=2 "${run_env[@]}" python3 -m pytest -q $procs "${run_args[@]}" \
+        > "$log" 2>&1
       status=$(( status | $? ))
       echo "$name, tests $i: $(grep -E '^(FAILED|ERROR)' "$log" | head -5)$(tail -1 "$log")"
     done
