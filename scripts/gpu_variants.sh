@@ -7,7 +7,7 @@
 # (benchmarks/bench_variants.py arguments), every build a variant of its interleaved rounds. Runs are
 # separated by '|'; leading VAR=VALUE words of a run are its environment. Logs under $OUT (else gpu_out/).
 # REUSE_BUILDS=1 on a warm machine skips the builds and uses the previous call's (variant_builds/). A run's
-# ONLY=a,b word restricts it to base and builds a and b; TEST_ONLY=a,b the tests to those builds.
+# ONLY=a,b word (TESTS or BENCH) restricts it to base and builds a and b; TEST_ONLY=a,b all tests to those builds.
 #   TESTS="-k cuda tests/test_accuracy.py | FLASHATTN_CUDA_KERNELS=sm80 -k cuda tests/test_autograd.py" \
 #   BENCH="--rows 128:1024,128:4096 | FLASHATTN_CUDA_KERNELS=sm80 --causal --rows 64:512" \
 #     bash scripts/gpu_variants.sh
@@ -26,6 +26,14 @@ split_run() {
   for w in "${words[@]}"; do
     if [[ ${#run_args[@]} -eq 0 && $w =~ ^[A-Z_][A-Z0-9_]*= ]]; then run_env+=("$w"); else run_args+=("$w"); fi
   done
+}
+# A run's words split: env_words (run_env without ONLY=...); true where build `name` takes part in the run (base
+# always; ONLY=a,b: builds a and b, else every build).
+only_words() {
+  local w only=""
+  env_words=()
+  for w in "${run_env[@]}"; do [[ $w == ONLY=* ]] && only=",${w#ONLY=}," || env_words+=("$w"); done
+  [[ -z $only || $1 == base || $only == *",$1,"* ]]
 }
 status=0
 
@@ -78,10 +86,11 @@ if [[ -n "${TESTS:-}" ]]; then
     cp "variant_builds/$name/flashattn_ext/$(basename "$(extension)")" flashattn_ext/
     for i in "${!test_runs[@]}"; do
       split_run "${test_runs[$i]}"
+      only_words "$name" || continue
       log="$OUT/tests_${name}_$i.log"
       # (a kernel that hangs costs TEST_TIMEOUT seconds, not the call)
-      timeout "${TEST_TIMEOUT:-400}" env OMP_NUM_THREADS=2 "${run_env[@]}" python3 -m pytest -q $procs "${run_args[@]}" \
-        > "$log" 2>&1
+      timeout "${TEST_TIMEOUT:-400}" env OMP_NUM_THREADS=2 "${env_words[@]}" python3 -m pytest -q $procs \
+        "${run_args[@]}" > "$log" 2>&1
       status=$(( status | $? ))
       echo "$name, tests $i: $(grep -E '^(FAILED|ERROR)' "$log" | head -5)$(tail -1 "$log")"
     done
@@ -94,12 +103,9 @@ if [[ -n "${BENCH:-}" ]]; then
   IFS='|' read -ra bench_runs <<< "$BENCH"
   for run in "${bench_runs[@]}"; do
     split_run "$run"
-    # ONLY=a,b among a run's VAR=VALUE words: that run times base and builds a and b only.
-    only="" env_words=()
-    for w in "${run_env[@]}"; do [[ $w == ONLY=* ]] && only=",${w#ONLY=}," || env_words+=("$w"); done
     variants=()
     for name in "${names[@]}"; do
-      [[ -z $only || $name == base || $only == *",$name,"* ]] || continue
+      only_words "$name" || continue
       variants+=(--variant "$name" "PYTHONPATH=$PWD/variant_builds/$name" "${env_words[@]}")
     done
     python3 benchmarks/bench_variants.py "${run_args[@]}" --json "$OUT/bench.jsonl" "${variants[@]}" 2>&1 \
