@@ -86,6 +86,7 @@ def main():
     p.add_argument("--rows", required=True, help="comma list of E:L (--pass decode: KIND:B:C)")
     p.add_argument("--variant", nargs="+", action="append", default=[], metavar=("NAME", "ENV=VALUE"),
                    help="a name and the environment variables that select it (repeatable)")
+    # (_measure.SDPA_BACKENDS' keys but its math one, named here: this process does not import torch)
     p.add_argument("--sdpa", choices=("sdpa-flash", "sdpa-cudnn", "sdpa-efficient"),
                    help="that SDPA backend as one more variant")
     p.add_argument("--rounds", type=int, default=3)

@@ -7,7 +7,7 @@
 # (benchmarks/bench_variants.py arguments), every build a variant of its interleaved rounds. Runs are
 # separated by '|'; leading VAR=VALUE words of a run are its environment. Logs under $OUT (else gpu_out/).
 # REUSE_BUILDS=1 on a warm machine skips the builds and uses the previous call's (variant_builds/). A run's
-# ONLY=a,b word (TESTS or BENCH) restricts it to base and builds a and b; TEST_ONLY=a,b all tests to those builds.
+# ONLY=a,b word (TESTS or BENCH) restricts it to base and builds a and b.
 #   TESTS="-k cuda tests/test_accuracy.py | FLASHATTN_CUDA_KERNELS=sm80 -k cuda tests/test_autograd.py" \
 #   BENCH="--rows 128:1024,128:4096 | FLASHATTN_CUDA_KERNELS=sm80 --causal --rows 64:512" \
 #     bash scripts/gpu_variants.sh
@@ -27,9 +27,9 @@ split_run() {
     if [[ ${#run_args[@]} -eq 0 && $w =~ ^[A-Z_][A-Z0-9_]*= ]]; then run_env+=("$w"); else run_args+=("$w"); fi
   done
 }
-# A run's words split: env_words (run_env without ONLY=...); true where build `name` takes part in the run (base
-# always; ONLY=a,b: builds a and b, else every build).
-only_words() {
+# Whether build $1 takes part in the split run (base always; with an ONLY=a,b word builds a and b, else every
+# build); sets env_words, the run's environment without that word.
+takes_part() {
   local w only=""
   env_words=()
   for w in "${run_env[@]}"; do [[ $w == ONLY=* ]] && only=",${w#ONLY=}," || env_words+=("$w"); done
@@ -81,12 +81,11 @@ if [[ -n "${TESTS:-}" ]]; then
   kept=$(mktemp) && cp "$(extension)" "$kept"
   for name in "${names[@]}"; do
     [[ $name == base && ${TEST_BASE:-1} == 0 ]] && continue  # (TEST_BASE=0: the tree's tests passed before)
-    [[ -z ${TEST_ONLY:-} || ",$TEST_ONLY," == *",$name,"* ]] || continue  # (TEST_ONLY=a,b: those builds' tests)
     [[ $name == base ]] || git apply "variants/$name.patch"
     cp "variant_builds/$name/flashattn_ext/$(basename "$(extension)")" flashattn_ext/
     for i in "${!test_runs[@]}"; do
       split_run "${test_runs[$i]}"
-      only_words "$name" || continue
+      takes_part "$name" || continue
       log="$OUT/tests_${name}_$i.log"
       # (a kernel that hangs costs TEST_TIMEOUT seconds, not the call)
       timeout "${TEST_TIMEOUT:-400}" env OMP_NUM_THREADS=2 "${env_words[@]}" python3 -m pytest -q $procs \
@@ -105,7 +104,7 @@ if [[ -n "${BENCH:-}" ]]; then
     split_run "$run"
     variants=()
     for name in "${names[@]}"; do
-      only_words "$name" || continue
+      takes_part "$name" || continue
       variants+=(--variant "$name" "PYTHONPATH=$PWD/variant_builds/$name" "${env_words[@]}")
     done
     python3 benchmarks/bench_variants.py "${run_args[@]}" --json "$OUT/bench.jsonl" "${variants[@]}" 2>&1 \
