@@ -6,7 +6,9 @@ Lq = 1 by default, the new keys appended at C - Lq (ours: the step, append and a
 all C keys, not causal (bottom-right causal is a no-op for one row). ours-read is the attention alone
 (the same call with no new keys, the cache's C keys attended): what SDPA computes, reading the same
 (B, Hkv, C, E) cache views in place, with enable_gqa where Hkv < H. Every implementation X is measured twice: X, eager
-calls, and X-graph, the same call captured once in a CUDA graph and replayed (no Python or launch overhead).
+calls, and X-graph, --graph-steps calls (16) captured back to back in one CUDA graph and replayed, the time
+per call (no Python or launch overhead: what a model's captured decode step sees; with one call per replay
+a step of ~15 us measured either its kernels alone or those plus the replay's launch latency, run by run).
 Per row: µs per step (CUDA events, warm-up, median of --repeats; the best of --rounds rounds, each timing
 every implementation in turn, so that a slow spell of the GPU or host hits one round) and K/V bandwidth = bytes of K and V read
 (B·C·Hkv·2E·itemsize) / time. The copy column is the bandwidth ceiling: a device-to-device copy of
@@ -60,6 +62,7 @@ def parse_args(argv):
     p.add_argument("--impls", default=",".join(IMPLS))
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--graph-steps", type=int, default=16, help="calls captured in one graph (X-graph)")
     p.add_argument("--rounds", type=int, default=2,
                    help="rounds over a row's implementations; each keeps its best round's median")
     p.add_argument("--max-gb", type=float, help="skip rows needing more (default 60; 1 with --device cpu)")
@@ -132,8 +135,9 @@ def flex_paged_step(t):
     return lambda: attend(q, k, v, block_mask=mask, enable_gqa=heads_kv != q.shape[1])
 
 
-def step_fn(impl, t):
-    """One decode step of `impl` on the row's tensors."""
+def step_fn(impl, t, graph_steps=1):
+    """One decode step of `impl` on the row's tensors (X-graph: a replay of graph_steps of them, its
+    `steps` attribute that count)."""
     if impl == "ours":
         return lambda: flashattn_ext.flash_attn_with_kvcache(t["q"], t["k_cache"], t["v_cache"], t["k"], t["v"],
                                                              cache_seqlens=t["cache_seqlens"])
@@ -153,8 +157,13 @@ def step_fn(impl, t):
         step()  # lazy initialisation outside the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            step()
-        return graph.replay
+            for _ in range(graph_steps):  # (a step appends the same rows at the same place: repeatable)
+                step()
+
+        def replay():
+            graph.replay()
+        replay.steps = graph_steps
+        return replay
     if impl == "ours-paged":
         return lambda: flashattn_ext.flash_attn_with_kvcache(
             t["q"], t["k_cache_paged"], t["v_cache_paged"], t["k"], t["v"], cache_seqlens=t["cache_seqlens"],
@@ -191,12 +200,13 @@ def measure(impl, t, kv_bytes, args):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            fn = step_fn(impl, t)  # (a graph is captured here)
+            fn = step_fn(impl, t, args.graph_steps)  # (a graph is captured here)
             fn()
         except (RuntimeError, ValueError, NotImplementedError, torch.cuda.OutOfMemoryError) as e:
             notes = "; ".join(first_line(str(w.message)) for w in caught)
             return {"skipped": first_line(str(e)) + (f" ({notes})" if notes else "")}
     ms = M.median_ms(fn, args.device, args.warmup, args.repeats, warmup_s=0.2 if args.device == "cuda" else 0.0)
+    ms /= getattr(fn, "steps", 1)
     moved = 2 * kv_bytes if impl == "copy" else kv_bytes  # a copy reads and writes them
     return {"us": ms * 1e3, "gb_per_s": moved / (ms * 1e-3) / 1e9}
 

@@ -12,8 +12,8 @@ Rows are E:L, non-causal unless --causal, bf16 unless --dtype fp16 (or e4m3: the
 and H·E = 2048 as in bench_gpu.py; the forward, or with --pass bwd the backward alone on a retained graph of
 one forward as bench_gpu.py times it (FLOPs 2.5x the forward's). With --pass decode rows are KIND:B:C (mha, gqa
 or mqa as in bench_decode.py: H = 32, E = 128, one query row against C cached keys) and the reading is µs per
-read-only flash_attn_with_kvcache step replayed from a CUDA graph (ours-read-graph; --sdpa: that SDPA backend on
-the same shape, eager). One process times its rows with 40 calls per median
+read-only flash_attn_with_kvcache step, 16 of them captured in one CUDA graph and replayed (bench_decode.py's
+ours-read-graph; --sdpa: that SDPA backend on the same shape, the same way). One process times its rows with 40 calls per median
 after at least 0.3 s of warm-up (--repeats, --warmup-s); a process that fails or runs past --child-timeout seconds (a kernel
 that hangs) leaves its round's readings empty."""
 import argparse
@@ -58,9 +58,10 @@ def child(args):
                 heads, dim, cache = 4, 16, min(int(cache), 256)
             group = D.KINDS[kind]
             t = D.make_row(int(b), int(cache), heads, heads // group if group else 1, dim, 1, 256, dtype, args.device)
-            impl = args.impl if args.impl != "ours" else "ours-read" + ("-graph" if args.device == "cuda" else "")
-            ms = M.median_ms(D.step_fn(impl, t), args.device, warmup=3, repeats=args.repeats, warmup_s=args.warmup_s)
-            out.append(f"{ms * 1e3:.2f}")
+            impl = (args.impl if args.impl != "ours" else "ours-read") + ("-graph" if args.device == "cuda" else "")
+            fn = D.step_fn(impl, t, graph_steps=16)
+            ms = M.median_ms(fn, args.device, warmup=3, repeats=args.repeats, warmup_s=args.warmup_s)
+            out.append(f"{ms * 1e3 / getattr(fn, 'steps', 1):.2f}")
         print(" ".join(out))
         return
     for row in args.rows.split(","):
