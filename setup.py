@@ -44,10 +44,26 @@ def avx512_flags(msvc):
     return ["/arch:AVX512"] if msvc else ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq", "-fPIC"]
 
 
+def object_current(obj, record, command):
+    """Whether obj was built by `command` (as `record` holds it) and is newer than every file its
+    dependency list (`record`'s other lines: the compiler's -MMD output) names."""
+    if not (os.path.exists(obj) and os.path.exists(record)):
+        return False
+    with open(record) as f:
+        lines = f.read().split("\n", 1)
+    if lines[0] != command or len(lines) < 2:
+        return False
+    deps = lines[1].replace("\\\n", " ").split(":", 1)[-1].split()
+    built = os.path.getmtime(obj)
+    return all(os.path.exists(d) and os.path.getmtime(d) <= built for d in deps)
+
+
 class BuildWithAVX512(BuildExtension):
     """Adds the host compiler flags in its spelling (the compiler is known only here), and
     compiles kernels_avx512.cpp on its own with AVX-512 flags (setuptools has no per-file
-    flags) and links its object after all others: see the comment at the top of that file."""
+    flags) and links its object after all others: see the comment at the top of that file.
+    With GCC / Clang that object is rebuilt only when its command or a file it includes changed
+    (ninja does this for the other sources; a rebuild of a few kernels need not wait ~10 s for it)."""
 
     def build_extensions(self):
         msvc = self.compiler.compiler_type == "msvc"
@@ -56,9 +72,17 @@ class BuildWithAVX512(BuildExtension):
         if X86:
             for ext in self.extensions:
                 flags = ext.extra_compile_args["cxx"] + avx512_flags(msvc)
-                ext.extra_objects += self.compiler.compile(
-                    [AVX512_SOURCE], output_dir=self.build_temp, include_dirs=ext.include_dirs,
-                    extra_postargs=flags)
+                obj = self.compiler.object_filenames([AVX512_SOURCE], output_dir=self.build_temp)[0]
+                deps = obj + ".d"
+                command = "" if msvc else repr((self.compiler.compiler_so, ext.include_dirs, flags))
+                if msvc or not object_current(obj, obj + ".record", command):
+                    obj = self.compiler.compile([AVX512_SOURCE], output_dir=self.build_temp,
+                                                include_dirs=ext.include_dirs,
+                                                extra_postargs=flags + ([] if msvc else ["-MMD", "-MF", deps]))[0]
+                    if not msvc:
+                        with open(deps) as f, open(obj + ".record", "w") as record:
+                            record.write(command + "\n" + f.read())
+                ext.extra_objects += [obj]
         super().build_extensions()
 
 
