@@ -12,31 +12,31 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LINE = 110  # instantiations longer than this wrap after the last ", " that fits
 
-F64, F32, BF16, F16 = "double", "float", "__nv_bfloat16", "__half"
+F64, F32, BF16, F16, E4M3 = "double", "float", "__nv_bfloat16", "__half", "__nv_fp8_e4m3"
 HALF = (BF16, F16)
 
-# family: (folder, file prefix, header, namespace, declarations: ({T} dtype, {D} tier) per dtype,
+# family: (folder, file prefix, header, namespace, declarations: ({T} dtype, {D} tier) per (dtype, tier),
 #          {tier: (dtypes, description of the tier in the file's first line)})
 FAMILIES = {
     "simt_fwd": ("simt", "fwd_simt", "fwd_simt.cuh", "simt",
-                 lambda t: ["void fwd<{T}, {D}>(const FwdParams&, int, cudaStream_t)"],
+                 lambda t, d: ["void fwd<{T}, {D}>(const FwdParams&, int, cudaStream_t)"],
                  {d: ((F64, F32) + HALF if d == 128 else (F32,) + HALF,
                       f"Forward SIMT kernels, output-column tier {d}.") for d in (32, 64, 128, 256)}),
     "simt_fwd_qres": ("simt", "fwd_simt_qres", "fwd_simt_qres.cuh", "simt",
-                      lambda t: ["bool fwd_qres<{T}, {D}>(const FwdParams&, FwdKernel, int, cudaStream_t)"],
+                      lambda t, d: ["bool fwd_qres<{T}, {D}>(const FwdParams&, FwdKernel, int, cudaStream_t)"],
                       {64: ((F32,), "Q-resident forward SIMT kernels (fp32), head dims up to 64."),
                        128: ((F32,) + HALF, "Q-resident forward SIMT kernels, head dims up to 128.")}),
     "simt_bwd": ("simt", "bwd_simt", "bwd_simt.cuh", "simt",
-                 lambda t: ["void bwd_dkdv<{T}, {D}>(const BwdParams&, const void*, void*, int, cudaStream_t)",
+                 lambda t, d: ["void bwd_dkdv<{T}, {D}>(const BwdParams&, const void*, void*, int, cudaStream_t)",
                             "void bwd_dq<{T}, {D}>(const BwdParams&, const void*, int, cudaStream_t)"],
                  {d: ((F64, F32) + HALF if d == 64 else (F32,) + HALF,
                       f"Backward SIMT kernels, output-column tier {d}.") for d in (32, 64, 128)}),
     "simt_bwd_kvres": ("simt", "bwd_simt_kvres", "bwd_simt_kvres.cuh", "simt",
-                       lambda t: ["bool bwd_dkdv_kvres<{T}, {D}>(const BwdParams&, const void*, void*, cudaStream_t)"],
+                       lambda t, d: ["bool bwd_dkdv_kvres<{T}, {D}>(const BwdParams&, const void*, void*, cudaStream_t)"],
                        {d: ((F32,) + HALF, f"dK/dV SIMT kernel with the key tile resident in smem, head dims up "
                                            f"to {d}.") for d in (64, 128)}),
     "sm80_fwd": ("sm80", "fwd_sm80", "fwd_sm80.cuh", "sm80",
-                 lambda t: ["bool fwd<{T}, {D}>(const FwdParams&, FwdKernel, cudaStream_t)"] + (
+                 lambda t, d: ["bool fwd<{T}, {D}>(const FwdParams&, FwdKernel, cudaStream_t)"] + (
                      ["size_t fwd_workspace_bytes<{T}, {D}>(const FwdParams&, FwdKernel)"] if t in HALF else []),
                  {32: (HALF, "Tensor-core forward kernels, head dims up to 32 (fp16/bf16): half the dim-64 products."),
                   64: ((F64,) + HALF, "Tensor-core forward kernels, head dims up to 64."),
@@ -47,7 +47,7 @@ FAMILIES = {
                   256: (HALF, "Tensor-core forward kernels, head dims up to 256 (fp16/bf16; fp64 accumulators would "
                               "not fit).")}),
     "sm80_bwd": ("sm80", "bwd_sm80", "bwd_sm80.cuh", "sm80",
-                 lambda t: ["bool bwd_dkdv<{T}, {D}>(const BwdParams&, BwdKernel, const void*, const DqAccum&, "
+                 lambda t, d: ["bool bwd_dkdv<{T}, {D}>(const BwdParams&, BwdKernel, const void*, const DqAccum&, "
                             "const DkDvTail&, cudaStream_t)"],
                  {32: (HALF, "Tensor-core dK/dV/dQ kernels, head dims up to 32 (fp16/bf16)."),
                   64: ((F64,) + HALF, "Tensor-core dK/dV/dQ kernels, head dims up to 64."),
@@ -57,6 +57,15 @@ FAMILIES = {
                               "two."),
                   256: (HALF, "Tensor-core dK/dV/dQ kernels, head dims up to 256 (fp16/bf16), output columns split "
                               "in two.")}),
+    # (a file per head dim: the forward's kernels compiled in parallel; dim 64 also with three consumers)
+    "sm90_fwd": ("sm90", "fwd_sm90", "fwd_sm90.cuh", "sm90",
+                 lambda t, d: [f"bool {f}<{{T}}, {{D}}, {c}>({args})" for c in ((2, 3) if d == 64 else (2,))
+                               for f, args in (("fwd_ws_ready", "const FwdParams&, FwdMaps&"),
+                                               ("fwd_wgmma", "const FwdParams&, const FwdMaps&, cudaStream_t"))],
+                 {64: (HALF, "Hopper forward (wgmma, warp-specialized), head dim 64: two or three consumers."),
+                  96: (HALF, "Hopper forward (wgmma, warp-specialized), head dim 96."),
+                  128: (HALF + (E4M3,), "Hopper forward (wgmma, warp-specialized), head dim 128 (float8 e4m3 too)."),
+                  256: (HALF, "Hopper forward (wgmma, warp-specialized), head dim 256.")}),
 }
 
 
@@ -74,7 +83,7 @@ def wrap(line):
 def translation_unit(header, namespace, declarations, dtypes, description):
     lines = [f"// {description}", f'#include "{header}"', "", f"namespace flashattn::cuda::{namespace} {{"]
     for dtype, tier in dtypes:
-        lines += [wrap("template " + d.format(T=dtype, D=tier) + ";") for d in declarations(dtype)]
+        lines += [wrap("template " + d.format(T=dtype, D=tier) + ";") for d in declarations(dtype, tier)]
     return "\n".join(lines + [f"}}  // namespace flashattn::cuda::{namespace}", ""])
 
 

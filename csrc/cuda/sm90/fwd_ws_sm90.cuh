@@ -11,7 +11,7 @@
 // consumers (setmaxnreg): at the launch's even share (168 per thread at 384 threads) their key loop
 // spilled.
 //
-// On grids larger than the GPU the grid is persistent (fwd_sm90.cu): a block per SM walks several work
+// On grids larger than the GPU the grid is persistent (fwd_sm90.cuh): a block per SM walks several work
 // items of 64 rows per consumer, with two Q buffers (one at dim 256), so the producer copies the next
 // item's Q and first K / V tiles while the consumers finish this one (its last P V and output). Causal
 // items differ in length: a block takes a heavy and a light one in turn (schedule/causal_order.cuh) where

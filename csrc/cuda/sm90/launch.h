@@ -1,5 +1,5 @@
-// Host launchers of the Hopper kernels (sm90/, wgmma on sm_90a), instantiated in fwd_sm90.cu and
-// bwd_sm90.cu. Each launches what the kernel plan (../plan.h) chose and returns true; false,
+// Host launchers of the Hopper kernels (sm90/, wgmma on sm_90a): the forward's instantiated per head dim in
+// fwd_sm90_hdim*.cu, the backward's in bwd_sm90.cu, the float8 V^T copy in fp8_v_transpose.cu. Each launches what the kernel plan (../plan.h) chose and returns true; false,
 // launching nothing, would mean the plan chose a kernel that cannot take the call.
 //
 // A call's tensor maps are encoded once: by the plan's question whether the kernel can take the call

@@ -1,6 +1,8 @@
-// The Hopper forward (wgmma, warp-specialized): fp16 and bf16 at head dims 64, 96, 128 and 256, plain or with
-// a key-vector bias, with bias rows at 64, 128 and 256 (float8 e4m3 at 128, plain), its launcher as the kernel
-// plan (../plan.cpp) chose, and the plan's question whether it can take a call (whose maps the launch passes).
+// The Hopper forward's host side (wgmma, warp-specialized): its launcher as the kernel plan (../plan.cpp)
+// chose, and the plan's question whether it can take a call (whose maps the launch passes); instantiated
+// per head dim in fwd_sm90_hdim*.cu (scripts/generate_kernels.py): fp16 and bf16 at 64, 96, 128 and 256,
+// plain or with a key-vector bias, with bias rows at 64, 128 and 256, float8 e4m3 at 128 (plain).
+#pragma once
 #include "fwd_ws_sm90.cuh"
 #include "launch.h"
 #include "register_pool.h"
@@ -58,40 +60,6 @@ FwdGrid fwd_grid(const FwdParams& p) {
   return g;
 }
 
-// V^T of a float8 call for its kernel (FwdParams::v's layout there): a block per 64 keys of one
-// (batch, kv head), through smem, keys past len_k as zeros; 16-byte copies both ways.
-constexpr int kVtKeys = 64, kVtDim = 128, kVtLine = kVtDim + 16;  // (+16: rows offset by 4 banks)
-
-__global__ void __launch_bounds__(256) fp8_v_transposed_kernel(const FwdParams p, uint8_t* vt, int64_t keys) {
-  __shared__ __align__(16) uint8_t tile[kVtKeys][kVtLine];
-  const int64_t n0 = int64_t(blockIdx.x) * kVtKeys;
-  const int hk = int(blockIdx.y), b = int(blockIdx.z);
-  const uint8_t* v = static_cast<const uint8_t*>(p.v) + b * p.v_stride.batch + hk * p.v_stride.head;
-  for (int i = threadIdx.x; i < kVtKeys * kVtDim / 16; i += blockDim.x) {
-    const int key = i / (kVtDim / 16), chunk = i % (kVtDim / 16);
-    uint4 x = make_uint4(0, 0, 0, 0);
-    if (n0 + key < p.len_k) x = *reinterpret_cast<const uint4*>(v + (n0 + key) * p.v_stride.row + chunk * 16);
-    *reinterpret_cast<uint4*>(&tile[key][chunk * 16]) = x;
-  }
-  __syncthreads();
-  // Output position 4 t + 2 h + c of a 16-key group holds its key 8 h + 2 t + c (fwd_rows.cuh: pack_p).
-  uint8_t* out = vt + ((int64_t(b) * p.heads_kv + hk) * kVtDim) * keys;
-  for (int i = threadIdx.x; i < kVtDim * kVtKeys / 16; i += blockDim.x) {
-    const int dim = i % kVtDim, group = i / kVtDim;
-    if (n0 + group * 16 >= keys) continue;
-    uint32_t words[4];
-#pragma unroll
-    for (int t = 0; t < 4; ++t) {
-      uint32_t w = 0;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) w |= uint32_t(tile[group * 16 + 8 * (j >> 1) + 2 * t + (j & 1)][dim]) << (8 * j);
-      words[t] = w;
-    }
-    *reinterpret_cast<uint4*>(out + int64_t(dim) * keys + n0 + group * 16) = make_uint4(words[0], words[1], words[2],
-                                                                                       words[3]);
-  }
-}
-
 // The kernel's launch with configuration Cfg (the plain kernel or a bias variant; only the bias rows'
 // takes the bias map).
 template <class Elem, int kDim, class Cfg>
@@ -104,19 +72,6 @@ void launch_ws(const FwdParams& p, const FwdMaps& maps, cudaStream_t stream) {
 }
 
 }  // namespace
-
-size_t fwd_fp8_v_bytes(const FwdParams& p) {
-  return size_t(p.batch) * size_t(p.heads_kv) * kVtDim * size_t((p.len_k + 15) / 16 * 16);
-}
-
-bool fwd_fp8_v_transposed(const FwdParams& p, void* vt, cudaStream_t stream) {
-  if (p.head_dim_v != kVtDim) return false;
-  const int64_t keys = (p.len_k + 15) / 16 * 16;
-  const dim3 grid(unsigned((p.len_k + kVtKeys - 1) / kVtKeys), unsigned(p.heads_kv), unsigned(p.batch));
-  fp8_v_transposed_kernel<<<grid, 256, 0, stream>>>(p, static_cast<uint8_t*>(vt), keys);
-  return check_launch("float8 V transpose");
-}
-
 // (A call with a bias is an fp16 / bf16 one whose bias is a key vector, or bias rows the row variant
 // copies (FwdParams::tma_row_bias, kFwdRowBiasTier): the plan sends no other bias here. Its kernel is the
 // configuration's variant for that form, FwdWsConfig::kKeyBias / kRowBias; the bias rows' map is encoded
@@ -166,28 +121,5 @@ bool fwd_wgmma(const FwdParams& p, const FwdMaps& maps, cudaStream_t stream) {
   launch_ws<Elem, kDim, Cfg>(p, maps, stream);
   return true;
 }
-
-template bool fwd_wgmma<__nv_bfloat16, 64, 2>(const FwdParams&, const FwdMaps&, cudaStream_t);
-template bool fwd_wgmma<__half, 64, 2>(const FwdParams&, const FwdMaps&, cudaStream_t);
-template bool fwd_wgmma<__nv_bfloat16, 64, 3>(const FwdParams&, const FwdMaps&, cudaStream_t);
-template bool fwd_wgmma<__half, 64, 3>(const FwdParams&, const FwdMaps&, cudaStream_t);
-template bool fwd_wgmma<__nv_bfloat16, 96, 2>(const FwdParams&, const FwdMaps&, cudaStream_t);
-template bool fwd_wgmma<__half, 96, 2>(const FwdParams&, const FwdMaps&, cudaStream_t);
-template bool fwd_wgmma<__nv_bfloat16, 128, 2>(const FwdParams&, const FwdMaps&, cudaStream_t);
-template bool fwd_wgmma<__half, 128, 2>(const FwdParams&, const FwdMaps&, cudaStream_t);
-template bool fwd_wgmma<__nv_bfloat16, 256, 2>(const FwdParams&, const FwdMaps&, cudaStream_t);
-template bool fwd_wgmma<__half, 256, 2>(const FwdParams&, const FwdMaps&, cudaStream_t);
-template bool fwd_ws_ready<__nv_bfloat16, 64, 2>(const FwdParams&, FwdMaps&);
-template bool fwd_ws_ready<__half, 64, 2>(const FwdParams&, FwdMaps&);
-template bool fwd_ws_ready<__nv_bfloat16, 64, 3>(const FwdParams&, FwdMaps&);
-template bool fwd_ws_ready<__half, 64, 3>(const FwdParams&, FwdMaps&);
-template bool fwd_ws_ready<__nv_bfloat16, 96, 2>(const FwdParams&, FwdMaps&);
-template bool fwd_ws_ready<__half, 96, 2>(const FwdParams&, FwdMaps&);
-template bool fwd_ws_ready<__nv_bfloat16, 128, 2>(const FwdParams&, FwdMaps&);
-template bool fwd_ws_ready<__half, 128, 2>(const FwdParams&, FwdMaps&);
-template bool fwd_ws_ready<__nv_bfloat16, 256, 2>(const FwdParams&, FwdMaps&);
-template bool fwd_ws_ready<__half, 256, 2>(const FwdParams&, FwdMaps&);
-template bool fwd_wgmma<__nv_fp8_e4m3, 128, 2>(const FwdParams&, const FwdMaps&, cudaStream_t);
-template bool fwd_ws_ready<__nv_fp8_e4m3, 128, 2>(const FwdParams&, FwdMaps&);
 
 }  // namespace flashattn::cuda::sm90

@@ -1,0 +1,9 @@
+// Hopper forward (wgmma, warp-specialized), head dim 256.
+#include "fwd_sm90.cuh"
+
+namespace flashattn::cuda::sm90 {
+template bool fwd_ws_ready<__nv_bfloat16, 256, 2>(const FwdParams&, FwdMaps&);
+template bool fwd_wgmma<__nv_bfloat16, 256, 2>(const FwdParams&, const FwdMaps&, cudaStream_t);
+template bool fwd_ws_ready<__half, 256, 2>(const FwdParams&, FwdMaps&);
+template bool fwd_wgmma<__half, 256, 2>(const FwdParams&, const FwdMaps&, cudaStream_t);
+}  // namespace flashattn::cuda::sm90
