@@ -8,7 +8,8 @@ and the mean over rounds per variant and row.
   python benchmarks/bench_variants.py --rows 128:512,64:1024 --rounds 3 \\
       --variant sm80 FLASHATTN_CUDA_KERNELS=sm80 --variant wgmma FLASHATTN_CUDA_KERNELS=wgmma --sdpa sdpa-flash
 
-Rows are E:L, non-causal unless --causal, bf16 unless --dtype fp16 (or e4m3: the float8 forward), B·L = 16384
+Rows are E:L, non-causal unless --causal (or with --float-bias a float attn_mask (1, H, L, L): the kernels' bias
+variants), bf16 unless --dtype fp16 (or e4m3: the float8 forward), B·L = 16384
 and H·E = 2048 as in bench_gpu.py; the forward, or with --pass bwd the backward alone on a retained graph of
 one forward as bench_gpu.py times it (FLOPs 2.5x the forward's). With --pass decode rows are KIND:B:C (mha, gqa
 or mqa as in bench_decode.py: H = 32, E = 128, one query row against C cached keys) and the reading is µs per
@@ -42,11 +43,14 @@ def child(args):
         return lambda: flashattn_ext.flash_attn_func(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd,
                                                      v_descale=vd)
 
+    bias = None  # (--float-bias: a (1, H, L, L) bias of the row's shape, made with its inputs)
+
     def attn(q, k, v, causal):
+        extra = {"attn_mask": bias} if bias is not None else {"is_causal": causal}
         if args.impl != "ours":
             with torch.nn.attention.sdpa_kernel(getattr(torch.nn.attention.SDPBackend, M.SDPA_BACKENDS[args.impl])):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-        return flashattn_ext.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                return F.scaled_dot_product_attention(q, k, v, **extra)
+        return flashattn_ext.scaled_dot_product_attention(q, k, v, **extra)
 
     out = []
     if args.pass_ == "decode":
@@ -70,6 +74,8 @@ def child(args):
         if args.device == "cpu":  # a debug run of the script's own code: tiny shapes
             b, h, length = 1, 2, min(length, 128)
         q, k, v, dout = M.make_inputs(b, h, length, e, dtype, args.device)
+        if args.float_bias:
+            bias = torch.randn(1, h, length, length, device=args.device, dtype=dtype)
         if args.dtype == "e4m3":
             fn = float8_call(q, k, v, args.causal)
         elif args.pass_ == "bwd":
@@ -95,6 +101,8 @@ def main():
     p.add_argument("--dtype", choices=("bf16", "fp16", "e4m3"), default="bf16",
                    help="e4m3: flash_attn_func's float8 forward (per-(batch, head) descales) on bf16 inputs quantized")
     p.add_argument("--pass", dest="pass_", choices=("fwd", "bwd", "decode"), default="fwd")
+    p.add_argument("--float-bias", action="store_true",
+                   help="a float attn_mask (1, H, L, L) on every call (bench_features.py's float-bias case; not causal)")
     p.add_argument("--device", default="cuda", help="'cpu' runs the script's code on tiny shapes (debug only)")
     p.add_argument("--repeats", type=int, default=40, help="calls per median")
     p.add_argument("--warmup-s", type=float, default=0.3, help="seconds of warm-up per row")
@@ -103,6 +111,8 @@ def main():
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--impl", default="ours", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.float_bias and (args.causal or args.pass_ == "decode" or args.dtype == "e4m3"):
+        p.error("--float-bias: a non-causal bf16 / fp16 forward or backward")
     if args.child:
         return child(args)
     bad = [kv for v in args.variant for kv in v[1:] if "=" not in kv]
@@ -120,6 +130,7 @@ def main():
     base = [sys.executable, __file__, "--child", "--rows", args.rows, "--dtype", args.dtype, "--device", args.device,
             "--pass", args.pass_, "--repeats", str(args.repeats), "--warmup-s", str(args.warmup_s)]
     base += ["--causal"] if args.causal else []
+    base += ["--float-bias"] if args.float_bias else []
     for r in range(args.rounds):
         for name, env, impl in (variants if r % 2 == 0 else variants[::-1]):
             try:
@@ -135,7 +146,8 @@ def main():
             readings[name].append(values)
             print(f"round {r + 1} {name:>12}: " + " ".join(f"{row}={x}" for row, x in zip(rows, values)), flush=True)
     unit = "µs per step" if args.pass_ == "decode" else "TFLOP/s"
-    print(f"\nmean over {args.rounds} rounds, {unit} ({args.pass_}, {args.dtype}, {'causal' if args.causal else 'non-causal'})")
+    shape = "causal" if args.causal else "float bias" if args.float_bias else "non-causal"
+    print(f"\nmean over {args.rounds} rounds, {unit} ({args.pass_}, {args.dtype}, {shape})")
     print(f"{'variant':>12} " + " ".join(f"{row:>9}" for row in rows))
     for name, values in readings.items():
         means = [statistics.mean(col) for col in zip(*values)] if values else [float("nan")] * len(rows)
