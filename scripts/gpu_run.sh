@@ -34,7 +34,8 @@ if [[ " $STEPS " == *" test "* ]]; then
   # the H200 machine, against ~8 minutes for the whole suite in one process. (8 processes of 16
   # threads each, the whole suite, ran past 500 s: the CPU tests' threads oversubscribed the cores.)
   PYTEST="env OMP_NUM_THREADS=2 python3 -m pytest -q -x -n ${PYTEST_PROCS:-6}"
-  $PYTEST ${PYTEST_ARGS:--k cuda tests} 2>&1 | tee "$OUT/tests.log" | tail -25
+  # (--durations: the slowest tests, in tests.log, say where this step's minutes go)
+  $PYTEST --durations=25 ${PYTEST_ARGS:--k cuda tests} 2>&1 | tee "$OUT/tests.log" | tail -25
   status=$(( status | ${PIPESTATUS[0]} ))
   # On sm_90: the wgmma forward on every call it serves, small ones too (by default it takes rows that
   # see >= 8 key tiles on grids of >= 1 block per SM), and the mma.sync kernels the wgmma forward and
