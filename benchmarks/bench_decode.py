@@ -155,15 +155,7 @@ def step_fn(impl, t, graph_steps=1):
     if impl.endswith("-graph"):  # no Python or launch overhead
         step = step_fn(impl[:-len("-graph")], t)
         step()  # lazy initialisation outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(graph_steps):  # (a step appends the same rows at the same place: repeatable)
-                step()
-
-        def replay():
-            graph.replay()
-        replay.steps = graph_steps
-        return replay
+        return M.graph_replay(step, graph_steps)  # (a step appends the same rows at the same place: repeatable)
     if impl == "ours-paged":
         return lambda: flashattn_ext.flash_attn_with_kvcache(
             t["q"], t["k_cache_paged"], t["v_cache_paged"], t["k"], t["v"], cache_seqlens=t["cache_seqlens"],
@@ -205,8 +197,7 @@ def measure(impl, t, kv_bytes, args):
         except (RuntimeError, ValueError, NotImplementedError, torch.cuda.OutOfMemoryError) as e:
             notes = "; ".join(first_line(str(w.message)) for w in caught)
             return {"skipped": first_line(str(e)) + (f" ({notes})" if notes else "")}
-    ms = M.median_ms(fn, args.device, args.warmup, args.repeats, warmup_s=0.2 if args.device == "cuda" else 0.0)
-    ms /= getattr(fn, "steps", 1)
+    ms = M.per_call_ms(fn, args.device, args.warmup, args.repeats, warmup_s=0.2 if args.device == "cuda" else 0.0)
     moved = 2 * kv_bytes if impl == "copy" else kv_bytes  # a copy reads and writes them
     return {"us": ms * 1e3, "gb_per_s": moved / (ms * 1e-3) / 1e9}
 
