@@ -14,7 +14,8 @@ and H·E = 2048 as in bench_gpu.py; the forward, or with --pass bwd the backward
 one forward as bench_gpu.py times it (FLOPs 2.5x the forward's). With --pass decode rows are KIND:B:C (mha, gqa
 or mqa as in bench_decode.py: H = 32, E = 128, one query row against C cached keys) and the reading is µs per
 read-only flash_attn_with_kvcache step, 16 of them captured in one CUDA graph and replayed (bench_decode.py's
-ours-read-graph; --sdpa: that SDPA backend on the same shape, the same way). One process times its rows with 40 calls per median
+ours-read-graph; --paged: its ours-paged-graph, the step on pages of 256 keys; --sdpa: that SDPA backend on the
+same shape, the same way). One process times its rows with 40 calls per median
 after at least 0.3 s of warm-up (--repeats, --warmup-s); a process that fails or runs past --child-timeout seconds (a kernel
 that hangs) leaves its round's readings empty."""
 import argparse
@@ -62,7 +63,8 @@ def child(args):
                 heads, dim, cache = 4, 16, min(int(cache), 256)
             group = D.KINDS[kind]
             t = D.make_row(int(b), int(cache), heads, heads // group if group else 1, dim, 1, 256, dtype, args.device)
-            impl = (args.impl if args.impl != "ours" else "ours-read") + ("-graph" if args.device == "cuda" else "")
+            ours = "ours-paged" if args.paged else "ours-read"
+            impl = (args.impl if args.impl != "ours" else ours) + ("-graph" if args.device == "cuda" else "")
             ms = M.per_call_ms(D.step_fn(impl, t, graph_steps=16), args.device, warmup=3, repeats=args.repeats,
                                warmup_s=args.warmup_s)
             out.append(f"{ms * 1e3:.2f}")
@@ -101,6 +103,9 @@ def main():
     p.add_argument("--dtype", choices=("bf16", "fp16", "e4m3"), default="bf16",
                    help="e4m3: flash_attn_func's float8 forward (per-(batch, head) descales) on bf16 inputs quantized")
     p.add_argument("--pass", dest="pass_", choices=("fwd", "bwd", "decode"), default="fwd")
+    p.add_argument("--paged", action="store_true",
+                   help="--pass decode: ours as bench_decode.py's ours-paged (the step, append included, on pages of 256 "
+                        "keys); SDPA still reads the dense cache")
     p.add_argument("--float-bias", action="store_true",
                    help="a float attn_mask (1, H, L, L) on every call (bench_features.py's float-bias case; not causal)")
     p.add_argument("--device", default="cuda", help="'cpu' runs the script's code on tiny shapes (debug only)")
@@ -111,6 +116,8 @@ def main():
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--impl", default="ours", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.paged and args.pass_ != "decode":
+        p.error("--paged: with --pass decode")
     if args.float_bias and (args.causal or args.pass_ == "decode" or args.dtype == "e4m3"):
         p.error("--float-bias: a non-causal bf16 / fp16 forward or backward")
     if args.child:
@@ -131,6 +138,7 @@ def main():
             "--pass", args.pass_, "--repeats", str(args.repeats), "--warmup-s", str(args.warmup_s)]
     base += ["--causal"] if args.causal else []
     base += ["--float-bias"] if args.float_bias else []
+    base += ["--paged"] if args.paged else []
     for r in range(args.rounds):
         for name, env, impl in (variants if r % 2 == 0 else variants[::-1]):
             try:
