@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import bench_decode as BD  # noqa: E402
 
 import flashattn_ext  # noqa: E402
+from flashattn_ext import _measure as M  # noqa: E402
 
 p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 p.add_argument("--rows", default="gqa-8-8192,gqa-64-1024,mqa-64-8192,mqa-8-8192,mha-1-32768,gqa-1-131072",
@@ -30,12 +31,10 @@ args = p.parse_args()
 
 
 def graph_of(fn):
+    """One call of fn captured in a CUDA graph (median_us times many replays between two events)."""
     fn()
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
+    return M.graph_replay(fn, steps=1)
 
 
 def median_us(fns, reps=200, rounds=5):
