@@ -333,6 +333,15 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads, DecodeConf
   }
 }
 
+// Clears a read-only step's part counters in a kernel rather than a memset node: it lets the decode
+// kernel, a dependent launch, start at once (the counters are read after its wait_for_prior_grids()).
+template <class Word>
+__global__ void __launch_bounds__(256) clear_counters_kernel(Word* words, int64_t n) {
+  allow_dependent_launch();
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    words[i] = 0;
+}
+
 // The plan of a decode call: blocks per SM (smem set, asked once per device), chunks, and parts
 // where the walks are fewer than the GPU's slots.
 // Parts: enough to fill one wave of the GPU, each of at least kDecodeMinPartTiles key tiles, at
@@ -435,8 +444,10 @@ bool launch_decode(const FwdParams& p, cudaStream_t stream) {
           grid.counters = p.zeroed;
         } else {
           grid.counters = reinterpret_cast<unsigned*>(ws);
-          check_cuda(cudaMemsetAsync(grid.counters, 0, size_t(l.counter_words()) * sizeof(unsigned), stream),
-                     "cudaMemsetAsync(decode counters)");
+          const int64_t words = l.counter_words(), blocks = (words + 255) / 256, sms = device_limits().sms;
+          clear_counters_kernel<unsigned><<<unsigned(blocks < sms ? blocks : sms), 256, 0, stream>>>(grid.counters,
+                                                                                                    words);
+          check_cuda(cudaGetLastError(), "launching clear_counters_kernel");
         }
       } else {
         grid.parts = 1;
