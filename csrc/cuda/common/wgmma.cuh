@@ -39,9 +39,10 @@ __device__ __forceinline__ unsigned char* align_1024(unsigned char* smem) {
 // Descriptor of a 128-byte-swizzled smem operand at smem address `addr`: `lbo` the byte distance
 // between 64-column panels along the operand's M / N dimension (MN-major only; K-major operands
 // never cross a panel within one k16 step), `sbo` the distance between groups of 8 rows (1024).
-__device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+// `layout` 2: 64-byte lines, 64-byte swizzle (16-byte chunk c of line r at c ^ (r / 2 % 4); sbo 512).
+__device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo, uint32_t sbo, uint64_t layout = 1) {
   return uint64_t((addr & 0x3ffff) >> 4) | (uint64_t(lbo >> 4) << 16) | (uint64_t(sbo >> 4) << 32) |
-         (uint64_t(1) << 62);
+         (layout << 62);
 }
 
 // Descriptor `desc` moved `bytes` (a multiple of 16) further in smem. Only the start address field
@@ -63,6 +64,12 @@ __device__ __forceinline__ uint64_t opaque_desc(uint64_t desc) {
   return desc;
 }
 __device__ __forceinline__ uint64_t kmajor_desc(uint32_t addr) { return opaque_desc(smem_desc(addr, 16, 1024)); }
+// A K-major operand of 64-byte lines (float8's V^T: 64 keys a line): step kk 32 bytes along the line, in
+// panel kk / 2 (`lines` lines of 64 bytes per panel).
+__device__ __forceinline__ uint64_t kmajor64_desc(uint32_t addr) { return opaque_desc(smem_desc(addr, 16, 512, 2)); }
+__device__ __forceinline__ uint64_t kmajor64_step(uint64_t first, int kk, int lines) {
+  return desc_advance(first, (kk / 2) * lines * 64 + (kk % 2) * 32);
+}
 // An MN-major operand (V in P V, keys along the rows; dO / Q in the backward's dV / dK) of `lines` lines a
 // panel: `first` its first k step; a k16 step is 16 lines further.
 __device__ __forceinline__ uint64_t mnmajor_desc(uint32_t addr, int lines) {
@@ -186,26 +193,35 @@ struct Wgmma;
   "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]),  \
   "+f"(d[15][2]), "+f"(d[15][3])
 
+#define FLASHATTN_WGMMA_R192                                                          \
+  FLASHATTN_WGMMA_R128 ", "                                                           \
+  "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "  \
+  "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95"
+
+#define FLASHATTN_WGMMA_C192                                                       \
+  FLASHATTN_WGMMA_C128,                                                            \
+  "+f"(d[16][0]), "+f"(d[16][1]), "+f"(d[16][2]), "+f"(d[16][3]), "+f"(d[17][0]),  \
+  "+f"(d[17][1]), "+f"(d[17][2]), "+f"(d[17][3]), "+f"(d[18][0]), "+f"(d[18][1]),  \
+  "+f"(d[18][2]), "+f"(d[18][3]), "+f"(d[19][0]), "+f"(d[19][1]), "+f"(d[19][2]),  \
+  "+f"(d[19][3]), "+f"(d[20][0]), "+f"(d[20][1]), "+f"(d[20][2]), "+f"(d[20][3]),  \
+  "+f"(d[21][0]), "+f"(d[21][1]), "+f"(d[21][2]), "+f"(d[21][3]), "+f"(d[22][0]),  \
+  "+f"(d[22][1]), "+f"(d[22][2]), "+f"(d[22][3]), "+f"(d[23][0]), "+f"(d[23][1]),  \
+  "+f"(d[23][2]), "+f"(d[23][3])
+
 #define FLASHATTN_WGMMA_R256                                                                        \
-  FLASHATTN_WGMMA_R128 ", "                                                                         \
-  "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "                \
-  "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "                \
+  FLASHATTN_WGMMA_R192 ", "                                                                         \
   "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "    \
   "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
 
-#define FLASHATTN_WGMMA_C256                                                                       \
-  FLASHATTN_WGMMA_C128,                                                                            \
-  "+f"(d[16][0]), "+f"(d[16][1]), "+f"(d[16][2]), "+f"(d[16][3]), "+f"(d[17][0]), "+f"(d[17][1]),  \
-  "+f"(d[17][2]), "+f"(d[17][3]), "+f"(d[18][0]), "+f"(d[18][1]), "+f"(d[18][2]), "+f"(d[18][3]),  \
-  "+f"(d[19][0]), "+f"(d[19][1]), "+f"(d[19][2]), "+f"(d[19][3]), "+f"(d[20][0]), "+f"(d[20][1]),  \
-  "+f"(d[20][2]), "+f"(d[20][3]), "+f"(d[21][0]), "+f"(d[21][1]), "+f"(d[21][2]), "+f"(d[21][3]),  \
-  "+f"(d[22][0]), "+f"(d[22][1]), "+f"(d[22][2]), "+f"(d[22][3]), "+f"(d[23][0]), "+f"(d[23][1]),  \
-  "+f"(d[23][2]), "+f"(d[23][3]), "+f"(d[24][0]), "+f"(d[24][1]), "+f"(d[24][2]), "+f"(d[24][3]),  \
-  "+f"(d[25][0]), "+f"(d[25][1]), "+f"(d[25][2]), "+f"(d[25][3]), "+f"(d[26][0]), "+f"(d[26][1]),  \
-  "+f"(d[26][2]), "+f"(d[26][3]), "+f"(d[27][0]), "+f"(d[27][1]), "+f"(d[27][2]), "+f"(d[27][3]),  \
-  "+f"(d[28][0]), "+f"(d[28][1]), "+f"(d[28][2]), "+f"(d[28][3]), "+f"(d[29][0]), "+f"(d[29][1]),  \
-  "+f"(d[29][2]), "+f"(d[29][3]), "+f"(d[30][0]), "+f"(d[30][1]), "+f"(d[30][2]), "+f"(d[30][3]),  \
-  "+f"(d[31][0]), "+f"(d[31][1]), "+f"(d[31][2]), "+f"(d[31][3])
+#define FLASHATTN_WGMMA_C256                                                       \
+  FLASHATTN_WGMMA_C192,                                                            \
+  "+f"(d[24][0]), "+f"(d[24][1]), "+f"(d[24][2]), "+f"(d[24][3]), "+f"(d[25][0]),  \
+  "+f"(d[25][1]), "+f"(d[25][2]), "+f"(d[25][3]), "+f"(d[26][0]), "+f"(d[26][1]),  \
+  "+f"(d[26][2]), "+f"(d[26][3]), "+f"(d[27][0]), "+f"(d[27][1]), "+f"(d[27][2]),  \
+  "+f"(d[27][3]), "+f"(d[28][0]), "+f"(d[28][1]), "+f"(d[28][2]), "+f"(d[28][3]),  \
+  "+f"(d[29][0]), "+f"(d[29][1]), "+f"(d[29][2]), "+f"(d[29][3]), "+f"(d[30][0]),  \
+  "+f"(d[30][1]), "+f"(d[30][2]), "+f"(d[30][3]), "+f"(d[31][0]), "+f"(d[31][1]),  \
+  "+f"(d[31][2]), "+f"(d[31][3])
 
 // The A-from-registers product of a Wgmma<ELEM, N> specialization (K: "16" for 16-bit, "32" for 8-bit
 // operands; RS its operands after the accumulators), the same text for every element type.
@@ -264,5 +280,6 @@ struct Wgmma<ELEM, N> {                                                         
 };
 
 FLASHATTN_WGMMA_SHAPE_8BIT(__nv_fp8_e4m3, "e4m3", 128, "%64, %65, %66, 1, 1;\n", "{%64, %65, %66, %67}, %68, 1, 1, 1;\n")
+FLASHATTN_WGMMA_SHAPE_8BIT(__nv_fp8_e4m3, "e4m3", 192, "%96, %97, %98, 1, 1;\n", "{%96, %97, %98, %99}, %100, 1, 1, 1;\n")
 
 }  // namespace flashattn::cuda

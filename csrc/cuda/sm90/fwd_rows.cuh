@@ -95,7 +95,7 @@ struct FwdTile {
 
 // kBN keys per tile, kBM rows in the block's Q tile (the panels' line count). Float8 (e4m3) inputs:
 // k32 products, the output in bf16, and V given as V^T (K-major, as 8-bit wgmma needs): kDim lines
-// of kBN keys, each 16 keys stored in the order of P's A fragments (pack_p), so that P needs no
+// of the tile's keys, each 16 keys stored in the order of P's A fragments (pack_p), so that P needs no
 // exchange between lanes.
 template <class Elem, int kDim, int kBN, int kBM>
 struct FwdRows {
@@ -160,12 +160,12 @@ struct FwdRows {
   }
   // O += P V of a V tile (v_at; the MN-major B: a k16 step is 16 keys = 16 lines further, its
   // columns cross panels kBN lines apart), issued and committed.
-  // Float8: V^T is K-major (kDim lines of kBN keys), stepped along the line as K.
+  // Float8: V^T is K-major (panels of kDim 64-byte lines, 64 keys each), stepped along the line as K.
   __device__ __forceinline__ void issue_pv(const Probs& pa, uint32_t v_at) {
     if constexpr (kFp8) {
-      const uint64_t v = kmajor_desc(v_at);
+      const uint64_t v = kmajor64_desc(v_at);
 #pragma unroll
-      for (int kk = 0; kk < kBN / kKStep; ++kk) Wgmma<Elem, kDim>::rs(o, pa[kk], kmajor_step(v, kk, kDim));
+      for (int kk = 0; kk < kBN / kKStep; ++kk) Wgmma<Elem, kDim>::rs(o, pa[kk], kmajor64_step(v, kk, kDim));
     } else {
       const uint64_t v = mnmajor_desc(v_at, kBN);
 #pragma unroll

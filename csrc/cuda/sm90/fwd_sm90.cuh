@@ -19,12 +19,14 @@ bool encode_ws_maps(const FwdParams& p, FwdPanelMaps& maps) {
   constexpr int64_t kMaxCoord = 0x7fffffff;
   if (p.batch > kMaxCoord || p.heads_q > kMaxCoord || p.len_q > kMaxCoord || p.len_k > kMaxCoord) return false;
   if constexpr (Cfg::kFp8) {
-    // V^T: (batch, heads_kv, head_dim lines, keys rounded up to 16), contiguous; a box of head_dim lines.
+    // V^T: (batch, heads_kv, head_dim lines, keys rounded up to 16), contiguous; a box of head_dim lines
+    // of 64 keys (one 64-byte-swizzled panel).
     const int64_t keys = (p.len_k + 15) / 16 * 16;
     const Strides vt{p.heads_kv * p.head_dim * keys, p.head_dim * keys, keys};
     return encode_panel_map(&maps.q, p.q, p.q_stride, p.batch, p.heads_q, p.len_q, p.head_dim, Cfg::kBM, 1) &&
            encode_panel_map(&maps.k, p.k, p.k_stride, p.batch, p.heads_kv, p.len_k, p.head_dim, Cfg::kBN, 1) &&
-           encode_panel_map(&maps.v, p.v, vt, p.batch, p.heads_kv, p.head_dim, keys, p.head_dim, 1);
+           encode_panel_map(&maps.v, p.v, vt, p.batch, p.heads_kv, p.head_dim, keys, p.head_dim, 1,
+                            Cfg::kVtPanelKeys);
   }
   return encode_panel_map(&maps.q, p.q, p.q_stride, p.batch, p.heads_q, p.len_q, p.head_dim, Cfg::kBM) &&
          encode_panel_map(&maps.k, p.k, p.k_stride, p.batch, p.heads_kv, p.len_k, p.head_dim, Cfg::kBN) &&

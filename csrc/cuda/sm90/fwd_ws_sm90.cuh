@@ -69,9 +69,12 @@ __device__ __forceinline__ void fwd_ws_producer(const FwdParams& p, const FwdPan
       if (cc >= kStages) mbar_wait(v_empty + stage, empty_parity);
       mbar_arrive_expect_tx(v_full + stage, Cfg::kKvBytes);
       if constexpr (Cfg::kFp8) {
-        // V^T (batch, heads, dims, keys): one box of kDim lines of the tile's kBN (128) keys.
-        static_assert(Cfg::kBN == 128, "a float8 V^T tile is one 128-byte line per dim");
-        tma_load_4d(sV(stage), &maps.v, v_full + stage, n0, 0, hk, b);
+        // V^T (batch, heads, dims, keys): boxes of kDim lines of 64 keys (64-byte lines), one per panel.
+        constexpr int kPanelKeys = Cfg::kVtPanelKeys;
+        static_assert(Cfg::kBN % kPanelKeys == 0, "a float8 V^T tile is whole panels");
+#pragma unroll
+        for (int pn = 0; pn < kBN / kPanelKeys; ++pn)
+          tma_load_4d(sV(stage) + pn * kDim * kPanelKeys, &maps.v, v_full + stage, n0 + kPanelKeys * pn, 0, hk, b);
       } else {
 #pragma unroll
         for (int pn = 0; pn < kPanels; ++pn) tma_load_4d(sV(stage) + pn * kBN * 128, &maps.v, v_full + stage, 64 * pn, n0, hk, b);
@@ -475,8 +478,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     fwd_ws_softmax<Cfg, Elem>(w, s, tile, i, p, bias_ring, row_ring, bias_count, cwg, wrow, warp, g, t,
                               Cfg::kFp8 ? item_score_scale : score_scale, alpha);
   };
-  auto store = [&](const Item& tile, unsigned item) {
-    fwd_ws_store<Cfg>(w, p, tile, item, tiles, q_empty, cwg, wrow, lane, item_out_scale);
+  // (the output scale passed: a carried item is stored after the next item's descales were taken)
+  auto store = [&](const Item& tile, unsigned item, float out_scale) {
+    fwd_ws_store<Cfg>(w, p, tile, item, tiles, q_empty, cwg, wrow, lane, out_scale);
   };
 
   // (item declared before c: in the other order the compiler numbers the loop's values otherwise and
@@ -496,7 +500,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             ++bias_count;
           }
         });
-        store(tile, item);
+        store(tile, item, item_out_scale);
         c += n_tiles;
         if (index + gridDim.x < num_work) tile = item_at(index + gridDim.x);
         continue;
@@ -526,6 +530,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     const unsigned next_index = index + gridDim.x;
     const int last = c + n_tiles - 1;
     bool carried = false;  // this item's last P V issued with the next item's S 0, whose softmax runs under it
+    const float out_scale = item_out_scale;  // this item's (item_at below takes the next one's)
     if constexpr (Cfg::kCarryAcrossItems) {
       if (n_tiles > 0 && next_index < num_work) {
         const Item next = item_at(next_index);
@@ -539,7 +544,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             softmax(s, next, 0);
           });
           w.swap_stats(aside_max, aside_sum);
-          store(tile, item);
+          store(tile, item, out_scale);
           w.zero_output();
           w.take_stats(aside_max, aside_sum);
           Rows::pack_p(s, pa);
@@ -551,10 +556,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     if (!carried) {
       if (n_tiles > 0) {
         fwd_ws_last_pv(w, pa, alpha, last, turns, ring);
-        store(tile, item);
+        store(tile, item, out_scale);
         w = Rows();
       } else {
-        store(tile, item);  // no key: zeros, lse -inf
+        store(tile, item, out_scale);  // no key: zeros, lse -inf
       }
       if (next_index < num_work) tile = item_at(next_index);
     }

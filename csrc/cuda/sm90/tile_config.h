@@ -40,7 +40,10 @@ struct FwdWsConfig {
   // Dim 256: 64-key tiles (O takes 128 registers of a consumer thread, S 32) and one Q buffer (a 64 KB
   // tile, released early: kEarlyQRelease). Three consumers: 96-key tiles (S, P and O
   // of 128-key tiles spill 264 B in their 160 registers).
-  static constexpr int kBM = 64 * kConsumers, kBN = kDim == 256 ? 64 : kConsumers == 3 ? 96 : 128, kStages = 2;
+  // Float8: 192-key tiles (fewer row reductions, rescales and turns per key: its softmax, not its products,
+  // bounds it; S, P and O take 96 + 24 + 64 registers).
+  static constexpr int kBM = 64 * kConsumers, kStages = 2;
+  static constexpr int kBN = kFp8 ? 192 : kDim == 256 ? 64 : kConsumers == 3 ? 96 : 128;
   // Bias rows (BiasForm::kRows): one Q buffer at 128 too, so that two stages of bias tiles fit.
   static constexpr bool kRowBias = kBiasT == BiasForm::kRows;
   static_assert(!kRowBias || kFwdRowBiasTier<Elem, kDim, kConsumersT>, "the row form runs at dims 64, 128, 256");
@@ -50,7 +53,9 @@ struct FwdWsConfig {
   // last P V and its stores instead of after them (the gap that each item otherwise waits out).
   static constexpr bool kEarlyQRelease = kQBuffers == 1;
   // The tiles' dims in smem: panels of 128-byte lines, 64 16-bit or 128 8-bit columns (dim 96: two, the
-  // second half zero-filled by TMA). Float8: V^T tiles of kDim lines of kBN (128) keys, as many bytes.
+  // second half zero-filled by TMA). Float8: V^T tiles of kDim lines of kBN keys, as many bytes, in panels of
+  // 64-byte lines (64 keys, 64-byte swizzle: kVtPanelKeys).
+  static constexpr int kVtPanelKeys = 64;
   static constexpr int kPanelCols = 128 / int(sizeof(Elem));
   static constexpr int kPanels = (kDim + kPanelCols - 1) / kPanelCols, kDimPad = kPanelCols * kPanels;
   static constexpr uint32_t kQBytes = kBM * kDimPad * sizeof(Elem), kKvBytes = kBN * kDimPad * sizeof(Elem);
@@ -87,7 +92,7 @@ struct FwdWsConfig {
   // An item's last P V issued with the next item's S 0 (fwd_ws_kernel's consumers): at dim 128 the two
   // items' state does not fit in 240 registers (376 B of spills); three consumers: slower (fewer
   // registers), and without it a consumer with no rows in an item (at a sequence's end) skips its products.
-  static constexpr bool kCarryAcrossItems = kDim == 64 && kConsumers == 2;
+  static constexpr bool kCarryAcrossItems = (kDim == 64 && kConsumers == 2) || kFp8;
   // The consumers keep their work item in 32-bit fields (FwdKeys) where that measured faster: three
   // consumers (the full item spills in their 160 registers: -5..-8% at L >= 4096) and dim 256 (+2..6%);
   // at 128 the full one (the compact one measured -10..-13% at L <= 1024); bias rows at 128 the compact one
