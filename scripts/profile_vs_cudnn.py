@@ -7,8 +7,9 @@ say its tile shapes):
 
 A case is E:causal:L at B·L = 16384, H·E = 2048 (the benchmark grid's shapes). `--mask padding` gives every
 call a bool (B, 1, 1, L) key padding mask (each sequence keeps a different prefix of its keys), `--mask bias`
-a float (1, H, L, L) bias; both non-causal. The kernels of every call are warmed up twice outside the range
-first."""
+a float (1, H, L, L) bias; both non-causal. `--float8`: our float8 forward alone (`flash_attn_func` on e4m3 copies
+of the inputs with per-(batch, head) descales, as bench_variants.py --dtype e4m3 times it). The kernels of every
+call are warmed up twice outside the range first."""
 import argparse
 
 import torch
@@ -23,8 +24,18 @@ p.add_argument("--impls", nargs="+", default=["ours", "sdpa-cudnn"], choices=_me
 p.add_argument("--dtype", default="bfloat16")
 p.add_argument("--mask", choices=["none", "padding", "bias"], default="none")
 p.add_argument("--fwd-only", action="store_true")
+p.add_argument("--float8", action="store_true", help="our float8 forward (e4m3, per-head descales) alone")
 args = p.parse_args()
+if args.float8:
+    args.impls, args.fwd_only = ["ours"], True
 dtype = getattr(torch, args.dtype)
+
+
+def float8_attention(q, k, v, causal):
+    """flash_attn_func on e4m3 copies of q, k, v (B, H, L, E), per-(batch, head) descales."""
+    (q8, qd), (k8, kd), (v8, vd) = (_measure.quantize_fp8(x.transpose(1, 2), torch.float8_e4m3fn, per_head=True)
+                                    for x in (q, k, v))
+    return lambda: flashattn_ext.flash_attn_func(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)
 
 
 def attention(impl, mask):
@@ -55,9 +66,13 @@ for case in args.cases:
         mask = torch.randn(1, h, length, length, device="cuda", dtype=dtype)
     for impl in args.impls:
         attn = attention(impl, mask)
+        if args.float8:  # (the inputs quantized here, outside the profiled range)
+            call = float8_attention(q, k, v, bool(causal))
+            attn = lambda *_: call()  # noqa: E731
         for _ in range(2):
             out = attn(q, k, v, bool(causal))
-            torch.autograd.grad(out, (q, k, v), dout)
+            if not args.fwd_only:
+                torch.autograd.grad(out, (q, k, v), dout)
         torch.cuda.synchronize()
         print(f"profile: E={e} causal={causal} L={length} mask={args.mask} {impl}", flush=True)
         torch.cuda.profiler.start()
