@@ -20,7 +20,7 @@ if [[ " $STEPS " == *" build "* ]]; then
   run_step build
   # Sources a scripts/gpu_variants.sh call on this warm machine patched (their objects are the patch's), once.
   if [[ -s variant_builds/patched_files ]]; then
-    xargs -r touch < variant_builds/patched_files && rm variant_builds/patched_files
+    xargs -r touch -c < variant_builds/patched_files && rm variant_builds/patched_files
   fi
   start=$(date +%s)
   FLASHATTN_BUILD=cuda python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 \

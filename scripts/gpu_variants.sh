@@ -49,7 +49,7 @@ if [[ ${REUSE_BUILDS:-0} == 1 && -d variant_builds/base ]]; then
 else
   # A warm machine keeps the last call's objects, built with its last patch applied, while the copied tree's
   # sources may look older to ninja: touch what the last call's patches changed so that base is rebuilt from them.
-  [[ -s variant_builds/patched_files ]] && xargs -r touch < variant_builds/patched_files
+  [[ -s variant_builds/patched_files ]] && xargs -r touch -c < variant_builds/patched_files
   start=$(date +%s)
   build base || { echo "base: build failed"; tail -30 "$OUT/build_base.log"; exit 1; }
   echo "base: built in $(( $(date +%s) - start )) s"
