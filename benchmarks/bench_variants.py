@@ -36,14 +36,6 @@ def child(args):
     from flashattn_ext import _measure as M
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "e4m3": torch.bfloat16}[args.dtype]
 
-    def float8_call(q, k, v, causal):
-        """flash_attn_func on e4m3 copies of bf16 q, k, v (B, H, L, E), each scaled per (batch, head) to
-        e4m3's range with FlashAttention-3's descales."""
-        (q8, qd), (k8, kd), (v8, vd) = (M.quantize_fp8(x.transpose(1, 2), torch.float8_e4m3fn, per_head=True)
-                                        for x in (q, k, v))
-        return lambda: flashattn_ext.flash_attn_func(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd,
-                                                     v_descale=vd)
-
     bias = None  # (--float-bias: a (1, H, L, L) bias of the row's shape, made with its inputs)
 
     def attn(q, k, v, causal):
@@ -79,7 +71,7 @@ def child(args):
         if args.float_bias:
             bias = torch.randn(1, h, length, length, device=args.device, dtype=dtype)
         if args.dtype == "e4m3":
-            fn = float8_call(q, k, v, args.causal)
+            fn = M.float8_call(q, k, v, args.causal)
         elif args.pass_ == "bwd":
             fn = M.bwd_only_fn(attn, q, k, v, dout, args.causal)
         else:

@@ -104,6 +104,15 @@ def quantize_fp8(x, dtype, per_head):
     return scaled.to(dtype), (descale if per_head else descale.item())
 
 
+def float8_call(q, k, v, causal):
+    """A no-argument call of flash_attn_func on e4m3 copies of q, k, v (B, H, L, E), each scaled per (batch, head)
+    to e4m3's range with FlashAttention-3's descales (the copies made here, once)."""
+    import flashattn_ext
+    (q8, qd), (k8, kd), (v8, vd) = (quantize_fp8(x.transpose(1, 2), torch.float8_e4m3fn, per_head=True)
+                                    for x in (q, k, v))
+    return lambda: flashattn_ext.flash_attn_func(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)
+
+
 def make_inputs(batch, heads, length, head_dim, dtype, device, seed=0):
     """q, k, v (requiring grad) and dout, all (B, H, L, E), standard normal, drawn on `device` (a grid's
     134 M values per row took ~2 s on a 2-core CPU)."""

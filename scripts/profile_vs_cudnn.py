@@ -31,13 +31,6 @@ if args.float8:
 dtype = getattr(torch, args.dtype)
 
 
-def float8_attention(q, k, v, causal):
-    """flash_attn_func on e4m3 copies of q, k, v (B, H, L, E), per-(batch, head) descales."""
-    (q8, qd), (k8, kd), (v8, vd) = (_measure.quantize_fp8(x.transpose(1, 2), torch.float8_e4m3fn, per_head=True)
-                                    for x in (q, k, v))
-    return lambda: flashattn_ext.flash_attn_func(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)
-
-
 def attention(impl, mask):
     """f(q, k, v, causal) of an implementation, with the case's mask where there is one."""
     if mask is None:
@@ -67,7 +60,7 @@ for case in args.cases:
     for impl in args.impls:
         attn = attention(impl, mask)
         if args.float8:  # (the inputs quantized here, outside the profiled range)
-            call = float8_attention(q, k, v, bool(causal))
+            call = _measure.float8_call(q, k, v, bool(causal))
             attn = lambda *_: call()  # noqa: E731
         for _ in range(2):
             out = attn(q, k, v, bool(causal))

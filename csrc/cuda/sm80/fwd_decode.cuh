@@ -334,7 +334,8 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads, DecodeConf
 }
 
 // Clears a read-only step's part counters in a kernel rather than a memset node: it lets the decode
-// kernel, a dependent launch, start at once (the counters are read after its wait_for_prior_grids()).
+// kernel, a dependent launch, start at once (the counters are read after its wait_for_prior_grids()). (A
+// template: this header is compiled into several files.)
 template <class Word>
 __global__ void __launch_bounds__(256) clear_counters_kernel(Word* words, int64_t n) {
   allow_dependent_launch();

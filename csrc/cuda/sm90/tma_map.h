@@ -48,9 +48,10 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 
 // A map of the 16-bit (elem_bytes 1: 8-bit) tensor at `base` (batch, heads, rows, dim; element strides
 // `s`, the last dimension contiguous, rows 16-byte aligned) whose box is a 128-byte line (64 or 128
-// columns) by `box_rows` rows, 128-byte swizzled: a box lands as one panel of common/wgmma.cuh's layout (the smem address 1024-byte
-// aligned), rows past the tensor's end as zeros. line_bytes 64: 64-byte lines, 64-byte swizzled (kmajor64_desc). False where the driver refuses the map (the caller
-// then leaves the call to another kernel).
+// columns) by `box_rows` rows, 128-byte swizzled: a box lands as one panel of common/wgmma.cuh's layout (the
+// smem address 1024-byte aligned), rows past the tensor's end as zeros; line_bytes 64: 64-byte lines, 64-byte
+// swizzled (kmajor64_desc). False where the driver refuses the map (the caller then leaves the call to
+// another kernel).
 inline bool encode_panel_map(CUtensorMap* map, const void* base, const Strides& s, int64_t batch, int64_t heads,
                              int64_t rows, int64_t dim, int box_rows, int elem_bytes = 2, int line_bytes = 128) {
   const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
@@ -65,7 +66,8 @@ inline bool encode_panel_map(CUtensorMap* map, const void* base, const Strides& 
   const cuuint32_t box[4] = {cuuint32_t(line_bytes / elem_bytes), cuuint32_t(box_rows), 1, 1};
   const cuuint32_t element_steps[4] = {1, 1, 1, 1};
   return encode(map, elem_bytes == 1 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, const_cast<void*>(base), sizes, strides, box, element_steps,
-                CU_TENSOR_MAP_INTERLEAVE_NONE, line_bytes == 64 ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_128B,
+                CU_TENSOR_MAP_INTERLEAVE_NONE,
+                line_bytes == 64 ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_128B,
                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
