@@ -288,25 +288,46 @@ struct FwdRows {
             static_cast<float*>(p.lse) + sq.row_index(p.heads_q, k.h, k.m0), k.rows};
   }
 
-  // The output of the warp's 16 rows (from `wrow` in the block's tile) stored from the registers: a lane's
-  // two columns of each 8 as one 4-byte store (four lanes write a row's 16 bytes); and the row LSE. For a
-  // kernel whose Q buffer may already hold the next item's rows (FwdWsConfig::kEarlyQRelease).
+  // The output of the warp's 16 rows (from `wrow` in the block's tile) stored from the registers, and the row
+  // LSE. For a kernel whose Q buffer may already hold the next item's rows (FwdWsConfig::kEarlyQRelease). A lane
+  // holds two columns of each 8; the four lanes of a row swap them (a 4 x 4 transpose of 4-byte words, two
+  // butterfly steps) so that each lane stores 16 contiguous bytes: one store writes 64 bytes of each of its
+  // 8 rows, a quarter of the store instructions and of the memory requests of 4-byte stores.
   __device__ __forceinline__ void store_direct(const FwdParams& p, const Dest& dst, int wrow, int lane) {
     static_assert(!kFp8, "float8's output is staged in a buffer of its own");
+    static_assert(kDA % 4 == 0, "columns in groups of 32");
     const int g = lane / 4, t = lane % 4;
+    const bool hi = (t & 2) != 0, odd = (t & 1) != 0;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const float l = reduce_sum_lanes<4>(row_sum[r]);
       const bool empty = l == 0.f;  // no key visible: out = 0, lse = -inf (a NaN l propagates)
       const float inv = empty ? 0.f : 1.f / l;
       const int row = wrow + g + 8 * r;
-      if (row < dst.rows) {
-        Out* const out = dst.out + row * p.out_stride.row + 2 * t;
+      Out* const out = dst.out + row * p.out_stride.row;
 #pragma unroll
-        for (int d = 0; d < kDA; ++d)
-          *reinterpret_cast<uint32_t*>(out + 8 * d) = M::pack(o[d][2 * r] * inv, o[d][2 * r + 1] * inv);
-        if (t == 0) dst.lse[row] = empty ? neg_inf<float>() : Exp::lse(row_max[r], l);
+      for (int d0 = 0; d0 < kDA; d0 += 4) {
+        // w[k]: this lane's columns 8 (d0 + k) + 2t, +1. After the transpose w[k] holds lane k's of group
+        // d0 + t, i.e. columns 8 (d0 + t) + 2k, +1.
+        uint32_t w[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) w[k] = M::pack(o[d0 + k][2 * r] * inv, o[d0 + k][2 * r + 1] * inv);
+        // (bit 1 of the lane swapped with bit 1 of k, then bit 0 with bit 0)
+#pragma unroll
+        for (int k0 = 0; k0 < 2; ++k0) {
+          const uint32_t got = __shfl_xor_sync(0xffffffffu, hi ? w[k0] : w[2 + k0], 2);
+          w[k0] = hi ? got : w[k0];
+          w[2 + k0] = hi ? w[2 + k0] : got;
+        }
+#pragma unroll
+        for (int k1 = 0; k1 < 2; ++k1) {
+          const uint32_t got = __shfl_xor_sync(0xffffffffu, odd ? w[2 * k1] : w[2 * k1 + 1], 1);
+          w[2 * k1] = odd ? got : w[2 * k1];
+          w[2 * k1 + 1] = odd ? w[2 * k1 + 1] : got;
+        }
+        if (row < dst.rows) *reinterpret_cast<uint4*>(out + 8 * (d0 + t)) = make_uint4(w[0], w[1], w[2], w[3]);
       }
+      if (t == 0 && row < dst.rows) dst.lse[row] = empty ? neg_inf<float>() : Exp::lse(row_max[r], l);
     }
   }
 
