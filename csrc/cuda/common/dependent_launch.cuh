@@ -25,13 +25,23 @@ __device__ __forceinline__ void wait_for_prior_grids() {
 }
 
 // Launches kernel<<<grid, threads, smem, stream>>>(args...) as a dependent launch where the device
-// has it (sm_90+); the kernel must call wait_for_prior_grids() before its first global read.
+// has it (sm_90+); the kernel must call wait_for_prior_grids() before its first global read. `cluster` > 1
+// (sm_90+ only, a divisor of `grid`): in thread block clusters of that many blocks (common/cluster.cuh).
 template <class... Params, class... Args>
-void launch_after_prior(void (*kernel)(Params...), unsigned grid, unsigned threads, size_t smem,
+void launch_after_prior(void (*kernel)(Params...), unsigned grid, unsigned cluster, unsigned threads, size_t smem,
                         cudaStream_t stream, const char* name, Args&&... args) {
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attribute[2];
+  unsigned count = 0;
+  if (cluster > 1) {
+    attribute[count].id = cudaLaunchAttributeClusterDimension;
+    attribute[count].val.clusterDim.x = cluster;
+    attribute[count].val.clusterDim.y = 1;
+    attribute[count].val.clusterDim.z = 1;
+    ++count;
+  }
+  attribute[count].id = cudaLaunchAttributeProgrammaticStreamSerialization;  // (last: the one a retry drops)
+  attribute[count].val.programmaticStreamSerializationAllowed = 1;
+  ++count;
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(grid);
   config.blockDim = dim3(threads);
@@ -39,10 +49,10 @@ void launch_after_prior(void (*kernel)(Params...), unsigned grid, unsigned threa
   config.stream = stream;
   config.attrs = attribute;
   if (device_limits().major >= 9) {
-    config.numAttrs = 1;
+    config.numAttrs = count;
     if (cudaLaunchKernelEx(&config, kernel, args...) == cudaSuccess) return;
-    (void)cudaGetLastError();  // (a driver or capture that refuses the attribute: the plain launch below)
-    config.numAttrs = 0;
+    (void)cudaGetLastError();  // (a driver or capture that refuses the dependent launch: the plain one below)
+    config.numAttrs = count - 1;
   }
   check_cuda(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...),
              (std::string("launching ") + name).c_str());

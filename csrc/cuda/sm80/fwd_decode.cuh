@@ -12,7 +12,10 @@
 // walk over the keys into parts, a block each; a part stores its merged rows (fp32) in the
 // workspace, and the walk's last part to finish (a counter per walk) adds every part in part
 // order, so the output does not depend on which part that is (in sets of 8 parts first where there
-// are more: the last part of each set adds its set).
+// are more: the last part of each set adds its set). On sm_90 a short step (a cache of few tiles, every
+// walk's parts together fewer blocks than SMs) runs each walk's parts as one thread block cluster instead:
+// the parts keep their rows in shared memory and each row's owner adds them through distributed shared
+// memory (no workspace, no counters to clear, no fence or atomic: the fixed cost of a short step).
 // Per-sequence key ranges (seqused_k, leftpad_k: a KV cache's lengths and left padding) are read
 // on the device (sequence()): a walk covers its own sequence's keys, while the parts are sized on
 // the host from len_k (the cache's length, the longest possible walk), so the grid never depends
@@ -32,6 +35,7 @@
 #include "../../common/sequence.h"
 #include "../../params.h"
 #include "../common/check.h"
+#include "../common/cluster.cuh"
 #include "../common/dependent_launch.cuh"
 #include "../common/fragments.cuh"
 #include "../common/online_softmax.cuh"
@@ -45,10 +49,12 @@ namespace flashattn::cuda::sm80 {
 // The grid: blocks (batch, kv head, part, chunk) with the chunk fastest, so that the chunks of a GQA
 // group's part, which read the same K / V tiles, run side by side and share them through L2; a walk is
 // (batch, kv head, chunk). Where parts > 1, `partial`: a slot per walk and part, then one per walk and set;
-// `counters`: one per walk, then one per walk and set.
+// `counters`: one per walk, then one per walk and set. Clustered (cluster > 1, = parts): the blocks (batch, kv
+// head, chunk, part), the part fastest, a walk's parts one thread block cluster (no workspace).
 struct DecodeGrid {
   int chunks = 1, parts = 1, chunk_rows = kDecodeChunkRows;  // chunk_rows: 16 or 32 (decode_chunk_rows)
   int per_set = 1 << 30;  // parts per set of the two-level merge (>= parts: one level)
+  int cluster = 1;        // parts per thread block cluster (1: none, else parts)
   float* partial = nullptr;
   unsigned* counters = nullptr;
 };
@@ -83,9 +89,12 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads, DecodeConf
   Elem* sV = sK + kStages * kBN * kLd;  // [kStages] tiles
 
   wait_for_prior_grids();  // (a dependent launch: nothing is read before the kernels before it are done)
-  const int chunk = int(blockIdx.x % unsigned(grid.chunks));
-  const int part = int(blockIdx.x / unsigned(grid.chunks) % unsigned(grid.parts));
-  const int64_t head = blockIdx.x / unsigned(grid.chunks) / unsigned(grid.parts);  // batch x kv head
+  const bool clustered = grid.cluster > 1;
+  const unsigned fastest = clustered ? unsigned(grid.parts) : unsigned(grid.chunks);
+  const unsigned next = clustered ? unsigned(grid.chunks) : unsigned(grid.parts);
+  const int inner = int(blockIdx.x % fastest), outer = int(blockIdx.x / fastest % next);
+  const int chunk = clustered ? outer : inner, part = clustered ? inner : outer;
+  const int64_t head = blockIdx.x / fastest / next;  // batch x kv head
   const int64_t hk = head % p.heads_kv, b = head / p.heads_kv, walk = head * grid.chunks + chunk;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
   const int E = int(p.head_dim), Ev = int(p.head_dim_v);
@@ -266,10 +275,7 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads, DecodeConf
     }
     return;
   }
-  // A part: its rows to its slot; the walk's last part to finish adds every part's rows in part order (its own
-  // read back too), whichever part that is. With sets (grid.per_set < parts), the last part of each set of
-  // per_set parts first adds the set's rows into the set's slot, and the walk's last set adds the sets': the
-  // rows a walk's merge reads are then spread over the sets' blocks.
+  // Rows in the workspace: slot i (a part's or a set's rows), stored and added.
   auto slot = [&](int64_t i) { return grid.partial + i * int64_t(Cfg::kSlotFloats); };
   auto store_slot = [&](float* dst, int row) {  // the thread's share of row `row` (acc, mx, l)
 #pragma unroll
@@ -299,6 +305,41 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads, DecodeConf
     __threadfence();
     return true;
   };
+  if (clustered) {
+    // A walk's parts each keep their merged rows in their smem (after the warps' rows); row `row`'s owner, the
+    // cluster's block row % cluster, adds the parts in part order through distributed shared memory.
+    const int rank = part;
+    float* sPart = sO + Cfg::kMergeBytes / sizeof(float);
+    for (int i = 0; i < groups; ++i) {
+      merge_warps(i);
+      const int row = kWarpRows * i + tid / 8;
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) *reinterpret_cast<float4*>(sPart + row * kDim + col0 + 32 * c) = acc[c];
+      if (tid % 8 == 0) {
+        sPart[kRows * kDim + row] = mx;
+        sPart[kRows * kDim + kRows + row] = l;
+      }
+    }
+    cluster_barrier();  // every part's rows stored
+    for (int i = 0; i < groups; ++i) {
+      const int row = kWarpRows * i + tid / 8;
+      if (row >= rows || row % grid.cluster != rank) continue;
+      reset();
+      for (int j = 0; j < grid.cluster; ++j) {
+        const uint32_t src = cluster_smem_address(sPart, j);
+        add_rows(load_cluster_f32(src + 4 * (kRows * kDim + row)),
+                 load_cluster_f32(src + 4 * (kRows * kDim + kRows + row)),
+                 [&](int c) { return load_cluster_f32x4(src + 4 * (row * kDim + col0 + 32 * c)); });
+      }
+      store_row(row);
+    }
+    cluster_barrier();  // no part's smem released while another part still reads it
+    return;
+  }
+  // A part: its rows to its slot; the walk's last part to finish adds every part's rows in part order (its own
+  // read back too), whichever part that is. With sets (grid.per_set < parts), the last part of each set of
+  // per_set parts first adds the set's rows into the set's slot, and the walk's last set adds the sets': the
+  // rows a walk's merge reads are then spread over the sets' blocks.
   for (int i = 0; i < groups; ++i) {
     merge_warps(i);
     const int row = kWarpRows * i + tid / 8;
@@ -403,16 +444,27 @@ struct DecodeLaunch {
     parts = parts < kDecodeMaxParts ? parts : kDecodeMaxParts;
     grid.parts = parts > 1 ? int(parts) : 1;
     if (walks * grid.parts > 0x7fffffff) grid.parts = 1;
-    if (grid.parts > kDecodePartsPerSet) grid.per_set = int(kDecodePartsPerSet);
+    // sm_90, a short step (a cache of at most kDecodeClusterTiles tiles): each walk's parts one thread block
+    // cluster, parts of >= 2 tiles, at most one block per SM in all, every cluster resident at once.
+    int64_t cparts = sms / walks < tiles / 2 ? sms / walks : tiles / 2;
+    cparts = cparts < kDecodeMaxClusterParts ? cparts : kDecodeMaxClusterParts;
+    if (tiles <= kDecodeClusterTiles && cparts >= 2 && walks <= clusters_resident_once(kv, int(cparts))) {
+      grid.parts = grid.cluster = int(cparts);
+    } else if (grid.parts > kDecodePartsPerSet) {
+      grid.per_set = int(kDecodePartsPerSet);
+    }
     if (grid_too_large(walks, "sm80::fwd_decode_kernel")) usable = false;
   }
+  // The merge's slots and counters in the workspace (none where one block or one cluster takes a walk): a slot
+  // per part and per set, a counter per walk and per set.
   int64_t sets() const { return grid.per_set < grid.parts ? (grid.parts + grid.per_set - 1) / grid.per_set : 0; }
-  int64_t counter_words() const { return walks * (1 + sets()); }
+  int64_t slots_per_walk() const { return grid.parts == 1 || grid.cluster > 1 ? 0 : grid.parts + sets(); }
+  int64_t counter_words() const { return slots_per_walk() == 0 ? 0 : walks * (1 + sets()); }
+  bool merges_in_workspace() const { return slots_per_walk() > 0; }
   size_t counter_bytes() const { return (size_t(counter_words()) * sizeof(unsigned) + 255) / 256 * 256; }
   size_t workspace_bytes() const {
-    return grid.parts > 1
-               ? counter_bytes() + size_t(walks) * (grid.parts + sets()) * Cfg::kSlotFloats * sizeof(float)
-               : 0;
+    return merges_in_workspace() ? counter_bytes() + size_t(walks * slots_per_walk()) * Cfg::kSlotFloats * sizeof(float)
+                                 : 0;
   }
 
   // Blocks per SM of the call's kernel, its smem limit set first: once per device, thread and variant.
@@ -421,6 +473,13 @@ struct DecodeLaunch {
       constexpr DecodeKv kKv = decltype(k)::value;
       return blocks_per_sm_cached<fwd_decode_kernel<Elem, kDim, kKv>>(Cfg::kThreads, Cfg::kSmemBytes,
                                                                       decode_kernel_name(kKv));
+    });
+  }
+  // Clusters of `blocks` blocks of the call's kernel resident at once (0 before sm_90; after blocks_per_sm_once).
+  static int clusters_resident_once(DecodeKv kv, int blocks) {
+    return with_decode_kv(kv, [&](auto k) {
+      return clusters_resident(fwd_decode_kernel<Elem, kDim, decltype(k)::value>, blocks, Cfg::kThreads,
+                               Cfg::kSmemBytes);
     });
   }
 };
@@ -435,7 +494,7 @@ bool launch_decode(const FwdParams& p, cudaStream_t stream) {
     DecodeLaunch<Elem, kDim> l(p);
     if (!l.usable) return false;
     DecodeGrid grid = l.grid;
-    if (grid.parts > 1) {
+    if (l.merges_in_workspace()) {
       // The workspace ops.cpp allocated from fwd_workspace_bytes (the same plan); whole walks
       // without it. The counters: those a KV-cache step's append cleared, else cleared here.
       if (p.workspace != nullptr && p.workspace_bytes >= l.workspace_bytes()) {
@@ -451,13 +510,14 @@ bool launch_decode(const FwdParams& p, cudaStream_t stream) {
           check_cuda(cudaGetLastError(), "launching clear_counters_kernel");
         }
       } else {
-        grid.parts = 1;
+        grid.parts = grid.cluster = 1;
       }
     }
     with_decode_kv(l.kv, [&](auto k) {
       constexpr DecodeKv kKv = decltype(k)::value;
-      launch_after_prior(fwd_decode_kernel<Elem, kDim, kKv>, unsigned(l.walks * grid.parts), Cfg::kThreads,
-                         Cfg::kSmemBytes, stream, decode_kernel_name(kKv), p, grid);
+      launch_after_prior(fwd_decode_kernel<Elem, kDim, kKv>, unsigned(l.walks * grid.parts),
+                         unsigned(grid.cluster), Cfg::kThreads, Cfg::kSmemBytes, stream,
+                         decode_kernel_name(kKv), p, grid);
     });
     return true;
   }

@@ -241,6 +241,9 @@ struct DecodeConfig {
   // The merge's rows (O, then max and sum per row) reuse the K / V buffers.
   static constexpr size_t kMergeBytes = size_t(kWarps) * kWarpRows * (kOLd + 2) * sizeof(float);
   static_assert(kMergeBytes <= kKvBytes, "the merge fits in the K / V buffers");
+  // A clustered walk's merged rows (O [kRows][kDim], then each row's max and sum) after the warps' rows.
+  static constexpr size_t kPartRowsBytes = size_t(kRows) * (kDim + 2) * sizeof(float);
+  static_assert(kMergeBytes + kPartRowsBytes <= kKvBytes, "a part's merged rows fit beside the warps' rows");
   static constexpr size_t kSmemBytes = kQBytes + kKvBytes;
   // A part's merged rows in the workspace: O [kRows][kDim], then the rows' max and sum.
   static constexpr size_t kSlotFloats = size_t(kRows) * (kDim + 2);
@@ -259,5 +262,9 @@ inline bool decode_call(const FwdParams& p) {
 constexpr int64_t kDecodeMaxWalksPerHead = kDecodeChunkRows * kDecodeMaxChunks / kDecodeSmallChunkRows;
 // Parts per set of the decode kernel's two-level merge (fwd_decode.cuh).
 constexpr int64_t kDecodePartsPerSet = 8;
+// Decode steps whose walks run as thread block clusters on sm_90: caches of at most kDecodeClusterTiles key
+// tiles (the steps whose time is mostly fixed cost), at most kDecodeMaxClusterParts parts (the portable
+// cluster size).
+constexpr int64_t kDecodeClusterTiles = 16, kDecodeMaxClusterParts = 8;
 
 }  // namespace flashattn::cuda::sm80
