@@ -58,8 +58,9 @@ __device__ __forceinline__ float4 load_cluster_f32x4(uint32_t address) {
 }
 
 // How many clusters of `cluster` blocks of `kernel` (`threads` threads, `smem` bytes of dynamic shared memory,
-// already opted into) can be resident at once on this device (0: none, or no clusters before sm_90): asked
-// once per kernel, device, size and thread.
+// already opted into) can be resident at once on this device (0: none; no clusters before sm_90, nor for a
+// kernel whose code was compiled for an older architecture, e.g. JIT from compute_80 PTX, where the cluster
+// functions above trap): asked once per kernel, device, size and thread.
 template <class Kernel>
 int clusters_resident(Kernel kernel, int cluster, int threads, size_t smem) {
   const DeviceLimits lim = device_limits();
@@ -68,6 +69,12 @@ int clusters_resident(Kernel kernel, int cluster, int threads, size_t smem) {
   const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), lim.device, cluster);
   const auto found = known.find(key);
   if (found != known.end()) return found->second;
+  cudaFuncAttributes compiled = {};
+  if (cudaFuncGetAttributes(&compiled, kernel) != cudaSuccess || compiled.ptxVersion < 90) {
+    (void)cudaGetLastError();
+    known[key] = 0;
+    return 0;
+  }
   // (above 8 blocks, the portable limit, a kernel must opt in; H100 / H200 take up to 16)
   if (cluster > 8 && cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
     (void)cudaGetLastError();
