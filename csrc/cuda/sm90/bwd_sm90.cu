@@ -13,8 +13,7 @@ namespace {
 
 template <class Cfg>
 bool encode_bwd_maps(const BwdParams& p, BwdPanelMaps& maps) {
-  constexpr int64_t kMaxCoord = 0x7fffffff;
-  if (p.batch > kMaxCoord || p.heads_q > kMaxCoord || p.len_q > kMaxCoord || p.len_k > kMaxCoord) return false;
+  if (!tma_coords_fit(p.batch, p.heads_q, p.len_q, p.len_k)) return false;
   return encode_panel_map(&maps.q, p.q, p.q_stride, p.batch, p.heads_q, p.len_q, p.head_dim, Cfg::kBM) &&
          encode_panel_map(&maps.dout, p.dout, p.dout_stride, p.batch, p.heads_q, p.len_q, p.head_dim_v, Cfg::kBM) &&
          encode_panel_map(&maps.k, p.k, p.k_stride, p.batch, p.heads_kv, p.len_k, p.head_dim, Cfg::kBN) &&

@@ -16,8 +16,7 @@ namespace {
 // size exceeds the copies' 32-bit coordinates).
 template <class Cfg>
 bool encode_ws_maps(const FwdParams& p, FwdPanelMaps& maps) {
-  constexpr int64_t kMaxCoord = 0x7fffffff;
-  if (p.batch > kMaxCoord || p.heads_q > kMaxCoord || p.len_q > kMaxCoord || p.len_k > kMaxCoord) return false;
+  if (!tma_coords_fit(p.batch, p.heads_q, p.len_q, p.len_k)) return false;
   if constexpr (Cfg::kFp8) {
     // V^T: (batch, heads_kv, head_dim lines, keys rounded up to 16), contiguous; a box of head_dim lines
     // of 64 keys (one 64-byte-swizzled panel).

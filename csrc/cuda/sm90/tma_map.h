@@ -46,6 +46,13 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return encoder;
 }
 
+// Whether a call's sizes fit the copies' coordinates (32-bit signed: a batch, head or row index beyond them
+// cannot be named; such a call goes to another kernel).
+inline bool tma_coords_fit(int64_t batch, int64_t heads_q, int64_t len_q, int64_t len_k) {
+  constexpr int64_t kMaxCoord = 0x7fffffff;
+  return batch <= kMaxCoord && heads_q <= kMaxCoord && len_q <= kMaxCoord && len_k <= kMaxCoord;
+}
+
 // A map of the 16-bit (elem_bytes 1: 8-bit) tensor at `base` (batch, heads, rows, dim; element strides
 // `s`, the last dimension contiguous, rows 16-byte aligned) whose box is a 128-byte line (64 or 128
 // columns) by `box_rows` rows, 128-byte swizzled: a box lands as one panel of common/wgmma.cuh's layout (the
