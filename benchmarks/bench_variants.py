@@ -11,9 +11,9 @@ and the mean over rounds per variant and row.
 Rows are E:L, non-causal unless --causal (or with --float-bias a float attn_mask (1, H, L, L): the kernels' bias
 variants), bf16 unless --dtype fp16 (or e4m3: the float8 forward), B·L = 16384
 and H·E = 2048 as in bench_gpu.py; the forward, or with --pass bwd the backward alone on a retained graph of
-one forward as bench_gpu.py times it (FLOPs 2.5x the forward's). With --pass decode rows are KIND:B:C (mha, gqa
-or mqa as in bench_decode.py: H = 32, E = 128, one query row against C cached keys) and the reading is µs per
-read-only flash_attn_with_kvcache step, 16 of them captured in one CUDA graph and replayed (bench_decode.py's
+one forward as bench_gpu.py times it (FLOPs 2.5x the forward's). With --pass decode rows are KIND:B:C[:E] (mha,
+gqa or mqa as in bench_decode.py: H = 32, E = 128 unless given, one query row against C cached keys) and the reading
+is µs per read-only flash_attn_with_kvcache step, 16 of them captured in one CUDA graph and replayed (bench_decode.py's
 ours-read-graph; --paged: its ours-paged-graph, the step on pages of 256 keys; --sdpa: that SDPA backend on the
 same shape, the same way). One process times its rows with 40 calls per median
 after at least 0.3 s of warm-up (--repeats, --warmup-s); a process that fails or runs past --child-timeout seconds (a kernel
@@ -49,8 +49,8 @@ def child(args):
     if args.pass_ == "decode":
         import bench_decode as D
         for row in args.rows.split(","):
-            kind, b, cache = row.split(":")
-            heads, dim = 32, 128
+            kind, b, cache, *rest = row.split(":")
+            heads, dim = 32, int(rest[0]) if rest else 128
             if args.device == "cpu":  # a debug run of the script's own code: tiny shapes
                 heads, dim, cache = 4, 16, min(int(cache), 256)
             group = D.KINDS[kind]
@@ -84,7 +84,7 @@ def child(args):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rows", required=True, help="comma list of E:L (--pass decode: KIND:B:C)")
+    p.add_argument("--rows", required=True, help="comma list of E:L (--pass decode: KIND:B:C or KIND:B:C:E)")
     p.add_argument("--variant", nargs="+", action="append", default=[], metavar=("NAME", "ENV=VALUE"),
                    help="a name and the environment variables that select it (repeatable)")
     # (_measure.SDPA_BACKENDS' keys but its math one, named here: this process does not import torch)
