@@ -307,8 +307,7 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads, DecodeConf
   };
   if (clustered) {
     // A walk's parts each keep their merged rows in their smem (after the warps' rows); row `row`'s owner, the
-    // cluster's block row % cluster, adds the parts in part order through distributed shared memory.
-    const int rank = part;
+    // cluster's block row % cluster (its part), adds the parts in part order through distributed shared memory.
     float* sPart = sO + Cfg::kMergeBytes / sizeof(float);
     for (int i = 0; i < groups; ++i) {
       merge_warps(i);
@@ -323,7 +322,7 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads, DecodeConf
     cluster_barrier();  // every part's rows stored
     for (int i = 0; i < groups; ++i) {
       const int row = kWarpRows * i + tid / 8;
-      if (row >= rows || row % grid.cluster != rank) continue;
+      if (row >= rows || row % grid.cluster != part) continue;
       reset();
       for (int j = 0; j < grid.cluster; ++j) {
         const uint32_t src = cluster_smem_address(sPart, j);
