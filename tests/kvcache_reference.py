@@ -58,7 +58,8 @@ def kvcache_ref(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin
     """(out (B, Lq, H, Ev), lse (B, H, Lq), k_cache after, v_cache after); index arguments as
     Python lists (seqlens an int list, None = every sequence full)."""
     batch, len_q, heads, dim = q.shape
-    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    if k is not None:  # (the caches returned after the append; a read-only step returns them as they are)
+        k_cache, v_cache = k_cache.clone(), v_cache.clone()
     scale = dim ** -0.5 if scale is None else scale
     len_new = 0 if k is None else k.shape[1]
     outs, lses = [], []

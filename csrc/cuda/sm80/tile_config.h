@@ -265,6 +265,6 @@ constexpr int64_t kDecodePartsPerSet = 8;
 // Decode steps whose walks run as thread block clusters on sm_90: caches of at most kDecodeClusterTiles key
 // tiles (the steps whose time is mostly fixed cost), at most kDecodeMaxClusterParts parts (the portable
 // cluster size; a larger one needs cudaFuncAttributeNonPortableClusterSizeAllowed).
-constexpr int64_t kDecodeClusterTiles = 16, kDecodeMaxClusterParts = 8;
+constexpr int64_t kDecodeClusterTiles = 64, kDecodeMaxClusterParts = 8;
 
 }  // namespace flashattn::cuda::sm80
