@@ -14,6 +14,7 @@ before ops._FwdWithGrad), and torch's SDPA (default backend choice).
 import argparse
 import json
 import os
+import statistics
 import time
 
 import torch
@@ -22,22 +23,28 @@ import torch.nn.functional as F
 import flashattn_ext
 
 
-def per_call_us(fn, device, calls, repeats=5, warmup=50):
-    """µs per call of fn: the best of `repeats` batches of `calls` (the least disturbed by other work
-    on the host), after `warmup` calls."""
-    for _ in range(warmup):
+def batch_us(fn, device, calls):
+    """µs per call of fn over one batch of `calls` calls (the device synchronized at the end)."""
+    t0 = time.perf_counter()
+    for _ in range(calls):
         fn()
     if device == "cuda":
         torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(calls):
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def interleaved_us(fns, device, calls, rounds, warmup=50):
+    """{name: (best, median)} µs per call of each fn in `fns`: `rounds` rounds, each a batch of every fn in an order
+    rotated per round, so that a slow spell of the host (a busy core, a frequency change) falls on every fn alike."""
+    names = list(fns)
+    for fn in fns.values():
+        for _ in range(warmup):
             fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
-    return best
+    times = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            times[name].append(batch_us(fns[name], device, calls))
+    return {name: (min(t), statistics.median(t)) for name, t in times.items()}
 
 
 def main():
@@ -46,6 +53,7 @@ def main():
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32", "fp64"))
     p.add_argument("--shape", default="1,1,16,64", help="B,H,L,E")
     p.add_argument("--calls", type=int, default=200)
+    p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--out-dir")
     args = p.parse_args()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}[args.dtype]
@@ -70,19 +78,22 @@ def main():
         return lambda: fn().sum().backward()
 
     passes = {"fwd": lambda fn: fn, "fwd no_grad": no_grad, "fwd+bwd": fwd_bwd}
-    table = {name: {impl: per_call_us(wrap(fn), args.device, args.calls) for impl, fn in impls.items()}
+    table = {name: interleaved_us({impl: wrap(fn) for impl, fn in impls.items()}, args.device, args.calls, args.rounds)
              for name, wrap in passes.items()}
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    print(f"{device_name}, torch {torch.__version__}, {dtype}, shape {args.shape}: us per call (best of 5 x "
-          f"{args.calls})")
-    print(f"{'pass':12s}" + "".join(f"{impl:>10s}" for impl in impls) + "   ours/sdpa")
+    print(f"{device_name}, torch {torch.__version__}, {dtype}, shape {args.shape}: us per call, best (median) of "
+          f"{args.rounds} interleaved rounds of {args.calls} calls")
+    print(f"{'pass':12s}" + "".join(f"{impl:>16s}" for impl in impls) + "   ours/sdpa best (median)")
     for name, row in table.items():
-        print(f"{name:12s}" + "".join(f"{row[impl]:10.1f}" for impl in impls) + f"   {row['ours'] / row['sdpa']:9.2f}")
+        cells = "".join(f"{row[impl][0]:8.1f} ({row[impl][1]:5.1f})" for impl in impls)
+        print(f"{name:12s}{cells}   {row['ours'][0] / row['sdpa'][0]:9.2f} ({row['ours'][1] / row['sdpa'][1]:4.2f})")
     if args.out_dir:
         os.makedirs(args.out_dir, exist_ok=True)
         with open(os.path.join(args.out_dir, "overhead.json"), "w") as f:
             json.dump({"device": device_name, "torch": torch.__version__, "dtype": str(dtype), "shape": args.shape,
-                       "us_per_call": table}, f, indent=1)
+                       "rounds": args.rounds, "calls": args.calls,
+                       "us_per_call": {name: {impl: {"best": b, "median": m} for impl, (b, m) in row.items()}
+                                       for name, row in table.items()}}, f, indent=1)
 
 
 if __name__ == "__main__":
