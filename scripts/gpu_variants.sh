@@ -7,8 +7,10 @@
 # (benchmarks/bench_variants.py arguments), every build a variant of its interleaved rounds. Runs are
 # separated by '|'; leading VAR=VALUE words of a run are its environment. Logs under $OUT (else gpu_out/).
 # REUSE_BUILDS=1 on a warm machine skips the builds and uses the previous call's (variant_builds/). A run's
-# ONLY=a,b word (TESTS or BENCH) restricts it to base and builds a and b.
+# ONLY=a,b word (TESTS, RUNS or BENCH) restricts it to base and builds a and b; BASE=0 leaves base out of it.
+# RUNS: commands (a sanitizer, a diagnostic script), each per build as TESTS, with PYTHONPATH at the tree.
 #   TESTS="-k cuda tests/test_accuracy.py | FLASHATTN_CUDA_KERNELS=sm80 -k cuda tests/test_autograd.py" \
+#   RUNS="ONLY=a BASE=0 compute-sanitizer --tool racecheck python3 scripts/sanitize_cases.py kvcache" \
 #   BENCH="--rows 128:1024,128:4096 | FLASHATTN_CUDA_KERNELS=sm80 --causal --rows 64:512" \
 #     bash scripts/gpu_variants.sh
 set -uo pipefail
@@ -30,10 +32,13 @@ split_run() {
 # Whether build $1 takes part in the split run (base always; with an ONLY=a,b word builds a and b, else every
 # build); sets env_words, the run's environment without that word.
 takes_part() {
-  local w only=""
+  local w only="" base=1
   env_words=()
-  for w in "${run_env[@]}"; do [[ $w == ONLY=* ]] && only=",${w#ONLY=}," || env_words+=("$w"); done
-  [[ -z $only || $1 == base || $only == *",$1,"* ]]
+  for w in "${run_env[@]}"; do
+    case $w in ONLY=*) only=",${w#ONLY=},";; BASE=*) base=${w#BASE=};; *) env_words+=("$w");; esac
+  done
+  [[ $1 == base ]] && { [[ $base != 0 ]]; return; }
+  [[ -z $only || $only == *",$1,"* ]]
 }
 status=0
 
@@ -75,28 +80,41 @@ else
   done
 fi
 
-if [[ -n "${TESTS:-}" ]]; then
-  procs=$([[ ${PYTEST_PROCS:-6} -gt 0 ]] && echo "-n ${PYTEST_PROCS:-6}")  # (0: one process, no pytest-xdist)
-  IFS='|' read -ra test_runs <<< "$TESTS"
+# Each build in turn, its patch applied and its extension in the tree, for each run of $1 ('|'-separated) that it
+# takes part in: pytest (kind "tests") or a command (kind "run") with the run's environment; logs
+# $OUT/KIND_NAME_I.log.
+each_build() {
+  local spec=$1 kind=$2 runs name i log kept rc
+  IFS='|' read -ra runs <<< "$spec"
   kept=$(mktemp) && cp "$(extension)" "$kept"
   for name in "${names[@]}"; do
-    [[ $name == base && ${TEST_BASE:-1} == 0 ]] && continue  # (TEST_BASE=0: the tree's tests passed before)
+    [[ $kind == tests && $name == base && ${TEST_BASE:-1} == 0 ]] && continue  # (the tree's tests passed before)
     [[ $name == base ]] || git apply "variants/$name.patch"
     cp "variant_builds/$name/flashattn_ext/$(basename "$(extension)")" flashattn_ext/
-    for i in "${!test_runs[@]}"; do
-      split_run "${test_runs[$i]}"
+    for i in "${!runs[@]}"; do
+      split_run "${runs[$i]}"
       takes_part "$name" || continue
-      log="$OUT/tests_${name}_$i.log"
-      # (a kernel that hangs costs TEST_TIMEOUT seconds, not the call)
-      timeout "${TEST_TIMEOUT:-400}" env OMP_NUM_THREADS=2 "${env_words[@]}" python3 -m pytest -q $procs \
-        "${run_args[@]}" > "$log" 2>&1
-      status=$(( status | $? ))
-      echo "$name, tests $i: $(grep -E '^(FAILED|ERROR)' "$log" | head -5)$(tail -1 "$log")"
+      log="$OUT/${kind}_${name}_$i.log"
+      # (a kernel that hangs costs the timeout, not the call)
+      if [[ $kind == tests ]]; then
+        timeout "${TEST_TIMEOUT:-400}" env OMP_NUM_THREADS=2 "${env_words[@]}" python3 -m pytest -q $procs \
+          "${run_args[@]}" > "$log" 2>&1
+        rc=$?
+        echo "$name, tests $i: $(grep -E '^(FAILED|ERROR)' "$log" | head -5)$(tail -1 "$log")"
+      else
+        timeout "${RUN_TIMEOUT:-300}" env PYTHONPATH="$PWD" "${env_words[@]}" "${run_args[@]}" > "$log" 2>&1
+        rc=$?
+        echo "$name, run $i (exit $rc):" && tail -"${RUN_TAIL:-12}" "$log"
+      fi
+      status=$(( status | rc ))
     done
     [[ $name == base ]] || git apply -R "variants/$name.patch"
   done
   cp "$kept" "flashattn_ext/$(basename "$(extension)")" && rm -f "$kept"
-fi
+}
+procs=$([[ ${PYTEST_PROCS:-6} -gt 0 ]] && echo "-n ${PYTEST_PROCS:-6}")  # (0: one process, no pytest-xdist)
+[[ -n "${TESTS:-}" ]] && each_build "$TESTS" tests
+[[ -n "${RUNS:-}" ]] && each_build "$RUNS" run
 
 if [[ -n "${BENCH:-}" ]]; then
   IFS='|' read -ra bench_runs <<< "$BENCH"
