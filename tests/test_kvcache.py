@@ -488,6 +488,19 @@ def test_cuda_decode_merge_in_sets(paged):
 
 
 @needs_cuda
+@pytest.mark.parametrize("dim", [64, 128, 256])
+@pytest.mark.parametrize("page", [None, 256, 32])
+def test_cuda_clustered_short_steps(dim, page):
+    """Steps short enough that on sm_90 each walk's parts run as one thread block cluster (caches of at most 64
+    tiles of 64 keys, at most one block per SM in all), dense, on whole-tile pages and on row-copied pages:
+    MQA's 32 rows (warp pairs) over 4096 keys, GQA's 4-row walks over a ragged 2k, and 32 MHA walks of a few
+    parts each, one sequence far shorter than its cache (parts without keys); each checked against float64."""
+    _check_cuda_step(1, 32, 1, dim, 4096, [4096], page=page)
+    _check_cuda_step(1, 32, 8, dim, 2048, [1999], page=page)
+    _check_cuda_step(2, 16, 16, dim, 1024, [1024, 77], page=page)
+
+
+@needs_cuda
 def test_cuda_paged_whole_walks_of_small_pages():
     """A paged step whose walks are not cut into parts (8 x 64 walks fill GPUs of up to 170 SMs), each over up to
     1024 pages of 16 keys in shuffled blocks, ragged lengths down to one page."""
