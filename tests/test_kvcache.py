@@ -437,28 +437,22 @@ def test_strided_cache_seqlens(device):
 
 def _check_cuda_step(batch, heads, heads_kv, dim, cache, seqlens, page=None):
     """One bf16 decode step (dense, or paged with pages of `page` keys in shuffled blocks) against the float64
-    reference on the GPU."""
+    reference on the GPU, one sequence at a time (a float64 copy of a whole large cache is GiBs)."""
     make = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
     ours = dict(q=make(batch, 1, heads, dim), cache_seqlens=torch.tensor(seqlens, dtype=torch.int32, device="cuda"))
-    ref = dict(seqlens=seqlens)
     if page:
         pages = cache // page
-        table = torch.randperm(batch * pages, device="cuda").view(batch, pages).to(torch.int32)
-        ours["block_table"], ref["block_table"] = table, table.tolist()
+        ours["block_table"] = torch.randperm(batch * pages, device="cuda").view(batch, pages).to(torch.int32)
         shape = (batch * pages, page, heads_kv, dim)
     else:
         shape = (batch, cache, heads_kv, dim)
     ours["k_cache"], ours["v_cache"] = make(*shape), make(*shape)
     out, lse = flashattn_ext.flash_attn_with_kvcache(**ours, return_softmax_lse=True)
-    for b in range(batch):  # the references one sequence at a time: a float64 copy of the whole cache is GiBs
+    for b in range(batch):
         rows = slice(b, b + 1)
-        if page:
-            own = table[b].long()
-            k_b, v_b = ours["k_cache"][own], ours["v_cache"][own]
-            ref["block_table"] = [list(range(pages))]
-        else:
-            k_b, v_b = ours["k_cache"][rows], ours["v_cache"][rows]
-        args = dict(q=ours["q"][rows], k_cache=k_b, v_cache=v_b, **{**ref, "seqlens": seqlens[rows]})
+        own = ours["block_table"][b].long() if page else rows  # (paged: the sequence's pages, in its order)
+        args = dict(q=ours["q"][rows], k_cache=ours["k_cache"][own], v_cache=ours["v_cache"][own],
+                    seqlens=seqlens[rows], block_table=[list(range(pages))] if page else None)
         expected = kvcache_ref(**{n: t.double() if isinstance(t, torch.Tensor) else t for n, t in args.items()})
         same = kvcache_ref(**args)
         for name, g, r, s in zip(("out", "lse"), (out[rows], lse[rows]), expected, same):
