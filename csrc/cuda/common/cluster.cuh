@@ -1,5 +1,5 @@
-// Thread block clusters (sm_90+): the blocks of a cluster run at once on one GPC and read each other's
-// shared memory (distributed shared memory) after a cluster barrier. The host launches a kernel in clusters
+// Thread block clusters (sm_90+): the blocks of a cluster run at once on one GPC and reach each other's
+// shared memory (distributed shared memory) between cluster barriers. The host launches a kernel in clusters
 // only on sm_90+ (launch_after_prior's `cluster`); below it these functions are never reached and trap.
 #pragma once
 #include <cuda_runtime.h>
@@ -12,11 +12,22 @@
 
 namespace flashattn::cuda {
 
-// Every thread of every block of the cluster arrives; each block's shared-memory writes before it are
-// visible to the cluster's blocks after it.
-__device__ __forceinline__ void cluster_barrier() {
+// The cluster barrier in two halves: every thread of every block of the cluster arrives, then waits for the
+// others. What a thread wrote to shared memory (its own block's or, through distributed shared memory, another
+// block's) before it arrived is visible to every thread of the cluster after its wait; work between the two
+// halves overlaps the barrier. A block may write another block's shared memory only after a wait that block
+// arrived at (it has started, and is done with what it kept there).
+__device__ __forceinline__ void cluster_arrive() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
+  asm volatile("barrier.cluster.arrive.release;\n" ::: "memory");
+#elif defined(__CUDA_ARCH__)
+  __trap();
+#endif
+}
+
+__device__ __forceinline__ void cluster_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.wait.acquire;\n" ::: "memory");
 #elif defined(__CUDA_ARCH__)
   __trap();
 #endif
@@ -34,27 +45,24 @@ __device__ __forceinline__ uint32_t cluster_smem_address(const void* p, int rank
   return mapped;
 }
 
-__device__ __forceinline__ float load_cluster_f32(uint32_t address) {
-  float x = 0.f;
+// Stores into another block's shared memory (an address from cluster_smem_address): no round trip, unlike a
+// load from there.
+__device__ __forceinline__ void store_cluster_f32(uint32_t address, float x) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(x) : "r"(address) : "memory");
+  asm volatile("st.shared::cluster.f32 [%0], %1;\n" ::"r"(address), "f"(x) : "memory");
 #elif defined(__CUDA_ARCH__)
   __trap();
 #endif
-  return x;
 }
 
-__device__ __forceinline__ float4 load_cluster_f32x4(uint32_t address) {
-  float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+__device__ __forceinline__ void store_cluster_f32x4(uint32_t address, float4 x) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
-               : "=f"(x.x), "=f"(x.y), "=f"(x.z), "=f"(x.w)
-               : "r"(address)
+  asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(address), "f"(x.x), "f"(x.y), "f"(x.z),
+               "f"(x.w)
                : "memory");
 #elif defined(__CUDA_ARCH__)
   __trap();
 #endif
-  return x;
 }
 
 // How many clusters of `cluster` blocks of `kernel` (`threads` threads, `smem` bytes of dynamic shared memory,

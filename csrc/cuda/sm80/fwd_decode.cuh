@@ -14,8 +14,8 @@
 // order, so the output does not depend on which part that is (in sets of 8 parts first where there
 // are more: the last part of each set adds its set). On sm_90 a short step (a cache of few tiles, every
 // walk's parts together fewer blocks than SMs) runs each walk's parts as one thread block cluster instead:
-// the parts keep their rows in shared memory and each row's owner adds them through distributed shared
-// memory (no workspace, no counters to clear, no fence or atomic: the fixed cost of a short step).
+// each part pushes its rows into the shared memory of each row's owner (distributed shared memory), which adds
+// them (no workspace, no counters to clear, no fence or atomic: the fixed cost of a short step).
 // Per-sequence key ranges (seqused_k, leftpad_k: a KV cache's lengths and left padding) are read
 // on the device (sequence()): a walk covers its own sequence's keys, while the parts are sized on
 // the host from len_k (the cache's length, the longest possible walk), so the grid never depends
@@ -306,33 +306,44 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads, DecodeConf
     return true;
   };
   if (clustered) {
-    // A walk's parts each keep their merged rows in their smem (after the warps' rows); row `row`'s owner, the
-    // cluster's block row % cluster (its part), adds the parts in part order through distributed shared memory.
-    float* sPart = sO + Cfg::kMergeBytes / sizeof(float);
+    // Each part pushes its rows into their owners' smem (row `row`'s owner: the cluster's block row % parts), past
+    // the owners' warps' rows, in their K / V buffers: only once every part is done with those (barrier 1, its
+    // arrival overlapping the first row group's merge). Each owner then adds its rows' parts in part order from
+    // its own smem (barrier 2: every push landed). No block reads another's smem: no round trip, and no third
+    // barrier to keep a block's smem alive for its readers.
+    constexpr int kSlots = Cfg::kClusterSlots;
+    float* sSlots = sO + Cfg::kMergeBytes / sizeof(float);
+    float* sSlotMax = sSlots + kSlots * kDim;
+    float* sSlotSum = sSlotMax + kSlots;
+    const int parts = grid.cluster;
+    cluster_arrive();  // 1: done with the K / V buffers
     for (int i = 0; i < groups; ++i) {
       merge_warps(i);
+      if (i == 0) cluster_wait();
       const int row = kWarpRows * i + tid / 8;
+      if (row >= rows) continue;
+      const int owner = row % parts, slot = row / parts * parts + part;
 #pragma unroll
-      for (int c = 0; c < kCols; ++c) *reinterpret_cast<float4*>(sPart + row * kDim + col0 + 32 * c) = acc[c];
+      for (int c = 0; c < kCols; ++c)
+        store_cluster_f32x4(cluster_smem_address(sSlots + slot * kDim + col0 + 32 * c, owner), acc[c]);
       if (tid % 8 == 0) {
-        sPart[kRows * kDim + row] = mx;
-        sPart[kRows * kDim + kRows + row] = l;
+        store_cluster_f32(cluster_smem_address(sSlotMax + slot, owner), mx);
+        store_cluster_f32(cluster_smem_address(sSlotSum + slot, owner), l);
       }
     }
-    cluster_barrier();  // every part's rows stored
+    cluster_arrive();  // 2: this part's rows pushed
+    cluster_wait();
     for (int i = 0; i < groups; ++i) {
       const int row = kWarpRows * i + tid / 8;
-      if (row >= rows || row % grid.cluster != part) continue;
+      if (row >= rows || row % parts != part) continue;
       reset();
-      for (int j = 0; j < grid.cluster; ++j) {
-        const uint32_t src = cluster_smem_address(sPart, j);
-        add_rows(load_cluster_f32(src + 4 * (kRows * kDim + row)),
-                 load_cluster_f32(src + 4 * (kRows * kDim + kRows + row)),
-                 [&](int c) { return load_cluster_f32x4(src + 4 * (row * kDim + col0 + 32 * c)); });
+      for (int j = 0; j < parts; ++j) {
+        const int slot = row / parts * parts + j;
+        add_rows(sSlotMax[slot], sSlotSum[slot],
+                 [&](int c) { return *reinterpret_cast<const float4*>(sSlots + slot * kDim + col0 + 32 * c); });
       }
       store_row(row);
     }
-    cluster_barrier();  // no part's smem released while another part still reads it
     return;
   }
   // A part: its rows to its slot; the walk's last part to finish adds every part's rows in part order (its own

@@ -219,6 +219,11 @@ struct Bwd2dConfig {
 constexpr int kDecodeChunkRows = 32;
 constexpr int kDecodeSmallChunkRows = kDecodeChunkRows / 2;  // one row group: calls of few key tiles
 
+// Decode steps whose walks run as thread block clusters on sm_90: caches of at most kDecodeClusterTiles key
+// tiles (the steps whose time is mostly fixed cost), at most kDecodeMaxClusterParts parts (the portable
+// cluster size; a larger one needs cudaFuncAttributeNonPortableClusterSizeAllowed).
+constexpr int64_t kDecodeClusterTiles = 64, kDecodeMaxClusterParts = 8;
+
 template <class Elem, int kDim>
 struct DecodeConfig {
   static constexpr bool kServed = sizeof(Elem) == 2;
@@ -241,9 +246,11 @@ struct DecodeConfig {
   // The merge's rows (O, then max and sum per row) reuse the K / V buffers.
   static constexpr size_t kMergeBytes = size_t(kWarps) * kWarpRows * (kOLd + 2) * sizeof(float);
   static_assert(kMergeBytes <= kKvBytes, "the merge fits in the K / V buffers");
-  // A clustered walk's merged rows (O [kRows][kDim], then each row's max and sum) after the warps' rows.
-  static constexpr size_t kPartRowsBytes = size_t(kRows) * (kDim + 2) * sizeof(float);
-  static_assert(kMergeBytes + kPartRowsBytes <= kKvBytes, "a part's merged rows fit beside the warps' rows");
+  // A clustered walk's rows as their owners receive them, after the warps' rows: a slot per (owned row, part),
+  // slot (row / parts) * parts + part in block row % parts, O [kClusterSlots][kDim], then the slots' max and sum.
+  static constexpr int kClusterSlots = kRows + int(kDecodeMaxClusterParts) - 1;
+  static constexpr size_t kClusterSlotBytes = size_t(kClusterSlots) * (kDim + 2) * sizeof(float);
+  static_assert(kMergeBytes + kClusterSlotBytes <= kKvBytes, "a cluster's slots fit beside the warps' rows");
   static constexpr size_t kSmemBytes = kQBytes + kKvBytes;
   // A part's merged rows in the workspace: O [kRows][kDim], then the rows' max and sum.
   static constexpr size_t kSlotFloats = size_t(kRows) * (kDim + 2);
@@ -262,9 +269,5 @@ inline bool decode_call(const FwdParams& p) {
 constexpr int64_t kDecodeMaxWalksPerHead = kDecodeChunkRows * kDecodeMaxChunks / kDecodeSmallChunkRows;
 // Parts per set of the decode kernel's two-level merge (fwd_decode.cuh).
 constexpr int64_t kDecodePartsPerSet = 8;
-// Decode steps whose walks run as thread block clusters on sm_90: caches of at most kDecodeClusterTiles key
-// tiles (the steps whose time is mostly fixed cost), at most kDecodeMaxClusterParts parts (the portable
-// cluster size; a larger one needs cudaFuncAttributeNonPortableClusterSizeAllowed).
-constexpr int64_t kDecodeClusterTiles = 64, kDecodeMaxClusterParts = 8;
 
 }  // namespace flashattn::cuda::sm80
