@@ -83,6 +83,12 @@ int clusters_resident(Kernel kernel, int cluster, int threads, size_t smem) {
     known[key] = 0;
     return 0;
   }
+  // (above 8 blocks, the portable limit, a kernel must opt in; H100 / H200 take up to 16)
+  if (cluster > 8 && cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
+    (void)cudaGetLastError();
+    known[key] = 0;
+    return 0;
+  }
   cudaLaunchAttribute attribute[1];
   attribute[0].id = cudaLaunchAttributeClusterDimension;
   attribute[0].val.clusterDim.x = unsigned(cluster);

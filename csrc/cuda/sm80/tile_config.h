@@ -220,9 +220,10 @@ constexpr int kDecodeChunkRows = 32;
 constexpr int kDecodeSmallChunkRows = kDecodeChunkRows / 2;  // one row group: calls of few key tiles
 
 // Decode steps whose walks run as thread block clusters on sm_90: caches of at most kDecodeClusterTiles key
-// tiles (the steps whose time is mostly fixed cost), at most kDecodeMaxClusterParts parts (the portable
-// cluster size; a larger one needs cudaFuncAttributeNonPortableClusterSizeAllowed).
-constexpr int64_t kDecodeClusterTiles = 64, kDecodeMaxClusterParts = 8;
+// tiles (the steps whose time is mostly fixed cost), at most kDecodeMaxClusterParts parts (twice the portable
+// cluster size: opted into with cudaFuncAttributeNonPortableClusterSizeAllowed; the occupancy calculator says
+// whether a GPU takes it).
+constexpr int64_t kDecodeClusterTiles = 64, kDecodeMaxClusterParts = 16;
 
 template <class Elem, int kDim>
 struct DecodeConfig {
