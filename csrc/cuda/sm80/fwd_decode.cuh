@@ -142,11 +142,13 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads, DecodeConf
       k_at = block * p.k_stride.batch + (n0 - page * p.page_size) * p.k_stride.row;
       v_at = block * p.v_stride.batch + (n0 - page * p.page_size) * p.v_stride.row;
     }
-    // (a whole tile, every tile but a walk's last at the usual dims: no per-chunk bounds tests, ~3 instructions a
-    // chunk against ~14, in a loop whose time in a short step is its instructions' latency)
-    copy_tile_async<kBN, kDim, kThreads, true, kSw, true>(sK + stage * kBN * kLd, kLd, k + k_at, p.k_stride.row,
+    // (a whole tile, every tile but a walk's last, where the threads cover whole rows (dims 64, 128, 256): no
+    // per-chunk bounds tests, ~3 instructions a chunk against ~14, in a loop whose time in a short step is its
+    // instructions' latency)
+    constexpr bool kFull = kThreads % (kDim / chunk_elems<Elem>()) == 0;
+    copy_tile_async<kBN, kDim, kThreads, kFull, kSw, true>(sK + stage * kBN * kLd, kLd, k + k_at, p.k_stride.row,
                                                            rows_k, E, tid);
-    copy_tile_async<kBN, kDim, kThreads, true, kSw, true>(sV + stage * kBN * kLd, kLd, v + v_at, p.v_stride.row,
+    copy_tile_async<kBN, kDim, kThreads, kFull, kSw, true>(sV + stage * kBN * kLd, kLd, v + v_at, p.v_stride.row,
                                                            rows_k, Ev, tid);
   };
   // When a tile's buffer is refilled: dense, right after the tile (a second barrier per tile), so that a block
