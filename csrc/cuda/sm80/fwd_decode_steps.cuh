@@ -83,14 +83,26 @@ __device__ __forceinline__ void warp_scores(float (&s)[2][4], const Reads& read,
                                             const int64_t (&hi)[2], float score_scale, int t) {
   using M = typename Reads::M;
   constexpr int kKSteps = kDim / 16;
+  // The k steps in two chains (even and odd steps, summed at the end): a tile's scores wait for kKSteps / 2
+  // dependent products, not kKSteps (one warp per scheduler in a short step: nothing else hides them). Not at
+  // dim 256, whose registers are full (the second chain spilled 52 B).
+  constexpr bool kTwoChains = kDim <= 128;
+  float odd[2][4] = {};
 #pragma unroll
   for (int ks = 0; ks < kKSteps; ++ks) {
     typename M::A a;
     typename M::B bk[2];
     read.q(a, 16 * ks);
     read.k(bk, stage, next, 16 * ks);
-    M::mma(s[0], a, bk[0]);
-    M::mma(s[1], a, bk[1]);
+    float(&acc)[2][4] = kTwoChains && ks % 2 == 1 ? odd : s;
+    M::mma(acc[0], a, bk[0]);
+    M::mma(acc[1], a, bk[1]);
+  }
+  if constexpr (kTwoChains) {
+#pragma unroll
+    for (int jn = 0; jn < 2; ++jn)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[jn][e] += odd[jn][e];
   }
   if (all_visible(n0)) {  // (uniform across the block: the common tile skips the columns' arithmetic)
 #pragma unroll
