@@ -14,7 +14,8 @@ and H·E = 2048 as in bench_gpu.py; the forward, or with --pass bwd the backward
 one forward as bench_gpu.py times it (FLOPs 2.5x the forward's). With --pass decode rows are KIND:B:C[:E] (mha,
 gqa or mqa as in bench_decode.py: H = 32, E = 128 unless given, one query row against C cached keys) and the reading
 is µs per read-only flash_attn_with_kvcache step, 16 of them captured in one CUDA graph and replayed (bench_decode.py's
-ours-read-graph; --paged: its ours-paged-graph, the step on pages of 256 keys; --sdpa: that SDPA backend on the
+ours-read-graph; --append: its ours-graph, the step appending one new row to the dense cache; --paged: its
+ours-paged-graph, the step on pages of 256 keys; --sdpa: that SDPA backend on the
 same shape, the same way). One process times its rows with 40 calls per median
 after at least 0.3 s of warm-up (--repeats, --warmup-s); a process that fails or runs past --child-timeout seconds (a kernel
 that hangs) leaves its round's readings empty."""
@@ -55,7 +56,7 @@ def child(args):
                 heads, dim, cache = 4, 16, min(int(cache), 256)
             group = D.KINDS[kind]
             t = D.make_row(int(b), int(cache), heads, heads // group if group else 1, dim, 1, 256, dtype, args.device)
-            ours = "ours-paged" if args.paged else "ours-read"
+            ours = "ours-paged" if args.paged else "ours" if args.append else "ours-read"
             impl = (args.impl if args.impl != "ours" else ours) + ("-graph" if args.device == "cuda" else "")
             ms = M.per_call_ms(D.step_fn(impl, t, graph_steps=16), args.device, warmup=3, repeats=args.repeats,
                                warmup_s=args.warmup_s)
@@ -98,6 +99,8 @@ def main():
     p.add_argument("--paged", action="store_true",
                    help="--pass decode: ours as bench_decode.py's ours-paged (the step, append included, on pages of 256 "
                         "keys); SDPA still reads the dense cache")
+    p.add_argument("--append", action="store_true",
+                   help="--pass decode: ours as bench_decode.py's ours (the step appending one row to the dense cache)")
     p.add_argument("--float-bias", action="store_true",
                    help="a float attn_mask (1, H, L, L) on every call (bench_features.py's float-bias case; not causal)")
     p.add_argument("--device", default="cuda", help="'cpu' runs the script's code on tiny shapes (debug only)")
@@ -108,8 +111,10 @@ def main():
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--impl", default="ours", help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.paged and args.pass_ != "decode":
-        p.error("--paged: with --pass decode")
+    if (args.paged or args.append) and args.pass_ != "decode":
+        p.error("--paged, --append: with --pass decode")
+    if args.paged and args.append:
+        p.error("--paged is the paged step, append included: give one of --paged and --append")
     if args.float_bias and (args.causal or args.pass_ == "decode" or args.dtype == "e4m3"):
         p.error("--float-bias: a non-causal bf16 / fp16 forward or backward")
     if args.child:
@@ -131,6 +136,7 @@ def main():
     base += ["--causal"] if args.causal else []
     base += ["--float-bias"] if args.float_bias else []
     base += ["--paged"] if args.paged else []
+    base += ["--append"] if args.append else []
     for r in range(args.rounds):
         for name, env, impl in (variants if r % 2 == 0 else variants[::-1]):
             try:
