@@ -495,6 +495,17 @@ def test_cuda_clustered_short_steps(dim, page):
 
 
 @needs_cuda
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("page", [None, 64])
+def test_cuda_decode_parts_of_uneven_tiles(dim, page):
+    """GQA steps (walks of 4 rows) whose parts hold uneven counts of key tiles, odd ones among them: 133 tiles
+    over the parts of a workspace merge (4 or 5 tiles a part on a 132-SM GPU), the last sequence's last tile
+    partial; 13 tiles over a cluster's parts (2 or 3 tiles a part), the sequence ending inside a tile."""
+    _check_cuda_step(2, 32, 8, dim, 133 * 64, [133 * 64 - 40, 133 * 64], page=page)
+    _check_cuda_step(1, 32, 8, dim, 13 * 64, [13 * 64 - 31], page=page)
+
+
+@needs_cuda
 def test_cuda_paged_whole_walks_of_small_pages():
     """A paged step whose walks are not cut into parts (8 x 64 walks fill GPUs of up to 170 SMs), each over up to
     1024 pages of 16 keys in shuffled blocks, ragged lengths down to one page."""
