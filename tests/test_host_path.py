@@ -262,8 +262,8 @@ def test_calls_on_recycled_memory_in_turn(device):
     """Calls whose operands take memory the caching allocator hands back from the call before: the same
     addresses under other shapes and strides (heads and head dims traded, the batch-sequence-heads layout), each
     shape twice, new values each time; each call's output and gradients against the float64 reference. On CUDA
-    the Hopper kernels' tensor maps of a recent call are reused where address, shape, strides and tile agree
-    (docs/host_path.md): a map taken for another shape would read the wrong elements."""
+    the Hopper kernels read the operands through tensor maps encoded from address, shape and strides: a map kept
+    from an earlier call at the same address would read the wrong elements."""
     if device != "cuda":
         pytest.skip("the tensor maps of the Hopper kernels: CUDA")
 
