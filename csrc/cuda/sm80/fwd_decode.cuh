@@ -94,29 +94,34 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads, DecodeConf
   const unsigned next = clustered ? unsigned(grid.chunks) : unsigned(grid.parts);
   const int inner = int(blockIdx.x % fastest), outer = int(blockIdx.x / fastest % next);
   const int chunk = clustered ? outer : inner, part = clustered ? inner : outer;
-  const int64_t head = blockIdx.x / fastest / next;  // batch x kv head
-  const int64_t hk = head % p.heads_kv, b = head / p.heads_kv, walk = head * grid.chunks + chunk;
+  // (The prologue's arithmetic in 32 bits: heads, packed rows and key tiles stay far below 2^32 (the tensor maps and
+  // decode_call bound them), and each 64-bit division, a call of ~70 instructions, sat on the path to the first
+  // copy.)
+  const unsigned head = blockIdx.x / fastest / next, heads_kv = unsigned(p.heads_kv);  // batch x kv head
+  const int64_t hk = head % heads_kv, b = head / heads_kv, walk = int64_t(head) * grid.chunks + chunk;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
   const int E = int(p.head_dim), Ev = int(p.head_dim_v);
 
   const Seq sq = sequence(p, b);
-  const int64_t group = p.heads_q / p.heads_kv;
+  const unsigned group = unsigned(p.heads_q) / heads_kv, len_q = unsigned(sq.len_q);
   const int64_t r0 = int64_t(chunk) * grid.chunk_rows;  // the chunk's first packed row
   const int rows = int(group * sq.len_q - r0 < grid.chunk_rows ? group * sq.len_q - r0 : grid.chunk_rows);
   // More than one row group: the warps in pairs, a pair's warps on its group's rows over two slots each.
   const bool pairs = rows > kWarpRows;
   const int row_group = pairs ? warp >> 1 : 0, key_slot = pairs ? 2 * (warp & 1) : warp;
-  auto head_of = [&](int64_t r) { return hk * group + r / sq.len_q; };
-  auto row_of = [&](int64_t r) { return r % sq.len_q; };
+  auto head_of = [&](int64_t r) { return hk * group + unsigned(r) / len_q; };
+  auto row_of = [&](int64_t r) { return int64_t(unsigned(r) % len_q); };
 
   // The chunk's keys: from the band of its first row to that of its last (the whole band where
   // the chunk spans heads), in kBN tiles; the part's share of them.
   const int64_t r_last = r0 + rows - 1;
-  const bool one_head = r0 / sq.len_q == r_last / sq.len_q;
+  const bool one_head = unsigned(r0) / len_q == unsigned(r_last) / len_q;
   const int64_t m_lo = one_head ? row_of(r0) : 0, m_hi = one_head ? row_of(r_last) : sq.len_q - 1;
   const int64_t n_lo = sq.key_begin(m_lo) / kBN * kBN, n_hi = sq.key_end(m_hi);
   const int64_t walk_tiles = n_hi > n_lo ? (n_hi - n_lo + kBN - 1) / kBN : 0;
-  const int64_t first = part * walk_tiles / grid.parts, last = (part + 1) * walk_tiles / grid.parts;
+  // Tiles [i W / P, (i + 1) W / P) of the walk's W for part i of P: with W = q P + r, i W / P = i q + i r / P.
+  const unsigned parts = unsigned(grid.parts), wq = unsigned(walk_tiles) / parts, wr = unsigned(walk_tiles) % parts;
+  const int64_t first = part * wq + part * wr / parts, last = (part + 1) * wq + (part + 1) * wr / parts;
   const int64_t n_begin = n_lo + first * kBN;
   const int tiles = int(last - first);
   // Tiles every row of the chunk sees whole skip the per-score mask.
