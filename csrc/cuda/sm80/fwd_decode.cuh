@@ -186,34 +186,63 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads, DecodeConf
 #pragma unroll
   for (int d = 0; d < kDA; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
 
+  // A step of the loop computes two tiles where a warp takes one slot of each and three stages are in flight
+  // (rows <= 16, dims <= 128, K / V refilled early): their scores' products interleaved and one softmax over both,
+  // so that a part's tiles cost about half the latency (the loop of a short step is bound by it, one warp per
+  // scheduler); else one tile.
+  constexpr bool kTwoTileSteps = kRefillEarly && kStages >= 3;
+  auto stage_after = [](int st) { return st == kStages - 1 ? 0 : st + 1; };
   int stage = 0;
 #pragma unroll 1
-  for (int j = 0; j < tiles; ++j) {
-    // Tile j landed for all (tiles j + 1 .. j + kAhead - 1 may still be in flight).
-    cp_async_wait<kAhead - 1>();
+  for (int j = 0; j < tiles;) {
+    const bool two = kTwoTileSteps && !pairs && j + 1 < tiles;
+    // The step's tiles landed for all (the tiles after them may still be in flight).
+    if (two) {
+      cp_async_wait<(kTwoTileSteps ? kAhead - 2 : 0)>();
+    } else {
+      cp_async_wait<kAhead - 1>();
+    }
     __syncthreads();
     if constexpr (!kRefillEarly) {  // tile j + kAhead into tile j - 1's buffer, which every warp is done with
       if (j + kAhead < tiles) load_kv(j + kAhead, stage == 0 ? kStages - 1 : stage - 1);
       cp_async_commit();
     }
     const int64_t n0 = n_begin + int64_t(j) * kBN;
+    const int next_stage = stage_after(stage);
 
     // S = Q K^T for the warp's 16 keys of a slot; the online softmax over them; O rescaled, then O += P V.
     auto keys_of_slot = [&](int next) {
-      float s[2][4] = {};
-      warp_scores<kDim>(s, read, stage, next, n0, all_visible, lo, hi, score_scale, t);
+      float s[1][2][4] = {};
+      const int stages[1] = {stage};
+      warp_scores<kDim>(s, read, stages, next, n0, all_visible, lo, hi, score_scale, t);
       float alpha[2];
       warp_softmax(s, row_max, row_sum, alpha);
-      warp_pv(o, s, alpha, read, stage, next);
+      warp_pv(o, s[0], alpha, read, stage, next);
     };
-    keys_of_slot(0);
-    if (pairs) keys_of_slot(1);
-    if constexpr (kRefillEarly) {  // tile j + kAhead into tile j's buffer, once every warp is done with it
+    if (two) {  // (the warp's slot of tiles j and j + 1)
+      float s[2][2][4] = {};
+      const int stages[2] = {stage, next_stage};
+      warp_scores<kDim>(s, read, stages, 0, n0, all_visible, lo, hi, score_scale, t);
+      float alpha[2];
+      warp_softmax(s, row_max, row_sum, alpha);
+      warp_pv(o, s[0], alpha, read, stage, 0);
+      const float kept[2] = {1.f, 1.f};  // (O rescaled once for both)
+      warp_pv(o, s[1], kept, read, next_stage, 0);
+    } else {
+      keys_of_slot(0);
+      if (pairs) keys_of_slot(1);
+    }
+    if constexpr (kRefillEarly) {  // tiles j + kAhead ... into the step's buffers, once every warp is done with them
       __syncthreads();
       if (j + kAhead < tiles) load_kv(j + kAhead, stage);
       cp_async_commit();
+      if (two) {
+        if (j + 1 + kAhead < tiles) load_kv(j + 1 + kAhead, next_stage);
+        cp_async_commit();
+      }
     }
-    stage = stage == kStages - 1 ? 0 : stage + 1;
+    stage = two ? stage_after(next_stage) : next_stage;
+    j += two ? 2 : 1;
   }
   cp_async_wait<0>();
   __syncthreads();  // every warp done with the K / V buffers, which the merge takes

@@ -74,78 +74,99 @@ struct DecodeOperandReads {
   }
 };
 
-// S = Q K^T for the warp's rows and its 16 keys of the tile in buffer `stage` (slot read.slot + next: keys
-// from n0 + 16 (slot + next)), scaled, and -inf outside the lane's rows' bands [lo[r], hi[r]) unless every row
-// sees the tile whole (all_visible(n0)).
-template <int kDim, class Reads, class AllVisible>
-__device__ __forceinline__ void warp_scores(float (&s)[2][4], const Reads& read, int stage, int next, int64_t n0,
-                                            const AllVisible& all_visible, const int64_t (&lo)[2],
-                                            const int64_t (&hi)[2], float score_scale, int t) {
+// S = Q K^T for the warp's rows and its 16 keys of kTiles consecutive tiles, tile i in buffer stages[i] (slot
+// read.slot + next: keys from n0 + i kBN + 16 (slot + next)), scaled, and -inf outside the lane's rows' bands
+// [lo[r], hi[r]) unless every row sees the tile whole (all_visible).
+template <int kDim, int kTiles, class Reads, class AllVisible>
+__device__ __forceinline__ void warp_scores(float (&s)[kTiles][2][4], const Reads& read, const int (&stages)[kTiles],
+                                            int next, int64_t n0, const AllVisible& all_visible,
+                                            const int64_t (&lo)[2], const int64_t (&hi)[2], float score_scale,
+                                            int t) {
   using M = typename Reads::M;
   constexpr int kKSteps = kDim / 16;
-  // The k steps in two chains (even and odd steps, summed at the end): a tile's scores wait for kKSteps / 2
-  // dependent products, not kKSteps (one warp per scheduler in a short step: nothing else hides them). Not at
-  // dim 256, whose registers are full (the second chain spilled 52 B).
+  // Each tile's k steps in two chains (even and odd steps, summed at the end), the tiles' products interleaved:
+  // the scores wait for kKSteps / 2 dependent products, not kTiles kKSteps (one warp per scheduler in a short
+  // step: nothing else hides them); one read of Q's fragment serves every tile. Not at dim 256, whose registers
+  // are full (the second chain spilled 52 B).
   constexpr bool kTwoChains = kDim <= 128;
-  float odd[2][4] = {};
+  float odd[kTiles][2][4] = {};
 #pragma unroll
   for (int ks = 0; ks < kKSteps; ++ks) {
     typename M::A a;
-    typename M::B bk[2];
     read.q(a, 16 * ks);
-    read.k(bk, stage, next, 16 * ks);
-    float(&acc)[2][4] = kTwoChains && ks % 2 == 1 ? odd : s;
-    M::mma(acc[0], a, bk[0]);
-    M::mma(acc[1], a, bk[1]);
-  }
-  if constexpr (kTwoChains) {
 #pragma unroll
-    for (int jn = 0; jn < 2; ++jn)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[jn][e] += odd[jn][e];
-  }
-  if (all_visible(n0)) {  // (uniform across the block: the common tile skips the columns' arithmetic)
-#pragma unroll
-    for (int jn = 0; jn < 2; ++jn)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[jn][e] *= score_scale;
-    return;
-  }
-#pragma unroll
-  for (int jn = 0; jn < 2; ++jn)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int64_t col = n0 + 16 * (read.slot + next) + 8 * jn + 2 * t + (e & 1);
-      const int r = e >> 1;
-      s[jn][e] = col >= lo[r] && col < hi[r] ? s[jn][e] * score_scale : neg_inf<float>();
+    for (int i = 0; i < kTiles; ++i) {
+      typename M::B bk[2];
+      read.k(bk, stages[i], next, 16 * ks);
+      float(&acc)[2][4] = kTwoChains && ks % 2 == 1 ? odd[i] : s[i];
+      M::mma(acc[0], a, bk[0]);
+      M::mma(acc[1], a, bk[1]);
     }
+  }
+#pragma unroll
+  for (int i = 0; i < kTiles; ++i) {
+    if constexpr (kTwoChains) {
+#pragma unroll
+      for (int jn = 0; jn < 2; ++jn)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[i][jn][e] += odd[i][jn][e];
+    }
+    const int64_t n_i = n0 + int64_t(i) * Reads::kBN;
+    if (all_visible(n_i)) {  // (uniform across the block: the common tile skips the columns' arithmetic)
+#pragma unroll
+      for (int jn = 0; jn < 2; ++jn)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[i][jn][e] *= score_scale;
+      continue;
+    }
+#pragma unroll
+    for (int jn = 0; jn < 2; ++jn)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int64_t col = n_i + 16 * (read.slot + next) + 8 * jn + 2 * t + (e & 1);
+        const int r = e >> 1;
+        s[i][jn][e] = col >= lo[r] && col < hi[r] ? s[i][jn][e] * score_scale : neg_inf<float>();
+      }
+  }
 }
 
-// The online softmax over the warp's keys of a tile (s: scaled scores, masked ones -inf; becomes the
-// unnormalised P), the lane's rows' max and sum updated; alpha rescales O. A tile that does not raise a row's max
-// gives it alpha = 1 without an exponential: along a long walk most tiles, so that warp_pv skips the rescale.
-__device__ __forceinline__ void warp_softmax(float (&s)[2][4], float (&row_max)[2], float (&row_sum)[2],
+// The online softmax over the warp's keys of kTiles tiles (s: scaled scores, masked ones -inf; becomes the
+// unnormalised P), the lane's rows' max and sum updated once for them all; alpha rescales O. Tiles that do not
+// raise a row's max give it alpha = 1 without an exponential: along a long walk most tiles, so that warp_pv
+// skips the rescale.
+template <int kTiles>
+__device__ __forceinline__ void warp_softmax(float (&s)[kTiles][2][4], float (&row_max)[2], float (&row_sum)[2],
                                              float (&alpha)[2]) {
   using Exp = ExpDomain<float>;
+  constexpr int kN = 4 * kTiles;  // a lane's scores of a row
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    float x[4] = {s[0][2 * r], s[0][2 * r + 1], s[1][2 * r], s[1][2 * r + 1]};
-    const float tile_max = reduce_max_lanes<4>(acc_max(acc_max(x[0], x[1]), acc_max(x[2], x[3])));
+    float x[kN];
+#pragma unroll
+    for (int i = 0; i < kTiles; ++i) {
+      x[4 * i] = s[i][0][2 * r];
+      x[4 * i + 1] = s[i][0][2 * r + 1];
+      x[4 * i + 2] = s[i][1][2 * r];
+      x[4 * i + 3] = s[i][1][2 * r + 1];
+    }
+    float reduced[kN];  // (tree_reduce works in place)
+#pragma unroll
+    for (int j = 0; j < kN; ++j) reduced[j] = x[j];
+    const float tile_max = reduce_max_lanes<4>(tree_reduce(reduced, [](float a, float b) { return acc_max(a, b); }));
     const bool moves = tile_max > row_max[r];  // (row_max -inf: any visible key raises it)
     const float base = exp_base(moves ? tile_max : row_max[r]);
     alpha[r] = moves ? Exp::exp(row_max[r] - base) : 1.f;
     if (moves) row_max[r] = tile_max;
-    float sum = 0.f;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      x[j] = Exp::exp(x[j] - base);
-      sum += x[j];
+    for (int j = 0; j < kN; ++j) reduced[j] = x[j] = Exp::exp(x[j] - base);
+    row_sum[r] = row_sum[r] * alpha[r] + tree_reduce(reduced, [](float a, float b) { return a + b; });
+#pragma unroll
+    for (int i = 0; i < kTiles; ++i) {
+      s[i][0][2 * r] = x[4 * i];
+      s[i][0][2 * r + 1] = x[4 * i + 1];
+      s[i][1][2 * r] = x[4 * i + 2];
+      s[i][1][2 * r + 1] = x[4 * i + 3];
     }
-    row_sum[r] = row_sum[r] * alpha[r] + sum;
-    s[0][2 * r] = x[0];
-    s[0][2 * r + 1] = x[1];
-    s[1][2 * r] = x[2];
-    s[1][2 * r + 1] = x[3];
   }
 }
 
