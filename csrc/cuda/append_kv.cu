@@ -76,7 +76,10 @@ template <class T>
 __global__ void __launch_bounds__(32 * kAppendWarps) append_kernel(const AppendParams p, int64_t rows,
                                                                    int64_t head_blocks) {
   allow_dependent_launch();
-  const int64_t hb = blockIdx.x % head_blocks, bt = blockIdx.x / head_blocks, b = bt / rows, t = bt % rows;
+  // (in 32 bits: the grid's size is below 2^32, and two 64-bit divisions, calls of ~70 instructions, sat before
+  // the first load of a step whose attention waits for this grid)
+  const unsigned hb = blockIdx.x % unsigned(head_blocks), bt = blockIdx.x / unsigned(head_blocks);
+  const int64_t b = bt / unsigned(rows), t = bt % unsigned(rows);
   const int lane = threadIdx.x & 31;
   const int64_t h = hb * kAppendWarps + (threadIdx.x >> 5);
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < p.zero_words;
