@@ -17,21 +17,17 @@ struct TileBlock {
 // the most keys, and starting them first keeps them off the tail of the grid.
 // `block`: the block's index in that enumeration (blockIdx.x, or another block's where one block
 // does the work of several, schedule/tail_split.cuh, or runs another's, schedule/causal_order.cuh).
-// `Index`: the arithmetic's type. uint32_t where a kernel takes work items in a loop, each on the path to its
-// next product (the persistent Hopper forward): nvcc's 64-bit division is a call of ~70 instructions, and the
-// grid's blocks and heads stay below 2^32 (the tensor maps keep heads and batch below 2^31).
-template <class Index = int64_t>
 __device__ __forceinline__ TileBlock tile_block(int num_tiles, int num_splits, int64_t heads,
                                                 bool heaviest_first, unsigned block) {
-  Index bid = block;
+  int64_t bid = block;
   TileBlock blk;
-  const int tile = int(bid % Index(num_tiles));
+  const int tile = int(bid % num_tiles);
   blk.tile = heaviest_first ? num_tiles - 1 - tile : tile;
-  bid /= Index(num_tiles);
-  blk.split = int(bid % Index(num_splits));
-  bid /= Index(num_splits);
-  blk.head = int64_t(bid % Index(heads));
-  blk.batch = int64_t(bid / Index(heads));
+  bid /= num_tiles;
+  blk.split = int(bid % num_splits);
+  bid /= num_splits;
+  blk.head = bid % heads;
+  blk.batch = bid / heads;
   return blk;
 }
 __device__ __forceinline__ TileBlock tile_block(int num_tiles, int num_splits, int64_t heads,
@@ -39,10 +35,25 @@ __device__ __forceinline__ TileBlock tile_block(int num_tiles, int num_splits, i
   return tile_block(num_tiles, num_splits, heads, heaviest_first, blockIdx.x);
 }
 
-// The kv head that query head h reads (GQA/MQA groups of heads_q / heads_kv query heads); Index as above.
-template <class Index = int64_t, class Params>
+// tile_block of a grid without column splits in 32-bit arithmetic, for grids whose block index, tiles and heads
+// stay below 2^32 (the tensor maps keep batch and heads below 2^31): a persistent forward takes a work item at
+// the item boundary, where nvcc's 64-bit division routine (~70 instructions a call, three calls in a chain with
+// kv_head's) delays the consumer's next turn.
+__device__ __forceinline__ TileBlock tile_block_u32(unsigned num_tiles, unsigned heads, bool heaviest_first,
+                                                    unsigned block) {
+  TileBlock blk;
+  const unsigned tile = block % num_tiles, bh = block / num_tiles;
+  blk.tile = int(heaviest_first ? num_tiles - 1 - tile : tile);
+  blk.split = 0;
+  blk.head = bh % heads;
+  blk.batch = bh / heads;
+  return blk;
+}
+
+// The kv head that query head h reads (GQA/MQA groups of heads_q / heads_kv query heads).
+template <class Params>
 __device__ __forceinline__ int64_t kv_head(const Params& p, int64_t h) {
-  return int64_t(Index(h) / (Index(p.heads_q) / Index(p.heads_kv)));
+  return h / (p.heads_q / p.heads_kv);
 }
 
 }  // namespace flashattn::cuda
