@@ -35,21 +35,6 @@ __device__ __forceinline__ TileBlock tile_block(int num_tiles, int num_splits, i
   return tile_block(num_tiles, num_splits, heads, heaviest_first, blockIdx.x);
 }
 
-// tile_block of a grid without column splits in 32-bit arithmetic, for grids whose block index, tiles and heads
-// stay below 2^32 (the tensor maps keep batch and heads below 2^31): a persistent forward takes a work item at
-// the item boundary, where nvcc's 64-bit division routine (~70 instructions a call, three calls in a chain with
-// kv_head's) delays the consumer's next turn.
-__device__ __forceinline__ TileBlock tile_block_u32(unsigned num_tiles, unsigned heads, bool heaviest_first,
-                                                    unsigned block) {
-  TileBlock blk;
-  const unsigned tile = block % num_tiles, bh = block / num_tiles;
-  blk.tile = int(heaviest_first ? num_tiles - 1 - tile : tile);
-  blk.split = 0;
-  blk.head = bh % heads;
-  blk.batch = bh / heads;
-  return blk;
-}
-
 // The kv head that query head h reads (GQA/MQA groups of heads_q / heads_kv query heads).
 template <class Params>
 __device__ __forceinline__ int64_t kv_head(const Params& p, int64_t h) {

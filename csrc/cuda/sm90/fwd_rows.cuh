@@ -54,9 +54,9 @@ struct FwdTile {
   __device__ __forceinline__ FwdTile(const FwdParams& p, int num_m_tiles, const FwdOrder& order,
                                      unsigned index = blockIdx.x) {
     const unsigned ordered = fwd_ordered_block<kPairs>(order, num_m_tiles, unsigned(p.heads_q * p.batch), index);
-    const TileBlock blk = tile_block_u32(unsigned(num_m_tiles), unsigned(p.heads_q), /*heaviest_first=*/true, ordered);
+    const TileBlock blk = tile_block(num_m_tiles, 1, p.heads_q, /*heaviest_first=*/true, ordered);
     h = blk.head;
-    hk = unsigned(h) / (unsigned(p.heads_q) / unsigned(p.heads_kv));
+    hk = kv_head(p, h);
     sq = plain_sequence(p, blk.batch);
     m0 = int64_t(blk.tile) * kBM;
     rows = sq.q_tile_rows(m0, kBM);
