@@ -435,9 +435,21 @@ def test_strided_cache_seqlens(device):
         assert torch.equal(got, want)
 
 
+def _poison_past_lengths(cache, seqlens, block_table=None, page=None):
+    """NaN in every key row of `cache` past its sequence's length (through the block table where paged)."""
+    for b, length in enumerate(seqlens):
+        if block_table is None:
+            cache[b, length:] = float("nan")
+            continue
+        for i, block in enumerate(block_table[b].tolist()):
+            cache[block, max(length - i * page, 0):] = float("nan")
+
+
 def _check_cuda_step(batch, heads, heads_kv, dim, cache, seqlens, page=None):
     """One bf16 decode step (dense, or paged with pages of `page` keys in shuffled blocks) against the float64
-    reference on the GPU, one sequence at a time (a float64 copy of a whole large cache is GiBs)."""
+    reference on the GPU, one sequence at a time (a float64 copy of a whole large cache is GiBs). The cache
+    rows past each sequence's length are NaN in the call's caches (the reference reads clean copies): keys
+    past the lengths must not reach the output, whatever the tiles that hold them are filled with."""
     make = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
     ours = dict(q=make(batch, 1, heads, dim), cache_seqlens=torch.tensor(seqlens, dtype=torch.int32, device="cuda"))
     if page:
@@ -446,12 +458,15 @@ def _check_cuda_step(batch, heads, heads_kv, dim, cache, seqlens, page=None):
         shape = (batch * pages, page, heads_kv, dim)
     else:
         shape = (batch, cache, heads_kv, dim)
-    ours["k_cache"], ours["v_cache"] = make(*shape), make(*shape)
+    clean = make(*shape), make(*shape)
+    ours["k_cache"], ours["v_cache"] = (c.clone() for c in clean)
+    for c in (ours["k_cache"], ours["v_cache"]):
+        _poison_past_lengths(c, seqlens, ours.get("block_table"), page)
     out, lse = flashattn_ext.flash_attn_with_kvcache(**ours, return_softmax_lse=True)
     for b in range(batch):
         rows = slice(b, b + 1)
         own = ours["block_table"][b].long() if page else rows  # (paged: the sequence's pages, in its order)
-        args = dict(q=ours["q"][rows], k_cache=ours["k_cache"][own], v_cache=ours["v_cache"][own],
+        args = dict(q=ours["q"][rows], k_cache=clean[0][own], v_cache=clean[1][own],
                     seqlens=seqlens[rows], block_table=[list(range(pages))] if page else None)
         expected = kvcache_ref(**{n: t.double() if isinstance(t, torch.Tensor) else t for n, t in args.items()})
         same = kvcache_ref(**args)
@@ -503,6 +518,17 @@ def test_cuda_decode_parts_of_uneven_tiles(dim, page):
     partial; 13 tiles over a cluster's parts (2 or 3 tiles a part), the sequence ending inside a tile."""
     _check_cuda_step(2, 32, 8, dim, 133 * 64, [133 * 64 - 40, 133 * 64], page=page)
     _check_cuda_step(1, 32, 8, dim, 13 * 64, [13 * 64 - 31], page=page)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dim", [40, 80, 120, 200])
+@pytest.mark.parametrize("page", [None, 64])
+def test_cuda_decode_head_dims_below_their_tier(dim, page):
+    """Steps at head dims below their kernel tier's (40 of 64, 80 of 96, 120 of 128, 200 of 256): the columns of
+    a K / V tile past the head dim are never copied from the cache and must read as zeros. GQA walks of 4 rows on
+    a cluster's parts (13 tiles, the sequence ending inside one) and on the workspace merge (133 tiles, ragged)."""
+    _check_cuda_step(1, 32, 8, dim, 13 * 64, [13 * 64 - 31], page=page)
+    _check_cuda_step(2, 32, 8, dim, 133 * 64, [133 * 64 - 40, 5000], page=page)
 
 
 @needs_cuda
