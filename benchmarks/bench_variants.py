@@ -15,7 +15,7 @@ one forward as bench_gpu.py times it (FLOPs 2.5x the forward's). With --pass dec
 gqa or mqa as in bench_decode.py: H = 32, E = 128 unless given, one query row against C cached keys) and the reading
 is µs per read-only flash_attn_with_kvcache step, 16 of them captured in one CUDA graph and replayed (bench_decode.py's
 ours-read-graph; --append: its ours-graph, the step appending one new row to the dense cache; --paged: its
-ours-paged-graph, the step on pages of 256 keys; --sdpa: that SDPA backend on the
+ours-paged-graph, the step on pages of 256 keys or --page-size; --sdpa: that SDPA backend on the
 same shape, the same way). One process times its rows with 40 calls per median
 after at least 0.3 s of warm-up (--repeats, --warmup-s); a process that fails or runs past --child-timeout seconds (a kernel
 that hangs) leaves its round's readings empty."""
@@ -55,7 +55,8 @@ def child(args):
             if args.device == "cpu":  # a debug run of the script's own code: tiny shapes
                 heads, dim, cache = 4, 16, min(int(cache), 256)
             group = D.KINDS[kind]
-            t = D.make_row(int(b), int(cache), heads, heads // group if group else 1, dim, 1, 256, dtype, args.device)
+            t = D.make_row(int(b), int(cache), heads, heads // group if group else 1, dim, 1, args.page_size, dtype,
+                           args.device)
             ours = "ours-paged" if args.paged else "ours" if args.append else "ours-read"
             impl = (args.impl if args.impl != "ours" else ours) + ("-graph" if args.device == "cuda" else "")
             ms = M.per_call_ms(D.step_fn(impl, t, graph_steps=16), args.device, warmup=3, repeats=args.repeats,
@@ -96,9 +97,11 @@ def main():
     p.add_argument("--dtype", choices=("bf16", "fp16", "e4m3"), default="bf16",
                    help="e4m3: flash_attn_func's float8 forward (per-(batch, head) descales) on bf16 inputs quantized")
     p.add_argument("--pass", dest="pass_", choices=("fwd", "bwd", "decode"), default="fwd")
+    p.add_argument("--page-size", type=int, default=256,
+                   help="--paged: keys per page (below 64, or not a multiple of 64: the decode kernel's row-by-row copy)")
     p.add_argument("--paged", action="store_true",
-                   help="--pass decode: ours as bench_decode.py's ours-paged (the step, append included, on pages of 256 "
-                        "keys); SDPA still reads the dense cache")
+                   help="--pass decode: ours as bench_decode.py's ours-paged (the step, append included, on pages of "
+                        "--page-size keys); SDPA still reads the dense cache")
     p.add_argument("--append", action="store_true",
                    help="--pass decode: ours as bench_decode.py's ours (the step appending one row to the dense cache)")
     p.add_argument("--float-bias", action="store_true",
@@ -135,7 +138,7 @@ def main():
             "--pass", args.pass_, "--repeats", str(args.repeats), "--warmup-s", str(args.warmup_s)]
     base += ["--causal"] if args.causal else []
     base += ["--float-bias"] if args.float_bias else []
-    base += ["--paged"] if args.paged else []
+    base += ["--paged", "--page-size", str(args.page_size)] if args.paged else []
     base += ["--append"] if args.append else []
     for r in range(args.rounds):
         for name, env, impl in (variants if r % 2 == 0 else variants[::-1]):
