@@ -98,7 +98,7 @@ def main():
                    help="e4m3: flash_attn_func's float8 forward (per-(batch, head) descales) on bf16 inputs quantized")
     p.add_argument("--pass", dest="pass_", choices=("fwd", "bwd", "decode"), default="fwd")
     p.add_argument("--page-size", type=int, default=256,
-                   help="--paged: keys per page (below 64, or not a multiple of 64: the decode kernel's row-by-row copy)")
+                   help="--paged: keys per page (not a multiple of 64: the decode kernel's row-by-row copy)")
     p.add_argument("--paged", action="store_true",
                    help="--pass decode: ours as bench_decode.py's ours-paged (the step, append included, on pages of "
                         "--page-size keys); SDPA still reads the dense cache")
