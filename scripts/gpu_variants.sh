@@ -2,7 +2,8 @@
 # On the GPU machine: kernel patches measured against the working tree without a whole build per patch.
 # Builds the tree in place, then for each variants/NAME.patch (the folder is ignored by git: `run` with
 # carry ["variants"]) applies it, rebuilds (ninja recompiles only what the patch touches), keeps the package
-# with that build in variant_builds/NAME and takes the patch back out. Then, per build, each TESTS run
+# with that build in variant_builds/NAME and takes the patch back out (scripts/variant_patches.sh writes the patches
+# from branches). Then, per build, each TESTS run
 # (pytest arguments; the patch applied and its extension in the tree) and each BENCH run
 # (benchmarks/bench_variants.py arguments), every build a variant of its interleaved rounds. Runs are
 # separated by '|'; leading VAR=VALUE words of a run are its environment. Logs under $OUT (else gpu_out/).
