@@ -37,6 +37,7 @@
 #include "../common/check.h"
 #include "../common/cluster.cuh"
 #include "../common/dependent_launch.cuh"
+#include "../common/fast_divide.h"
 #include "../common/fragments.cuh"
 #include "../common/online_softmax.cuh"
 #include "../common/tile_copy.cuh"
@@ -57,6 +58,17 @@ struct DecodeGrid {
   int cluster = 1;        // parts per thread block cluster (1: none, else parts)
   float* partial = nullptr;
   unsigned* counters = nullptr;
+  // The kernel's divisors (common/fast_divide.h: a short step's prologue is a chain of its divisions): the grid's
+  // fastest and next index (above), the kv heads, the query rows and the parts. Set once the rest is.
+  FastDivisor by_fastest, by_next, by_heads_kv, by_len_q, by_parts;
+  void set_divisors(const FwdParams& p) {
+    const bool clustered = cluster > 1;
+    by_fastest = FastDivisor(unsigned(clustered ? parts : chunks));
+    by_next = FastDivisor(unsigned(clustered ? chunks : parts));
+    by_heads_kv = FastDivisor(unsigned(p.heads_kv));
+    by_len_q = FastDivisor(unsigned(p.len_q));
+    by_parts = FastDivisor(unsigned(parts));
+  }
 };
 
 // How K / V are addressed (a template parameter: the lookups' registers would cost the dense kernel occupancy,
@@ -90,44 +102,44 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads, DecodeConf
 
   wait_for_prior_grids();  // (a dependent launch: nothing is read before the kernels before it are done)
   const bool clustered = grid.cluster > 1;
-  const unsigned fastest = clustered ? unsigned(grid.parts) : unsigned(grid.chunks);
-  const unsigned next = clustered ? unsigned(grid.chunks) : unsigned(grid.parts);
-  const int inner = int(blockIdx.x % fastest), outer = int(blockIdx.x / fastest % next);
+  // (The prologue's arithmetic in 32 bits, its divisions by the host's magic numbers: heads, packed rows and key
+  // tiles stay far below 2^31 (the tensor maps and decode_call bound them), and each division sat on the path
+  // to the first copy.)
+  const unsigned above = grid.by_fastest.div(blockIdx.x), head = grid.by_next.div(above);  // batch x kv head
+  const int inner = int(blockIdx.x - above * grid.by_fastest.d), outer = int(above - head * grid.by_next.d);
   const int chunk = clustered ? outer : inner, part = clustered ? inner : outer;
-  // (The prologue's arithmetic in 32 bits: heads, packed rows and key tiles stay far below 2^32 (the tensor maps and
-  // decode_call bound them), and each 64-bit division, a call of ~70 instructions, sat on the path to the first
-  // copy.)
-  const unsigned head = blockIdx.x / fastest / next, heads_kv = unsigned(p.heads_kv);  // batch x kv head
-  const int64_t hk = head % heads_kv, b = head / heads_kv, walk = int64_t(head) * grid.chunks + chunk;
+  const unsigned batch_of_head = grid.by_heads_kv.div(head);
+  const int64_t hk = head - batch_of_head * grid.by_heads_kv.d, b = batch_of_head;
+  const int64_t walk = int64_t(head) * grid.chunks + chunk;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
   const int E = int(p.head_dim), Ev = int(p.head_dim_v);
 
   const Seq sq = sequence(p, b);
-  const unsigned group = unsigned(p.heads_q) / heads_kv, len_q = unsigned(sq.len_q);
+  const unsigned group = grid.by_heads_kv.div(unsigned(p.heads_q));  // (decode_call: sq.len_q is p.len_q)
   const int64_t r0 = int64_t(chunk) * grid.chunk_rows;  // the chunk's first packed row
   const int rows = int(group * sq.len_q - r0 < grid.chunk_rows ? group * sq.len_q - r0 : grid.chunk_rows);
   // More than one row group: the warps in pairs, a pair's warps on its group's rows over two slots each.
   const bool pairs = rows > kWarpRows;
   const int row_group = pairs ? warp >> 1 : 0, key_slot = pairs ? 2 * (warp & 1) : warp;
-  auto head_of = [&](int64_t r) { return hk * group + unsigned(r) / len_q; };
-  auto row_of = [&](int64_t r) { return int64_t(unsigned(r) % len_q); };
+  auto head_of = [&](int64_t r) { return hk * group + grid.by_len_q.div(unsigned(r)); };
+  auto row_of = [&](int64_t r) { return int64_t(grid.by_len_q.mod(unsigned(r))); };
 
   // The chunk's keys: from the band of its first row to that of its last (the whole band where
   // the chunk spans heads), in kBN tiles; the part's share of them.
   const int64_t r_last = r0 + rows - 1;
-  const bool one_head = unsigned(r0) / len_q == unsigned(r_last) / len_q;
+  const bool one_head = grid.by_len_q.div(unsigned(r0)) == grid.by_len_q.div(unsigned(r_last));
   const int64_t m_lo = one_head ? row_of(r0) : 0, m_hi = one_head ? row_of(r_last) : sq.len_q - 1;
   const int64_t n_lo = sq.key_begin(m_lo) / kBN * kBN, n_hi = sq.key_end(m_hi);
   const int64_t walk_tiles = n_hi > n_lo ? (n_hi - n_lo + kBN - 1) / kBN : 0;
   // Tiles [i W / P, (i + 1) W / P) of the walk's W for part i of P: with W = q P + r, i W / P = i q + i r / P.
-  const unsigned parts = unsigned(grid.parts), wq = unsigned(walk_tiles) / parts, wr = unsigned(walk_tiles) % parts;
-  const int64_t first = part * wq + part * wr / parts, last = (part + 1) * wq + (part + 1) * wr / parts;
+  const unsigned wq = grid.by_parts.div(unsigned(walk_tiles)), wr = unsigned(walk_tiles) - wq * grid.by_parts.d;
+  const int64_t first = part * wq + grid.by_parts.div(part * wr);
+  const int64_t last = (part + 1) * wq + grid.by_parts.div((part + 1) * wr);
   const int64_t n_begin = n_lo + first * kBN;
   const int tiles = int(last - first);
   // Tiles every row of the chunk sees whole skip the per-score mask.
   auto all_visible = [&](int64_t n0) { return n0 >= sq.key_begin(m_hi) && n0 + kBN <= sq.key_end(m_lo); };
 
-  load_chunk_q<kDim>(sQ, p, sq, r0, rows, E, head_of, row_of, tid);  // past the chunk's rows zeros
   // Dense: the sequence's first key row; paged whole tiles: the head's row 0 of block 0.
   const Elem* k = kKv == DecodeKv::kDense ? sq.k_rows<const Elem>(p.k, p.k_stride, hk, 0)
                                           : static_cast<const Elem*>(p.k) + hk * p.k_stride.head;
@@ -162,8 +174,10 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads, DecodeConf
   // not the tile's products: refilled early, its MQA steps took up to 1.09x the time, dense ones 0.84-1.02x.
   constexpr bool kRefillEarly = kKv != DecodeKv::kPagedRows;
   constexpr int kAhead = kRefillEarly ? kStages : kStages - 1;  // tiles in flight while a tile is computed
-  // Q with the first tile, then the next kAhead - 1 tiles, a commit group each.
+  // Q with the first tile (issued after it: the tile comes from DRAM, Q mostly from L2), then the next kAhead - 1
+  // tiles, a commit group each.
   if (tiles > 0) load_kv(0, 0);
+  load_chunk_q<kDim>(sQ, p, sq, r0, rows, E, head_of, row_of, tid);  // past the chunk's rows zeros
   cp_async_commit();
 #pragma unroll
   for (int s = 1; s < kAhead; ++s) {
@@ -360,7 +374,8 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads, DecodeConf
       if (i == 0) cluster_wait();
       const int row = kWarpRows * i + tid / 8;
       if (row >= rows) continue;
-      const int owner = row % parts, slot = row / parts * parts + part;
+      const int in_owner = int(grid.by_parts.div(row)), owner = row - in_owner * parts;
+      const int slot = in_owner * parts + part;
 #pragma unroll
       for (int c = 0; c < kCols; ++c)
         store_cluster_f32x4(cluster_smem_address(sSlots + slot * kDim + col0 + 32 * c, owner), acc[c]);
@@ -373,10 +388,11 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads, DecodeConf
     cluster_wait();
     for (int i = 0; i < groups; ++i) {
       const int row = kWarpRows * i + tid / 8;
-      if (row >= rows || row % parts != part) continue;
+      const int in_owner = int(grid.by_parts.div(row));
+      if (row >= rows || row - in_owner * parts != part) continue;
       reset();
       for (int j = 0; j < parts; ++j) {
-        const int slot = row / parts * parts + j;
+        const int slot = in_owner * parts + j;
         add_rows(sSlotMax[slot], sSlotSum[slot],
                  [&](int c) { return *reinterpret_cast<const float4*>(sSlots + slot * kDim + col0 + 32 * c); });
       }
@@ -394,7 +410,7 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads, DecodeConf
     // (only the chunk's rows: a decode step of a GQA group of 4 fills 4 of the 32)
     if (row < rows) store_slot(slot(walk * grid.parts + part), row);
   }
-  const int64_t walks = gridDim.x / unsigned(grid.parts);
+  const int64_t walks = grid.by_parts.div(gridDim.x);
   int64_t merged = walk * grid.parts;  // the slots the walk's last block adds: merged .. merged + count - 1
   int count = grid.parts;
   if (grid.per_set < grid.parts) {
@@ -561,6 +577,7 @@ bool launch_decode(const FwdParams& p, cudaStream_t stream) {
         grid.parts = grid.cluster = 1;
       }
     }
+    grid.set_divisors(p);
     with_decode_kv(l.kv, [&](auto k) {
       constexpr DecodeKv kKv = decltype(k)::value;
       launch_after_prior(fwd_decode_kernel<Elem, kDim, kKv>, unsigned(l.walks * grid.parts),
