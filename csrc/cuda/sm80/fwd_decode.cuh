@@ -514,7 +514,7 @@ struct DecodeLaunch {
     cparts = cparts < kDecodeMaxClusterParts ? cparts : kDecodeMaxClusterParts;
     if (tiles <= kDecodeClusterTiles && cparts >= 2 && walks <= clusters_resident_once(kv, int(cparts))) {
       grid.parts = grid.cluster = int(cparts);
-    } else if (grid.parts > kDecodePartsPerSet) {
+    } else if (grid.parts > kDecodeOneLevelParts) {
       grid.per_set = int(kDecodePartsPerSet);
     }
     if (grid_too_large(walks, "sm80::fwd_decode_kernel")) usable = false;
