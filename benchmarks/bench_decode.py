@@ -23,7 +23,8 @@ one (time). Rows whose buffers would pass --max-gb are skipped.
 
 --impls may also name ours-rotary (and ours-rotary-graph; not in the default list): the dense step
 with rotary tables (float32, the whole head, causal), q and the new keys rotated inside the
-append's launch; and flex-paged: torch's FlexAttention reading the paged cache in place (its
+append's launch; ours-paged-read (and -graph): the attention alone on the paged cache (ours-read's call
+with the block table), which parts the paged step's cost from the paged append's; and flex-paged: torch's FlexAttention reading the paged cache in place (its
 PagedAttention helper maps the logical block mask onto the shuffled pages; page-sized key blocks),
 compiled once per row (the compile is not timed), attention only as SDPA.
 """
@@ -43,7 +44,7 @@ from flashattn_ext import _measure as M
 
 BASE_IMPLS = ("ours", "ours-read", "ours-paged", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "copy")
 IMPLS = tuple(i + suffix for i in BASE_IMPLS for suffix in ("", "-graph"))
-OPTIONAL_IMPLS = ("ours-rotary", "ours-rotary-graph", "flex-paged")
+OPTIONAL_IMPLS = ("ours-rotary", "ours-rotary-graph", "ours-paged-read", "ours-paged-read-graph", "flex-paged")
 KINDS = {"mha": 1, "gqa": 4, "mqa": None}  # query heads per key/value head (None: one key/value head)
 
 
@@ -160,6 +161,10 @@ def step_fn(impl, t, graph_steps=1):
         return lambda: flashattn_ext.flash_attn_with_kvcache(
             t["q"], t["k_cache_paged"], t["v_cache_paged"], t["k"], t["v"], cache_seqlens=t["cache_seqlens"],
             block_table=t["block_table"])
+    if impl == "ours-paged-read":
+        return lambda: flashattn_ext.flash_attn_with_kvcache(t["q"], t["k_cache_paged"], t["v_cache_paged"],
+                                                             cache_seqlens=t["cache_full"],
+                                                             block_table=t["block_table"])
     if impl == "flex-paged":  # compiled once per row (the guard below and the measurement share it)
         if "flex_step" not in t:
             t["flex_step"] = flex_paged_step(t)

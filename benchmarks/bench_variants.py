@@ -14,8 +14,8 @@ and H·E = 2048 as in bench_gpu.py; the forward, or with --pass bwd the backward
 one forward as bench_gpu.py times it (FLOPs 2.5x the forward's). With --pass decode rows are KIND:B:C[:E] (mha,
 gqa or mqa as in bench_decode.py: H = 32, E = 128 unless given, one query row against C cached keys) and the reading
 is µs per read-only flash_attn_with_kvcache step, 16 of them captured in one CUDA graph and replayed (bench_decode.py's
-ours-read-graph; --append: its ours-graph, the step appending one new row to the dense cache; --paged: its
-ours-paged-graph, the step on pages of 256 keys or --page-size; --sdpa: that SDPA backend on the
+ours-read-graph; --append: its ours-graph, the step appending one new row to the dense cache; --paged: the
+same on pages of 256 keys or --page-size (its ours-paged-read-graph, or with --append ours-paged-graph); --sdpa: that SDPA backend on the
 same shape, the same way). One process times its rows with 40 calls per median
 after at least 0.3 s of warm-up (--repeats, --warmup-s); a process that fails or runs past --child-timeout seconds (a kernel
 that hangs) leaves its round's readings empty."""
@@ -57,7 +57,7 @@ def child(args):
             group = D.KINDS[kind]
             t = D.make_row(int(b), int(cache), heads, heads // group if group else 1, dim, 1, args.page_size, dtype,
                            args.device)
-            ours = "ours-paged" if args.paged else "ours" if args.append else "ours-read"
+            ours = ("ours-paged" if args.paged else "ours") + ("" if args.append else "-read")
             impl = (args.impl if args.impl != "ours" else ours) + ("-graph" if args.device == "cuda" else "")
             ms = M.per_call_ms(D.step_fn(impl, t, graph_steps=16), args.device, warmup=3, repeats=args.repeats,
                                warmup_s=args.warmup_s)
@@ -100,8 +100,8 @@ def main():
     p.add_argument("--page-size", type=int, default=256,
                    help="--paged: keys per page (not a multiple of 64: the decode kernel's row-by-row copy)")
     p.add_argument("--paged", action="store_true",
-                   help="--pass decode: ours as bench_decode.py's ours-paged (the step, append included, on pages of "
-                        "--page-size keys); SDPA still reads the dense cache")
+                   help="--pass decode: ours on pages of --page-size keys (bench_decode.py's ours-paged-read, with "
+                        "--append its ours-paged); SDPA still reads the dense cache")
     p.add_argument("--append", action="store_true",
                    help="--pass decode: ours as bench_decode.py's ours (the step appending one row to the dense cache)")
     p.add_argument("--float-bias", action="store_true",
@@ -116,8 +116,6 @@ def main():
     args = p.parse_args()
     if (args.paged or args.append) and args.pass_ != "decode":
         p.error("--paged, --append: with --pass decode")
-    if args.paged and args.append:
-        p.error("--paged is the paged step, append included: give one of --paged and --append")
     if args.float_bias and (args.causal or args.pass_ == "decode" or args.dtype == "e4m3"):
         p.error("--float-bias: a non-causal bf16 / fp16 forward or backward")
     if args.child:
