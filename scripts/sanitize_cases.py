@@ -164,8 +164,9 @@ def float8_cases():
 
 def kvcache_cases(device="cuda"):
     """flash_attn_with_kvcache steps: the append (a warp per head; the decode kernel's counters cleared in its
-    launch) and the decode kernel started as a dependent launch, in parts (more than 8 in the first and fourth
-    steps: their rows merged in sets): GQA and MHA dense steps, paged steps
+    launch) and the decode kernel started as a dependent launch, in parts (on sm_90 each walk's parts a cluster in
+    the first and fourth steps; more than 16 in the second: their rows merged in sets, on sm_90 clusters of 8;
+    FLASHATTN_CUDA_KERNELS=sm80 keeps them off clusters): GQA and MHA dense steps, paged steps
     with a ragged batch and left padding (row copies) and from each cache's first key (whole-tile copies), rotary
     tables (q rotated in the append), head dim 40, two rows per step, and read-only steps (no append)."""
     from flashattn_ext import flash_attn_with_kvcache

@@ -490,10 +490,11 @@ def test_cuda_decode_warp_pairs(paged):
 def test_cuda_decode_merge_in_sets(paged):
     """MQA steps whose walks are cut into more parts than a set holds, so that the parts' rows merge in two
     levels (sets of parts, then the sets): one sequence of 32 query heads (two 16-row walks of 400 tiles, cut
-    into 100 parts on a 132-SM GPU: 13 sets, the last of 4 parts), and three of 96 query heads at dim 64
-    (eighteen walks of 22 parts there: sets of 8, 8 and 6; ragged lengths, one shorter than a part)."""
+    into 100 parts on a 132-SM GPU: 13 sets, the last of 4 parts; on sm_90 96 parts, 12 clusters of 8), and three
+    of 64 query heads at dim 64 (twelve walks of 33 parts there: four sets of 8 and one of 1; on sm_90 32 parts,
+    four clusters; ragged lengths, one shorter than a part). FLASHATTN_CUDA_KERNELS=sm80 keeps sm_90 off clusters."""
     _check_cuda_step(1, 32, 1, 128, 25600, [25600], page=256 if paged else None)
-    _check_cuda_step(3, 96, 1, 64, 32768, [32768, 20001, 70], page=64 if paged else None)
+    _check_cuda_step(3, 64, 1, 64, 32768, [32768, 20001, 70], page=64 if paged else None)
 
 
 @needs_cuda

@@ -72,7 +72,7 @@ __device__ __forceinline__ void store_cluster_f32x4(uint32_t address, float4 x) 
 template <class Kernel>
 int clusters_resident(Kernel kernel, int cluster, int threads, size_t smem) {
   const DeviceLimits lim = device_limits();
-  if (lim.major < 9) return 0;
+  if (lim.major < 9 || env_overrides().kernels == KernelsOverride::kSm80) return 0;  // (sm80: an sm_80's paths)
   thread_local std::map<std::tuple<const void*, int, int>, int> known;  // per thread: no locking, no races
   const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), lim.device, cluster);
   const auto found = known.find(key);

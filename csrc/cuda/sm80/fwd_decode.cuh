@@ -15,7 +15,9 @@
 // are more: the last part of each set adds its set). On sm_90 a short step (a cache of few tiles, every
 // walk's parts together fewer blocks than SMs) runs each walk's parts as one thread block cluster instead:
 // each part pushes its rows into the shared memory of each row's owner (distributed shared memory), which adds
-// them (no workspace, no counters to clear, no fence or atomic: the fixed cost of a short step).
+// them (no workspace, no counters to clear, no fence or atomic: the fixed cost of a short step). A longer
+// step's sets are clusters the same way: each set's owners store the set's rows in the workspace and the
+// walk's last block adds the sets' (one fence, count and read back instead of two).
 // Per-sequence key ranges (seqused_k, leftpad_k: a KV cache's lengths and left padding) are read
 // on the device (sequence()): a walk covers its own sequence's keys, while the parts are sized on
 // the host from len_k (the cache's length, the longest possible walk), so the grid never depends
@@ -50,17 +52,19 @@ namespace flashattn::cuda::sm80 {
 // The grid: blocks (batch, kv head, part, chunk) with the chunk fastest, so that the chunks of a GQA
 // group's part, which read the same K / V tiles, run side by side and share them through L2; a walk is
 // (batch, kv head, chunk). Where parts > 1, `partial`: a slot per walk and part, then one per walk and set;
-// `counters`: one per walk, then one per walk and set. Clustered (cluster > 1, = parts): the blocks (batch, kv
-// head, chunk, part), the part fastest, a walk's parts one thread block cluster (no workspace).
+// `counters`: one per walk, then one per walk and set. Clustered (cluster > 1): the blocks (batch, kv head,
+// chunk, part), the part fastest, each `cluster` parts one thread block cluster: the walk's parts (no
+// workspace) or a set of them (cluster = per_set: `partial` a slot per walk and set, `counters` one per walk).
 struct DecodeGrid {
   int chunks = 1, parts = 1, chunk_rows = kDecodeChunkRows;  // chunk_rows: 16 or 32 (decode_chunk_rows)
   int per_set = 1 << 30;  // parts per set of the two-level merge (>= parts: one level)
-  int cluster = 1;        // parts per thread block cluster (1: none, else parts)
+  int cluster = 1;        // parts per thread block cluster (1: none, else parts or per_set)
   float* partial = nullptr;
   unsigned* counters = nullptr;
   // The kernel's divisors (common/fast_divide.h: a short step's prologue is a chain of its divisions): the grid's
-  // fastest and next index (above), the kv heads, the query rows and the parts. Set once the rest is.
-  FastDivisor by_fastest, by_next, by_heads_kv, by_len_q, by_parts;
+  // fastest and next index (above), the kv heads, the query rows, the parts and a cluster's blocks. Set once the
+  // rest is.
+  FastDivisor by_fastest, by_next, by_heads_kv, by_len_q, by_parts, by_cluster;
   void set_divisors(const FwdParams& p) {
     const bool clustered = cluster > 1;
     by_fastest = FastDivisor(unsigned(clustered ? parts : chunks));
@@ -68,6 +72,7 @@ struct DecodeGrid {
     by_heads_kv = FastDivisor(unsigned(p.heads_kv));
     by_len_q = FastDivisor(unsigned(p.len_q));
     by_parts = FastDivisor(unsigned(parts));
+    by_cluster = FastDivisor(unsigned(cluster));
   }
 };
 
@@ -358,7 +363,7 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads, DecodeConf
     return true;
   };
   if (clustered) {
-    // Each part pushes its rows into their owners' smem (row `row`'s owner: the cluster's block row % parts), past
+    // Each part pushes its rows into their owners' smem (row `row`'s owner: the cluster's block row % cluster), past
     // the owners' warps' rows, in their K / V buffers: only once every part is done with those (barrier 1, its
     // arrival overlapping the first row group's merge). Each owner then adds its rows' parts in part order from
     // its own smem (barrier 2: every push landed). No block reads another's smem: no round trip, and no third
@@ -367,15 +372,16 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads, DecodeConf
     float* sSlots = sO + Cfg::kMergeBytes / sizeof(float);
     float* sSlotMax = sSlots + kSlots * kDim;
     float* sSlotSum = sSlotMax + kSlots;
-    const int parts = grid.cluster;
+    const int parts = grid.cluster, set = int(grid.by_cluster.div(unsigned(part))), rank = part - set * parts;
+    const int sets = int(grid.by_cluster.div(unsigned(grid.parts)));  // (a set's slots: walk * sets + set)
     cluster_arrive();  // 1: done with the K / V buffers
     for (int i = 0; i < groups; ++i) {
       merge_warps(i);
       if (i == 0) cluster_wait();
       const int row = kWarpRows * i + tid / 8;
       if (row >= rows) continue;
-      const int in_owner = int(grid.by_parts.div(row)), owner = row - in_owner * parts;
-      const int slot = in_owner * parts + part;
+      const int in_owner = int(grid.by_cluster.div(row)), owner = row - in_owner * parts;
+      const int slot = in_owner * parts + rank;
 #pragma unroll
       for (int c = 0; c < kCols; ++c)
         store_cluster_f32x4(cluster_smem_address(sSlots + slot * kDim + col0 + 32 * c, owner), acc[c]);
@@ -388,14 +394,26 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads, DecodeConf
     cluster_wait();
     for (int i = 0; i < groups; ++i) {
       const int row = kWarpRows * i + tid / 8;
-      const int in_owner = int(grid.by_parts.div(row));
-      if (row >= rows || row - in_owner * parts != part) continue;
+      const int in_owner = int(grid.by_cluster.div(row));
+      if (row >= rows || row - in_owner * parts != rank) continue;
       reset();
       for (int j = 0; j < parts; ++j) {
         const int slot = in_owner * parts + j;
         add_rows(sSlotMax[slot], sSlotSum[slot],
                  [&](int c) { return *reinterpret_cast<const float4*>(sSlots + slot * kDim + col0 + 32 * c); });
       }
+      if (parts == grid.parts) {
+        store_row(row);
+      } else {
+        store_slot(slot(walk * sets + set), row);
+      }
+    }
+    if (parts == grid.parts || !last_of(grid.counters + walk, grid.parts)) return;
+    // (every block of the walk counted: the sets' rows are spread over their owners)
+    for (int i = 0; i < groups; ++i) {
+      const int row = kWarpRows * i + tid / 8;
+      if (row >= rows) return;
+      add_slots(walk * sets, sets, row);
       store_row(row);
     }
     return;
@@ -489,6 +507,7 @@ struct DecodeLaunch {
   DecodeGrid grid;
   DecodeKv kv = DecodeKv::kDense;
   int64_t walks = 0;
+  size_t smem = Cfg::kSmemBytes;  // the launch's (set clusters: the most a block may have)
   bool usable = false;
 
   explicit DecodeLaunch(const FwdParams& p) {
@@ -512,18 +531,33 @@ struct DecodeLaunch {
     // cluster, parts of >= 2 tiles, at most one block per SM in all, every cluster resident at once.
     int64_t cparts = sms / walks < tiles / 2 ? sms / walks : tiles / 2;
     cparts = cparts < kDecodeMaxClusterParts ? cparts : kDecodeMaxClusterParts;
-    if (tiles <= kDecodeClusterTiles && cparts >= 2 && walks <= clusters_resident_once(kv, int(cparts))) {
+    if (tiles <= kDecodeClusterTiles && cparts >= 2 &&
+        walks <= clusters_resident_once(kv, int(cparts), Cfg::kSmemBytes)) {
       grid.parts = grid.cluster = int(cparts);
     } else if (grid.parts > kDecodeOneLevelParts) {
+      // Sets of kDecodePartsPerSet; on sm_90 each set a cluster (whole sets: the parts rounded down) where every
+      // cluster is resident at once a block per SM (each block asks for the most smem a block may have). (Two
+      // blocks per SM: MQA B = 1 16k / 32k, GQA B = 1 8k were 4-45% slower, H200.)
       grid.per_set = int(kDecodePartsPerSet);
+      const int64_t set_parts = grid.parts / grid.per_set * grid.per_set;
+      const size_t spread = device_limits().smem_optin;
+      if (walks * set_parts / grid.per_set <= clusters_resident_once(kv, grid.per_set, spread)) {
+        grid.parts = int(set_parts);
+        grid.cluster = grid.per_set;
+        smem = spread;
+      }
     }
     if (grid_too_large(walks, "sm80::fwd_decode_kernel")) usable = false;
   }
   // The merge's slots and counters in the workspace (none where one block or one cluster takes a walk): a slot
-  // per part and per set, a counter per walk and per set.
+  // per part and per set, a counter per walk and per set; where the sets are clusters, a slot per set and a
+  // counter per walk.
   int64_t sets() const { return grid.per_set < grid.parts ? (grid.parts + grid.per_set - 1) / grid.per_set : 0; }
-  int64_t slots_per_walk() const { return grid.parts == 1 || grid.cluster > 1 ? 0 : grid.parts + sets(); }
-  int64_t counter_words() const { return slots_per_walk() == 0 ? 0 : walks * (1 + sets()); }
+  bool set_clusters() const { return grid.cluster > 1 && grid.cluster < grid.parts; }
+  int64_t slots_per_walk() const {
+    return grid.parts == 1 || grid.cluster == grid.parts ? 0 : set_clusters() ? sets() : grid.parts + sets();
+  }
+  int64_t counter_words() const { return slots_per_walk() == 0 ? 0 : walks * (set_clusters() ? 1 : 1 + sets()); }
   bool merges_in_workspace() const { return slots_per_walk() > 0; }
   size_t counter_bytes() const { return (size_t(counter_words()) * sizeof(unsigned) + 255) / 256 * 256; }
   size_t workspace_bytes() const {
@@ -539,11 +573,13 @@ struct DecodeLaunch {
                                                                       decode_kernel_name(kKv));
     });
   }
-  // Clusters of `blocks` blocks of the call's kernel resident at once (0 before sm_90; after blocks_per_sm_once).
-  static int clusters_resident_once(DecodeKv kv, int blocks) {
+  // Clusters of `blocks` blocks of the call's kernel, each of `smem` bytes, resident at once (0 before sm_90, or
+  // where the kernel cannot have that smem).
+  static int clusters_resident_once(DecodeKv kv, int blocks, size_t smem) {
     return with_decode_kv(kv, [&](auto k) {
-      return clusters_resident(fwd_decode_kernel<Elem, kDim, decltype(k)::value>, blocks, Cfg::kThreads,
-                               Cfg::kSmemBytes);
+      constexpr DecodeKv kKv = decltype(k)::value;
+      if (!set_smem(fwd_decode_kernel<Elem, kDim, kKv>, smem, decode_kernel_name(kKv))) return 0;
+      return clusters_resident(fwd_decode_kernel<Elem, kDim, kKv>, blocks, Cfg::kThreads, smem);
     });
   }
 };
@@ -581,7 +617,7 @@ bool launch_decode(const FwdParams& p, cudaStream_t stream) {
     with_decode_kv(l.kv, [&](auto k) {
       constexpr DecodeKv kKv = decltype(k)::value;
       launch_after_prior(fwd_decode_kernel<Elem, kDim, kKv>, unsigned(l.walks * grid.parts),
-                         unsigned(grid.cluster), Cfg::kThreads, Cfg::kSmemBytes, stream,
+                         unsigned(grid.cluster), Cfg::kThreads, grid.cluster > 1 ? l.smem : Cfg::kSmemBytes, stream,
                          decode_kernel_name(kKv), p, grid);
     });
     return true;
