@@ -68,13 +68,14 @@ __device__ __forceinline__ void store_cluster_f32x4(uint32_t address, float4 x) 
 // How many clusters of `cluster` blocks of `kernel` (`threads` threads, `smem` bytes of dynamic shared memory,
 // already opted into) can be resident at once on this device (0: none; no clusters before sm_90, nor for a
 // kernel whose code was compiled for an older architecture, e.g. JIT from compute_80 PTX, where the cluster
-// functions above trap): asked once per kernel, device, size and thread.
+// functions above trap): asked once per kernel, device, size, smem and thread.
 template <class Kernel>
 int clusters_resident(Kernel kernel, int cluster, int threads, size_t smem) {
   const DeviceLimits lim = device_limits();
   if (lim.major < 9 || env_overrides().kernels == KernelsOverride::kSm80) return 0;  // (sm80: an sm_80's paths)
-  thread_local std::map<std::tuple<const void*, int, int>, int> known;  // per thread: no locking, no races
-  const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), lim.device, cluster);
+  // (per thread: no locking, no races)
+  thread_local std::map<std::tuple<const void*, int, int, size_t>, int> known;
+  const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), lim.device, cluster, smem);
   const auto found = known.find(key);
   if (found != known.end()) return found->second;
   cudaFuncAttributes compiled = {};
