@@ -24,9 +24,10 @@ one (time). Rows whose buffers would pass --max-gb are skipped.
 --impls may also name ours-rotary (and ours-rotary-graph; not in the default list): the dense step
 with rotary tables (float32, the whole head, causal), q and the new keys rotated inside the
 append's launch; ours-paged-read (and -graph): the attention alone on the paged cache (ours-read's call
-with the block table), which parts the paged step's cost from the paged append's; and flex-paged: torch's FlexAttention reading the paged cache in place (its
-PagedAttention helper maps the logical block mask onto the shuffled pages; page-sized key blocks),
-compiled once per row (the compile is not timed), attention only as SDPA.
+with the block table), which parts the paged step's cost from the paged append's; and flex-paged:
+torch's FlexAttention reading the paged cache in place (its PagedAttention helper maps the logical block
+mask onto the shuffled pages; page-sized key blocks), compiled once per row (the compile is not timed),
+attention only as SDPA.
 """
 import argparse
 import datetime

@@ -15,8 +15,8 @@ one forward as bench_gpu.py times it (FLOPs 2.5x the forward's). With --pass dec
 gqa or mqa as in bench_decode.py: H = 32, E = 128 unless given, one query row against C cached keys) and the reading
 is µs per read-only flash_attn_with_kvcache step, 16 of them captured in one CUDA graph and replayed (bench_decode.py's
 ours-read-graph; --append: its ours-graph, the step appending one new row to the dense cache; --paged: the
-same on pages of 256 keys or --page-size (its ours-paged-read-graph, or with --append ours-paged-graph); --sdpa: that SDPA backend on the
-same shape, the same way). One process times its rows with 40 calls per median
+same on pages of 256 keys or --page-size (its ours-paged-read-graph, or with --append ours-paged-graph);
+--sdpa: that SDPA backend on the same shape, the same way). One process times its rows with 40 calls per median
 after at least 0.3 s of warm-up (--repeats, --warmup-s); a process that fails or runs past --child-timeout seconds (a kernel
 that hangs) leaves its round's readings empty."""
 import argparse

@@ -12,7 +12,7 @@
 // walk over the keys into parts, a block each; a part stores its merged rows (fp32) in the
 // workspace, and the walk's last part to finish (a counter per walk) adds every part in part
 // order, so the output does not depend on which part that is (in sets of 8 parts first where there
-// are more: the last part of each set adds its set). On sm_90 a short step (a cache of few tiles, every
+// are more than 16: the last part of each set adds its set). On sm_90 a short step (a cache of few tiles, every
 // walk's parts together fewer blocks than SMs) runs each walk's parts as one thread block cluster instead:
 // each part pushes its rows into the shared memory of each row's owner (distributed shared memory), which adds
 // them (no workspace, no counters to clear, no fence or atomic: the fixed cost of a short step). A longer
@@ -469,8 +469,8 @@ __global__ void __launch_bounds__(256) clear_counters_kernel(Word* words, int64_
 // The plan of a decode call: blocks per SM (smem set, asked once per device), chunks, and parts
 // where the walks are fewer than the GPU's slots.
 // Parts: enough to fill one wave of the GPU, each of at least kDecodeMinPartTiles key tiles, at
-// most kDecodeMaxParts; merged in sets of kDecodePartsPerSet where there are more (one block reading 64 parts'
-// rows, 512 KB at MQA's 16 rows a part, was the largest share of a small MQA step).
+// most kDecodeMaxParts; merged in sets of kDecodePartsPerSet where there are more than kDecodeOneLevelParts (one
+// block reading 64 parts' rows, 512 KB at MQA's 16 rows a part, was the largest share of a small MQA step).
 constexpr int64_t kDecodeMinPartTiles = 4, kDecodeMaxParts = 128;
 
 // Rows of a chunk: 32 (warp pairs: each K / V tile read once per 32 rows) where the call reads enough tiles to
