@@ -489,12 +489,14 @@ def test_cuda_decode_warp_pairs(paged):
 @pytest.mark.parametrize("paged", [False, True])
 def test_cuda_decode_merge_in_sets(paged):
     """MQA steps whose walks are cut into more parts than a set holds, so that the parts' rows merge in two
-    levels (sets of parts, then the sets): one sequence of 32 query heads (two 16-row walks of 400 tiles, cut
-    into 100 parts on a 132-SM GPU: 13 sets, the last of 4 parts; on sm_90 96 parts, 12 clusters of 8), and three
-    of 64 query heads at dim 64 (twelve walks of 33 parts there: four sets of 8 and one of 1; on sm_90 32 parts,
-    four clusters; ragged lengths, one shorter than a part). FLASHATTN_CUDA_KERNELS=sm80 keeps sm_90 off clusters."""
+    levels (sets of parts, then the sets), on a 132-SM GPU: one sequence of 32 query heads (two 16-row walks of
+    400 tiles in 100 parts: 13 sets, the last of 4 parts), three of 64 query heads at dim 64 (twelve walks of 33
+    parts: four sets of 8 and one of 1; ragged lengths, one shorter than a part), both too many blocks for their
+    sets to run as clusters a block per SM; and one of 32 query heads over 8k keys (two walks of 32 parts: on
+    sm_90 each set of 8 a thread block cluster). FLASHATTN_CUDA_KERNELS=sm80 keeps sm_90 off clusters."""
     _check_cuda_step(1, 32, 1, 128, 25600, [25600], page=256 if paged else None)
     _check_cuda_step(3, 64, 1, 64, 32768, [32768, 20001, 70], page=64 if paged else None)
+    _check_cuda_step(1, 32, 1, 128, 8192, [8192], page=256 if paged else None)
 
 
 @needs_cuda
