@@ -295,6 +295,8 @@ struct Features {
   std::optional<Tensor> block_table;
   unsigned* zeroed = nullptr;  // FwdParams::zeroed (kvcache_step)
   int64_t zeroed_words = 0;
+  const int32_t* seqused_before = nullptr;  // FwdParams::seqused_before (kvcache_step)
+  int64_t seqused_added = 0;
 
   bool varlen() const { return cu_seqlens_q.has_value() || cu_seqlens_k.has_value(); }
   bool key_ranges() const { return seqused_k.has_value() || leftpad_k.has_value(); }
@@ -595,6 +597,8 @@ Error fwd(Tensor q, Tensor k, Tensor v, double scale, int64_t causal, const Feat
   if (f.block_table.has_value()) FA_TRY(fill_pages(p, *f.block_table, k));
   p.zeroed = f.zeroed;
   p.zeroed_words = f.zeroed_words;
+  p.seqused_before = f.seqused_before;
+  p.seqused_added = f.seqused_added;
   bool done = false;
   FA_TRY(fwd_outputs(p, q, d, q.scalar_type(), lse_type(q.scalar_type()), out, lse, done));
   if (done) return {};
@@ -1125,6 +1129,10 @@ Error kvcache_step(Tensor k_cache, Tensor v_cache, Tensor q, const std::optional
   f.block_table = block_table;
   f.zeroed = zeroed;
   f.zeroed_words = zero_words;
+  if (zeroed != nullptr && !rotary) {  // (CUDA: the append ran, q untouched)
+    f.seqused_before = static_cast<const int32_t*>(seqlens->const_data_ptr());
+    f.seqused_added = k.has_value() ? k->size(1) : 0;
+  }
   FA_TRY(fwd(q_view, k_view, v_view, scale, causal ? kCausalBottomRight : kCausalNone, f, out_view, lse));
   return swap_len_heads(out_view, "out", out);
 }

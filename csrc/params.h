@@ -105,6 +105,12 @@ struct FwdParams {
   // instead of clearing its own, which would add a launch between the append and the attention.
   unsigned* zeroed = nullptr;
   int64_t zeroed_words = 0;
+  // Optional (a KV-cache step whose append, the kernel before this call, leaves q as it is: no rotary tables;
+  // CUDA): the lengths the append read. It writes seqused_k[b] = seqused_before[b] + seqused_added for every
+  // sequence it allows (-1 for the others) and, in the caches, only the rows from seqused_before[b] on: the decode
+  // kernel reads the rows below, q and the lengths before it waits for the append.
+  const int32_t* seqused_before = nullptr;
+  int64_t seqused_added = 0;
 
   // Paged k / v (block_table != null: a KV cache in pages). k and v hold num_blocks blocks of
   // page_size rows, addressed [block][head][row] through k_stride / v_stride (the batch stride

@@ -540,3 +540,40 @@ def test_cuda_paged_whole_walks_of_small_pages():
     1024 pages of 16 keys in shuffled blocks, ragged lengths down to one page."""
     seqlens = [16384, 9000, 8192, 100, 16383, 4097, 12000, 16]
     _check_cuda_step(8, 64, 64, 64, 16384, seqlens, page=16)
+
+
+@needs_cuda
+@pytest.mark.parametrize("page", [None, 256])
+@pytest.mark.parametrize("heads_kv,cache", [(1, 8192), (8, 2048)], ids=["mqa_8k", "gqa_2k"])
+def test_cuda_steps_appending_beside_an_invalid_sequence(page, heads_kv, cache):
+    """bf16 steps appending one row per sequence, whose decode kernel plans its parts and issues its first tiles
+    before it waits for the append (from the lengths the append reads; a tile that holds the new row only after
+    the wait): MQA over 8k keys (parts merged in sets) and GQA over 2k (a cluster a walk), dense and on pages of
+    256. Sequence 1's cache is full (no room for the new row): its rows are NaN and its cache is left as it was.
+    Sequence 0's new row is its second tile's (the part that holds it waits first), sequence 2's the cache's last;
+    both match the float64 reference."""
+    batch, heads, dim, seqlens = 3, 32, 128, [100, cache, cache - 1]
+    make = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+    q, k, v = make(batch, 1, heads, dim), make(batch, 1, heads_kv, dim), make(batch, 1, heads_kv, dim)
+    call = dict(cache_seqlens=torch.tensor(seqlens, dtype=torch.int32, device="cuda"))
+    if page:
+        pages = cache // page
+        call["block_table"] = torch.randperm(batch * pages, device="cuda").view(batch, pages).to(torch.int32)
+        shape = (batch * pages, page, heads_kv, dim)
+    else:
+        shape = (batch, cache, heads_kv, dim)
+    clean = make(*shape), make(*shape)
+    k_cache, v_cache = (c.clone() for c in clean)
+    out, lse = flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, k=k, v=v, **call, return_softmax_lse=True)
+    own = [call["block_table"][b].long() if page else slice(b, b + 1) for b in range(batch)]
+    assert out[1].isnan().all() and lse[1].isnan().all()
+    assert torch.equal(k_cache[own[1]], clean[0][own[1]]) and torch.equal(v_cache[own[1]], clean[1][own[1]])
+    for b in (0, 2):
+        rows = slice(b, b + 1)
+        args = dict(q=q[rows], k_cache=clean[0][own[b]], v_cache=clean[1][own[b]], k=k[rows], v=v[rows],
+                    seqlens=seqlens[rows], block_table=[list(range(pages))] if page else None)
+        expected = kvcache_ref(**{n: t.double() if isinstance(t, torch.Tensor) else t for n, t in args.items()})
+        same = kvcache_ref(**args)
+        for name, g, r, s in zip(("out", "lse"), (out[rows], lse[rows]), expected, same):
+            assert_accurate(f"{name} of sequence {b}", g.cpu(), r.cpu(), s.cpu(),
+                            REL_ATOL[lse_dtype(torch.bfloat16) if name == "lse" else torch.bfloat16])

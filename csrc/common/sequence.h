@@ -68,7 +68,9 @@ FLASHATTN_HD Seq plain_sequence(const FwdParams& p, int64_t b) {
 
 FLASHATTN_HD int64_t clamp_to(int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : x > hi ? hi : x; }
 
-FLASHATTN_HD Seq sequence(const FwdParams& p, int64_t b) {
+// sequence(p, b) with sequence b's seqused_k read as seqused[b] + added (seqused: seqused_k, or lengths a kernel
+// knows before seqused_k is written: FwdParams::seqused_before).
+FLASHATTN_HD Seq sequence_of_lengths(const FwdParams& p, int64_t b, const int32_t* seqused, int64_t added) {
   Seq s;
   s.b = b;
   int64_t causal_offset = p.causal_offset;
@@ -89,7 +91,7 @@ FLASHATTN_HD Seq sequence(const FwdParams& p, int64_t b) {
     s.len_k = p.len_k;
     s.rows_per_head = p.len_q;
     if (p.seqused_k) {
-      const int64_t lo = p.leftpad_k ? p.leftpad_k[b] : 0, used = p.seqused_k[b];
+      const int64_t lo = p.leftpad_k ? p.leftpad_k[b] : 0, used = seqused[b] + added;
       s.valid = 0 <= lo && lo <= used && used <= p.len_k;
       s.k0 = s.valid ? lo : 0;
       s.len_k = s.valid ? used - lo : 0;
@@ -99,5 +101,7 @@ FLASHATTN_HD Seq sequence(const FwdParams& p, int64_t b) {
   s.band = make_band(p.causal, causal_offset, p.window_left, p.window_right, s.len_q, s.len_k);
   return s;
 }
+
+FLASHATTN_HD Seq sequence(const FwdParams& p, int64_t b) { return sequence_of_lengths(p, b, p.seqused_k, 0); }
 
 }  // namespace flashattn

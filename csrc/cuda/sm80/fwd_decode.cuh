@@ -61,6 +61,13 @@ struct DecodeGrid {
   int cluster = 1;        // parts per thread block cluster (1: none, else parts or per_set)
   float* partial = nullptr;
   unsigned* counters = nullptr;
+  // Early: the kernel before this one is the step's own (its append, or clear_counters_kernel) and writes nothing
+  // the prologue reads but the last `added` keys of each sequence: the prologue then plans from lengths[b] + added
+  // (the lengths that kernel read: FwdParams::seqused_before, or seqused_k) and issues Q and the first tiles before
+  // it waits for that kernel, while that kernel runs.
+  bool early = false;
+  const int32_t* lengths = nullptr;
+  int added = 0;
   // The kernel's divisors (common/fast_divide.h: a short step's prologue is a chain of its divisions): the grid's
   // fastest and next index (above), the kv heads, the query rows, the parts and a cluster's blocks. Set once the
   // rest is.
@@ -105,7 +112,9 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads, DecodeConf
   Elem* sK = sQ + kRows * kLd;          // [kStages] tiles
   Elem* sV = sK + kStages * kBN * kLd;  // [kStages] tiles
 
-  wait_for_prior_grids();  // (a dependent launch: nothing is read before the kernels before it are done)
+  // (a dependent launch: nothing is read before the kernels before it are done, or early (DecodeGrid) only what
+  // they leave as it is)
+  if (!grid.early) wait_for_prior_grids();
   const bool clustered = grid.cluster > 1;
   // (The prologue's arithmetic in 32 bits, its divisions by the host's magic numbers: heads, packed rows and key
   // tiles stay far below 2^31 (the tensor maps and decode_call bound them), and each division sat on the path
@@ -119,7 +128,7 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads, DecodeConf
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
   const int E = int(p.head_dim), Ev = int(p.head_dim_v);
 
-  const Seq sq = sequence(p, b);
+  Seq sq = grid.early && p.seqused_k ? sequence_of_lengths(p, b, grid.lengths, grid.added) : sequence(p, b);
   const unsigned group = grid.by_heads_kv.div(unsigned(p.heads_q));  // (decode_call: sq.len_q is p.len_q)
   const int64_t r0 = int64_t(chunk) * grid.chunk_rows;  // the chunk's first packed row
   const int rows = int(group * sq.len_q - r0 < grid.chunk_rows ? group * sq.len_q - r0 : grid.chunk_rows);
@@ -179,6 +188,12 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads, DecodeConf
   // not the tile's products: refilled early, its MQA steps took up to 1.09x the time, dense ones 0.84-1.02x.
   constexpr bool kRefillEarly = kKv != DecodeKv::kPagedRows;
   constexpr int kAhead = kRefillEarly ? kStages : kStages - 1;  // tiles in flight while a tile is computed
+  // Early: the first tiles before the wait where none holds a key the kernel before writes (the last `added`),
+  // else the wait first. After it the sequence's validity is seqused_k's: where it is valid, the lengths planned
+  // from are its own (where not, the plan's reads stay in bounds, sequence() clamps, and its rows come out NaN).
+  const int64_t ahead = tiles < kAhead ? tiles : kAhead;
+  const bool issue_early = grid.early && n_begin + ahead * kBN <= sq.len_k - grid.added;
+  if (grid.early && !issue_early) wait_for_prior_grids();
   // Q with the first tile (issued after it: the tile comes from DRAM, Q mostly from L2), then the next kAhead - 1
   // tiles, a commit group each.
   if (tiles > 0) load_kv(0, 0);
@@ -189,6 +204,8 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads, DecodeConf
     if (s < tiles) load_kv(s, s);
     cp_async_commit();
   }
+  if (issue_early) wait_for_prior_grids();
+  if (grid.early && p.seqused_k) sq.valid = sq.valid && sequence(p, b).valid;
 
   const DecodeOperandReads<Cfg, Elem> read(sQ, sK, sV, row_group, key_slot, lane);
 
@@ -608,10 +625,19 @@ bool launch_decode(const FwdParams& p, cudaStream_t stream) {
           clear_counters_kernel<unsigned><<<unsigned(blocks < sms ? blocks : sms), 256, 0, stream>>>(grid.counters,
                                                                                                     words);
           check_cuda(cudaGetLastError(), "launching clear_counters_kernel");
+          if (p.seqused_before == nullptr) {  // (this kernel then follows the clear: every key as it is)
+            grid.early = true;
+            grid.lengths = p.seqused_k;
+          }
         }
       } else {
         grid.parts = grid.cluster = 1;
       }
+    }
+    if (p.seqused_before != nullptr) {  // after the step's append (or the clear after it): its new keys not read early
+      grid.early = true;
+      grid.lengths = p.seqused_before;
+      grid.added = int(p.seqused_added);
     }
     grid.set_divisors(p);
     with_decode_kv(l.kv, [&](auto k) {
