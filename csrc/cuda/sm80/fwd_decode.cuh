@@ -61,12 +61,12 @@ struct DecodeGrid {
   int cluster = 1;        // parts per thread block cluster (1: none, else parts or per_set)
   float* partial = nullptr;
   unsigned* counters = nullptr;
-  // Early: the kernel before this one is the step's own (its append, or clear_counters_kernel) and writes nothing
-  // the prologue reads but the last `added` keys of each sequence: the prologue then plans from lengths[b] + added
-  // (the lengths that kernel read: FwdParams::seqused_before, or seqused_k) and issues Q and the first tiles before
-  // it waits for that kernel, while that kernel runs.
+  // Early: the kernels before this one are the step's append (and maybe the counters' clear), which write nothing
+  // the prologue reads but the last `added` keys of each sequence and seqused_k: the prologue then plans from
+  // lengths[b] + added (the lengths the append read: FwdParams::seqused_before) and issues Q and the first tiles
+  // before it waits for them, while they run.
   bool early = false;
-  const int32_t* lengths = nullptr;
+  const int32_t* lengths = nullptr;  // the prologue's seqused_k[b] is lengths[b] + added (else seqused_k, 0)
   int added = 0;
   // The kernel's divisors (common/fast_divide.h: a short step's prologue is a chain of its divisions): the grid's
   // fastest and next index (above), the kv heads, the query rows, the parts and a cluster's blocks. Set once the
@@ -128,7 +128,7 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads, DecodeConf
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
   const int E = int(p.head_dim), Ev = int(p.head_dim_v);
 
-  Seq sq = grid.early && p.seqused_k ? sequence_of_lengths(p, b, grid.lengths, grid.added) : sequence(p, b);
+  Seq sq = sequence_of_lengths(p, b, grid.lengths, grid.added);
   const unsigned group = grid.by_heads_kv.div(unsigned(p.heads_q));  // (decode_call: sq.len_q is p.len_q)
   const int64_t r0 = int64_t(chunk) * grid.chunk_rows;  // the chunk's first packed row
   const int rows = int(group * sq.len_q - r0 < grid.chunk_rows ? group * sq.len_q - r0 : grid.chunk_rows);
@@ -189,8 +189,9 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads, DecodeConf
   constexpr bool kRefillEarly = kKv != DecodeKv::kPagedRows;
   constexpr int kAhead = kRefillEarly ? kStages : kStages - 1;  // tiles in flight while a tile is computed
   // Early: the first tiles before the wait where none holds a key the kernel before writes (the last `added`),
-  // else the wait first. After it the sequence's validity is seqused_k's: where it is valid, the lengths planned
-  // from are its own (where not, the plan's reads stay in bounds, sequence() clamps, and its rows come out NaN).
+  // else the wait first. After it a sequence is valid only where the append wrote the planned length into
+  // seqused_k (it writes -1 for those it refuses: their plan's reads stayed in bounds, sequence_of_lengths clamps,
+  // and their rows come out NaN).
   const int64_t ahead = tiles < kAhead ? tiles : kAhead;
   const bool issue_early = grid.early && n_begin + ahead * kBN <= sq.len_k - grid.added;
   if (grid.early && !issue_early) wait_for_prior_grids();
@@ -205,7 +206,7 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads, DecodeConf
     cp_async_commit();
   }
   if (issue_early) wait_for_prior_grids();
-  if (grid.early && p.seqused_k) sq.valid = sq.valid && sequence(p, b).valid;
+  if (grid.early) sq.valid = sq.valid && p.seqused_k[b] == grid.lengths[b] + grid.added;
 
   const DecodeOperandReads<Cfg, Elem> read(sQ, sK, sV, row_group, key_slot, lane);
 
@@ -625,16 +626,15 @@ bool launch_decode(const FwdParams& p, cudaStream_t stream) {
           clear_counters_kernel<unsigned><<<unsigned(blocks < sms ? blocks : sms), 256, 0, stream>>>(grid.counters,
                                                                                                     words);
           check_cuda(cudaGetLastError(), "launching clear_counters_kernel");
-          if (p.seqused_before == nullptr) {  // (this kernel then follows the clear: every key as it is)
-            grid.early = true;
-            grid.lengths = p.seqused_k;
-          }
         }
       } else {
         grid.parts = grid.cluster = 1;
       }
     }
-    if (p.seqused_before != nullptr) {  // after the step's append (or the clear after it): its new keys not read early
+    // After the step's append (or the clear after it): its new keys not read early. (Read-only steps wait: started
+    // early after the counters' clear they took 0.2 us longer.)
+    grid.lengths = p.seqused_k;
+    if (p.seqused_before != nullptr && p.seqused_k != nullptr) {
       grid.early = true;
       grid.lengths = p.seqused_before;
       grid.added = int(p.seqused_added);
