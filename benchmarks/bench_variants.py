@@ -16,6 +16,7 @@ gqa or mqa as in bench_decode.py: H = 32, E = 128 unless given, one query row ag
 is µs per read-only flash_attn_with_kvcache step, 16 of them captured in one CUDA graph and replayed (bench_decode.py's
 ours-read-graph; --append: its ours-graph, the step appending one new row to the dense cache; --paged: the
 same on pages of 256 keys or --page-size (its ours-paged-read-graph, or with --append ours-paged-graph);
+--rotary: its ours-rotary-graph, the dense step appending one row with rotary tables, causal;
 --sdpa: that SDPA backend on the same shape, the same way). One process times its rows with 40 calls per median
 after at least 0.3 s of warm-up (--repeats, --warmup-s); a process that fails or runs past --child-timeout seconds (a kernel
 that hangs) leaves its round's readings empty."""
@@ -58,6 +59,7 @@ def child(args):
             t = D.make_row(int(b), int(cache), heads, heads // group if group else 1, dim, 1, args.page_size, dtype,
                            args.device)
             ours = ("ours-paged" if args.paged else "ours") + ("" if args.append else "-read")
+            ours = "ours-rotary" if args.rotary else ours
             impl = (args.impl if args.impl != "ours" else ours) + ("-graph" if args.device == "cuda" else "")
             ms = M.per_call_ms(D.step_fn(impl, t, graph_steps=16), args.device, warmup=3, repeats=args.repeats,
                                warmup_s=args.warmup_s)
@@ -104,6 +106,9 @@ def main():
                         "--append its ours-paged); SDPA still reads the dense cache")
     p.add_argument("--append", action="store_true",
                    help="--pass decode: ours as bench_decode.py's ours (the step appending one row to the dense cache)")
+    p.add_argument("--rotary", action="store_true",
+                   help="--pass decode: ours as bench_decode.py's ours-rotary (the dense step appending one row, "
+                        "rotary tables applied in the append, causal)")
     p.add_argument("--float-bias", action="store_true",
                    help="a float attn_mask (1, H, L, L) on every call (bench_features.py's float-bias case; not causal)")
     p.add_argument("--device", default="cuda", help="'cpu' runs the script's code on tiny shapes (debug only)")
@@ -114,8 +119,10 @@ def main():
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--impl", default="ours", help=argparse.SUPPRESS)
     args = p.parse_args()
-    if (args.paged or args.append) and args.pass_ != "decode":
-        p.error("--paged, --append: with --pass decode")
+    if (args.paged or args.append or args.rotary) and args.pass_ != "decode":
+        p.error("--paged, --append, --rotary: with --pass decode")
+    if args.rotary and (args.paged or args.append):
+        p.error("--rotary: a dense step that appends (not with --paged or --append)")
     if args.float_bias and (args.causal or args.pass_ == "decode" or args.dtype == "e4m3"):
         p.error("--float-bias: a non-causal bf16 / fp16 forward or backward")
     if args.child:
@@ -138,6 +145,7 @@ def main():
     base += ["--float-bias"] if args.float_bias else []
     base += ["--paged", "--page-size", str(args.page_size)] if args.paged else []
     base += ["--append"] if args.append else []
+    base += ["--rotary"] if args.rotary else []
     for r in range(args.rounds):
         for name, env, impl in (variants if r % 2 == 0 else variants[::-1]):
             try:
@@ -153,7 +161,7 @@ def main():
             readings[name].append(values)
             print(f"round {r + 1} {name:>12}: " + " ".join(f"{row}={x}" for row, x in zip(rows, values)), flush=True)
     unit = "µs per step" if args.pass_ == "decode" else "TFLOP/s"
-    shape = "causal" if args.causal else "float bias" if args.float_bias else "non-causal"
+    shape = "causal" if args.causal or args.rotary else "float bias" if args.float_bias else "non-causal"
     print(f"\nmean over {args.rounds} rounds, {unit} ({args.pass_}, {args.dtype}, {shape})")
     print(f"{'variant':>12} " + " ".join(f"{row:>9}" for row in rows))
     for name, values in readings.items():
