@@ -445,6 +445,17 @@ def _poison_past_lengths(cache, seqlens, block_table=None, page=None):
             cache[block, max(length - i * page, 0):] = float("nan")
 
 
+def _assert_sequence_matches(b, out, lse, **args):
+    """Sequence b's out and lse rows of a bf16 step against the float64 reference of kvcache_ref's arguments for
+    that sequence alone (a float64 copy of a whole large cache is GiBs), within the accuracy rule."""
+    expected = kvcache_ref(**{n: t.double() if isinstance(t, torch.Tensor) else t for n, t in args.items()})
+    same = kvcache_ref(**args)
+    rows = slice(b, b + 1)
+    for name, g, r, s in zip(("out", "lse"), (out[rows], lse[rows]), expected, same):
+        assert_accurate(f"{name} of sequence {b}", g.cpu(), r.cpu(), s.cpu(),
+                        REL_ATOL[lse_dtype(torch.bfloat16) if name == "lse" else torch.bfloat16])
+
+
 def _check_cuda_step(batch, heads, heads_kv, dim, cache, seqlens, page=None):
     """One bf16 decode step (dense, or paged with pages of `page` keys in shuffled blocks) against the float64
     reference on the GPU, one sequence at a time (a float64 copy of a whole large cache is GiBs). The cache
@@ -466,13 +477,8 @@ def _check_cuda_step(batch, heads, heads_kv, dim, cache, seqlens, page=None):
     for b in range(batch):
         rows = slice(b, b + 1)
         own = ours["block_table"][b].long() if page else rows  # (paged: the sequence's pages, in its order)
-        args = dict(q=ours["q"][rows], k_cache=clean[0][own], v_cache=clean[1][own],
-                    seqlens=seqlens[rows], block_table=[list(range(pages))] if page else None)
-        expected = kvcache_ref(**{n: t.double() if isinstance(t, torch.Tensor) else t for n, t in args.items()})
-        same = kvcache_ref(**args)
-        for name, g, r, s in zip(("out", "lse"), (out[rows], lse[rows]), expected, same):
-            assert_accurate(f"{name} of sequence {b}", g.cpu(), r.cpu(), s.cpu(),
-                            REL_ATOL[lse_dtype(torch.bfloat16) if name == "lse" else torch.bfloat16])
+        _assert_sequence_matches(b, out, lse, q=ours["q"][rows], k_cache=clean[0][own], v_cache=clean[1][own],
+                                 seqlens=seqlens[rows], block_table=[list(range(pages))] if page else None)
 
 
 @needs_cuda
@@ -570,10 +576,6 @@ def test_cuda_steps_appending_beside_an_invalid_sequence(page, heads_kv, cache):
     assert torch.equal(k_cache[own[1]], clean[0][own[1]]) and torch.equal(v_cache[own[1]], clean[1][own[1]])
     for b in (0, 2):
         rows = slice(b, b + 1)
-        args = dict(q=q[rows], k_cache=clean[0][own[b]], v_cache=clean[1][own[b]], k=k[rows], v=v[rows],
-                    seqlens=seqlens[rows], block_table=[list(range(pages))] if page else None)
-        expected = kvcache_ref(**{n: t.double() if isinstance(t, torch.Tensor) else t for n, t in args.items()})
-        same = kvcache_ref(**args)
-        for name, g, r, s in zip(("out", "lse"), (out[rows], lse[rows]), expected, same):
-            assert_accurate(f"{name} of sequence {b}", g.cpu(), r.cpu(), s.cpu(),
-                            REL_ATOL[lse_dtype(torch.bfloat16) if name == "lse" else torch.bfloat16])
+        _assert_sequence_matches(b, out, lse, q=q[rows], k_cache=clean[0][own[b]], v_cache=clean[1][own[b]],
+                                 k=k[rows], v=v[rows], seqlens=seqlens[rows],
+                                 block_table=[list(range(pages))] if page else None)
