@@ -456,20 +456,28 @@ def _assert_sequence_matches(b, out, lse, **args):
                         REL_ATOL[lse_dtype(torch.bfloat16) if name == "lse" else torch.bfloat16])
 
 
+def _cuda_caches(batch, heads_kv, dim, cache, page):
+    """bf16 K and V caches on the GPU of `cache` keys a sequence, dense or (page) in pages of `page` keys in
+    shuffled blocks: (their block table, or None, and the caches)."""
+    make = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+    if not page:
+        return None, (make(batch, cache, heads_kv, dim), make(batch, cache, heads_kv, dim))
+    pages = cache // page
+    table = torch.randperm(batch * pages, device="cuda").view(batch, pages).to(torch.int32)
+    return table, (make(batch * pages, page, heads_kv, dim), make(batch * pages, page, heads_kv, dim))
+
+
 def _check_cuda_step(batch, heads, heads_kv, dim, cache, seqlens, page=None):
     """One bf16 decode step (dense, or paged with pages of `page` keys in shuffled blocks) against the float64
     reference on the GPU, one sequence at a time (a float64 copy of a whole large cache is GiBs). The cache
     rows past each sequence's length are NaN in the call's caches (the reference reads clean copies): keys
     past the lengths must not reach the output, whatever the tiles that hold them are filled with."""
-    make = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
-    ours = dict(q=make(batch, 1, heads, dim), cache_seqlens=torch.tensor(seqlens, dtype=torch.int32, device="cuda"))
+    q = torch.randn(batch, 1, heads, dim, device="cuda", dtype=torch.bfloat16)
+    ours = dict(q=q, cache_seqlens=torch.tensor(seqlens, dtype=torch.int32, device="cuda"))
+    table, clean = _cuda_caches(batch, heads_kv, dim, cache, page)
+    pages = cache // page if page else None
     if page:
-        pages = cache // page
-        ours["block_table"] = torch.randperm(batch * pages, device="cuda").view(batch, pages).to(torch.int32)
-        shape = (batch * pages, page, heads_kv, dim)
-    else:
-        shape = (batch, cache, heads_kv, dim)
-    clean = make(*shape), make(*shape)
+        ours["block_table"] = table
     ours["k_cache"], ours["v_cache"] = (c.clone() for c in clean)
     for c in (ours["k_cache"], ours["v_cache"]):
         _poison_past_lengths(c, seqlens, ours.get("block_table"), page)
@@ -562,13 +570,10 @@ def test_cuda_steps_appending_beside_an_invalid_sequence(page, heads_kv, cache):
     make = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
     q, k, v = make(batch, 1, heads, dim), make(batch, 1, heads_kv, dim), make(batch, 1, heads_kv, dim)
     call = dict(cache_seqlens=torch.tensor(seqlens, dtype=torch.int32, device="cuda"))
+    table, clean = _cuda_caches(batch, heads_kv, dim, cache, page)
+    pages = cache // page if page else None
     if page:
-        pages = cache // page
-        call["block_table"] = torch.randperm(batch * pages, device="cuda").view(batch, pages).to(torch.int32)
-        shape = (batch * pages, page, heads_kv, dim)
-    else:
-        shape = (batch, cache, heads_kv, dim)
-    clean = make(*shape), make(*shape)
+        call["block_table"] = table
     k_cache, v_cache = (c.clone() for c in clean)
     out, lse = flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, k=k, v=v, **call, return_softmax_lse=True)
     own = [call["block_table"][b].long() if page else slice(b, b + 1) for b in range(batch)]
