@@ -46,12 +46,6 @@ FAMILIES = {
                               "products."),
                   256: (HALF, "Tensor-core forward kernels, head dims up to 256 (fp16/bf16; fp64 accumulators would "
                               "not fit).")}),
-    # (the decode kernel in units of its own: a change to it rebuilds these, not the forward's)
-    "sm80_decode": ("sm80", "fwd_decode", "fwd_decode.cuh", "sm80",
-                    lambda t, d: ["bool launch_decode<{T}, {D}>(const FwdParams&, cudaStream_t)",
-                                  "size_t decode_workspace_bytes<{T}, {D}>(const FwdParams&)"],
-                    {d: (HALF, f"Decode kernels (few query rows per kv head), head-dim tier {d}.")
-                     for d in (32, 64, 96, 128, 192, 256)}),
     "sm80_bwd": ("sm80", "bwd_sm80", "bwd_sm80.cuh", "sm80",
                  lambda t, d: ["bool bwd_dkdv<{T}, {D}>(const BwdParams&, BwdKernel, const void*, const DqAccum&, "
                             "const DkDvTail&, cudaStream_t)"],

@@ -43,7 +43,6 @@
 #include "../common/fragments.cuh"
 #include "../common/online_softmax.cuh"
 #include "../common/tile_copy.cuh"
-#include "decode.h"
 #include "fwd_decode_steps.cuh"
 #include "paged_copy.cuh"
 #include "tile_config.h"
@@ -603,16 +602,7 @@ struct DecodeLaunch {
   }
 };
 
-template <class Elem, int kDim>
-size_t decode_workspace_bytes(const FwdParams& p) {
-  if constexpr (!DecodeConfig<Elem, kDim>::kServed) {
-    return 0;
-  } else {
-    const DecodeLaunch<Elem, kDim> d(p);
-    return d.usable ? d.workspace_bytes() : 0;
-  }
-}
-
+// Launches the decode kernel where it serves the call; false (nothing launched) otherwise.
 template <class Elem, int kDim>
 bool launch_decode(const FwdParams& p, cudaStream_t stream) {
   using Cfg = DecodeConfig<Elem, kDim>;

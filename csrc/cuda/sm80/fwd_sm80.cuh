@@ -31,7 +31,7 @@
 #include "../plan.h"
 #include "../schedule/causal_order.cuh"
 #include "../schedule/key_split.cuh"
-#include "decode.h"
+#include "fwd_decode.cuh"
 #include "fwd_steps.cuh"
 #include "launch.h"
 #include "tile_config.h"
@@ -282,7 +282,10 @@ bool launch_fwd(const FwdParams& p, cudaStream_t stream) {
 template <class Elem, int kDim>
 size_t fwd_workspace_bytes(const FwdParams& p, FwdKernel kernel) {
   if constexpr (DecodeConfig<Elem, kDim>::kServed) {
-    if (kernel == FwdKernel::kSm80Decode) return decode_workspace_bytes<Elem, kDim>(p);
+    if (kernel == FwdKernel::kSm80Decode) {
+      const DecodeLaunch<Elem, kDim> d(p);
+      return d.usable ? d.workspace_bytes() : 0;
+    }
   }
   if (kernel != FwdKernel::kSm80Plain) return 0;
   const FwdLaunch<Elem, kDim, false> l(p);
