@@ -631,8 +631,8 @@ bool launch_decode(const FwdParams& p, cudaStream_t stream) {
         grid.parts = grid.cluster = 1;
       }
     }
-    // After the step's append (or the clear after it): its new keys not read early. (Read-only steps wait: started
-    // early after the counters' clear they took 0.2 us longer.)
+    // After the step's append (or the clear after it): its new keys not read early. (Read-only steps wait first:
+    // started early after the counters' clear they gained nothing.)
     grid.lengths = p.seqused_k;
     if (p.seqused_before != nullptr && p.seqused_k != nullptr) {
       grid.early = true;
