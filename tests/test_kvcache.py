@@ -609,7 +609,8 @@ def test_cuda_read_only_paged_steps_check_their_pages(page, heads_kv, cache):
         plan = flashattn_ext.kernel_plan(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
                                          block_table=table, seqused_k=call["cache_seqlens"],
                                          leftpad_k=call.get("cache_leftpad"))
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activities) as prof:
             out, lse = flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, **call, return_softmax_lse=True)
             torch.cuda.synchronize()
         kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
