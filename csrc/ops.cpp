@@ -581,17 +581,15 @@ Error fwd_outputs(FwdParams& p, const Tensor& q, const Dims& d, ScalarType out_t
   return {};
 }
 
-// `deterministic` is kept for the backward (autograd passes it on); the forward has no
-// order-dependent reductions.
-Error fwd(Tensor q, Tensor k, Tensor v, double scale, int64_t causal, const Features& f, Tensor& out, Tensor& lse) {
-  Dims d;
+// A forward call's checks and Params, its outputs not yet allocated (fwd_outputs).
+Error fwd_params(const Tensor& q, const Tensor& k, const Tensor& v, double scale, int64_t causal, const Features& f,
+                 FwdParams& p, Dims& d) {
   FA_TRY(check_qkv(q, k, v, causal, d, f.block_table.has_value()));
   if (f.block_table.has_value()) {
     FA_CHECK(!f.varlen(), "flashattn: a 'block_table' (paged k / v) cannot be combined with cu_seqlens (a "
              "variable-length batch); give per-sequence lengths as seqused_k");
     FA_TRY(check_block_table(*f.block_table, q, k, d));
   }
-  FwdParams p;
   FA_TRY(fill_common(p, q, k, v, d, scale, causal));
   FA_TRY(check_and_fill_features(p, f, q, d, causal));
   if (f.block_table.has_value()) FA_TRY(fill_pages(p, *f.block_table, k));
@@ -599,6 +597,15 @@ Error fwd(Tensor q, Tensor k, Tensor v, double scale, int64_t causal, const Feat
   p.zeroed_words = f.zeroed_words;
   p.seqused_before = f.seqused_before;
   p.seqused_added = f.seqused_added;
+  return {};
+}
+
+// `deterministic` is kept for the backward (autograd passes it on); the forward has no
+// order-dependent reductions.
+Error fwd(Tensor q, Tensor k, Tensor v, double scale, int64_t causal, const Features& f, Tensor& out, Tensor& lse) {
+  FwdParams p;
+  Dims d;
+  FA_TRY(fwd_params(q, k, v, scale, causal, f, p, d));
   bool done = false;
   FA_TRY(fwd_outputs(p, q, d, q.scalar_type(), lse_type(q.scalar_type()), out, lse, done));
   if (done) return {};
@@ -1057,13 +1064,75 @@ std::vector<int64_t> empty_like_strides(const Tensor& t) {
   return dense ? strides : contiguous_strides(shape);
 }
 
+// Views of no new rows over the caches ((batch, 0, heads_kv, dim)): the append of a step that appends
+// nothing, its value rules alone.
+Error no_new_rows(const Tensor& k_cache, const Tensor& v_cache, int64_t batch, Tensor& k_new, Tensor& v_new) {
+  const int64_t k_sizes[4] = {batch, 0, k_cache.size(2), k_cache.size(3)};
+  const int64_t v_sizes[4] = {batch, 0, v_cache.size(2), v_cache.size(3)};
+  const int64_t k_strides[4] = {k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3)};
+  const int64_t v_strides[4] = {v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3)};
+  AtenTensorHandle k_handle = nullptr, v_handle = nullptr;
+  FA_CHECK(aoti_torch__reinterpret_tensor(k_cache.get(), 4, k_sizes, k_strides, 0, &k_handle) == AOTI_TORCH_SUCCESS &&
+               aoti_torch__reinterpret_tensor(v_cache.get(), 4, v_sizes, v_strides, 0, &v_handle) ==
+                   AOTI_TORCH_SUCCESS,
+           "flashattn: could not make the empty views of the new rows");
+  k_new = Tensor(k_handle);
+  v_new = Tensor(v_handle);
+  return {};
+}
+
+#ifdef FLASHATTN_WITH_CUDA
+// A read-only CUDA step (no new rows, no rotary tables) with pages or left padding. Where the decode kernel serves
+// its attention, that kernel alone runs, on seqlens as given: the append's launch would only apply the value rules
+// and clear the kernel's counters (~2.5 us of a step on an H200). Its sequence() gives a sequence whose lengths or
+// left padding break the rules (0 <= leftpad <= seqlens <= the cache's keys) no key and NaN rows, as the append's
+// seqused -1 does; it applies the page rule where it reads the pages (FwdParams::check_pages) and clears its
+// counters itself. Any other kernel reads gathered pages without that rule: the append runs first for it.
+Error read_only_cuda_step(const Tensor& k_cache, const Tensor& v_cache, const Tensor& q, const Tensor& seqlens,
+                          const std::optional<Tensor>& block_table, const std::optional<Tensor>& leftpad, double scale,
+                          bool causal, Tensor& out, Tensor& lse) {
+  // (named as the append names them, before fwd's checks would call them seqused_k and leftpad_k)
+  FA_TRY(check_per_sequence(seqlens, "seqlens", k_cache, q.size(0)));
+  if (leftpad.has_value()) FA_TRY(check_per_sequence(*leftpad, "leftpad", k_cache, q.size(0)));
+  Tensor q_view = q, k_view = q, v_view = q, out_view = q;
+  FA_TRY(swap_len_heads(q, "q", q_view));
+  FA_TRY(swap_len_heads(k_cache, "k_cache", k_view));
+  FA_TRY(swap_len_heads(v_cache, "v_cache", v_view));
+  Features f;
+  f.seqused_k = seqlens;
+  f.leftpad_k = leftpad;
+  f.block_table = block_table;
+  FwdParams p;
+  Dims d;
+  FA_TRY(fwd_params(q_view, k_view, v_view, scale, causal ? kCausalBottomRight : kCausalNone, f, p, d));
+  bool done = false;
+  FA_TRY(fwd_outputs(p, q_view, d, q.scalar_type(), lse_type(q.scalar_type()), out_view, lse, done));
+  if (!done) {
+    Tensor used = seqlens;  // (held until the attention is queued)
+    torch::stable::accelerator::DeviceGuard guard(q.get_device_index());  // (the plan is the device's)
+    if (cuda::decode_serves(p)) {
+      p.check_pages = true;
+    } else {
+      Tensor k_new = q, v_new = q;
+      FA_TRY(no_new_rows(k_cache, v_cache, q.size(0), k_new, v_new));
+      FA_TRY(kvcache_append(k_cache, v_cache, k_new, v_new, seqlens, std::nullopt, block_table, leftpad, std::nullopt,
+                            std::nullopt, true, std::nullopt, std::nullopt, false, used));
+      p.seqused_k = static_cast<const int32_t*>(used.const_data_ptr());
+    }
+    FA_TRY(run_backend(p, q_view, cpu::fwd_workspace_bytes, cpu::run_fwd, FLASHATTN_CUDA_FWD));
+  }
+  return swap_len_heads(out_view, "out", out);
+}
+#endif
+
 // A common decode step of flash_attn_with_kvcache (flashattn_ext/_kvcache_fast.py, which has
 // checked its arguments) in one op call: where there are new rows, rotary tables, pages or left
 // padding, kvcache_append (the new keys and values written in place, q rotated into a new tensor,
 // the value rules: seqused -1 for a sequence that breaks one), then fwd on the caches themselves
-// with each sequence's key range (seqused_k, leftpad_k, the block table). q, k, v, the caches and
-// out in flash_attn_with_kvcache's (batch, len, heads, dim) layout; lse (batch, heads_q, len_q).
-// The same two calls as the op-by-op composition, with one dispatch instead of two plus the
+// with each sequence's key range (seqused_k, leftpad_k, the block table); a read-only CUDA step
+// whose attention the decode kernel serves skips the append (read_only_cuda_step). q, k, v, the
+// caches and out in flash_attn_with_kvcache's (batch, len, heads, dim) layout; lse (batch, heads_q,
+// len_q). The same two calls as the op-by-op composition, with one dispatch instead of two plus the
 // transposes and the zero-row k / v of a read-only step.
 Error kvcache_step(Tensor k_cache, Tensor v_cache, Tensor q, const std::optional<Tensor>& k,
                    const std::optional<Tensor>& v, const std::optional<Tensor>& seqlens,
@@ -1084,23 +1153,16 @@ Error kvcache_step(Tensor k_cache, Tensor v_cache, Tensor q, const std::optional
   if (k.has_value() || rotary || block_table.has_value() || leftpad.has_value()) {
     FA_CHECK(seqlens.has_value(), "flashattn: argument 'seqlens' is needed with new rows, rotary tables, a "
              "'block_table' or 'leftpad'");
+#ifdef FLASHATTN_WITH_CUDA
+    if (q.is_cuda() && !k.has_value() && !rotary)
+      return read_only_cuda_step(k_cache, v_cache, q, *seqlens, block_table, leftpad, scale, causal, out, lse);
+#endif
     Tensor k_new = q, v_new = q;
     if (k.has_value()) {
       k_new = *k;
       v_new = *v;
-    } else {  // nothing to append, the value rules alone: views of no rows over the caches
-      const int64_t k_sizes[4] = {q.size(0), 0, k_cache.size(2), k_cache.size(3)};
-      const int64_t v_sizes[4] = {q.size(0), 0, v_cache.size(2), v_cache.size(3)};
-      const int64_t k_strides[4] = {k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3)};
-      const int64_t v_strides[4] = {v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3)};
-      AtenTensorHandle k_handle = nullptr, v_handle = nullptr;
-      FA_CHECK(aoti_torch__reinterpret_tensor(k_cache.get(), 4, k_sizes, k_strides, 0, &k_handle) ==
-                       AOTI_TORCH_SUCCESS &&
-                   aoti_torch__reinterpret_tensor(v_cache.get(), 4, v_sizes, v_strides, 0, &v_handle) ==
-                       AOTI_TORCH_SUCCESS,
-               "flashattn: could not make the empty views of the new rows");
-      k_new = Tensor(k_handle);
-      v_new = Tensor(v_handle);
+    } else {
+      FA_TRY(no_new_rows(k_cache, v_cache, q.size(0), k_new, v_new));
     }
     std::optional<Tensor> q_rotated;
     if (rotary) {

@@ -122,6 +122,11 @@ struct FwdParams {
   // backend first gathers them into the workspace as a padded batch (common/pages.h).
   const int32_t* block_table = nullptr;
   int64_t block_table_stride = 0, page_size = 0, num_blocks = 0;
+  // Optional (a read-only KV-cache step with no append before it; CUDA, the decode kernel): the append's page rule
+  // applied where the pages are read. A table entry outside [0, num_blocks) for a key of the sequence's range
+  // [leftpad_k, seqused_k) makes its rows NaN, as the append's seqused -1 would; the entries of the other pages
+  // are never read, so they may hold anything (-1).
+  bool check_pages = false;
 
   // Scratch of `workspace_bytes` bytes, as the backend sized it for the call's kernels (none: null);
   // its contents on entry are undefined.

@@ -5,7 +5,8 @@ softmax_scale and causal; nothing else. Such a call needs only the checks below,
 tensor value on CUDA and cost a few microseconds, and runs as one call of the C++ op
 flashattn::_kvcache_step: flashattn::kvcache_append's kernel (the append, the rotary embedding of
 q and the new keys, and the value rules of lengths, pages, left padding and rotary positions) and
-flashattn::fwd's, with no Python between them. A call these checks do not pass, the invalid ones
+flashattn::fwd's, with no Python between them (a read-only CUDA step that the decode kernel serves:
+that kernel alone, which applies the same rules). A call these checks do not pass, the invalid ones
 included, returns None here and takes the general path (kvcache._resolve), whose errors are the
 documented ones. Values out of range are the ops' own rules on CUDA (no write, NaN rows); the
 CPU, where they are on the host, raises on them as the general path does, with its messages."""

@@ -584,3 +584,61 @@ def test_cuda_steps_appending_beside_an_invalid_sequence(page, heads_kv, cache):
         _assert_sequence_matches(b, out, lse, q=q[rows], k_cache=clean[0][own[b]], v_cache=clean[1][own[b]],
                                  k=k[rows], v=v[rows], seqlens=seqlens[rows],
                                  block_table=[list(range(pages))] if page else None)
+
+
+@needs_cuda
+@pytest.mark.parametrize("page", [256, 16])
+@pytest.mark.parametrize("heads_kv,cache", [(1, 8192), (8, 2048)], ids=["mqa_8k", "gqa_2k"])
+def test_cuda_read_only_paged_steps_check_their_pages(page, heads_kv, cache):
+    """Read-only bf16 steps on pages, which the decode kernel serves with no append before it: it applies the
+    append's rules itself (FwdParams::check_pages), on pages of 256 keys (a tile's block looked up once) and of 16
+    (looked up row by row, as every step with left padding is), its parts merged through the workspace (MQA, 8k)
+    or a cluster (GQA, 2k, sm_90). A sequence gets NaN rows where its table names a block outside the cache for a
+    page that holds its keys (its last page; the page of its first key after left padding), where its left padding
+    is past its length, or its length past the cache. -1 on the pages past a sequence's keys or before its left
+    padding is allowed: those sequences match the float64 reference, as the others do."""
+    batch, heads, dim = 4, 32, 128
+    pages = cache // page
+    table, (k_cache, v_cache) = _cuda_caches(batch, heads_kv, dim, cache, page)
+    q = torch.randn(batch, 1, heads, dim, device="cuda", dtype=torch.bfloat16)
+
+    def check(seqlens, table, nan, leftpad=None):
+        call = dict(cache_seqlens=torch.tensor(seqlens, dtype=torch.int32, device="cuda"), block_table=table)
+        if leftpad is not None:
+            call["cache_leftpad"] = torch.tensor(leftpad, dtype=torch.int32, device="cuda")
+        plan = flashattn_ext.kernel_plan(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
+                                         block_table=table, seqused_k=call["cache_seqlens"],
+                                         leftpad_k=call.get("cache_leftpad"))
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activities) as prof:
+            out, lse = flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, **call, return_softmax_lse=True)
+            torch.cuda.synchronize()
+        kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        decode = plan.startswith("sm80_decode")  # (FLASHATTN_CUDA_KERNELS=simt: the append, then SIMT on a copy)
+        assert any("fwd_decode_kernel" in k for k in kernels) == decode, kernels
+        assert any("append_kernel" in k for k in kernels) != decode, kernels
+        for b in range(batch):
+            if b in nan:
+                assert out[b].isnan().all() and lse[b].isnan().all(), f"sequence {b}"
+                continue
+            rows, own = slice(b, b + 1), table[b].long()  # (a -1 reads the last block: keys no row sees)
+            _assert_sequence_matches(b, out, lse, q=q[rows], k_cache=k_cache[own], v_cache=v_cache[own],
+                                     seqlens=seqlens[rows], leftpad=None if leftpad is None else leftpad[rows],
+                                     block_table=[list(range(pages))])
+
+    # From each cache's first key: 1 names a block past the cache on its last page, 2 ends on a page's end with
+    # -1 after it, 3's length is past the cache.
+    seqlens = [cache, cache // 2 - 24, cache // 4, cache + 1]
+    bad = table.clone()
+    bad[1, (seqlens[1] - 1) // page] = batch * pages
+    bad[2, seqlens[2] // page:] = -1
+    check(seqlens, bad, nan={1, 3})
+    # Left padded: 0 with -1 on its pages before the padding, 1 with -1 on the page of its first key, 2 padded
+    # past its length, 3 unpadded with -1 past its keys.
+    seqlens, leftpad = [cache, cache // 2 - 24, cache // 4 + 188, cache - 548], [page + 40, cache // 8 + 44, 0, 0]
+    leftpad[2] = seqlens[2] + 1
+    bad = table.clone()
+    bad[0, :leftpad[0] // page] = -1
+    bad[1, leftpad[1] // page] = -1
+    bad[3, (seqlens[3] + page - 1) // page:] = -1
+    check(seqlens, bad, nan={1, 2}, leftpad=leftpad)

@@ -21,6 +21,13 @@ FLASHATTN_HD int64_t page_of(const FwdParams& p, int64_t j) {
 FLASHATTN_HD int64_t block_of(const FwdParams& p, int64_t b, int64_t page) {
   return clamp_to(p.block_table[b * p.block_table_stride + page], 0, p.num_blocks - 1);
 }
+// The same, out_of_range set where the table's entry lies outside [0, num_blocks) (left as it is otherwise):
+// the clamped block is still read, so that the rule costs no branch around the copies (FwdParams::check_pages).
+FLASHATTN_HD int64_t block_of(const FwdParams& p, int64_t b, int64_t page, bool& out_of_range) {
+  const int64_t block = p.block_table[b * p.block_table_stride + page];
+  out_of_range = out_of_range | (block < 0) | (block >= p.num_blocks);
+  return clamp_to(block, 0, p.num_blocks - 1);
+}
 
 // Element offset of key row j (counted from the start of sequence b's cache) of head h in a
 // paged k- or v-shaped operand with strides s.

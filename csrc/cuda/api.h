@@ -31,6 +31,10 @@ std::string run_append(const AppendParams& p, void* stream);
 // (the decode kernel's, a walk each): the step's append clears them (AppendParams::zero).
 int64_t step_counter_words(int64_t batch, int64_t heads_kv);
 
+// Whether run_fwd(p) runs the decode kernel (sm80/fwd_decode.cuh) on the current device: its plan, the
+// FLASHATTN_CUDA_* overrides included. (A KV-cache step asks: that kernel checks the pages itself, so a read-only
+// step it serves needs no append before it: FwdParams::check_pages.)
+bool decode_serves(const FwdParams& p);
 // The kernels the plan (plan.h) chooses for the call on the current device under `ov`, as describe()
 // names them.
 std::string planned_fwd(const FwdParams& p, const Overrides& ov);

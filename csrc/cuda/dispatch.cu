@@ -355,6 +355,20 @@ std::string run_fwd_fp8(FwdParams& p, void* stream, const AllocateWorkspace& all
   return take_error();
 }
 
+bool decode_serves(const FwdParams& p) {
+  // (run_fwd's own plan. Where it names the decode kernel, that kernel's launch takes the call, or a CUDA query
+  // failed, which fails the call on either path of the step.)
+  take_error();
+  bool decode = false;
+  if (check_dims(p)) {
+    on_dtype(p.dtype, [&](auto elem) {
+      decode = plan_fwd_typed<decltype(elem)>(p).plan.kernel == FwdKernel::kSm80Decode;
+    });
+  }
+  take_error();  // (a failure here is met again by the call itself)
+  return decode;
+}
+
 std::string planned_fwd(const FwdParams& p, const Overrides& ov) {
   std::string plan;
   on_dtype(p.dtype, [&](auto elem) { plan = describe(plan_fwd_typed<decltype(elem)>(p, ov).plan); });

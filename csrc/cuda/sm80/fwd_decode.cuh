@@ -159,17 +159,18 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads, DecodeConf
                                           : static_cast<const Elem*>(p.k) + hk * p.k_stride.head;
   const Elem* v = kKv == DecodeKv::kDense ? sq.k_rows<const Elem>(p.v, p.v_stride, hk, 0)
                                           : static_cast<const Elem*>(p.v) + hk * p.v_stride.head;
+  bool bad_page = false;  // a page of the part's keys names a block outside the cache (FwdParams::check_pages)
   auto load_kv = [&](int j, int stage) {  // tile j of the part into buffer `stage`
     const int64_t n0 = n_begin + int64_t(j) * kBN;
     const int rows_k = sq.k_tile_rows(n0, kBN);
     if constexpr (kKv == DecodeKv::kPagedRows) {  // (n0 counted from the sequence's first key, k0 from its cache's)
       copy_paged_kv_async<kBN, kDim, kThreads, kSw>(sK + stage * kBN * kLd, sV + stage * kBN * kLd, kLd, p, b, hk,
-                                                    sq.k0 + n0, rows_k, E, Ev, tid);
+                                                    sq.k0 + n0, rows_k, E, Ev, tid, bad_page);
       return;
     }
     int64_t k_at = n0 * p.k_stride.row, v_at = n0 * p.v_stride.row;
     if constexpr (kKv == DecodeKv::kPagedTiles) {  // (k0 is 0: the tile lies in page n0 / page_size)
-      const int64_t page = page_of(p, n0), block = block_of(p, b, page);
+      const int64_t page = page_of(p, n0), block = block_of(p, b, page, bad_page);
       k_at = block * p.k_stride.batch + (n0 - page * p.page_size) * p.k_stride.row;
       v_at = block * p.v_stride.batch + (n0 - page * p.page_size) * p.v_stride.row;
     }
@@ -282,7 +283,14 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads, DecodeConf
     j += two ? 2 : 1;
   }
   cp_async_wait<0>();
-  __syncthreads();  // every warp done with the K / V buffers, which the merge takes
+  // Every warp done with the K / V buffers, which the merge takes. Pages checked: a part that read a bad block for a
+  // key of its sequence gives NaN rows (merge_warps), which the merge of the walk's parts carries to the output
+  // (each walk reads all of its sequence's keys: no window, and a step's last query row sees every key).
+  if constexpr (kKv == DecodeKv::kDense) {
+    __syncthreads();
+  } else if (__syncthreads_or(p.check_pages && bad_page)) {
+    sq.valid = false;
+  }
 
   // The warps' rows into smem (reusing the K / V buffers).
   float* sO = reinterpret_cast<float*>(sK);
@@ -323,11 +331,11 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads, DecodeConf
       add_rows(sStats[(2 * w) * kWarpRows + r], sStats[(2 * w + 1) * kWarpRows + r],
                [&](int c) { return *reinterpret_cast<const float4*>(src + 32 * c); });
     }
+    l = sq.row_sum(l);  // NaN for an invalid sequence or part: stored, pushed or output, it makes the row NaN
   };
   // The output of chunk row `row`: O / l (0 and LSE -inf for a row that sees no key; a NaN sum, an invalid
-  // sequence's too, propagates).
+  // sequence's or part's (merge_warps), propagates).
   auto store_row = [&](int row) {
-    l = sq.row_sum(l);
     const int64_t h = head_of(r0 + row), m = row_of(r0 + row);
     const bool empty = l == 0.f;
     const float inv = empty ? 0.f : 1.f / l;

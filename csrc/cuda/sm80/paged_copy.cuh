@@ -14,14 +14,15 @@ namespace flashattn::cuda::sm80 {
 
 // Key rows j0 .. j0 + kRows - 1 of kv head h of sequence b (counted from the start of its cache)
 // into sK / sV (pitch ld): rows below `rows` (which must lie within the sequence's pages), columns
-// below cols_k / cols_v. Where a thread's rows are evenly spaced (a row's chunks divide the block:
-// dims 32, 64, 128, 256), only its first row divides by the page size; the next ones step through
-// the pages, and a page's block is loaded once per thread (a division and a table load per row
-// cost the kernel twice its time when measured).
+// below cols_k / cols_v; bad_block set where the table names a block outside the cache for a page
+// of those rows (common/pages.h: read clamped all the same). Where a thread's rows are evenly spaced
+// (a row's chunks divide the block: dims 32, 64, 128, 256), only its first row divides by the page
+// size; the next ones step through the pages, and a page's block is loaded once per thread (a
+// division and a table load per row cost the kernel twice its time when measured).
 template <int kRows, int kCols, int kThreads, bool kSwizzle, class Elem>
 __device__ __forceinline__ void copy_paged_kv_async(Elem* sK, Elem* sV, int ld, const FwdParams& p, int64_t b,
                                                     int64_t h, int64_t j0, int rows, int cols_k, int cols_v,
-                                                    int tid) {
+                                                    int tid, bool& bad_block) {
   constexpr int kChunk = chunk_elems<Elem>();
   constexpr int kPerRow = kCols / kChunk;
   static_assert(kCols % kChunk == 0, "tile width is a whole number of 16-byte chunks");
@@ -41,7 +42,7 @@ __device__ __forceinline__ void copy_paged_kv_async(Elem* sK, Elem* sV, int ld, 
       int64_t page = 0, block = 0;
       if (row_ok) {
         page = page_of(p, j0 + r);
-        block = block_of(p, b, page);
+        block = block_of(p, b, page, bad_block);
       }
       copy(r * ld + c, block, j0 + r - page * p.page_size, c, row_ok);
     });
@@ -71,7 +72,7 @@ __device__ __forceinline__ void copy_paged_kv_async(Elem* sK, Elem* sV, int ld, 
       const bool row_ok = r < rows;
       if (row_ok && page != loaded) {
         loaded = page;
-        block = block_of(p, b, page);
+        block = block_of(p, b, page, bad_block);
       }
       copy((it % 2 ? at_odd : at_even) + it * kRowStep * ld, block, row, c, row_ok);
     }
