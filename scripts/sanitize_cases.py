@@ -168,7 +168,8 @@ def kvcache_cases(device="cuda"):
     the first and fourth steps; more than 16 in the second: their rows merged in sets, on sm_90 clusters of 8;
     FLASHATTN_CUDA_KERNELS=sm80 keeps them off clusters): GQA and MHA dense steps, paged steps
     with a ragged batch and left padding (row copies) and from each cache's first key (whole-tile copies), rotary
-    tables (q rotated in the append), head dim 40, two rows per step, and read-only steps (no append)."""
+    tables (q rotated in the append), head dim 40, two rows per step, and read-only steps (no append: the decode
+    kernel checks the pages)."""
     from flashattn_ext import flash_attn_with_kvcache
     gen = torch.Generator(device=device).manual_seed(0)
     # (batch, heads_q, heads_kv, head dim, cache, rows, paged: None, "leftpad" or "from 0", rotary)
@@ -192,8 +193,8 @@ def kvcache_cases(device="cuda"):
             angle = torch.rand(cache, e // 2, generator=gen, device=device)
             kw.update(rotary_cos=angle.cos(), rotary_sin=angle.sin(), causal=True)
         flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, **kw)
-        if paged is None and not rotary:  # a read-only step: its counters cleared by a kernel of their own
-            flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens)
+        if not rotary:  # a read-only step: dense, its counters cleared by a kernel of their own; paged, no append
+            flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, **kw)
 
 
 if sys.argv[1:] in (["fp8"], ["kvcache"]):
