@@ -1042,6 +1042,24 @@ Error swap_len_heads(const Tensor& t, const char* what, Tensor& swapped) {
   return {};
 }
 
+// A KV-cache step's attention as fwd takes it: q and the caches as (batch, heads, len, dim) views (swap_len_heads),
+// and the features of the caches' key ranges (each sequence's end, left padding, pages).
+struct StepAttention {
+  Tensor q, k, v;
+  Features f;
+};
+Error step_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                     const std::optional<Tensor>& seqused, const std::optional<Tensor>& leftpad,
+                     const std::optional<Tensor>& block_table, StepAttention& a) {
+  FA_TRY(swap_len_heads(q, "q", a.q));
+  FA_TRY(swap_len_heads(k_cache, "k_cache", a.k));
+  FA_TRY(swap_len_heads(v_cache, "v_cache", a.v));
+  a.f.seqused_k = seqused;
+  a.f.leftpad_k = leftpad;
+  a.f.block_table = block_table;
+  return {};
+}
+
 // The strides torch.empty_like(t) gives a new tensor (t's last dimension contiguous): t's own where t
 // is non-overlapping and dense (its elements fill its span once, in any dimension order), else
 // contiguous ones. The rotated q of a step is laid out as the step's Python made it.
@@ -1094,19 +1112,14 @@ Error read_only_cuda_step(const Tensor& k_cache, const Tensor& v_cache, const Te
   // (named as the append names them, before fwd's checks would call them seqused_k and leftpad_k)
   FA_TRY(check_per_sequence(seqlens, "seqlens", k_cache, q.size(0)));
   if (leftpad.has_value()) FA_TRY(check_per_sequence(*leftpad, "leftpad", k_cache, q.size(0)));
-  Tensor q_view = q, k_view = q, v_view = q, out_view = q;
-  FA_TRY(swap_len_heads(q, "q", q_view));
-  FA_TRY(swap_len_heads(k_cache, "k_cache", k_view));
-  FA_TRY(swap_len_heads(v_cache, "v_cache", v_view));
-  Features f;
-  f.seqused_k = seqlens;
-  f.leftpad_k = leftpad;
-  f.block_table = block_table;
+  StepAttention a{q, q, q, {}};
+  FA_TRY(step_attention(q, k_cache, v_cache, seqlens, leftpad, block_table, a));
   FwdParams p;
   Dims d;
-  FA_TRY(fwd_params(q_view, k_view, v_view, scale, causal ? kCausalBottomRight : kCausalNone, f, p, d));
+  FA_TRY(fwd_params(a.q, a.k, a.v, scale, causal ? kCausalBottomRight : kCausalNone, a.f, p, d));
   bool done = false;
-  FA_TRY(fwd_outputs(p, q_view, d, q.scalar_type(), lse_type(q.scalar_type()), out_view, lse, done));
+  Tensor out_view = q;
+  FA_TRY(fwd_outputs(p, a.q, d, q.scalar_type(), lse_type(q.scalar_type()), out_view, lse, done));
   if (!done) {
     Tensor used = seqlens;  // (held until the attention is queued)
     torch::stable::accelerator::DeviceGuard guard(q.get_device_index());  // (the plan is the device's)
@@ -1119,7 +1132,7 @@ Error read_only_cuda_step(const Tensor& k_cache, const Tensor& v_cache, const Te
                             std::nullopt, true, std::nullopt, std::nullopt, false, used));
       p.seqused_k = static_cast<const int32_t*>(used.const_data_ptr());
     }
-    FA_TRY(run_backend(p, q_view, cpu::fwd_workspace_bytes, cpu::run_fwd, FLASHATTN_CUDA_FWD));
+    FA_TRY(run_backend(p, a.q, cpu::fwd_workspace_bytes, cpu::run_fwd, FLASHATTN_CUDA_FWD));
   }
   return swap_len_heads(out_view, "out", out);
 }
@@ -1181,21 +1194,17 @@ Error kvcache_step(Tensor k_cache, Tensor v_cache, Tensor q, const std::optional
     seqused = used;
     if (rotary) q_attended = *q_rotated;
   }
-  Tensor q_view = q, k_view = q, v_view = q, out_view = q;
-  FA_TRY(swap_len_heads(q_attended, "q", q_view));
-  FA_TRY(swap_len_heads(k_cache, "k_cache", k_view));
-  FA_TRY(swap_len_heads(v_cache, "v_cache", v_view));
-  Features f;
-  f.seqused_k = seqused;
-  f.leftpad_k = leftpad;
-  f.block_table = block_table;
+  StepAttention a{q, q, q, {}};
+  FA_TRY(step_attention(q_attended, k_cache, v_cache, seqused, leftpad, block_table, a));
+  Features& f = a.f;
   f.zeroed = zeroed;
   f.zeroed_words = zero_words;
   if (zeroed != nullptr && !rotary) {  // (CUDA: the append ran, q untouched)
     f.seqused_before = static_cast<const int32_t*>(seqlens->const_data_ptr());
     f.seqused_added = k.has_value() ? k->size(1) : 0;
   }
-  FA_TRY(fwd(q_view, k_view, v_view, scale, causal ? kCausalBottomRight : kCausalNone, f, out_view, lse));
+  Tensor out_view = q;
+  FA_TRY(fwd(a.q, a.k, a.v, scale, causal ? kCausalBottomRight : kCausalNone, f, out_view, lse));
   return swap_len_heads(out_view, "out", out);
 }
 
