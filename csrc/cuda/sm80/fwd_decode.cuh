@@ -410,14 +410,16 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads, DecodeConf
 }
 
 // Adds the parts of a walk's row (fwd_decode_kernel's slots: O, max and sum per part) in part order and stores
-// the row's output and LSE. A block per walk and chunk row (walk-major); its 4 warps take parts w, w + 4, ...,
-// a lane columns 4 lane + 128 v, and warp 0 adds the warps' sums in warp order (the same order every call).
+// the row's output and LSE. A block per walk and chunk row (walk-major); its kWarps warps take parts w,
+// w + kWarps, ..., a lane columns 4 lane + 128 v, and warp 0 adds the warps' sums in warp order (the same order
+// every call). (Up to 128 parts: many warps, so that each issues few rounds of loads.)
+constexpr int kDecodeCombineWarps = 8;
 template <class Elem, int kDim>
-__global__ void __launch_bounds__(128) decode_combine_kernel(const FwdParams p, DecodeGrid grid) {
+__global__ void __launch_bounds__(32 * kDecodeCombineWarps) decode_combine_kernel(const FwdParams p, DecodeGrid grid) {
   using Cfg = DecodeConfig<Elem, kDim>;
   using M = Mma<Elem>;
   using Exp = ExpDomain<float>;
-  constexpr int kRows = Cfg::kRows, kVecs = (kDim + 127) / 128, kWarps = 4;
+  constexpr int kRows = Cfg::kRows, kVecs = (kDim + 127) / 128, kWarps = kDecodeCombineWarps;
   __shared__ float4 sAcc[kWarps - 1][kVecs * 32];
   __shared__ float sMax[kWarps - 1], sSum[kWarps - 1];
   const int row = int(blockIdx.x % unsigned(grid.chunk_rows)), lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -605,8 +607,8 @@ bool launch_decode(const FwdParams& p, cudaStream_t stream) {
                          grid);
     });
     if (combine)
-      launch_after_prior(decode_combine_kernel<Elem, kDim>, unsigned(l.walks * grid.chunk_rows), 1, 128, 0, stream,
-                         "sm80::decode_combine_kernel", p, grid);
+      launch_after_prior(decode_combine_kernel<Elem, kDim>, unsigned(l.walks * grid.chunk_rows), 1,
+                         32 * kDecodeCombineWarps, 0, stream, "sm80::decode_combine_kernel", p, grid);
     return true;
   }
 }
