@@ -293,8 +293,6 @@ struct Features {
   int64_t max_seqlen_q = 0, max_seqlen_k = 0;
   std::optional<Tensor> seqused_k, leftpad_k;
   std::optional<Tensor> block_table;
-  unsigned* zeroed = nullptr;  // FwdParams::zeroed (kvcache_step)
-  int64_t zeroed_words = 0;
   const int32_t* seqused_before = nullptr;  // FwdParams::seqused_before (kvcache_step)
   int64_t seqused_added = 0;
 
@@ -593,8 +591,6 @@ Error fwd_params(const Tensor& q, const Tensor& k, const Tensor& v, double scale
   FA_TRY(fill_common(p, q, k, v, d, scale, causal));
   FA_TRY(check_and_fill_features(p, f, q, d, causal));
   if (f.block_table.has_value()) FA_TRY(fill_pages(p, *f.block_table, k));
-  p.zeroed = f.zeroed;
-  p.zeroed_words = f.zeroed_words;
   p.seqused_before = f.seqused_before;
   p.seqused_added = f.seqused_added;
   return {};
@@ -925,14 +921,11 @@ Error check_rotary(const Tensor& k_cache, const std::optional<Tensor>& rotary_co
 // left padding, cache row, the blocks of the pages that hold its keys) allow no step. The values
 // are read only where the backends read them (a CUDA step never waits). With rotary tables the new
 // keys are written rotated, and q's rows rotated into q_rotated, in the same launch (check_rotary).
-// zero_words > 0: as many words, allocated after seqused's, cleared in the same launch too, at `zeroed`
-// (the attention's counters: FwdParams::zeroed).
 Error kvcache_append(Tensor k_cache, Tensor v_cache, Tensor k, Tensor v, Tensor seqlens,
                      const std::optional<Tensor>& batch_idx, const std::optional<Tensor>& block_table,
                      const std::optional<Tensor>& leftpad, const std::optional<Tensor>& rotary_cos,
                      const std::optional<Tensor>& rotary_sin, bool rotary_interleaved, const std::optional<Tensor>& q,
-                     const std::optional<Tensor>& q_rotated, bool q_rows_consecutive, Tensor& seqused,
-                     int64_t zero_words = 0, unsigned** zeroed = nullptr) {
+                     const std::optional<Tensor>& q_rotated, bool q_rows_consecutive, Tensor& seqused) {
   const std::pair<const Tensor*, const char*> named[] = {
       {&k_cache, "k_cache"}, {&v_cache, "v_cache"}, {&k, "k"}, {&v, "v"}};
   for (const auto& [t, name] : named) {
@@ -989,17 +982,7 @@ Error kvcache_append(Tensor k_cache, Tensor v_cache, Tensor k, Tensor v, Tensor 
     p.leftpad = static_cast<const int32_t*>(leftpad->const_data_ptr());
   }
   FA_TRY(check_rotary(k_cache, rotary_cos, rotary_sin, rotary_interleaved, q, q_rotated, q_rows_consecutive, p));
-  FA_TRY(allocate({p.batch + zero_words}, ScalarType::Int, k_cache, "seqused", seqused));
-  if (zero_words > 0) {
-    p.zero = reinterpret_cast<unsigned*>(static_cast<int32_t*>(seqused.mutable_data_ptr()) + p.batch);
-    p.zero_words = zero_words;
-    *zeroed = p.zero;
-    const int64_t size = p.batch, stride = 1;
-    AtenTensorHandle handle = nullptr;
-    FA_CHECK(aoti_torch__reinterpret_tensor(seqused.get(), 1, &size, &stride, 0, &handle) == AOTI_TORCH_SUCCESS,
-             "flashattn: could not make the view of seqused");
-    seqused = Tensor(handle);
-  }
+  FA_TRY(allocate({p.batch}, ScalarType::Int, k_cache, "seqused", seqused));
   p.k_cache = k_cache.mutable_data_ptr();
   p.v_cache = v_cache.mutable_data_ptr();
   // (batch, len, heads, dim) tensors: Strides' head and row are their dimensions 2 and 1.
@@ -1160,8 +1143,7 @@ Error kvcache_step(Tensor k_cache, Tensor v_cache, Tensor q, const std::optional
   FA_CHECK(k.has_value() == v.has_value(), "flashattn: arguments 'k' and 'v' must be given together");
   const bool rotary = rotary_cos.has_value();
   std::optional<Tensor> seqused = seqlens;
-  unsigned* zeroed = nullptr;  // the decode kernel's counters, cleared by the append (CUDA)
-  int64_t zero_words = 0;
+  bool appended_on_cuda = false;
   Tensor q_attended = q;
   if (k.has_value() || rotary || block_table.has_value() || leftpad.has_value()) {
     FA_CHECK(seqlens.has_value(), "flashattn: argument 'seqlens' is needed with new rows, rotary tables, a "
@@ -1185,21 +1167,17 @@ Error kvcache_step(Tensor k_cache, Tensor v_cache, Tensor q, const std::optional
       q_rotated = t;
     }
     Tensor used = q;
-#ifdef FLASHATTN_WITH_CUDA
-    if (q.is_cuda()) zero_words = cuda::step_counter_words(q.size(0), k_cache.size(2));
-#endif
     FA_TRY(kvcache_append(k_cache, v_cache, k_new, v_new, *seqlens, std::nullopt, block_table, leftpad, rotary_cos,
                           rotary_sin, rotary_interleaved, rotary ? std::optional<Tensor>(q) : std::nullopt, q_rotated,
-                          causal, used, zero_words, &zeroed));
+                          causal, used));
     seqused = used;
+    appended_on_cuda = q.is_cuda();
     if (rotary) q_attended = *q_rotated;
   }
   StepAttention a{q, q, q, {}};
   FA_TRY(step_attention(q_attended, k_cache, v_cache, seqused, leftpad, block_table, a));
   Features& f = a.f;
-  f.zeroed = zeroed;
-  f.zeroed_words = zero_words;
-  if (zeroed != nullptr && !rotary) {  // (CUDA: the append ran, q untouched)
+  if (appended_on_cuda && !rotary) {  // (q untouched)
     f.seqused_before = static_cast<const int32_t*>(seqlens->const_data_ptr());
     f.seqused_added = k.has_value() ? k->size(1) : 0;
   }

@@ -100,11 +100,6 @@ struct FwdParams {
   // Clamped where read (sequence()) to 0 <= leftpad_k <= seqused_k <= len_k.
   const int32_t* seqused_k = nullptr;
   const int32_t* leftpad_k = nullptr;
-  // Optional (a KV-cache step, CUDA): `zeroed_words` words that the step's append cleared for this
-  // call. A kernel that counts finished parts (the decode kernel) takes its counters from here
-  // instead of clearing its own, which would add a launch between the append and the attention.
-  unsigned* zeroed = nullptr;
-  int64_t zeroed_words = 0;
   // Optional (a KV-cache step whose append, the kernel before this call, leaves q as it is: no rotary tables;
   // CUDA): the lengths the append read. It writes seqused_k[b] = seqused_before[b] + seqused_added for every
   // sequence it allows (-1 for the others) and, in the caches, only the rows from seqused_before[b] on: the decode
@@ -239,10 +234,6 @@ struct AppendParams {
   // (the attention's seqused_k), or -1 for a sequence whose values are out of range, which writes
   // nothing (and whose attention rows the -1 turns to NaN).
   int32_t* seqused = nullptr;
-  // Optional: `zero_words` words cleared by the append's launch (the attention's counters, which then
-  // need no launch of their own: FwdParams::zeroed).
-  unsigned* zero = nullptr;
-  int64_t zero_words = 0;
 };
 
 inline size_t dtype_size(DType t) {

@@ -27,9 +27,6 @@ inline constexpr const char* kFp8Unavailable = "float8 kernel unavailable: ";
 std::string run_fwd_fp8(FwdParams& p, void* stream, const AllocateWorkspace& allocate);
 // The in-place append of a KV-cache step and its seqused output (common/append.h), one launch.
 std::string run_append(const AppendParams& p, void* stream);
-// Counters the attention of a KV-cache step of `batch` sequences and `heads_kv` kv heads may need
-// (the decode kernel's, a walk each): the step's append clears them (AppendParams::zero).
-int64_t step_counter_words(int64_t batch, int64_t heads_kv);
 
 // Whether run_fwd(p) runs the decode kernel (sm80/fwd_decode.cuh) on the current device: its plan, the
 // FLASHATTN_CUDA_* overrides included. (A KV-cache step asks: that kernel checks the pages itself, so a read-only

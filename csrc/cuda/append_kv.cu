@@ -7,7 +7,6 @@
 #include "common/check.h"
 #include "common/dependent_launch.cuh"
 #include "common/numeric.cuh"
-#include "sm80/tile_config.h"
 
 namespace flashattn::cuda {
 namespace {
@@ -68,8 +67,8 @@ __device__ __forceinline__ void rotate_row(const AppendParams& p, const T* from,
 // one row of 32 heads on an H100: a decode step's append would cost as much as its attention.) Each
 // block checks its sequence's rules and pages (its threads together: the same answer in every block of
 // the sequence); block (b, 0, 0) writes seqused. With no rows, a block per sequence checks its rules and
-// writes its seqused only. The blocks also clear p.zero, and let the attention's launch start (sm_90:
-// its blocks wait for this grid before they read anything).
+// writes its seqused only. The blocks let the attention's launch start (sm_90: its blocks wait for this grid
+// before they read anything).
 constexpr int kAppendWarps = 4;
 
 template <class T>
@@ -82,9 +81,6 @@ __global__ void __launch_bounds__(32 * kAppendWarps) append_kernel(const AppendP
   const int64_t b = bt / unsigned(rows), t = bt % unsigned(rows);
   const int lane = threadIdx.x & 31;
   const int64_t h = hb * kAppendWarps + (threadIdx.x >> 5);
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < p.zero_words;
-       i += int64_t(gridDim.x) * blockDim.x)
-    p.zero[i] = 0;
   const bool lengths_ok = append_lengths_allowed(p, b);
   bool bad_page = false;
   if (p.block_table && lengths_ok) {
@@ -136,13 +132,6 @@ std::string run_append(const AppendParams& p, void* stream) {
     case DType::kFloat16: append<__half>(p, s); break;
   }
   return take_error();
-}
-
-int64_t step_counter_words(int64_t batch, int64_t heads_kv) {
-  // The decode kernel's counters: one per walk, and one per walk and set of parts, where a walk has at most
-  // parts / kDecodePartsPerSet + 1 sets and the walks' parts fill at most one wave (at most 32 blocks per SM).
-  const int64_t walks = batch * heads_kv * sm80::kDecodeMaxWalksPerHead;
-  return 2 * walks + 32 * device_limits().sms / sm80::kDecodePartsPerSet;
 }
 
 }  // namespace flashattn::cuda

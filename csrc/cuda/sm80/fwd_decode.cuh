@@ -10,14 +10,11 @@
 // Each warp runs the online softmax over its own keys, and at the end the warps' rows merge through smem.
 // K / V tiles stream through kStages buffers (cp.async). A grid smaller than the GPU cuts each
 // walk over the keys into parts, a block each; a part stores its merged rows (fp32) in the
-// workspace, and the walk's last part to finish (a counter per walk) adds every part in part
-// order, so the output does not depend on which part that is (in sets of 8 parts first where there
-// are more than 16: the last part of each set adds its set). On sm_90 a short step (a cache of few tiles, every
-// walk's parts together fewer blocks than SMs) runs each walk's parts as one thread block cluster instead:
-// each part pushes its rows into the shared memory of each row's owner (distributed shared memory), which adds
-// them (no workspace, no counters to clear, no fence or atomic: the fixed cost of a short step). A longer
-// step's sets are clusters the same way: each set's owners store the set's rows in the workspace and the
-// walk's last block adds the sets' (one fence, count and read back instead of two).
+// workspace, and a second kernel (decode_combine_kernel, a dependent launch) adds each row's parts in
+// part order. On sm_90 a short step (a cache of few tiles, every walk's parts together fewer blocks than SMs)
+// runs each walk's parts as one thread block cluster instead: each part pushes its rows into the shared memory
+// of each row's owner (distributed shared memory), which adds them (no workspace, no second kernel: the fixed
+// cost of a short step).
 // Per-sequence key ranges (seqused_k, leftpad_k: a KV cache's lengths and left padding) are read
 // on the device (sequence()): a walk covers its own sequence's keys, while the parts are sized on
 // the host from len_k (the cache's length, the longest possible walk), so the grid never depends
@@ -51,17 +48,14 @@ namespace flashattn::cuda::sm80 {
 
 // The grid: blocks (batch, kv head, part, chunk) with the chunk fastest, so that the chunks of a GQA
 // group's part, which read the same K / V tiles, run side by side and share them through L2; a walk is
-// (batch, kv head, chunk). Where parts > 1, `partial`: a slot per walk and part, then one per walk and set;
-// `counters`: one per walk, then one per walk and set. Clustered (cluster > 1): the blocks (batch, kv head,
-// chunk, part), the part fastest, each `cluster` parts one thread block cluster: the walk's parts (no
-// workspace) or a set of them (cluster = per_set: `partial` a slot per walk and set, `counters` one per walk).
+// (batch, kv head, chunk). Where parts > 1, `partial`: a slot per walk and part, which decode_combine_kernel
+// adds. Clustered (cluster > 1): the blocks (batch, kv head, chunk, part), the part fastest, each walk's parts
+// one thread block cluster (no workspace).
 struct DecodeGrid {
   int chunks = 1, parts = 1, chunk_rows = kDecodeChunkRows;  // chunk_rows: 16 or 32 (decode_chunk_rows)
-  int per_set = 1 << 30;  // parts per set of the two-level merge (>= parts: one level)
-  int cluster = 1;        // parts per thread block cluster (1: none, else parts or per_set)
+  int cluster = 1;                                          // parts per thread block cluster (1: none, else parts)
   float* partial = nullptr;
-  unsigned* counters = nullptr;
-  // Early: the kernels before this one are the step's append (and maybe the counters' clear), which write nothing
+  // Early: the kernel before this one is the step's append, which writes nothing
   // the prologue reads but the last `added` keys of each sequence and seqused_k: the prologue then plans from
   // lengths[b] + added (the lengths the append read: FwdParams::seqused_before) and issues Q and the first tiles
   // before it waits for them, while they run.
@@ -69,9 +63,8 @@ struct DecodeGrid {
   const int32_t* lengths = nullptr;  // the prologue's seqused_k[b] is lengths[b] + added (else seqused_k, 0)
   int added = 0;
   // The kernel's divisors (common/fast_divide.h: a short step's prologue is a chain of its divisions): the grid's
-  // fastest and next index (above), the kv heads, the query rows, the parts and a cluster's blocks. Set once the
-  // rest is.
-  FastDivisor by_fastest, by_next, by_heads_kv, by_len_q, by_parts, by_cluster;
+  // fastest and next index (above), the kv heads, the query rows and the parts. Set once the rest is.
+  FastDivisor by_fastest, by_next, by_heads_kv, by_len_q, by_parts;
   void set_divisors(const FwdParams& p) {
     const bool clustered = cluster > 1;
     by_fastest = FastDivisor(unsigned(clustered ? parts : chunks));
@@ -79,7 +72,6 @@ struct DecodeGrid {
     by_heads_kv = FastDivisor(unsigned(p.heads_kv));
     by_len_q = FastDivisor(unsigned(p.len_q));
     by_parts = FastDivisor(unsigned(parts));
-    by_cluster = FastDivisor(unsigned(cluster));
   }
 };
 
@@ -358,56 +350,24 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads, DecodeConf
     }
     return;
   }
-  // Rows in the workspace: slot i (a part's or a set's rows), stored and added.
-  auto slot = [&](int64_t i) { return grid.partial + i * int64_t(Cfg::kSlotFloats); };
-  auto store_slot = [&](float* dst, int row) {  // the thread's share of row `row` (acc, mx, l)
-#pragma unroll
-    for (int c = 0; c < kCols; ++c) __stcg(reinterpret_cast<float4*>(dst + row * kDim + col0 + 32 * c), acc[c]);
-    if (tid % 8 == 0) {
-      __stcg(dst + kRows * kDim + row, mx);
-      __stcg(dst + kRows * kDim + kRows + row, l);
-    }
-  };
-  auto add_slots = [&](int64_t first, int n, int row) {  // row `row` of slots first .. first + n - 1, in order
-    reset();
-#pragma unroll 4
-    for (int j = 0; j < n; ++j) {
-      const float* src = slot(first + j);
-      add_rows(__ldcg(src + kRows * kDim + row), __ldcg(src + kRows * kDim + kRows + row),
-               [&](int c) { return __ldcg(reinterpret_cast<const float4*>(src + row * kDim + col0 + 32 * c)); });
-    }
-  };
-  // Counts the block at `counter`; true (in every thread) in the last of `blocks` to arrive, which then sees the
-  // rows the others stored before they counted.
-  auto last_of = [&](unsigned* counter, int blocks) {
-    __threadfence();  // this thread's rows reach L2 before the count that publishes them
-    __syncthreads();
-    bool last = false;
-    if (tid == 0) last = atomicAdd(counter, 1u) == unsigned(blocks - 1);
-    if (!__syncthreads_or(last)) return false;
-    __threadfence();
-    return true;
-  };
   if (clustered) {
-    // Each part pushes its rows into their owners' smem (row `row`'s owner: the cluster's block row % cluster), past
+    // Each part pushes its rows into their owners' smem (row `row`'s owner: the cluster's block row % parts), past
     // the owners' warps' rows, in their K / V buffers: only once every part is done with those (barrier 1, its
     // arrival overlapping the first row group's merge). Each owner then adds its rows' parts in part order from
     // its own smem (barrier 2: every push landed). No block reads another's smem: no round trip, and no third
     // barrier to keep a block's smem alive for its readers.
-    constexpr int kSlots = Cfg::kClusterSlots;
     float* sSlots = sO + Cfg::kMergeBytes / sizeof(float);
-    float* sSlotMax = sSlots + kSlots * kDim;
-    float* sSlotSum = sSlotMax + kSlots;
-    const int parts = grid.cluster, set = int(grid.by_cluster.div(unsigned(part))), rank = part - set * parts;
-    const int sets = int(grid.by_cluster.div(unsigned(grid.parts)));  // (a set's slots: walk * sets + set)
+    float* sSlotMax = sSlots + Cfg::kClusterSlots * kDim;
+    float* sSlotSum = sSlotMax + Cfg::kClusterSlots;
+    const int parts = grid.parts;
     cluster_arrive();  // 1: done with the K / V buffers
     for (int i = 0; i < groups; ++i) {
       merge_warps(i);
       if (i == 0) cluster_wait();
       const int row = kWarpRows * i + tid / 8;
       if (row >= rows) continue;
-      const int in_owner = int(grid.by_cluster.div(row)), owner = row - in_owner * parts;
-      const int slot = in_owner * parts + rank;
+      const int in_owner = int(grid.by_parts.div(row)), owner = row - in_owner * parts;
+      const int slot = in_owner * parts + part;
 #pragma unroll
       for (int c = 0; c < kCols; ++c)
         store_cluster_f32x4(cluster_smem_address(sSlots + slot * kDim + col0 + 32 * c, owner), acc[c]);
@@ -420,83 +380,111 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads, DecodeConf
     cluster_wait();
     for (int i = 0; i < groups; ++i) {
       const int row = kWarpRows * i + tid / 8;
-      const int in_owner = int(grid.by_cluster.div(row));
-      if (row >= rows || row - in_owner * parts != rank) continue;
+      const int in_owner = int(grid.by_parts.div(row));
+      if (row >= rows || row - in_owner * parts != part) continue;
       reset();
       for (int j = 0; j < parts; ++j) {
         const int slot = in_owner * parts + j;
         add_rows(sSlotMax[slot], sSlotSum[slot],
                  [&](int c) { return *reinterpret_cast<const float4*>(sSlots + slot * kDim + col0 + 32 * c); });
       }
-      if (parts == grid.parts) {
-        store_row(row);
-      } else {
-        store_slot(slot(walk * sets + set), row);
-      }
-    }
-    if (parts == grid.parts || !last_of(grid.counters + walk, grid.parts)) return;
-    // (every block of the walk counted: the sets' rows are spread over their owners)
-    for (int i = 0; i < groups; ++i) {
-      const int row = kWarpRows * i + tid / 8;
-      if (row >= rows) return;
-      add_slots(walk * sets, sets, row);
       store_row(row);
     }
     return;
   }
-  // A part: its rows to its slot; the walk's last part to finish adds every part's rows in part order (its own
-  // read back too), whichever part that is. With sets (grid.per_set < parts), the last part of each set of
-  // per_set parts first adds the set's rows into the set's slot, and the walk's last set adds the sets': the
-  // rows a walk's merge reads are then spread over the sets' blocks.
+  // A part: its rows to its slot, which decode_combine_kernel adds once every part is done (allowed to start
+  // now: its blocks wait for this grid, and their launch overlaps the merge and the stores).
+  allow_dependent_launch();
+  float* dst = grid.partial + (walk * grid.parts + part) * int64_t(Cfg::kSlotFloats);
   for (int i = 0; i < groups; ++i) {
     merge_warps(i);
     const int row = kWarpRows * i + tid / 8;
-    // (only the chunk's rows: a decode step of a GQA group of 4 fills 4 of the 32)
-    if (row < rows) store_slot(slot(walk * grid.parts + part), row);
-  }
-  const int64_t walks = grid.by_parts.div(gridDim.x);
-  int64_t merged = walk * grid.parts;  // the slots the walk's last block adds: merged .. merged + count - 1
-  int count = grid.parts;
-  if (grid.per_set < grid.parts) {
-    const int sets = (grid.parts + grid.per_set - 1) / grid.per_set, set = part / grid.per_set;
-    const int in_set = grid.parts - set * grid.per_set < grid.per_set ? grid.parts - set * grid.per_set
-                                                                      : grid.per_set;
-    if (!last_of(grid.counters + walks + walk * sets + set, in_set)) return;
-    const int64_t set_slot = walks * grid.parts + walk * sets;
-    for (int i = 0; i < groups; ++i) {
-      const int row = kWarpRows * i + tid / 8;
-      if (row < rows) {
-        add_slots(walk * grid.parts + set * grid.per_set, in_set, row);
-        store_slot(slot(set_slot + set), row);
-      }
+    if (row >= rows) break;  // (only the chunk's rows: a decode step of a GQA group of 4 fills 4 of the 32)
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) __stcg(reinterpret_cast<float4*>(dst + row * kDim + col0 + 32 * c), acc[c]);
+    if (tid % 8 == 0) {
+      __stcg(dst + kRows * kDim + row, mx);
+      __stcg(dst + kRows * kDim + kRows + row, l);
     }
-    merged = set_slot;
-    count = sets;
-  }
-  if (!last_of(grid.counters + walk, count)) return;
-  for (int i = 0; i < groups; ++i) {
-    const int row = kWarpRows * i + tid / 8;
-    if (row >= rows) return;
-    add_slots(merged, count, row);
-    store_row(row);
   }
 }
 
-// Clears a read-only step's part counters in a kernel rather than a memset node: it lets the decode
-// kernel, a dependent launch, start at once (the counters are read after its wait_for_prior_grids()). (A
-// template: this header is compiled into several files.)
-template <class Word>
-__global__ void __launch_bounds__(256) clear_counters_kernel(Word* words, int64_t n) {
-  allow_dependent_launch();
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
-    words[i] = 0;
+// Adds the parts of a walk's row (fwd_decode_kernel's slots: O, max and sum per part) in part order and stores
+// the row's output and LSE. A block per walk and chunk row (walk-major); its kWarps warps take parts w,
+// w + kWarps, ..., a lane columns 4 lane + 128 v, and warp 0 adds the warps' sums in warp order (the same order
+// every call). (Up to 128 parts: many warps, so that each issues few rounds of loads.)
+constexpr int kDecodeCombineWarps = 8;
+template <class Elem, int kDim>
+__global__ void __launch_bounds__(32 * kDecodeCombineWarps) decode_combine_kernel(const FwdParams p, DecodeGrid grid) {
+  using Cfg = DecodeConfig<Elem, kDim>;
+  using M = Mma<Elem>;
+  using Exp = ExpDomain<float>;
+  constexpr int kRows = Cfg::kRows, kVecs = (kDim + 127) / 128, kWarps = kDecodeCombineWarps;
+  __shared__ float4 sAcc[kWarps - 1][kVecs * 32];
+  __shared__ float sMax[kWarps - 1], sSum[kWarps - 1];
+  const int row = int(blockIdx.x % unsigned(grid.chunk_rows)), lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t walk = blockIdx.x / unsigned(grid.chunk_rows), head = walk / grid.chunks;
+  const int64_t b = head / p.heads_kv, hk = head - b * p.heads_kv, chunk = walk - head * grid.chunks;
+  const int64_t group = p.heads_q / p.heads_kv, r = chunk * grid.chunk_rows + row;
+  wait_for_prior_grids();
+  const Seq sq = sequence(p, b);
+  if (r >= group * sq.len_q) return;
+
+  float mx = neg_inf<float>(), l = 0.f;
+  float4 acc[kVecs];
+#pragma unroll
+  for (int v = 0; v < kVecs; ++v) acc[v] = make_float4(0.f, 0.f, 0.f, 0.f);
+  auto add = [&](float m_i, float l_i, auto load) {  // a part's (or a warp's) row, rescaled to the running max
+    const float new_max = acc_max(mx, m_i), base = exp_base(new_max);
+    const float a = Exp::exp(mx - base), f = Exp::exp(m_i - base);
+    mx = new_max;
+    l = l * a + l_i * f;
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) {
+      const float4 x = load(v);
+      acc[v] = make_float4(acc[v].x * a + x.x * f, acc[v].y * a + x.y * f, acc[v].z * a + x.z * f,
+                           acc[v].w * a + x.w * f);
+    }
+  };
+  auto col = [&](int v) { return 4 * lane + 128 * v; };
+#pragma unroll 4
+  for (int j = warp; j < grid.parts; j += kWarps) {
+    const float* src = grid.partial + (walk * grid.parts + j) * int64_t(Cfg::kSlotFloats);
+    add(__ldcg(src + kRows * kDim + row), __ldcg(src + kRows * kDim + kRows + row), [&](int v) {
+      return col(v) < kDim ? __ldcg(reinterpret_cast<const float4*>(src + row * kDim + col(v)))
+                           : make_float4(0.f, 0.f, 0.f, 0.f);
+    });
+  }
+  if (warp > 0) {
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) sAcc[warp - 1][32 * v + lane] = acc[v];
+    if (lane == 0) {
+      sMax[warp - 1] = mx;
+      sSum[warp - 1] = l;
+    }
+  }
+  __syncthreads();
+  if (warp > 0) return;
+  for (int w = 0; w < kWarps - 1; ++w) add(sMax[w], sSum[w], [&](int v) { return sAcc[w][32 * v + lane]; });
+
+  // O / l (0 and LSE -inf for a row that sees no key; a NaN sum, an invalid sequence's or part's, propagates)
+  const int64_t h = hk * group + r / p.len_q, m = r % p.len_q;
+  const bool empty = l == 0.f;
+  const float inv = empty ? 0.f : 1.f / l;
+  Elem* out = sq.q_rows<Elem>(p.out, p.out_stride, h, m);
+#pragma unroll
+  for (int v = 0; v < kVecs; ++v) {
+    if (col(v) < p.head_dim_v)  // (a multiple of 8: a chunk of 4 is in or out whole)
+      *reinterpret_cast<uint2*>(out + col(v)) =
+          make_uint2(M::pack(acc[v].x * inv, acc[v].y * inv), M::pack(acc[v].z * inv, acc[v].w * inv));
+  }
+  if (lane == 0) static_cast<float*>(p.lse)[sq.row_index(p.heads_q, h, m)] = empty ? neg_inf<float>() : Exp::lse(mx, l);
 }
 
 // The plan of a decode call: blocks per SM (smem set, asked once per device), chunks, and parts
 // where the walks are fewer than the GPU's slots.
 // Parts: enough to fill one wave of the GPU, each of at least kDecodeMinPartTiles key tiles, at
-// most kDecodeMaxParts; merged in sets of kDecodePartsPerSet where there are more than kDecodeOneLevelParts (one
-// block reading 64 parts' rows, 512 KB at MQA's 16 rows a part, was the largest share of a small MQA step).
+// most kDecodeMaxParts.
 constexpr int64_t kDecodeMinPartTiles = 4, kDecodeMaxParts = 128;
 
 // Rows of a chunk: 32 (warp pairs: each K / V tile read once per 32 rows) where the call reads enough tiles to
@@ -533,7 +521,6 @@ struct DecodeLaunch {
   DecodeGrid grid;
   DecodeKv kv = DecodeKv::kDense;
   int64_t walks = 0;
-  size_t smem = Cfg::kSmemBytes;  // the launch's (set clusters: the most a block may have)
   bool usable = false;
 
   explicit DecodeLaunch(const FwdParams& p) {
@@ -560,35 +547,13 @@ struct DecodeLaunch {
     if (tiles <= kDecodeClusterTiles && cparts >= 2 &&
         walks <= clusters_resident_once(kv, int(cparts), Cfg::kSmemBytes)) {
       grid.parts = grid.cluster = int(cparts);
-    } else if (grid.parts > kDecodeOneLevelParts) {
-      // Sets of kDecodePartsPerSet; on sm_90 each set a cluster (whole sets: the parts rounded down) where every
-      // cluster is resident at once a block per SM (each block asks for the most smem a block may have). (Two
-      // blocks per SM: MQA B = 1 16k / 32k, GQA B = 1 8k were 4-45% slower, H200.)
-      grid.per_set = int(kDecodePartsPerSet);
-      const int64_t set_parts = grid.parts / grid.per_set * grid.per_set;
-      const size_t spread = device_limits().smem_optin;
-      if (walks * set_parts / grid.per_set <= clusters_resident_once(kv, grid.per_set, spread)) {
-        grid.parts = int(set_parts);
-        grid.cluster = grid.per_set;
-        smem = spread;
-      }
     }
     if (grid_too_large(walks, "sm80::fwd_decode_kernel")) usable = false;
   }
-  // The merge's slots and counters in the workspace (none where one block or one cluster takes a walk): a slot
-  // per part and per set, a counter per walk and per set; where the sets are clusters, a slot per set and a
-  // counter per walk.
-  int64_t sets() const { return grid.per_set < grid.parts ? (grid.parts + grid.per_set - 1) / grid.per_set : 0; }
-  bool set_clusters() const { return grid.cluster > 1 && grid.cluster < grid.parts; }
-  int64_t slots_per_walk() const {
-    return grid.parts == 1 || grid.cluster == grid.parts ? 0 : set_clusters() ? sets() : grid.parts + sets();
-  }
-  int64_t counter_words() const { return slots_per_walk() == 0 ? 0 : walks * (set_clusters() ? 1 : 1 + sets()); }
-  bool merges_in_workspace() const { return slots_per_walk() > 0; }
-  size_t counter_bytes() const { return (size_t(counter_words()) * sizeof(unsigned) + 255) / 256 * 256; }
+  // The parts' rows in the workspace (none where one block or one cluster takes a walk): a slot per walk and part.
+  bool merges_in_workspace() const { return grid.parts > 1 && grid.cluster == 1; }
   size_t workspace_bytes() const {
-    return merges_in_workspace() ? counter_bytes() + size_t(walks * slots_per_walk()) * Cfg::kSlotFloats * sizeof(float)
-                                 : 0;
+    return merges_in_workspace() ? size_t(walks * grid.parts) * Cfg::kSlotFloats * sizeof(float) : 0;
   }
 
   // Blocks per SM of the call's kernel, its smem limit set first: once per device, thread and variant.
@@ -620,27 +585,14 @@ bool launch_decode(const FwdParams& p, cudaStream_t stream) {
     DecodeLaunch<Elem, kDim> l(p);
     if (!l.usable) return false;
     DecodeGrid grid = l.grid;
-    if (l.merges_in_workspace()) {
-      // The workspace ops.cpp allocated from fwd_workspace_bytes (the same plan); whole walks
-      // without it. The counters: those a KV-cache step's append cleared, else cleared here.
-      if (p.workspace != nullptr && p.workspace_bytes >= l.workspace_bytes()) {
-        char* ws = static_cast<char*>(p.workspace);
-        grid.partial = reinterpret_cast<float*>(ws + l.counter_bytes());
-        if (p.zeroed != nullptr && p.zeroed_words >= l.counter_words()) {
-          grid.counters = p.zeroed;
-        } else {
-          grid.counters = reinterpret_cast<unsigned*>(ws);
-          const int64_t words = l.counter_words(), blocks = (words + 255) / 256, sms = device_limits().sms;
-          clear_counters_kernel<unsigned><<<unsigned(blocks < sms ? blocks : sms), 256, 0, stream>>>(grid.counters,
-                                                                                                    words);
-          check_cuda(cudaGetLastError(), "launching clear_counters_kernel");
-        }
-      } else {
-        grid.parts = grid.cluster = 1;
-      }
+    // The workspace ops.cpp allocated from fwd_workspace_bytes (the same plan); whole walks without it.
+    const bool combine = l.merges_in_workspace() && p.workspace != nullptr && p.workspace_bytes >= l.workspace_bytes();
+    if (combine) {
+      grid.partial = static_cast<float*>(p.workspace);
+    } else if (l.merges_in_workspace()) {
+      grid.parts = 1;
     }
-    // After the step's append (or the clear after it): its new keys not read early. (Read-only steps wait first:
-    // started early after the counters' clear they gained nothing.)
+    // After the step's append: its new keys not read early.
     grid.lengths = p.seqused_k;
     if (p.seqused_before != nullptr && p.seqused_k != nullptr) {
       grid.early = true;
@@ -651,9 +603,12 @@ bool launch_decode(const FwdParams& p, cudaStream_t stream) {
     with_decode_kv(l.kv, [&](auto k) {
       constexpr DecodeKv kKv = decltype(k)::value;
       launch_after_prior(fwd_decode_kernel<Elem, kDim, kKv>, unsigned(l.walks * grid.parts),
-                         unsigned(grid.cluster), Cfg::kThreads, grid.cluster > 1 ? l.smem : Cfg::kSmemBytes, stream,
-                         decode_kernel_name(kKv), p, grid);
+                         unsigned(grid.cluster), Cfg::kThreads, Cfg::kSmemBytes, stream, decode_kernel_name(kKv), p,
+                         grid);
     });
+    if (combine)
+      launch_after_prior(decode_combine_kernel<Elem, kDim>, unsigned(l.walks * grid.chunk_rows), 1,
+                         32 * kDecodeCombineWarps, 0, stream, "sm80::decode_combine_kernel", p, grid);
     return true;
   }
 }

@@ -266,10 +266,5 @@ inline bool decode_call(const FwdParams& p) {
   return !p.has_features_beyond_key_ranges() && p.len_q <= kDecodeMaxLenQ &&
          p.len_q * p.group() <= kDecodeChunkRows * kDecodeMaxChunks;
 }
-// The most walks (chunks) a kv head of a call decode_call takes can have: its rows in small chunks.
-constexpr int64_t kDecodeMaxWalksPerHead = kDecodeChunkRows * kDecodeMaxChunks / kDecodeSmallChunkRows;
-// Parts per set of the decode kernel's two-level merge (fwd_decode.cuh), which takes walks of more than
-// kDecodeOneLevelParts parts; fewer merge in one level.
-constexpr int64_t kDecodePartsPerSet = 8, kDecodeOneLevelParts = 16;
 
 }  // namespace flashattn::cuda::sm80
