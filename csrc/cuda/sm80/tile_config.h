@@ -223,7 +223,7 @@ constexpr int kDecodeSmallChunkRows = kDecodeChunkRows / 2;  // one row group: c
 // tiles (the steps whose time is mostly fixed cost), at most kDecodeMaxClusterParts parts (twice the portable
 // cluster size: opted into with cudaFuncAttributeNonPortableClusterSizeAllowed; the occupancy calculator says
 // whether a GPU takes it).
-constexpr int64_t kDecodeClusterTiles = 64, kDecodeMaxClusterParts = 16;
+constexpr int64_t kDecodeClusterTiles = 32, kDecodeMaxClusterParts = 16;
 
 template <class Elem, int kDim>
 struct DecodeConfig {
