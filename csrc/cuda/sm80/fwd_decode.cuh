@@ -55,6 +55,7 @@ struct DecodeGrid {
   int chunks = 1, parts = 1, chunk_rows = kDecodeChunkRows;  // chunk_rows: 16 or 32 (decode_chunk_rows)
   int cluster = 1;                                          // parts per thread block cluster (1: none, else parts)
   float* partial = nullptr;
+  int combine_rows = 0;  // decode_combine_kernel's blocks per walk: the chunk's rows, or fewer where a group has fewer
   // Early: the kernel before this one is the step's append, which writes nothing
   // the prologue reads but the last `added` keys of each sequence and seqused_k: the prologue then plans from
   // lengths[b] + added (the lengths the append read: FwdParams::seqused_before) and issues Q and the first tiles
@@ -422,13 +423,13 @@ __global__ void __launch_bounds__(32 * kDecodeCombineWarps) decode_combine_kerne
   constexpr int kRows = Cfg::kRows, kVecs = (kDim + 127) / 128, kWarps = kDecodeCombineWarps;
   __shared__ float4 sAcc[kWarps - 1][kVecs * 32];
   __shared__ float sMax[kWarps - 1], sSum[kWarps - 1];
-  const int row = int(blockIdx.x % unsigned(grid.chunk_rows)), lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int64_t walk = blockIdx.x / unsigned(grid.chunk_rows), head = walk / grid.chunks;
+  const int row = int(blockIdx.x % unsigned(grid.combine_rows)), lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t walk = blockIdx.x / unsigned(grid.combine_rows), head = walk / grid.chunks;
   const int64_t b = head / p.heads_kv, hk = head - b * p.heads_kv, chunk = walk - head * grid.chunks;
   const int64_t group = p.heads_q / p.heads_kv, r = chunk * grid.chunk_rows + row;
+  if (r >= group * p.len_q) return;  // (past the last chunk's rows; decode_call: every sequence has len_q rows)
   wait_for_prior_grids();
   const Seq sq = sequence(p, b);
-  if (r >= group * sq.len_q) return;
 
   float mx = neg_inf<float>(), l = 0.f;
   float4 acc[kVecs];
@@ -589,6 +590,8 @@ bool launch_decode(const FwdParams& p, cudaStream_t stream) {
     const bool combine = l.merges_in_workspace() && p.workspace != nullptr && p.workspace_bytes >= l.workspace_bytes();
     if (combine) {
       grid.partial = static_cast<float*>(p.workspace);
+      const int64_t packed = p.len_q * p.group();
+      grid.combine_rows = int(packed < grid.chunk_rows ? packed : grid.chunk_rows);
     } else if (l.merges_in_workspace()) {
       grid.parts = 1;
     }
@@ -607,7 +610,7 @@ bool launch_decode(const FwdParams& p, cudaStream_t stream) {
                          grid);
     });
     if (combine)
-      launch_after_prior(decode_combine_kernel<Elem, kDim>, unsigned(l.walks * grid.chunk_rows), 1,
+      launch_after_prior(decode_combine_kernel<Elem, kDim>, unsigned(l.walks * grid.combine_rows), 1,
                          32 * kDecodeCombineWarps, 0, stream, "sm80::decode_combine_kernel", p, grid);
     return true;
   }
