@@ -111,4 +111,22 @@ __device__ __forceinline__ Acc online_softmax_step(Acc (&s)[N], Acc& row_max, Ac
   return alpha;
 }
 
+// Merges the softmax state of some rows' other keys (max m_i, sum l_i, unnormalised O whose float4 c is
+// load(c)) into a running one (max, sum, acc), both rescaled to the larger max: how split work over one row's keys
+// (warps, parts of a walk) is added up. The order of the adds fixes the result.
+template <int N, class Load>
+__device__ __forceinline__ void merge_softmax_state(float& max, float& sum, float4 (&acc)[N], float m_i, float l_i,
+                                                    Load load) {
+  const float new_max = acc_max(max, m_i), base = exp_base(new_max);
+  const float a = ExpDomain<float>::exp(max - base), f = ExpDomain<float>::exp(m_i - base);
+  max = new_max;
+  sum = sum * a + l_i * f;
+#pragma unroll
+  for (int c = 0; c < N; ++c) {
+    const float4 x = load(c);
+    acc[c] = make_float4(acc[c].x * a + x.x * f, acc[c].y * a + x.y * f, acc[c].z * a + x.z * f,
+                         acc[c].w * a + x.w * f);
+  }
+}
+
 }  // namespace flashattn::cuda

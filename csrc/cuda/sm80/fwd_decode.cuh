@@ -304,18 +304,7 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads, DecodeConf
     for (int c = 0; c < kCols; ++c) acc[c] = make_float4(0.f, 0.f, 0.f, 0.f);
   };
   // Adds rows of max m_i, sum l_i and O o_i (read by `load`) in turn, rescaled to the running max.
-  auto add_rows = [&](float m_i, float l_i, auto load) {
-    const float new_max = acc_max(mx, m_i), base = exp_base(new_max);
-    const float a = Exp::exp(mx - base), f = Exp::exp(m_i - base);
-    mx = new_max;
-    l = l * a + l_i * f;
-#pragma unroll
-    for (int c = 0; c < kCols; ++c) {
-      const float4 x = load(c);
-      acc[c] = make_float4(acc[c].x * a + x.x * f, acc[c].y * a + x.y * f, acc[c].z * a + x.z * f,
-                           acc[c].w * a + x.w * f);
-    }
-  };
+  auto add_rows = [&](float m_i, float l_i, auto load) { merge_softmax_state(mx, l, acc, m_i, l_i, load); };
   auto merge_warps = [&](int group_i) {  // the thread's row of row group group_i, from its warps
     reset();
     const int first = pairs ? 2 * group_i : 0, last = pairs ? first + 2 : Cfg::kWarps, r = tid / 8;
@@ -435,18 +424,7 @@ __global__ void __launch_bounds__(32 * kDecodeCombineWarps) decode_combine_kerne
   float4 acc[kVecs];
 #pragma unroll
   for (int v = 0; v < kVecs; ++v) acc[v] = make_float4(0.f, 0.f, 0.f, 0.f);
-  auto add = [&](float m_i, float l_i, auto load) {  // a part's (or a warp's) row, rescaled to the running max
-    const float new_max = acc_max(mx, m_i), base = exp_base(new_max);
-    const float a = Exp::exp(mx - base), f = Exp::exp(m_i - base);
-    mx = new_max;
-    l = l * a + l_i * f;
-#pragma unroll
-    for (int v = 0; v < kVecs; ++v) {
-      const float4 x = load(v);
-      acc[v] = make_float4(acc[v].x * a + x.x * f, acc[v].y * a + x.y * f, acc[v].z * a + x.z * f,
-                           acc[v].w * a + x.w * f);
-    }
-  };
+  auto add = [&](float m_i, float l_i, auto load) { merge_softmax_state(mx, l, acc, m_i, l_i, load); };
   auto col = [&](int v) { return 4 * lane + 128 * v; };
 #pragma unroll 4
   for (int j = warp; j < grid.parts; j += kWarps) {
