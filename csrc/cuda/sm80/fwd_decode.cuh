@@ -401,9 +401,9 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads, DecodeConf
 
 // Adds the parts of a walk's row (fwd_decode_kernel's slots: O, max and sum per part) in part order and stores
 // the row's output and LSE. A block per walk and row of it (walk-major, DecodeGrid::combine_rows a walk: a group
-// of fewer rows than a chunk has only those); its kWarps warps take parts w,
-// w + kWarps, ..., a lane columns 4 lane + 128 v, and warp 0 adds the warps' sums in warp order (the same order
-// every call). (Up to 128 parts: many warps, so that each issues few rounds of loads.)
+// of fewer rows than a chunk has only those); its kWarps warps take parts w, w + kWarps, ..., a lane columns
+// 4 lane + 128 v, and warp 0 adds the warps' sums in warp order (the same order every call). (Up to 128 parts:
+// many warps, so that each issues few rounds of loads.)
 constexpr int kDecodeCombineWarps = 8;
 template <class Elem, int kDim>
 __global__ void __launch_bounds__(32 * kDecodeCombineWarps) decode_combine_kernel(const FwdParams p, DecodeGrid grid) {
