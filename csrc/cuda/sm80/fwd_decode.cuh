@@ -524,8 +524,7 @@ struct DecodeLaunch {
     // cluster, parts of >= 2 tiles, at most one block per SM in all, every cluster resident at once.
     int64_t cparts = sms / walks < tiles / 2 ? sms / walks : tiles / 2;
     cparts = cparts < kDecodeMaxClusterParts ? cparts : kDecodeMaxClusterParts;
-    if (tiles <= kDecodeClusterTiles && cparts >= 2 &&
-        walks <= clusters_resident_once(kv, int(cparts), Cfg::kSmemBytes)) {
+    if (tiles <= kDecodeClusterTiles && cparts >= 2 && walks <= clusters_resident_once(kv, int(cparts))) {
       grid.parts = grid.cluster = int(cparts);
     }
     if (grid_too_large(walks, "sm80::fwd_decode_kernel")) usable = false;
@@ -544,13 +543,12 @@ struct DecodeLaunch {
                                                                       decode_kernel_name(kKv));
     });
   }
-  // Clusters of `blocks` blocks of the call's kernel, each of `smem` bytes, resident at once (0 before sm_90, or
-  // where the kernel cannot have that smem).
-  static int clusters_resident_once(DecodeKv kv, int blocks, size_t smem) {
+  // Clusters of `blocks` blocks of the call's kernel resident at once (0 before sm_90); its smem limit set by
+  // blocks_per_sm_once.
+  static int clusters_resident_once(DecodeKv kv, int blocks) {
     return with_decode_kv(kv, [&](auto k) {
       constexpr DecodeKv kKv = decltype(k)::value;
-      if (!set_smem(fwd_decode_kernel<Elem, kDim, kKv>, smem, decode_kernel_name(kKv))) return 0;
-      return clusters_resident(fwd_decode_kernel<Elem, kDim, kKv>, blocks, Cfg::kThreads, smem);
+      return clusters_resident(fwd_decode_kernel<Elem, kDim, kKv>, blocks, Cfg::kThreads, Cfg::kSmemBytes);
     });
   }
 };
