@@ -76,6 +76,19 @@ struct DecodeGrid {
   }
 };
 
+// Part `part` of walk `walk`'s rows in the workspace (kFloats floats: O [kRows][kDim], then the rows' max, then
+// their sums), which fwd_decode_kernel writes and decode_combine_kernel reads.
+template <int kRows, int kDim>
+struct DecodeSlot {
+  static constexpr int64_t kFloats = int64_t(kRows) * (kDim + 2);
+  float* base;
+  __device__ __forceinline__ DecodeSlot(const DecodeGrid& grid, int64_t walk, int part)
+      : base(grid.partial + (walk * grid.parts + part) * kFloats) {}
+  __device__ __forceinline__ float* o(int row) const { return base + row * kDim; }
+  __device__ __forceinline__ float* max(int row) const { return base + kRows * kDim + row; }
+  __device__ __forceinline__ float* sum(int row) const { return base + kRows * kDim + kRows + row; }
+};
+
 // How K / V are addressed (a template parameter: the lookups' registers would cost the dense kernel occupancy,
 // 126 -> 165 registers at dim 64): dense; paged with every tile inside one page (pages of a multiple of the
 // tile's keys, sequences from their cache's first key): a table lookup per tile, then the dense copy; paged
@@ -385,16 +398,16 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads, DecodeConf
   // A part: its rows to its slot, which decode_combine_kernel adds once every part is done (allowed to start
   // now: its blocks wait for this grid, and their launch overlaps the merge and the stores).
   allow_dependent_launch();
-  float* dst = grid.partial + (walk * grid.parts + part) * int64_t(Cfg::kSlotFloats);
+  const DecodeSlot<kRows, kDim> dst(grid, walk, part);
   for (int i = 0; i < groups; ++i) {
     merge_warps(i);
     const int row = kWarpRows * i + tid / 8;
     if (row >= rows) break;  // (only the chunk's rows: a decode step of a GQA group of 4 fills 4 of the 32)
 #pragma unroll
-    for (int c = 0; c < kCols; ++c) __stcg(reinterpret_cast<float4*>(dst + row * kDim + col0 + 32 * c), acc[c]);
+    for (int c = 0; c < kCols; ++c) __stcg(reinterpret_cast<float4*>(dst.o(row) + col0 + 32 * c), acc[c]);
     if (tid % 8 == 0) {
-      __stcg(dst + kRows * kDim + row, mx);
-      __stcg(dst + kRows * kDim + kRows + row, l);
+      __stcg(dst.max(row), mx);
+      __stcg(dst.sum(row), l);
     }
   }
 }
@@ -429,10 +442,10 @@ __global__ void __launch_bounds__(32 * kDecodeCombineWarps) decode_combine_kerne
   auto col = [&](int v) { return 4 * lane + 128 * v; };
 #pragma unroll 4
   for (int j = warp; j < grid.parts; j += kWarps) {
-    const float* src = grid.partial + (walk * grid.parts + j) * int64_t(Cfg::kSlotFloats);
-    add(__ldcg(src + kRows * kDim + row), __ldcg(src + kRows * kDim + kRows + row), [&](int v) {
-      return col(v) < kDim ? __ldcg(reinterpret_cast<const float4*>(src + row * kDim + col(v)))
-                           : make_float4(0.f, 0.f, 0.f, 0.f);
+    const DecodeSlot<kRows, kDim> src(grid, walk, j);
+    add(__ldcg(src.max(row)), __ldcg(src.sum(row)), [&](int v) {
+      const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+      return col(v) < kDim ? __ldcg(reinterpret_cast<const float4*>(src.o(row) + col(v))) : zero;
     });
   }
   if (warp > 0) {
@@ -532,7 +545,8 @@ struct DecodeLaunch {
   // The parts' rows in the workspace (none where one block or one cluster takes a walk): a slot per walk and part.
   bool merges_in_workspace() const { return grid.parts > 1 && grid.cluster == 1; }
   size_t workspace_bytes() const {
-    return merges_in_workspace() ? size_t(walks * grid.parts) * Cfg::kSlotFloats * sizeof(float) : 0;
+    return merges_in_workspace() ? size_t(walks * grid.parts * DecodeSlot<Cfg::kRows, kDim>::kFloats) * sizeof(float)
+                                 : 0;
   }
 
   // Blocks per SM of the call's kernel, its smem limit set first: once per device, thread and variant.

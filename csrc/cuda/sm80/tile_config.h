@@ -253,8 +253,6 @@ struct DecodeConfig {
   static constexpr size_t kClusterSlotBytes = size_t(kClusterSlots) * (kDim + 2) * sizeof(float);
   static_assert(kMergeBytes + kClusterSlotBytes <= kKvBytes, "a cluster's slots fit beside the warps' rows");
   static constexpr size_t kSmemBytes = kQBytes + kKvBytes;
-  // A part's merged rows in the workspace: O [kRows][kDim], then the rows' max and sum.
-  static constexpr size_t kSlotFloats = size_t(kRows) * (kDim + 2);
 };
 
 // Calls the decode kernel takes: fp16 / bf16 calls with no optional feature but a KV cache's own
