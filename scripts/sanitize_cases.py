@@ -163,10 +163,10 @@ def float8_cases():
 
 
 def kvcache_cases(device="cuda"):
-    """flash_attn_with_kvcache steps: the append (a warp per head; the decode kernel's counters cleared in its
-    launch) and the decode kernel started as a dependent launch, in parts (on sm_90 each walk's parts a cluster in
-    the first and fourth steps; more than 16 in the second: their rows merged in sets, on sm_90 clusters of 8;
-    FLASHATTN_CUDA_KERNELS=sm80 keeps them off clusters): GQA and MHA dense steps, paged steps
+    """flash_attn_with_kvcache steps: the append (a warp per head) and the decode kernel started as a dependent
+    launch, its walks in parts (on sm_90 a cluster a walk in the third and fifth steps, caches of at most 16 tiles;
+    elsewhere the parts added by the combine kernel, a dependent launch too; FLASHATTN_CUDA_KERNELS=sm80 keeps every
+    step off clusters): GQA and MHA dense steps, paged steps
     with a ragged batch and left padding (row copies) and from each cache's first key (whole-tile copies), rotary
     tables (q rotated in the append), head dim 40, two rows per step, and read-only steps (no append: the decode
     kernel checks the pages)."""
@@ -193,7 +193,7 @@ def kvcache_cases(device="cuda"):
             angle = torch.rand(cache, e // 2, generator=gen, device=device)
             kw.update(rotary_cos=angle.cos(), rotary_sin=angle.sin(), causal=True)
         flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, **kw)
-        if not rotary:  # a read-only step: dense, its counters cleared by a kernel of their own; paged, no append
+        if not rotary:  # a read-only step: no append (paged: the decode kernel checks the pages itself)
             flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, **kw)
 
 

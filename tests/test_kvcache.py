@@ -501,13 +501,11 @@ def test_cuda_decode_warp_pairs(paged):
 
 @needs_cuda
 @pytest.mark.parametrize("paged", [False, True])
-def test_cuda_decode_merge_in_sets(paged):
-    """MQA steps whose walks are cut into more parts than a set holds, so that the parts' rows merge in two
-    levels (sets of parts, then the sets), on a 132-SM GPU: one sequence of 32 query heads (two 16-row walks of
-    400 tiles in 100 parts: 13 sets, the last of 4 parts), three of 64 query heads at dim 64 (twelve walks of 33
-    parts: four sets of 8 and one of 1; ragged lengths, one shorter than a part), both too many blocks for their
-    sets to run as clusters a block per SM; and one of 32 query heads over 8k keys (two walks of 32 parts: on
-    sm_90 each set of 8 a thread block cluster). FLASHATTN_CUDA_KERNELS=sm80 keeps sm_90 off clusters."""
+def test_cuda_decode_combine_of_many_parts(paged):
+    """MQA steps whose walks are cut into many parts, added by the combine kernel (its 8 warps taking several
+    parts each), on a 132-SM GPU: one sequence of 32 query heads (two 16-row walks of 400 tiles in 100 parts),
+    three of 64 query heads at dim 64 (twelve walks of 33 parts; ragged lengths, one shorter than a part, whose
+    later parts see no key), and one of 32 query heads over 8k keys (two walks of 32 parts)."""
     _check_cuda_step(1, 32, 1, 128, 25600, [25600], page=256 if paged else None)
     _check_cuda_step(3, 64, 1, 64, 32768, [32768, 20001, 70], page=64 if paged else None)
     _check_cuda_step(1, 32, 1, 128, 8192, [8192], page=256 if paged else None)
@@ -516,14 +514,16 @@ def test_cuda_decode_merge_in_sets(paged):
 @needs_cuda
 @pytest.mark.parametrize("dim", [64, 128, 256])
 @pytest.mark.parametrize("page", [None, 256, 32])
-def test_cuda_clustered_short_steps(dim, page):
-    """Steps short enough that on sm_90 each walk's parts run as one thread block cluster (caches of at most 64
-    tiles of 64 keys, at most one block per SM in all), dense, on whole-tile pages and on row-copied pages:
-    MQA's 32 rows (warp pairs) over 4096 keys, GQA's 4-row walks over a ragged 2k, and 32 MHA walks of a few
-    parts each, one sequence far shorter than its cache (parts without keys); each checked against float64."""
-    _check_cuda_step(1, 32, 1, dim, 4096, [4096], page=page)
-    _check_cuda_step(1, 32, 8, dim, 2048, [1999], page=page)
+def test_cuda_short_steps(dim, page):
+    """Short steps, dense, on whole-tile pages and on row-copied pages, each checked against float64, on a
+    132-SM GPU: on sm_90 as thread block clusters (a cluster a walk, at most one block per SM in all) 32 MHA
+    walks of 1k keys, one sequence far shorter than its cache (parts without keys), and 64 GQA walks of 2k (where
+    only clusters of 2 fit), ragged; on the combine kernel GQA's 4-row walks over a ragged 2k (parts of 2 tiles)
+    and MQA's 32 rows (16-row walks) over 4096 keys."""
     _check_cuda_step(2, 16, 16, dim, 1024, [1024, 77], page=page)
+    _check_cuda_step(8, 32, 8, dim, 2048, [2048, 1999, 1, 64, 1500, 2048, 700, 2047], page=page)
+    _check_cuda_step(1, 32, 8, dim, 2048, [1999], page=page)
+    _check_cuda_step(1, 32, 1, dim, 4096, [4096], page=page)
 
 
 @needs_cuda
@@ -562,8 +562,8 @@ def test_cuda_paged_whole_walks_of_small_pages():
 def test_cuda_steps_appending_beside_an_invalid_sequence(page, heads_kv, cache):
     """bf16 steps appending one row per sequence, whose decode kernel plans its parts and issues its first tiles
     before it waits for the append (from the lengths the append reads; a tile that holds the new row only after
-    the wait): MQA over 8k keys (parts merged in sets) and GQA over 2k (a cluster a walk), dense and on pages of
-    256. Sequence 1's cache is full (no room for the new row): its rows are NaN and its cache is left as it was.
+    the wait): MQA over 8k keys and GQA over 2k (walks in parts of 4 and of 2 tiles, added by the combine
+    kernel), dense and on pages of 256. Sequence 1's cache is full (no room for the new row): its rows are NaN and its cache is left as it was.
     Sequence 0's new row is its second tile's (the part that holds it waits first), sequence 2's the cache's last;
     both match the float64 reference."""
     batch, heads, dim, seqlens = 3, 32, 128, [100, cache, cache - 1]
@@ -592,8 +592,8 @@ def test_cuda_steps_appending_beside_an_invalid_sequence(page, heads_kv, cache):
 def test_cuda_read_only_paged_steps_check_their_pages(page, heads_kv, cache):
     """Read-only bf16 steps on pages, which the decode kernel serves with no append before it: it applies the
     append's rules itself (FwdParams::check_pages), on pages of 256 keys (a tile's block looked up once) and of 16
-    (looked up row by row, as every step with left padding is), its parts merged through the workspace (MQA, 8k)
-    or a cluster (GQA, 2k, sm_90). A sequence gets NaN rows where its table names a block outside the cache for a
+    (looked up row by row, as every step with left padding is), its walks' parts added by the combine kernel
+    (MQA 8k, GQA 2k). A sequence gets NaN rows where its table names a block outside the cache for a
     page that holds its keys (its last page; the page of its first key after left padding), where its left padding
     is past its length, or its length past the cache. -1 on the pages past a sequence's keys or before its left
     padding is allowed: those sequences match the float64 reference, as the others do."""
