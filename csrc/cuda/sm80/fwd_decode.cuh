@@ -10,7 +10,7 @@
 // Each warp runs the online softmax over its own keys, and at the end the warps' rows merge through smem.
 // K / V tiles stream through kStages buffers (cp.async). A grid smaller than the GPU cuts each
 // walk over the keys into parts, a block each; a part stores its merged rows (fp32) in the
-// workspace, and a second kernel (decode_combine_kernel, a dependent launch) adds each row's parts in
+// workspace, and a second kernel (decode_combine.cuh, a dependent launch) adds each row's parts in
 // part order. On sm_90 a short step (a cache of few tiles, every walk's parts together fewer blocks than SMs)
 // runs each walk's parts as one thread block cluster instead: each part pushes its rows into the shared memory
 // of each row's owner (distributed shared memory), which adds them (no workspace, no second kernel: the fixed
@@ -24,16 +24,14 @@
 // page, else each row looked up in the table (paged_copy.cuh), one lookup for K and V, so that a tile may span
 // pages of any size and start anywhere in a page (DecodeKv).
 // fp16 / bf16 calls with no optional feature but the key ranges, at every head-dim tier;
-// decode_call says which.
+// decode_call says which, decode_launch.cuh plans and launches them.
 #pragma once
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <type_traits>
 
 #include "../../common/sequence.h"
 #include "../../params.h"
-#include "../common/check.h"
 #include "../common/cluster.cuh"
 #include "../common/dependent_launch.cuh"
 #include "../common/fast_divide.h"
@@ -409,206 +407,6 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads, DecodeConf
       __stcg(dst.max(row), mx);
       __stcg(dst.sum(row), l);
     }
-  }
-}
-
-// Adds the parts of a walk's row (fwd_decode_kernel's slots: O, max and sum per part) in part order and stores
-// the row's output and LSE. A block per walk and row of it (walk-major, DecodeGrid::combine_rows a walk: a group
-// of fewer rows than a chunk has only those); its kWarps warps take parts w, w + kWarps, ..., a lane columns
-// 4 lane + 128 v, and warp 0 adds the warps' sums in warp order (the same order every call). (Up to 128 parts:
-// many warps, so that each issues few rounds of loads.)
-constexpr int kDecodeCombineWarps = 8;
-template <class Elem, int kDim>
-__global__ void __launch_bounds__(32 * kDecodeCombineWarps) decode_combine_kernel(const FwdParams p, DecodeGrid grid) {
-  using Cfg = DecodeConfig<Elem, kDim>;
-  using M = Mma<Elem>;
-  using Exp = ExpDomain<float>;
-  constexpr int kRows = Cfg::kRows, kVecs = (kDim + 127) / 128, kWarps = kDecodeCombineWarps;
-  __shared__ float4 sAcc[kWarps - 1][kVecs * 32];
-  __shared__ float sMax[kWarps - 1], sSum[kWarps - 1];
-  const int row = int(blockIdx.x % unsigned(grid.combine_rows)), lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int64_t walk = blockIdx.x / unsigned(grid.combine_rows), head = walk / grid.chunks;
-  const int64_t b = head / p.heads_kv, hk = head - b * p.heads_kv, chunk = walk - head * grid.chunks;
-  const int64_t group = p.heads_q / p.heads_kv, r = chunk * grid.chunk_rows + row;
-  if (r >= group * p.len_q) return;  // (past the last chunk's rows; decode_call: every sequence has len_q rows)
-  wait_for_prior_grids();
-  const Seq sq = sequence(p, b);
-
-  float mx = neg_inf<float>(), l = 0.f;
-  float4 acc[kVecs];
-#pragma unroll
-  for (int v = 0; v < kVecs; ++v) acc[v] = make_float4(0.f, 0.f, 0.f, 0.f);
-  auto add = [&](float m_i, float l_i, auto load) { merge_softmax_state(mx, l, acc, m_i, l_i, load); };
-  auto col = [&](int v) { return 4 * lane + 128 * v; };
-#pragma unroll 4
-  for (int j = warp; j < grid.parts; j += kWarps) {
-    const DecodeSlot<kRows, kDim> src(grid, walk, j);
-    add(__ldcg(src.max(row)), __ldcg(src.sum(row)), [&](int v) {
-      const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
-      return col(v) < kDim ? __ldcg(reinterpret_cast<const float4*>(src.o(row) + col(v))) : zero;
-    });
-  }
-  if (warp > 0) {
-#pragma unroll
-    for (int v = 0; v < kVecs; ++v) sAcc[warp - 1][32 * v + lane] = acc[v];
-    if (lane == 0) {
-      sMax[warp - 1] = mx;
-      sSum[warp - 1] = l;
-    }
-  }
-  __syncthreads();
-  if (warp > 0) return;
-  for (int w = 0; w < kWarps - 1; ++w) add(sMax[w], sSum[w], [&](int v) { return sAcc[w][32 * v + lane]; });
-
-  // O / l (0 and LSE -inf for a row that sees no key; a NaN sum, an invalid sequence's or part's, propagates)
-  const int64_t h = hk * group + r / p.len_q, m = r % p.len_q;
-  const bool empty = l == 0.f;
-  const float inv = empty ? 0.f : 1.f / l;
-  Elem* out = sq.q_rows<Elem>(p.out, p.out_stride, h, m);
-#pragma unroll
-  for (int v = 0; v < kVecs; ++v) {
-    if (col(v) < p.head_dim_v)  // (a multiple of 8: a chunk of 4 is in or out whole)
-      *reinterpret_cast<uint2*>(out + col(v)) =
-          make_uint2(M::pack(acc[v].x * inv, acc[v].y * inv), M::pack(acc[v].z * inv, acc[v].w * inv));
-  }
-  if (lane == 0) static_cast<float*>(p.lse)[sq.row_index(p.heads_q, h, m)] = empty ? neg_inf<float>() : Exp::lse(mx, l);
-}
-
-// The plan of a decode call: blocks per SM (smem set, asked once per device), chunks, and parts
-// where the walks are fewer than the GPU's slots.
-// Parts: enough to fill one wave of the GPU, each of at least kDecodeMinPartTiles key tiles (kDecodeShortPartTiles
-// in caches of at most kDecodeShortTiles tiles, whose step is mostly fixed cost: H200, bf16, dim 128, 2k keys, MQA /
-// GQA B1 6.8 / 7.8 -> 6.4 / 6.7 µs, MQA B16 12.3 -> 10.7), at most kDecodeMaxParts.
-constexpr int64_t kDecodeMinPartTiles = 4, kDecodeShortPartTiles = 2, kDecodeShortTiles = 32, kDecodeMaxParts = 128;
-
-// Rows of a chunk: 32 (warp pairs: each K / V tile read once per 32 rows) where the call reads enough tiles to
-// be bound by memory, else 16 (twice the blocks, half the steps per warp, one merge pass; each tile read twice,
-// the second time partly from L2). walks16: the walks of 16-row chunks. H200, bf16, dim 128, MQA of 32 query
-// heads, time with 32-row / 16-row chunks by walks16 x tiles per SM: <= 31 1.10-1.49x (dense) / 0.97-1.31x
-// (paged), 62 0.99-1.31x / 0.84-1.15x, 124 0.92-1.04x / 0.77-0.90x, >= 248 0.82-0.90x / 0.70-0.76x.
-constexpr int64_t kDecodePairTilesPerSm = 100;
-inline int decode_chunk_rows(int64_t walks16, int64_t tiles, int64_t sms) {
-  return walks16 * tiles >= kDecodePairTilesPerSm * sms ? kDecodeChunkRows : kDecodeSmallChunkRows;
-}
-
-// f(std::integral_constant<DecodeKv, kv>) for the call's kv: what names each variant's kernel.
-template <class F>
-auto with_decode_kv(DecodeKv kv, F&& f) {
-  switch (kv) {
-    case DecodeKv::kDense:
-      return f(std::integral_constant<DecodeKv, DecodeKv::kDense>{});
-    case DecodeKv::kPagedTiles:
-      return f(std::integral_constant<DecodeKv, DecodeKv::kPagedTiles>{});
-    default:
-      return f(std::integral_constant<DecodeKv, DecodeKv::kPagedRows>{});
-  }
-}
-constexpr const char* decode_kernel_name(DecodeKv kv) {
-  return kv == DecodeKv::kDense        ? "sm80::fwd_decode_kernel"
-         : kv == DecodeKv::kPagedTiles ? "sm80::fwd_decode_kernel (paged tiles)"
-                                       : "sm80::fwd_decode_kernel (paged rows)";
-}
-
-template <class Elem, int kDim>
-struct DecodeLaunch {
-  using Cfg = DecodeConfig<Elem, kDim>;
-  DecodeGrid grid;
-  DecodeKv kv = DecodeKv::kDense;
-  int64_t walks = 0;
-  bool usable = false;
-
-  explicit DecodeLaunch(const FwdParams& p) {
-    if (!Cfg::kServed || !decode_call(p) || !tensor_cores_usable(Cfg::kSmemBytes)) return;
-    kv = decode_kv(p, Cfg::kBN);
-    const int per_sm = blocks_per_sm_once(kv);
-    if (per_sm < 1) return;
-    usable = true;
-    const int64_t packed = p.len_q * p.group(), tiles = (p.len_k + Cfg::kBN - 1) / Cfg::kBN;
-    const int64_t sms = device_limits().sms, slots = sms * per_sm;
-    const int64_t walks16 = p.batch * p.heads_kv * ((packed + Cfg::kWarpRows - 1) / Cfg::kWarpRows);
-    grid.chunk_rows = decode_chunk_rows(walks16, tiles, sms);
-    grid.chunks = int((packed + grid.chunk_rows - 1) / grid.chunk_rows);
-    walks = p.batch * p.heads_kv * grid.chunks;
-    int64_t parts = walks < slots ? slots / walks : 1;
-    const int64_t most_parts = tiles / (tiles <= kDecodeShortTiles ? kDecodeShortPartTiles : kDecodeMinPartTiles);
-    parts = parts < most_parts ? parts : most_parts;
-    parts = parts < kDecodeMaxParts ? parts : kDecodeMaxParts;
-    grid.parts = parts > 1 ? int(parts) : 1;
-    if (walks * grid.parts > 0x7fffffff) grid.parts = 1;
-    // sm_90, a short step (a cache of at most kDecodeClusterTiles tiles, or of kDecodeShortTiles where the walks
-    // leave room for clusters of 2: two long parts, merged in the cluster for less than a second kernel costs; H200
-    // GQA B8 2k 22.6 -> 21.3 µs): each walk's parts one thread block cluster, parts of >= 2 tiles, at most one
-    // block per SM in all, every cluster resident at once.
-    int64_t cparts = sms / walks < tiles / 2 ? sms / walks : tiles / 2;
-    cparts = cparts < kDecodeMaxClusterParts ? cparts : kDecodeMaxClusterParts;
-    const bool cluster_step = tiles <= kDecodeClusterTiles || (tiles <= kDecodeShortTiles && cparts <= 2);
-    if (cluster_step && cparts >= 2 && walks <= clusters_resident_once(kv, int(cparts))) {
-      grid.parts = grid.cluster = int(cparts);
-    }
-    if (grid_too_large(walks, "sm80::fwd_decode_kernel")) usable = false;
-  }
-  // The parts' rows in the workspace (none where one block or one cluster takes a walk): a slot per walk and part.
-  bool merges_in_workspace() const { return grid.parts > 1 && grid.cluster == 1; }
-  size_t workspace_bytes() const {
-    return merges_in_workspace() ? size_t(walks * grid.parts * DecodeSlot<Cfg::kRows, kDim>::kFloats) * sizeof(float)
-                                 : 0;
-  }
-
-  // Blocks per SM of the call's kernel, its smem limit set first: once per device, thread and variant.
-  static int blocks_per_sm_once(DecodeKv kv) {
-    return with_decode_kv(kv, [](auto k) {
-      constexpr DecodeKv kKv = decltype(k)::value;
-      return blocks_per_sm_cached<fwd_decode_kernel<Elem, kDim, kKv>>(Cfg::kThreads, Cfg::kSmemBytes,
-                                                                      decode_kernel_name(kKv));
-    });
-  }
-  // Clusters of `blocks` blocks of the call's kernel resident at once (0 before sm_90); its smem limit set by
-  // blocks_per_sm_once.
-  static int clusters_resident_once(DecodeKv kv, int blocks) {
-    return with_decode_kv(kv, [&](auto k) {
-      constexpr DecodeKv kKv = decltype(k)::value;
-      return clusters_resident(fwd_decode_kernel<Elem, kDim, kKv>, blocks, Cfg::kThreads, Cfg::kSmemBytes);
-    });
-  }
-};
-
-// Launches the decode kernel where it serves the call; false (nothing launched) otherwise.
-template <class Elem, int kDim>
-bool launch_decode(const FwdParams& p, cudaStream_t stream) {
-  using Cfg = DecodeConfig<Elem, kDim>;
-  if constexpr (!Cfg::kServed) {
-    return false;
-  } else {
-    DecodeLaunch<Elem, kDim> l(p);
-    if (!l.usable) return false;
-    DecodeGrid grid = l.grid;
-    // The workspace ops.cpp allocated from fwd_workspace_bytes (the same plan); whole walks without it.
-    const bool combine = l.merges_in_workspace() && p.workspace != nullptr && p.workspace_bytes >= l.workspace_bytes();
-    if (combine) {
-      grid.partial = static_cast<float*>(p.workspace);
-      const int64_t packed = p.len_q * p.group();
-      grid.combine_rows = int(packed < grid.chunk_rows ? packed : grid.chunk_rows);
-    } else if (l.merges_in_workspace()) {
-      grid.parts = 1;
-    }
-    // After the step's append: its new keys not read early.
-    grid.lengths = p.seqused_k;
-    if (p.seqused_before != nullptr && p.seqused_k != nullptr) {
-      grid.early = true;
-      grid.lengths = p.seqused_before;
-      grid.added = int(p.seqused_added);
-    }
-    grid.set_divisors(p);
-    with_decode_kv(l.kv, [&](auto k) {
-      constexpr DecodeKv kKv = decltype(k)::value;
-      launch_after_prior(fwd_decode_kernel<Elem, kDim, kKv>, unsigned(l.walks * grid.parts),
-                         unsigned(grid.cluster), Cfg::kThreads, Cfg::kSmemBytes, stream, decode_kernel_name(kKv), p,
-                         grid);
-    });
-    if (combine)
-      launch_after_prior(decode_combine_kernel<Elem, kDim>, unsigned(l.walks * grid.combine_rows), 1,
-                         32 * kDecodeCombineWarps, 0, stream, "sm80::decode_combine_kernel", p, grid);
-    return true;
   }
 }
 

@@ -31,7 +31,7 @@
 #include "../plan.h"
 #include "../schedule/causal_order.cuh"
 #include "../schedule/key_split.cuh"
-#include "fwd_decode.cuh"
+#include "decode_launch.cuh"
 #include "fwd_steps.cuh"
 #include "launch.h"
 #include "tile_config.h"

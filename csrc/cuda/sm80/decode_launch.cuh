@@ -1,0 +1,157 @@
+// The plan and launch of a decode call (fwd_decode.cuh's kernel, and decode_combine.cuh's where the walks are split
+// into parts outside clusters): chunk rows, parts, clusters, the workspace.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "../../params.h"
+#include "../common/check.h"
+#include "../common/cluster.cuh"
+#include "../common/dependent_launch.cuh"
+#include "decode_combine.cuh"
+#include "fwd_decode.cuh"
+#include "tile_config.h"
+
+namespace flashattn::cuda::sm80 {
+
+// The plan of a decode call: blocks per SM (smem set, asked once per device), chunks, and parts
+// where the walks are fewer than the GPU's slots.
+// Parts: enough to fill one wave of the GPU, each of at least kDecodeMinPartTiles key tiles (kDecodeShortPartTiles
+// in caches of at most kDecodeShortTiles tiles, whose step is mostly fixed cost: H200, bf16, dim 128, 2k keys, MQA /
+// GQA B1 6.8 / 7.8 -> 6.4 / 6.7 µs, MQA B16 12.3 -> 10.7), at most kDecodeMaxParts.
+constexpr int64_t kDecodeMinPartTiles = 4, kDecodeShortPartTiles = 2, kDecodeShortTiles = 32, kDecodeMaxParts = 128;
+
+// Rows of a chunk: 32 (warp pairs: each K / V tile read once per 32 rows) where the call reads enough tiles to
+// be bound by memory, else 16 (twice the blocks, half the steps per warp, one merge pass; each tile read twice,
+// the second time partly from L2). walks16: the walks of 16-row chunks. H200, bf16, dim 128, MQA of 32 query
+// heads, time with 32-row / 16-row chunks by walks16 x tiles per SM: <= 31 1.10-1.49x (dense) / 0.97-1.31x
+// (paged), 62 0.99-1.31x / 0.84-1.15x, 124 0.92-1.04x / 0.77-0.90x, >= 248 0.82-0.90x / 0.70-0.76x.
+constexpr int64_t kDecodePairTilesPerSm = 100;
+inline int decode_chunk_rows(int64_t walks16, int64_t tiles, int64_t sms) {
+  return walks16 * tiles >= kDecodePairTilesPerSm * sms ? kDecodeChunkRows : kDecodeSmallChunkRows;
+}
+
+// f(std::integral_constant<DecodeKv, kv>) for the call's kv: what names each variant's kernel.
+template <class F>
+auto with_decode_kv(DecodeKv kv, F&& f) {
+  switch (kv) {
+    case DecodeKv::kDense:
+      return f(std::integral_constant<DecodeKv, DecodeKv::kDense>{});
+    case DecodeKv::kPagedTiles:
+      return f(std::integral_constant<DecodeKv, DecodeKv::kPagedTiles>{});
+    default:
+      return f(std::integral_constant<DecodeKv, DecodeKv::kPagedRows>{});
+  }
+}
+constexpr const char* decode_kernel_name(DecodeKv kv) {
+  return kv == DecodeKv::kDense        ? "sm80::fwd_decode_kernel"
+         : kv == DecodeKv::kPagedTiles ? "sm80::fwd_decode_kernel (paged tiles)"
+                                       : "sm80::fwd_decode_kernel (paged rows)";
+}
+
+template <class Elem, int kDim>
+struct DecodeLaunch {
+  using Cfg = DecodeConfig<Elem, kDim>;
+  DecodeGrid grid;
+  DecodeKv kv = DecodeKv::kDense;
+  int64_t walks = 0;
+  bool usable = false;
+
+  explicit DecodeLaunch(const FwdParams& p) {
+    if (!Cfg::kServed || !decode_call(p) || !tensor_cores_usable(Cfg::kSmemBytes)) return;
+    kv = decode_kv(p, Cfg::kBN);
+    const int per_sm = blocks_per_sm_once(kv);
+    if (per_sm < 1) return;
+    usable = true;
+    const int64_t packed = p.len_q * p.group(), tiles = (p.len_k + Cfg::kBN - 1) / Cfg::kBN;
+    const int64_t sms = device_limits().sms, slots = sms * per_sm;
+    const int64_t walks16 = p.batch * p.heads_kv * ((packed + Cfg::kWarpRows - 1) / Cfg::kWarpRows);
+    grid.chunk_rows = decode_chunk_rows(walks16, tiles, sms);
+    grid.chunks = int((packed + grid.chunk_rows - 1) / grid.chunk_rows);
+    walks = p.batch * p.heads_kv * grid.chunks;
+    int64_t parts = walks < slots ? slots / walks : 1;
+    const int64_t most_parts = tiles / (tiles <= kDecodeShortTiles ? kDecodeShortPartTiles : kDecodeMinPartTiles);
+    parts = parts < most_parts ? parts : most_parts;
+    parts = parts < kDecodeMaxParts ? parts : kDecodeMaxParts;
+    grid.parts = parts > 1 ? int(parts) : 1;
+    if (walks * grid.parts > 0x7fffffff) grid.parts = 1;
+    // sm_90, a short step (a cache of at most kDecodeClusterTiles tiles, or of kDecodeShortTiles where the walks
+    // leave room for clusters of 2: two long parts, merged in the cluster for less than a second kernel costs; H200
+    // GQA B8 2k 22.6 -> 21.3 µs): each walk's parts one thread block cluster, parts of >= 2 tiles, at most one
+    // block per SM in all, every cluster resident at once.
+    int64_t cparts = sms / walks < tiles / 2 ? sms / walks : tiles / 2;
+    cparts = cparts < kDecodeMaxClusterParts ? cparts : kDecodeMaxClusterParts;
+    const bool cluster_step = tiles <= kDecodeClusterTiles || (tiles <= kDecodeShortTiles && cparts <= 2);
+    if (cluster_step && cparts >= 2 && walks <= clusters_resident_once(kv, int(cparts))) {
+      grid.parts = grid.cluster = int(cparts);
+    }
+    if (grid_too_large(walks, "sm80::fwd_decode_kernel")) usable = false;
+  }
+  // The parts' rows in the workspace (none where one block or one cluster takes a walk): a slot per walk and part.
+  bool merges_in_workspace() const { return grid.parts > 1 && grid.cluster == 1; }
+  size_t workspace_bytes() const {
+    return merges_in_workspace() ? size_t(walks * grid.parts * DecodeSlot<Cfg::kRows, kDim>::kFloats) * sizeof(float)
+                                 : 0;
+  }
+
+  // Blocks per SM of the call's kernel, its smem limit set first: once per device, thread and variant.
+  static int blocks_per_sm_once(DecodeKv kv) {
+    return with_decode_kv(kv, [](auto k) {
+      constexpr DecodeKv kKv = decltype(k)::value;
+      return blocks_per_sm_cached<fwd_decode_kernel<Elem, kDim, kKv>>(Cfg::kThreads, Cfg::kSmemBytes,
+                                                                      decode_kernel_name(kKv));
+    });
+  }
+  // Clusters of `blocks` blocks of the call's kernel resident at once (0 before sm_90); its smem limit set by
+  // blocks_per_sm_once.
+  static int clusters_resident_once(DecodeKv kv, int blocks) {
+    return with_decode_kv(kv, [&](auto k) {
+      constexpr DecodeKv kKv = decltype(k)::value;
+      return clusters_resident(fwd_decode_kernel<Elem, kDim, kKv>, blocks, Cfg::kThreads, Cfg::kSmemBytes);
+    });
+  }
+};
+
+// Launches the decode kernel where it serves the call; false (nothing launched) otherwise.
+template <class Elem, int kDim>
+bool launch_decode(const FwdParams& p, cudaStream_t stream) {
+  using Cfg = DecodeConfig<Elem, kDim>;
+  if constexpr (!Cfg::kServed) {
+    return false;
+  } else {
+    DecodeLaunch<Elem, kDim> l(p);
+    if (!l.usable) return false;
+    DecodeGrid grid = l.grid;
+    // The workspace ops.cpp allocated from fwd_workspace_bytes (the same plan); whole walks without it.
+    const bool combine = l.merges_in_workspace() && p.workspace != nullptr && p.workspace_bytes >= l.workspace_bytes();
+    if (combine) {
+      grid.partial = static_cast<float*>(p.workspace);
+      const int64_t packed = p.len_q * p.group();
+      grid.combine_rows = int(packed < grid.chunk_rows ? packed : grid.chunk_rows);
+    } else if (l.merges_in_workspace()) {
+      grid.parts = 1;
+    }
+    // After the step's append: its new keys not read early.
+    grid.lengths = p.seqused_k;
+    if (p.seqused_before != nullptr && p.seqused_k != nullptr) {
+      grid.early = true;
+      grid.lengths = p.seqused_before;
+      grid.added = int(p.seqused_added);
+    }
+    grid.set_divisors(p);
+    with_decode_kv(l.kv, [&](auto k) {
+      constexpr DecodeKv kKv = decltype(k)::value;
+      launch_after_prior(fwd_decode_kernel<Elem, kDim, kKv>, unsigned(l.walks * grid.parts),
+                         unsigned(grid.cluster), Cfg::kThreads, Cfg::kSmemBytes, stream, decode_kernel_name(kKv), p,
+                         grid);
+    });
+    if (combine)
+      launch_after_prior(decode_combine_kernel<Elem, kDim>, unsigned(l.walks * grid.combine_rows), 1,
+                         32 * kDecodeCombineWarps, 0, stream, "sm80::decode_combine_kernel", p, grid);
+    return true;
+  }
+}
+
+}  // namespace flashattn::cuda::sm80
