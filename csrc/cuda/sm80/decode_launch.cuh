@@ -22,6 +22,10 @@ namespace flashattn::cuda::sm80 {
 // in caches of at most kDecodeShortTiles tiles, whose step is mostly fixed cost: H200, bf16, dim 128, 2k keys, MQA /
 // GQA B1 6.8 / 7.8 -> 6.4 / 6.7 µs, MQA B16 12.3 -> 10.7), at most kDecodeMaxParts.
 constexpr int64_t kDecodeMinPartTiles = 4, kDecodeShortPartTiles = 2, kDecodeShortTiles = 32, kDecodeMaxParts = 128;
+// Steps run as thread block clusters on sm_90 (no workspace, no second kernel): caches of at most
+// kDecodeClusterTiles tiles, whose time is mostly fixed cost, and of at most kDecodeShortTiles where only clusters
+// of 2 fit (below). From 2k keys parts of 2-4 tiles and the combine kernel were faster where more parts fit.
+constexpr int64_t kDecodeClusterTiles = 16;
 
 // Rows of a chunk: 32 (warp pairs: each K / V tile read once per 32 rows) where the call reads enough tiles to
 // be bound by memory, else 16 (twice the blocks, half the steps per warp, one merge pass; each tile read twice,

@@ -219,11 +219,10 @@ struct Bwd2dConfig {
 constexpr int kDecodeChunkRows = 32;
 constexpr int kDecodeSmallChunkRows = kDecodeChunkRows / 2;  // one row group: calls of few key tiles
 
-// Decode steps whose walks run as thread block clusters on sm_90: caches of at most kDecodeClusterTiles key
-// tiles (the steps whose time is mostly fixed cost; from 2k keys parts of 2-4 tiles and the combine kernel were
-// faster), at most kDecodeMaxClusterParts parts (twice the portable cluster size: opted into with
+// Decode steps whose walks run as thread block clusters on sm_90 (decode_launch.cuh says which): at most
+// kDecodeMaxClusterParts parts (twice the portable cluster size: opted into with
 // cudaFuncAttributeNonPortableClusterSizeAllowed; the occupancy calculator says whether a GPU takes it).
-constexpr int64_t kDecodeClusterTiles = 16, kDecodeMaxClusterParts = 16;
+constexpr int64_t kDecodeMaxClusterParts = 16;
 
 template <class Elem, int kDim>
 struct DecodeConfig {
