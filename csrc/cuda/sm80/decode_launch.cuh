@@ -151,9 +151,17 @@ bool launch_decode(const FwdParams& p, cudaStream_t stream) {
                          unsigned(grid.cluster), Cfg::kThreads, Cfg::kSmemBytes, stream, decode_kernel_name(kKv), p,
                          grid);
     });
-    if (combine)
-      launch_after_prior(decode_combine_kernel<Elem, kDim>, unsigned(l.walks * grid.combine_rows), 1,
-                         32 * kDecodeCombineWarps, 0, stream, "sm80::decode_combine_kernel", p, grid);
+    if (combine) {
+      const int64_t rows = l.walks * grid.combine_rows;
+      if (grid.parts <= kDecodeFewParts) {
+        launch_after_prior(decode_combine_kernel<Elem, kDim, 1>, unsigned((rows + kDecodeCombineWarps - 1) /
+                           kDecodeCombineWarps), 1, 32 * kDecodeCombineWarps, 0, stream,
+                           "sm80::decode_combine_kernel (a warp a row)", p, grid);
+      } else {
+        launch_after_prior(decode_combine_kernel<Elem, kDim, kDecodeCombineWarps>, unsigned(rows), 1,
+                           32 * kDecodeCombineWarps, 0, stream, "sm80::decode_combine_kernel", p, grid);
+      }
+    }
     return true;
   }
 }

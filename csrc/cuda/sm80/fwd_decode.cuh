@@ -53,7 +53,7 @@ struct DecodeGrid {
   int chunks = 1, parts = 1, chunk_rows = kDecodeChunkRows;  // chunk_rows: 16 or 32 (decode_chunk_rows)
   int cluster = 1;                                          // parts per thread block cluster (1: none, else parts)
   float* partial = nullptr;
-  int combine_rows = 0;  // decode_combine_kernel's blocks per walk: the chunk's rows, or fewer where a group has fewer
+  int combine_rows = 0;  // decode_combine_kernel's rows per walk: the chunk's rows, or fewer where a group has fewer
   // Early: the kernel before this one is the step's append, which writes nothing
   // the prologue reads but the last `added` keys of each sequence and seqused_k: the prologue then plans from
   // lengths[b] + added (the lengths the append read: FwdParams::seqused_before) and issues Q and the first tiles
