@@ -515,9 +515,9 @@ def test_cuda_decode_combine_of_many_parts(paged):
 @pytest.mark.parametrize("dim", [64, 128])
 @pytest.mark.parametrize("page", [None, 64])
 def test_cuda_decode_combine_of_few_parts(dim, page):
-    """GQA steps whose walks are cut into at most 8 parts, added by the combine kernel a warp a row, on a 132-SM
-    GPU: 20 sequences of 3 kv heads (groups of 3 rows: 180 rows, the combine kernel's last block half-filled) over
-    133 tiles in 4 parts at dim 128 / 6 at dim 64, ragged lengths down to a sequence shorter than one part."""
+    """GQA steps whose walks are cut into few parts, on a 132-SM GPU: 20 sequences of 3 kv heads (groups of 3 rows:
+    180 rows) over 133 tiles, in 4 parts at dim 128 (the combine kernel a warp a row, its last block half-filled)
+    and 6 at dim 64 (a block a row), ragged lengths down to a sequence shorter than one part."""
     seqlens = [133 * 64, 8000, 1, 5000, 133 * 64 - 1, 64, 4097, 300, 8191, 2048,
                7777, 129, 6000, 133 * 64, 4000, 65, 8500, 3333, 1000, 8400]
     _check_cuda_step(20, 9, 3, dim, 133 * 64, seqlens, page=page)

@@ -21,9 +21,11 @@ namespace flashattn::cuda::sm80 {
 //   w, w + kWarps, ..., and warp 0 adds the warps' sums in warp order (the same order every call), so that each
 //   warp issues few rounds of loads.
 // - 1 (at most kDecodeFewParts parts): a warp per (walk, row), kDecodeCombineWarps of them a block, each adding
-//   its row's parts alone: no smem, no barrier, an eighth of the blocks (H200, bf16, dim 128, MQA B64 1k: 2048
-//   blocks of 8 warps for 2 parts took 7 µs of a 17.9 µs step, 13.4 µs with a warp a row).
-constexpr int kDecodeCombineWarps = 8, kDecodeFewParts = 8;
+//   its row's parts alone: no smem, no barrier, an eighth of the blocks (H200, bf16, dim 128, MQA B64 1k in 2
+//   parts: 2048 blocks of 8 warps took 7 µs of a 17.9 µs step, 13.4 µs with a warp a row). At most 4 parts: one
+//   round of loads (the loop unrolled by 4); MHA B1 8k's 8 parts of 32 rows took 38.9 µs a warp a row against
+//   36.8 with eight (two runs of the decode grid).
+constexpr int kDecodeCombineWarps = 8, kDecodeFewParts = 4;
 template <class Elem, int kDim, int kWarpsARow>
 __global__ void __launch_bounds__(32 * kDecodeCombineWarps) decode_combine_kernel(const FwdParams p, DecodeGrid grid) {
   using Cfg = DecodeConfig<Elem, kDim>;
