@@ -73,11 +73,12 @@ struct DecodeLaunch {
     const int64_t sms = device_limits().sms, slots = sms * per_sm;
     const int64_t walks16 = p.batch * p.heads_kv * ((packed + Cfg::kWarpRows - 1) / Cfg::kWarpRows);
     grid.chunk_rows = decode_chunk_rows(walks16, tiles, sms);
-    // A short cache whose 16-row walks leave no room for clusters of 2 where 32-row walks do: 32-row chunks, each
-    // tile read once, a cluster of 2 a walk (H200, bf16, dim 128, MQA B64 2k: 25.5 -> 23.9 µs, cuDNN 24.6).
+    // sm_90, a short cache whose 16-row walks leave no room for clusters of 2 where 32-row walks do: 32-row
+    // chunks, each tile read once, a cluster of 2 a walk (below; H200, bf16, dim 128, MQA B64 2k: 25.5 -> 23.9 µs,
+    // cuDNN 24.6).
     const int64_t walks32 = p.batch * p.heads_kv * ((packed + kDecodeChunkRows - 1) / kDecodeChunkRows);
     if (tiles > kDecodeClusterTiles && tiles <= kDecodeShortTiles && packed > kDecodeSmallChunkRows &&
-        sms / walks16 < 2 && sms / walks32 >= 2)
+        sms / walks16 < 2 && sms / walks32 >= 2 && walks32 <= clusters_resident_once(kv, 2))
       grid.chunk_rows = kDecodeChunkRows;
     grid.chunks = int((packed + grid.chunk_rows - 1) / grid.chunk_rows);
     walks = p.batch * p.heads_kv * grid.chunks;
