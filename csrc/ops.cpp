@@ -293,8 +293,9 @@ struct Features {
   int64_t max_seqlen_q = 0, max_seqlen_k = 0;
   std::optional<Tensor> seqused_k, leftpad_k;
   std::optional<Tensor> block_table;
-  const int32_t* seqused_before = nullptr;  // FwdParams::seqused_before (kvcache_step)
+  const int32_t* seqused_before = nullptr;  // FwdParams::seqused_before, seqused_added, q_from_prior (kvcache_step)
   int64_t seqused_added = 0;
+  bool q_from_prior = false;
 
   bool varlen() const { return cu_seqlens_q.has_value() || cu_seqlens_k.has_value(); }
   bool key_ranges() const { return seqused_k.has_value() || leftpad_k.has_value(); }
@@ -593,6 +594,7 @@ Error fwd_params(const Tensor& q, const Tensor& k, const Tensor& v, double scale
   if (f.block_table.has_value()) FA_TRY(fill_pages(p, *f.block_table, k));
   p.seqused_before = f.seqused_before;
   p.seqused_added = f.seqused_added;
+  p.q_from_prior = f.q_from_prior;
   return {};
 }
 
@@ -1177,9 +1179,10 @@ Error kvcache_step(Tensor k_cache, Tensor v_cache, Tensor q, const std::optional
   StepAttention a{q, q, q, {}};
   FA_TRY(step_attention(q_attended, k_cache, v_cache, seqused, leftpad, block_table, a));
   Features& f = a.f;
-  if (appended_on_cuda && !rotary) {  // (q untouched)
+  if (appended_on_cuda) {
     f.seqused_before = static_cast<const int32_t*>(seqlens->const_data_ptr());
     f.seqused_added = k.has_value() ? k->size(1) : 0;
+    f.q_from_prior = rotary;  // (q_attended: the append's rotated q)
   }
   Tensor out_view = q;
   FA_TRY(fwd(a.q, a.k, a.v, scale, causal ? kCausalBottomRight : kCausalNone, f, out_view, lse));

@@ -100,12 +100,13 @@ struct FwdParams {
   // Clamped where read (sequence()) to 0 <= leftpad_k <= seqused_k <= len_k.
   const int32_t* seqused_k = nullptr;
   const int32_t* leftpad_k = nullptr;
-  // Optional (a KV-cache step whose append, the kernel before this call, leaves q as it is: no rotary tables;
-  // CUDA): the lengths the append read. It writes seqused_k[b] = seqused_before[b] + seqused_added for every
-  // sequence it allows (-1 for the others) and, in the caches, only the rows from seqused_before[b] on: the decode
-  // kernel reads the rows below, q and the lengths before it waits for the append.
+  // Optional (a KV-cache step whose append is the kernel before this call; CUDA): the lengths the append read. It
+  // writes seqused_k[b] = seqused_before[b] + seqused_added for every sequence it allows (-1 for the others) and, in
+  // the caches, only the rows from seqused_before[b] on: the decode kernel reads the rows below, the lengths and q
+  // (unless q_from_prior: a rotary step's q, which the append rotates) before it waits for the append.
   const int32_t* seqused_before = nullptr;
   int64_t seqused_added = 0;
+  bool q_from_prior = false;
 
   // Paged k / v (block_table != null: a KV cache in pages). k and v hold num_blocks blocks of
   // page_size rows, addressed [block][head][row] through k_stride / v_stride (the batch stride

@@ -661,7 +661,8 @@ def test_cuda_read_only_paged_steps_check_their_pages(page, heads_kv, cache):
 @pytest.mark.parametrize("paged", [False, True])
 def test_cuda_rotary_steps_over_long_caches(interleaved, paged):
     """bf16 rotary steps appending one row over caches of up to 4096 keys, dense and on pages of 256: the append
-    rotates q and the new key, and the decode kernel (a dependent launch) reads the rotated q and the new key only
-    after it. Checked against float64: out, LSE and both caches."""
+    rotates q and the new key, and the decode kernel (a dependent launch) issues its first K / V tiles while the
+    append runs and reads the rotated q and the new key only after it. Checked against float64: out, LSE and both
+    caches."""
     run_and_check(*make_case("cuda", torch.bfloat16, rotary=True, interleaved=interleaved, causal=True, cache=4096,
                              seqlens=(3000, 1000, None), paged=paged, page=256))

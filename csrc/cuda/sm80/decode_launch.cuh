@@ -154,6 +154,7 @@ bool launch_decode(const FwdParams& p, cudaStream_t stream) {
       grid.early = true;
       grid.lengths = p.seqused_before;
       grid.added = int(p.seqused_added);
+      grid.q_late = p.q_from_prior;
     }
     grid.set_divisors(p);
     with_decode_kv(l.kv, [&](auto k) {

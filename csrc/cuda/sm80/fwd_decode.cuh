@@ -57,8 +57,8 @@ struct DecodeGrid {
   // Early: the kernel before this one is the step's append, which writes nothing
   // the prologue reads but the last `added` keys of each sequence and seqused_k: the prologue then plans from
   // lengths[b] + added (the lengths the append read: FwdParams::seqused_before) and issues Q and the first tiles
-  // before it waits for them, while they run.
-  bool early = false;
+  // before it waits for them, while they run; Q after the wait where the append writes it (q_late: a rotary step).
+  bool early = false, q_late = false;
   const int32_t* lengths = nullptr;  // the prologue's seqused_k[b] is lengths[b] + added (else seqused_k, 0)
   int added = 0;
   // The kernel's divisors (common/fast_divide.h: a short step's prologue is a chain of its divisions): the grid's
@@ -201,9 +201,11 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads, DecodeConf
   const bool issue_early = grid.early && n_begin + ahead * kBN <= sq.len_k - grid.added;
   if (grid.early && !issue_early) wait_for_prior_grids();
   // Q with the first tile (issued after it: the tile comes from DRAM, Q mostly from L2), then the next kAhead - 1
-  // tiles, a commit group each.
+  // tiles, a commit group each. Q written by the kernel before and the tiles issued early: Q after the wait, in a
+  // group of its own, waited for with every early tile (issued while the append ran, mostly landed).
+  const bool q_after_wait = grid.q_late && issue_early;
   if (tiles > 0) load_kv(0, 0);
-  load_chunk_q<kDim>(sQ, p, sq, r0, rows, E, head_of, row_of, tid);  // past the chunk's rows zeros
+  if (!q_after_wait) load_chunk_q<kDim>(sQ, p, sq, r0, rows, E, head_of, row_of, tid);  // past the chunk's rows zeros
   cp_async_commit();
 #pragma unroll
   for (int s = 1; s < kAhead; ++s) {
@@ -211,6 +213,11 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads, DecodeConf
     cp_async_commit();
   }
   if (issue_early) wait_for_prior_grids();
+  if (q_after_wait) {
+    load_chunk_q<kDim>(sQ, p, sq, r0, rows, E, head_of, row_of, tid);
+    cp_async_commit();
+    cp_async_wait<0>();
+  }
   if (grid.early) sq.valid = sq.valid && p.seqused_k[b] == grid.lengths[b] + grid.added;
 
   const DecodeOperandReads<Cfg, Elem> read(sQ, sK, sV, row_group, key_slot, lane);
