@@ -166,7 +166,8 @@ def kvcache_cases(device="cuda"):
     """flash_attn_with_kvcache steps: the append (a warp per head) and the decode kernel started as a dependent
     launch, its walks in parts (on sm_90 a cluster a walk in the third and fifth steps, caches of at most 16 tiles;
     elsewhere the parts added by the combine kernel, a dependent launch too, a warp a row in the last step's 4
-    parts; FLASHATTN_CUDA_KERNELS=sm80 keeps every step off clusters): GQA and MHA dense steps, paged steps
+    parts; on sm_90 the last two steps' 33 walks in 4 parts of a block an SM with the deep ring;
+    FLASHATTN_CUDA_KERNELS=sm80 keeps every step off clusters and the deep ring): GQA and MHA dense steps, paged steps
     with a ragged batch and left padding (row copies) and from each cache's first key (whole-tile copies), rotary
     tables (q rotated in the append), head dim 40, two rows per step, and read-only steps (no append: the decode
     kernel checks the pages)."""
@@ -175,7 +176,8 @@ def kvcache_cases(device="cuda"):
     # (batch, heads_q, heads_kv, head dim, cache, rows, paged: None, "leftpad" or "from 0", rotary)
     steps = ((2, 8, 2, 128, 3000, 1, None, False), (1, 4, 4, 64, 5000, 1, None, True),
              (3, 6, 2, 128, 1024, 2, "leftpad", False), (2, 8, 1, 128, 4096, 1, "from 0", False),
-             (2, 4, 1, 40, 700, 1, None, False), (8, 16, 8, 128, 3000, 1, None, False))
+             (2, 4, 1, 40, 700, 1, None, False), (8, 16, 8, 128, 3000, 1, None, False),
+             (3, 33, 11, 128, 6400, 1, None, True), (3, 33, 11, 96, 6400, 1, "leftpad", False))
     for b, hq, hk, e, cache, lq, paged, rotary in steps:
         randn = lambda *s: torch.randn(*s, generator=gen, device=device, dtype=torch.bfloat16)
         q, k, v = randn(b, lq, hq, e), randn(b, lq, hk, e), randn(b, lq, hk, e)

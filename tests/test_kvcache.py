@@ -524,6 +524,18 @@ def test_cuda_decode_combine_of_few_parts(dim, page):
 
 
 @needs_cuda
+@pytest.mark.parametrize("dim", [96, 128])
+@pytest.mark.parametrize("page", [None, 256, 80])
+def test_cuda_decode_deep_ring(dim, page):
+    """Steps that run one block an SM with the decode kernel's deep ring of K / V buffers on sm_90 (a 132-SM GPU),
+    dense, on whole-tile pages and on row-copied pages: 33 GQA walks (groups of 3) in 4 parts of 25 tiles added by
+    the combine kernel, ragged down to a sequence of one key (parts without keys); 128 MHA walks of 40 tiles run
+    whole, ragged."""
+    _check_cuda_step(3, 33, 11, dim, 6400, [6400, 3001, 1], page=page)
+    _check_cuda_step(4, 32, 32, dim, 2560, [2560, 2559, 1000, 65], page=page)
+
+
+@needs_cuda
 @pytest.mark.parametrize("dim", [64, 128, 256])
 @pytest.mark.parametrize("page", [None, 256, 32])
 def test_cuda_short_steps(dim, page):

@@ -26,6 +26,14 @@ constexpr int64_t kDecodeMinPartTiles = 4, kDecodeShortPartTiles = 2, kDecodeSho
 // kDecodeClusterTiles tiles, whose time is mostly fixed cost, and of at most kDecodeShortTiles where only clusters
 // of 2 fit (below). From 2k keys parts of 2-4 tiles and the combine kernel were faster where more parts fit.
 constexpr int64_t kDecodeClusterTiles = 16;
+// sm_90, a kv head's rows one chunk of at most 16 (GQA / MHA) and walks that fill >= 90% of the SMs a block an SM,
+// in parts of at least kDecodeDeepPartTiles tiles: one block an SM with the deep ring (DecodeConfig::kDeepStages)
+// streams faster than two of three stages (H200, bf16, dim 128, µs: GQA B1 32k 38.9 -> 36.5, B8 8k 67.7 -> 65.7, B16
+// 2k 35.8 -> 33.8, MHA B4 2k 35.8 -> 34.6; paged alike). Not with shorter parts (MQA B8 8k, 16 tiles a part: 13.7 ->
+// 15.3; a short part is bound by its chain of tile latencies, which two blocks an SM overlap), fewer walks (GQA B12
+// 4k, 96 of 132 SMs: 53.1 -> 56.2) or MQA's two chunks a head (B64 8k, 32-row chunks: 71.4 -> 74.9; B8 32k 42.2 ->
+// 42.6; paged B1 128k 29.5 -> 31.2, though dense 28.8 -> 26.1).
+constexpr int64_t kDecodeDeepPartTiles = 24;
 
 // Rows of a chunk: 32 (warp pairs: each K / V tile read once per 32 rows) where the call reads enough tiles to
 // be bound by memory, else 16 (twice the blocks, half the steps per warp, one merge pass; each tile read twice,
@@ -102,8 +110,22 @@ struct DecodeLaunch {
     if (cluster_step && cparts >= 2 && walks <= clusters_resident_once(kv, int(cparts))) {
       grid.parts = grid.cluster = int(cparts);
     }
+    grid.stages = Cfg::kStages;
+    if (grid.cluster == 1 && packed <= kDecodeSmallChunkRows) deepen(kv, tiles);
     if (grid_too_large(walks, "sm80::fwd_decode_kernel")) usable = false;
   }
+  // The deep ring where it streams faster (kDecodeDeepPartTiles): parts of a block an SM.
+  void deepen(DecodeKv kv, int64_t tiles) {
+    const DeviceLimits lim = device_limits();
+    if (Cfg::kDeepStages == Cfg::kStages || lim.major < 9 || env_overrides().kernels == KernelsOverride::kSm80) return;
+    int64_t parts = walks < lim.sms ? lim.sms / walks : 1;
+    parts = parts < kDecodeMaxParts ? parts : kDecodeMaxParts;
+    if (walks * parts > lim.sms || walks * parts * 10 < lim.sms * 9 || tiles < parts * kDecodeDeepPartTiles) return;
+    if (!deep_ring_opted_in(kv)) return;
+    grid.parts = int(parts);
+    grid.stages = Cfg::kDeepStages;
+  }
+  size_t smem_bytes() const { return Cfg::kQBytes + Cfg::kv_bytes(grid.stages); }
   // The parts' rows in the workspace (none where one block or one cluster takes a walk): a slot per walk and part.
   bool merges_in_workspace() const { return grid.parts > 1 && grid.cluster == 1; }
   size_t workspace_bytes() const {
@@ -117,6 +139,14 @@ struct DecodeLaunch {
       constexpr DecodeKv kKv = decltype(k)::value;
       return blocks_per_sm_cached<fwd_decode_kernel<Elem, kDim, kKv>>(Cfg::kThreads, Cfg::kSmemBytes,
                                                                       decode_kernel_name(kKv));
+    });
+  }
+  // Whether the call's kernel may take the deep ring's smem (opted in; false where the device has less).
+  static bool deep_ring_opted_in(DecodeKv kv) {
+    if (Cfg::kDeepSmemBytes > device_limits().smem_optin) return false;
+    return with_decode_kv(kv, [](auto k) {
+      constexpr DecodeKv kKv = decltype(k)::value;
+      return set_smem(fwd_decode_kernel<Elem, kDim, kKv>, Cfg::kDeepSmemBytes, decode_kernel_name(kKv));
     });
   }
   // Clusters of `blocks` blocks of the call's kernel resident at once (0 before sm_90); its smem limit set by
@@ -160,7 +190,7 @@ bool launch_decode(const FwdParams& p, cudaStream_t stream) {
     with_decode_kv(l.kv, [&](auto k) {
       constexpr DecodeKv kKv = decltype(k)::value;
       launch_after_prior(fwd_decode_kernel<Elem, kDim, kKv>, unsigned(l.walks * grid.parts),
-                         unsigned(grid.cluster), Cfg::kThreads, Cfg::kSmemBytes, stream, decode_kernel_name(kKv), p,
+                         unsigned(grid.cluster), Cfg::kThreads, l.smem_bytes(), stream, decode_kernel_name(kKv), p,
                          grid);
     });
     if (combine) {

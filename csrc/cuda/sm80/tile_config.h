@@ -233,6 +233,9 @@ struct DecodeConfig {
   static constexpr int kBN = kWarps * kWarpKeys;  // keys per tile
   // K / V tiles in flight: three stages where two blocks per SM still fit (dims <= 128), two above.
   static constexpr int kStages = kDim <= 128 ? 3 : 2;
+  // The deep ring of a call that runs one block an SM (decode_launch.cuh): six stages at dims 96 / 128 (200 KB of
+  // smem at dim 128), where one block alone keeps as many bytes in flight as two of three stages; none elsewhere.
+  static constexpr int kDeepStages = kDim > 64 && kDim <= 128 ? 6 : kStages;
   // Blocks per SM the registers are budgeted for (named to ptxas): at dims 128 / 256 those the smem allows on
   // sm_90 (228 KB); three at dims <= 64. Without it ptxas capped dim 128 at 168 registers (three blocks' worth)
   // and spilled.
@@ -242,7 +245,8 @@ struct DecodeConfig {
   static constexpr int kLd = kSwizzle ? kDim : kDim + 8;
   static constexpr int kOLd = kDim + 8;  // fp32 pitch of the warps' rows in the merge
   static constexpr size_t kQBytes = size_t(kRows) * kLd * sizeof(Elem);
-  static constexpr size_t kKvBytes = size_t(2 * kStages) * kBN * kLd * sizeof(Elem);
+  static constexpr size_t kv_bytes(int stages) { return size_t(2 * stages) * kBN * kLd * sizeof(Elem); }
+  static constexpr size_t kKvBytes = kv_bytes(kStages);
   // The merge's rows (O, then max and sum per row) reuse the K / V buffers.
   static constexpr size_t kMergeBytes = size_t(kWarps) * kWarpRows * (kOLd + 2) * sizeof(float);
   static_assert(kMergeBytes <= kKvBytes, "the merge fits in the K / V buffers");
@@ -252,6 +256,7 @@ struct DecodeConfig {
   static constexpr size_t kClusterSlotBytes = size_t(kClusterSlots) * (kDim + 2) * sizeof(float);
   static_assert(kMergeBytes + kClusterSlotBytes <= kKvBytes, "a cluster's slots fit beside the warps' rows");
   static constexpr size_t kSmemBytes = kQBytes + kKvBytes;
+  static constexpr size_t kDeepSmemBytes = kQBytes + kv_bytes(kDeepStages);
 };
 
 // Calls the decode kernel takes: fp16 / bf16 calls with no optional feature but a KV cache's own
