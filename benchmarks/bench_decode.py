@@ -21,6 +21,7 @@ one (time). Rows whose buffers would pass --max-gb are skipped.
     python benchmarks/bench_decode.py                       # the default grid (bf16, E=128)
     python benchmarks/bench_decode.py --full                # B 1..64, C 1k..128k, E 64/128/256
     python benchmarks/bench_decode.py --device cpu --quick  # tiny sizes on the CPU (code paths only)
+    python benchmarks/bench_decode.py --table results/h200/decode_bf16.json  # its markdown table (docs/inference.md)
 
 --impls may also name ours-rotary (and ours-rotary-graph; not in the default list): the dense step
 with rotary tables (float32, the whole head, causal), q and the new keys rotated inside the
@@ -73,6 +74,7 @@ def parse_args(argv):
     p.add_argument("--quick", action="store_true", help="tiny: B 1,2, C 256,1024, E 64, H 8, fp32")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--table", metavar="JSON", help="print the summary table of a result file as markdown, run nothing")
     args = p.parse_args(argv)
     if args.full:
         args.batches, args.head_dims = "1,2,4,8,16,32,64", "64,128,256"
@@ -256,6 +258,30 @@ def summarize(row):
     row["paged_over_dense"] = paged / step if step and paged else None
 
 
+def markdown_table(rows):
+    """The summary of each measured row (summarize) with its times in µs: the attention (ours-read), the step
+    (ours), the fastest SDPA backend (named), each the better of eager and graph replay."""
+    def us(x):
+        return f"{x:.1f}" if x < 100 else f"{x:.0f}"
+
+    def keys(c):
+        return f"{c // 1024}k" if c % 1024 == 0 else str(c)
+    lines = ["| kind | B | C | attention | step | fastest SDPA | attention / SDPA | step / SDPA | "
+             "K/V bandwidth / copy's | paged / dense step |", "|:---:|---:|---:" + "|---:" * 7 + "|"]
+    for row in rows:
+        read, step = best_us(row, "ours-read"), best_us(row, "ours")
+        sdpa = {b: best_us(row, b) for b in ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient")}
+        sdpa = {b: t for b, t in sdpa.items() if t is not None}
+        if read is None or step is None or not sdpa or row.get("paged_over_dense") is None:
+            continue
+        fastest = min(sdpa, key=sdpa.get)
+        lines.append(f"| {row['kind'].upper()} | {row['batch']} | {keys(row['cache'])} | {us(read)} | {us(step)} | "
+                     f"{us(sdpa[fastest])} ({fastest[len('sdpa-'):]}) | {row['ours_over_fastest_sdpa']:.2f} | "
+                     f"{row['step_over_fastest_sdpa']:.2f} | {row['ours_pct_of_copy_bw']:.0f}% | "
+                     f"{row['paged_over_dense']:.2f} |")
+    return "\n".join(lines)
+
+
 def run_grid(args):
     dtype = M.DTYPES[args.dtype]
     rows = []
@@ -336,6 +362,10 @@ def plot(rows, impls, out_dir):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.table:
+        with open(args.table) as f:
+            print(markdown_table(json.load(f)["rows"]))
+        return
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("no CUDA device here; --device cpu --quick runs the code paths on the CPU")
     os.makedirs(args.out_dir, exist_ok=True)
