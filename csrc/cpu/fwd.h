@@ -189,7 +189,7 @@ void fwd_impl(const FwdParams& p) {
   if (p.len_q <= kDotRows) {
     // A decode step: a kv head's query heads in packs of at most kDotRows rows, more packs where that gives every
     // thread a task (each pack loads the key and value tiles itself).
-    const int64_t most = kDotRows / p.len_q, fewest = (p.group() + most - 1) / most;
+    const int64_t most = kDotRows / std::max<int64_t>(p.len_q, 1), fewest = (p.group() + most - 1) / most;
     const int64_t packs = std::clamp<int64_t>((threads + n_groups - 1) / n_groups, fewest, p.group());
     const int64_t per_pack = (p.group() + packs - 1) / packs;
     run_tasks(n_groups * packs, [&] {
