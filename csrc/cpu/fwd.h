@@ -51,6 +51,26 @@ struct FwdScratch {
         l(kFwdTileQ) {}
 };
 
+// The dropped probabilities of a tile of scores (rows kFwdTileK apart) set to 0: l keeps every probability, only
+// P V sees the dropped ones as 0.
+template <class A>
+void drop_scores(const FwdParams& p, const TilePos& pos, A* s) {
+  for_each_dropout(p, pos, [s](int64_t r, int64_t c, bool keep) {
+    if (!keep) s[r * kFwdTileK + c] = A(0);
+  });
+}
+
+// Rows row0 .. row0 + rows - 1 of query head h done: O / l into `out`, LSE; m, l and o (ld_v apart) the rows' own.
+template <class A>
+void finish_rows(const FwdParams& p, const Seq& sq, int64_t h, int64_t row0, int64_t rows, A* m, A* l, A* o,
+                 int64_t ld_v) {
+  for (int64_t r = 0; r < rows; ++r) l[r] = sq.row_sum(l[r]);  // NaN rows for an invalid sequence
+  const OnlineSoftmax<A> sm{m, l, rows};
+  sm.finish(o, ld_v, static_cast<A*>(p.lse) + sq.row_index(p.heads_q, h, row0), A(1) / A(1 - p.dropout_p));
+  store_rows<A>(p.dtype, row_ptr(p.out, p.out_stride, p.dtype, sq.tb, h, sq.q0 + row0), p.out_stride.row, rows,
+                p.head_dim_v, A(1), o, ld_v);
+}
+
 template <class A>
 void fwd_tile(const FwdParams& p, FwdScratch<A>& w, const Seq& sq, int64_t h, int64_t row0) {
   const int64_t rows = std::min(kFwdTileQ, sq.len_q - row0);
@@ -82,22 +102,12 @@ void fwd_tile(const FwdParams& p, FwdScratch<A>& w, const Seq& sq, int64_t h, in
     const TilePos pos{sq, h, row0, rows, col0, cols, cols_padded};
     prepare_scores(p, pos, w.s.data(), kFwdTileK);
     sm.update(w.s.data(), kFwdTileK, cols_padded, w.o.data(), w.ld_v);
-    if (p.dropout_p > 0.0) {  // l keeps every probability; only P V sees the dropped ones as 0
-      A* s = w.s.data();
-      for_each_dropout(p, pos, [s](int64_t r, int64_t c, bool keep) {
-        if (!keep) s[r * kFwdTileK + c] = A(0);
-      });
-    }
+    if (p.dropout_p > 0.0) drop_scores(p, pos, w.s.data());
     load_rows<A>(t, row_ptr(p.v, p.v_stride, t, sq.tb, hk, sq.k0 + col0), p.v_stride.row, cols, p.head_dim_v,
                  A(1), w.v.data(), w.ld_v, w.ld_v);
     gemm<A>(rows, w.ld_v, cols, w.s.data(), kFwdTileK, w.v.data(), w.ld_v, w.o.data(), w.ld_v, true);
   }
-
-  A* lse = static_cast<A*>(p.lse) + sq.row_index(p.heads_q, h, row0);
-  for (int64_t r = 0; r < rows; ++r) w.l[r] = sq.row_sum(w.l[r]);  // NaN rows for an invalid sequence
-  sm.finish(w.o.data(), w.ld_v, lse, A(1) / A(1 - p.dropout_p));
-  store_rows<A>(t, row_ptr(p.out, p.out_stride, t, sq.tb, h, sq.q0 + row0), p.out_stride.row, rows,
-                p.head_dim_v, A(1), w.o.data(), w.ld_v);
+  finish_rows(p, sq, h, row0, rows, w.m.data(), w.l.data(), w.o.data(), w.ld_v);
 }
 
 // A decode step's tile (at most kDotRows query rows a kv head): consecutive query heads h0 .. h0 + heads - 1 of one
@@ -141,15 +151,8 @@ void fwd_rows_tile(const FwdParams& p, FwdScratch<A>& w, const Seq& sq, int64_t 
       prepare_scores(p, TilePos{sq, h0 + i, 0, rows, col0, cols, cols_padded}, w.s.data() + i * rows * kFwdTileK,
                      kFwdTileK);
     sm.update(w.s.data(), kFwdTileK, cols_padded, w.o.data(), w.ld_v);
-    if (p.dropout_p > 0.0) {  // l keeps every probability; only P V sees the dropped ones as 0
-      for (int64_t i = 0; i < heads; ++i) {
-        A* s = w.s.data() + i * rows * kFwdTileK;
-        for_each_dropout(p, TilePos{sq, h0 + i, 0, rows, col0, cols, cols_padded},
-                         [s](int64_t r, int64_t c, bool keep) {
-                           if (!keep) s[r * kFwdTileK + c] = A(0);
-                         });
-      }
-    }
+    for (int64_t i = 0; i < heads && p.dropout_p > 0.0; ++i)
+      drop_scores(p, TilePos{sq, h0 + i, 0, rows, col0, cols, cols_padded}, w.s.data() + i * rows * kFwdTileK);
     load_rows<A>(t, row_ptr(p.v, p.v_stride, t, sq.tb, hk, sq.k0 + col0), p.v_stride.row, cols, p.head_dim_v, A(1),
                  w.v.data(), w.ld_v, w.ld_v);
     for (int64_t i = 0; i < packed; ++i) {
@@ -163,14 +166,9 @@ void fwd_rows_tile(const FwdParams& p, FwdScratch<A>& w, const Seq& sq, int64_t 
     }
   }
 
-  for (int64_t r = 0; r < packed; ++r) w.l[r] = sq.row_sum(w.l[r]);  // NaN rows for an invalid sequence
-  for (int64_t i = 0; i < heads; ++i) {
-    A* o = w.o.data() + i * rows * w.ld_v;
-    const OnlineSoftmax<A> head_rows{w.m.data() + i * rows, w.l.data() + i * rows, rows};
-    head_rows.finish(o, w.ld_v, static_cast<A*>(p.lse) + sq.row_index(p.heads_q, h0 + i, 0), A(1) / A(1 - p.dropout_p));
-    store_rows<A>(t, row_ptr(p.out, p.out_stride, t, sq.tb, h0 + i, sq.q0), p.out_stride.row, rows, p.head_dim_v,
-                  A(1), o, w.ld_v);
-  }
+  for (int64_t i = 0; i < heads; ++i)
+    finish_rows(p, sq, h0 + i, 0, rows, w.m.data() + i * rows, w.l.data() + i * rows,
+                w.o.data() + i * rows * w.ld_v, w.ld_v);
 }
 
 // Query heads hk * group + pack * per_pack ... of a short sequence (at most kDotRows rows) by fwd_rows_tile, in
