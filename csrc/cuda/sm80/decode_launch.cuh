@@ -137,16 +137,28 @@ struct DecodeLaunch {
   static int blocks_per_sm_once(DecodeKv kv) {
     return with_decode_kv(kv, [](auto k) {
       constexpr DecodeKv kKv = decltype(k)::value;
-      return blocks_per_sm_cached<fwd_decode_kernel<Elem, kDim, kKv>>(Cfg::kThreads, Cfg::kSmemBytes,
-                                                                      decode_kernel_name(kKv));
+      return blocks_per_sm_cached<fwd_decode_kernel<Elem, kDim, kKv, Cfg::kStages>>(Cfg::kThreads, Cfg::kSmemBytes,
+                                                                                    decode_kernel_name(kKv));
     });
   }
-  // Whether the call's kernel may take the deep ring's smem (opted in; false where the device has less).
+  // Whether the deep ring's kernel may take its smem (opted in; false where the device has less).
   static bool deep_ring_opted_in(DecodeKv kv) {
     if (Cfg::kDeepSmemBytes > device_limits().smem_optin) return false;
     return with_decode_kv(kv, [](auto k) {
       constexpr DecodeKv kKv = decltype(k)::value;
-      return set_smem(fwd_decode_kernel<Elem, kDim, kKv>, Cfg::kDeepSmemBytes, decode_kernel_name(kKv));
+      return set_smem(fwd_decode_kernel<Elem, kDim, kKv, Cfg::kDeepStages>, Cfg::kDeepSmemBytes,
+                      decode_kernel_name(kKv));
+    });
+  }
+  // f(kernel, kv name) for the planned call's kernel: its K / V form and its ring.
+  template <class F>
+  void with_kernel(F&& f) const {
+    with_decode_kv(kv, [&](auto k) {
+      constexpr DecodeKv kKv = decltype(k)::value;
+      if constexpr (Cfg::kDeepStages != Cfg::kStages) {
+        if (grid.stages == Cfg::kDeepStages) return f(fwd_decode_kernel<Elem, kDim, kKv, Cfg::kDeepStages>, kKv);
+      }
+      f(fwd_decode_kernel<Elem, kDim, kKv, Cfg::kStages>, kKv);
     });
   }
   // Clusters of `blocks` blocks of the call's kernel resident at once (0 before sm_90); its smem limit set by
@@ -154,7 +166,8 @@ struct DecodeLaunch {
   static int clusters_resident_once(DecodeKv kv, int blocks) {
     return with_decode_kv(kv, [&](auto k) {
       constexpr DecodeKv kKv = decltype(k)::value;
-      return clusters_resident(fwd_decode_kernel<Elem, kDim, kKv>, blocks, Cfg::kThreads, Cfg::kSmemBytes);
+      return clusters_resident(fwd_decode_kernel<Elem, kDim, kKv, Cfg::kStages>, blocks, Cfg::kThreads,
+                               Cfg::kSmemBytes);
     });
   }
 };
@@ -187,11 +200,9 @@ bool launch_decode(const FwdParams& p, cudaStream_t stream) {
       grid.q_late = p.q_from_prior;
     }
     grid.set_divisors(p);
-    with_decode_kv(l.kv, [&](auto k) {
-      constexpr DecodeKv kKv = decltype(k)::value;
-      launch_after_prior(fwd_decode_kernel<Elem, kDim, kKv>, unsigned(l.walks * grid.parts),
-                         unsigned(grid.cluster), Cfg::kThreads, l.smem_bytes(), stream, decode_kernel_name(kKv), p,
-                         grid);
+    l.with_kernel([&](auto kernel, DecodeKv kv) {
+      launch_after_prior(kernel, unsigned(l.walks * grid.parts), unsigned(grid.cluster), Cfg::kThreads, l.smem_bytes(),
+                         stream, decode_kernel_name(kv), p, grid);
     });
     if (combine) {
       const int64_t rows = l.walks * grid.combine_rows;
