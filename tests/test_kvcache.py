@@ -536,7 +536,7 @@ def test_cuda_decode_deep_ring(dim, page):
 
 
 @needs_cuda
-@pytest.mark.parametrize("dim", [64, 128, 256])
+@pytest.mark.parametrize("dim", [64, 128, 192, 256])
 @pytest.mark.parametrize("page", [None, 256, 32])
 def test_cuda_short_steps(dim, page):
     """Short steps, dense, on whole-tile pages and on row-copied pages, each checked against float64, on a
@@ -562,12 +562,13 @@ def test_cuda_decode_parts_of_uneven_tiles(dim, page):
 
 
 @needs_cuda
-@pytest.mark.parametrize("dim", [40, 80, 120, 200])
+@pytest.mark.parametrize("dim", [40, 80, 120, 176, 200])
 @pytest.mark.parametrize("page", [None, 64])
 def test_cuda_decode_head_dims_below_their_tier(dim, page):
-    """Steps at head dims below their kernel tier's (40 of 64, 80 of 96, 120 of 128, 200 of 256): the columns of
-    a K / V tile past the head dim are never copied from the cache and must read as zeros. GQA walks of 4 rows on
-    a cluster's parts (13 tiles, the sequence ending inside one) and on the workspace merge (133 tiles, ragged)."""
+    """Steps at head dims below their kernel tier's (40 of 64, 80 of 96, 120 of 128, 176 of 192, 200 of 256): the
+    columns of a K / V tile past the head dim are never copied from the cache and must read as zeros. GQA walks of 4
+    rows on a cluster's parts (13 tiles, the sequence ending inside one) and on the workspace merge (133 tiles,
+    ragged)."""
     _check_cuda_step(1, 32, 8, dim, 13 * 64, [13 * 64 - 31], page=page)
     _check_cuda_step(2, 32, 8, dim, 133 * 64, [133 * 64 - 40, 5000], page=page)
 

@@ -169,12 +169,21 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads, DecodeConf
   const Elem* v = kKv == DecodeKv::kDense ? sq.k_rows<const Elem>(p.v, p.v_stride, hk, 0)
                                           : static_cast<const Elem*>(p.v) + hk * p.v_stride.head;
   bool bad_page = false;  // a page of the part's keys names a block outside the cache (FwdParams::check_pages)
+  // The copying threads. At dim 192, whose rows' 24 chunks do not divide the block, those of whole rows (120 of the
+  // 128), each a column chunk of every 5th row: the block walking the tile's chunks takes a division, bounds tests
+  // and, paged, a table lookup per chunk, and spills there. At dim 96 the whole-row copy was faster dense but slower
+  // paged and on short steps (docs/kernels/sm80_decode.md), so every thread walks the chunks.
+  constexpr int kRowChunks = kDim / chunk_elems<Elem>();
+  constexpr int kCopyThreads = kDim == 192 ? kThreads / kRowChunks * kRowChunks : kThreads;
+  constexpr bool kFull = kCopyThreads % kRowChunks == 0;  // whole rows a pass: no per-chunk bounds tests
+  const bool copies = kCopyThreads == kThreads || tid < kCopyThreads;
   auto load_kv = [&](int j, int stage) {  // tile j of the part into buffer `stage`
+    if (!copies) return;
     const int64_t n0 = n_begin + int64_t(j) * kBN;
     const int rows_k = sq.k_tile_rows(n0, kBN);
     if constexpr (kKv == DecodeKv::kPagedRows) {  // (n0 counted from the sequence's first key, k0 from its cache's)
-      copy_paged_kv_async<kBN, kDim, kThreads, kSw>(sK + stage * kBN * kLd, sV + stage * kBN * kLd, kLd, p, b, hk,
-                                                    sq.k0 + n0, rows_k, E, Ev, tid, bad_page);
+      copy_paged_kv_async<kBN, kDim, kCopyThreads, kSw>(sK + stage * kBN * kLd, sV + stage * kBN * kLd, kLd, p, b,
+                                                        hk, sq.k0 + n0, rows_k, E, Ev, tid, bad_page);
       return;
     }
     int64_t k_at = n0 * p.k_stride.row, v_at = n0 * p.v_stride.row;
@@ -183,14 +192,12 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads, DecodeConf
       k_at = block * p.k_stride.batch + (n0 - page * p.page_size) * p.k_stride.row;
       v_at = block * p.v_stride.batch + (n0 - page * p.page_size) * p.v_stride.row;
     }
-    // (a whole tile, every tile but a walk's last, where the threads cover whole rows (dims 64, 128, 256): no
-    // per-chunk bounds tests, ~3 instructions a chunk against ~14, in a loop whose time in a short step is its
-    // instructions' latency)
-    constexpr bool kFull = kThreads % (kDim / chunk_elems<Elem>()) == 0;
-    copy_tile_async<kBN, kDim, kThreads, kFull, kSw, true>(sK + stage * kBN * kLd, kLd, k + k_at, p.k_stride.row,
-                                                           rows_k, E, tid);
-    copy_tile_async<kBN, kDim, kThreads, kFull, kSw, true>(sV + stage * kBN * kLd, kLd, v + v_at, p.v_stride.row,
-                                                           rows_k, Ev, tid);
+    // (a whole tile, every tile but a walk's last, where the copying threads cover whole rows: no per-chunk bounds
+    // tests, ~3 instructions a chunk against ~14, in a loop whose time in a short step is its instructions' latency)
+    copy_tile_async<kBN, kDim, kCopyThreads, kFull, kSw, true>(sK + stage * kBN * kLd, kLd, k + k_at, p.k_stride.row,
+                                                               rows_k, E, tid);
+    copy_tile_async<kBN, kDim, kCopyThreads, kFull, kSw, true>(sV + stage * kBN * kLd, kLd, v + v_at, p.v_stride.row,
+                                                               rows_k, Ev, tid);
   };
   // When a tile's buffer is refilled: dense, right after the tile (a second barrier per tile), so that a block
   // waiting for its next tile has all kStages in flight; paged row by row, at the top of the tile after it, once
