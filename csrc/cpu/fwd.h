@@ -111,11 +111,11 @@ void fwd_tile(const FwdParams& p, FwdScratch<A>& w, const Seq& sq, int64_t h, in
 }
 
 // s[r][c] = q[r] . k[c] over len elements (a multiple of the vector width) for kRows query rows (q and s rows q_ld /
-// s_ld apart) and the cols key rows of k (k_ld apart): each score's sum over its vectors in order, then across the
-// lanes, whatever kRows. kRows rows by kKeys keys at a time, so that each vector loaded serves several products and
-// their chains overlap.
-template <class A, int kRows>
-void dot_block(const A* q, int64_t q_ld, const A* k, int64_t k_ld, int64_t len, int64_t cols, A* s, int64_t s_ld) {
+// s_ld apart) and the cols key rows of k (k_ld apart, of the compute type or bf16 under fp32): each score's sum over
+// its vectors in order, then across the lanes, whatever kRows. kRows rows by kKeys keys at a time, so that each
+// vector loaded serves several products and their chains overlap.
+template <class A, int kRows, class T>
+void dot_block(const A* q, int64_t q_ld, const T* k, int64_t k_ld, int64_t len, int64_t cols, A* s, int64_t s_ld) {
   using V = vec_t<A>;
   constexpr int W = Vec<A>::width, kKeys = 4;
   const auto sum = [](V acc) { return reduce_lanes<A>(acc, [](A a, A b) { return a + b; }); };
@@ -125,7 +125,7 @@ void dot_block(const A* q, int64_t q_ld, const A* k, int64_t k_ld, int64_t len, 
     for (int64_t d = 0; d < len; d += W) {
 #pragma GCC unroll 4
       for (int u = 0; u < kKeys; ++u) {
-        const V ku = vload(k + (c + u) * k_ld + d);
+        const V ku = vload_from<A>(k + (c + u) * k_ld + d);
 #pragma GCC unroll 2
         for (int r = 0; r < kRows; ++r) acc[r][u] += vload(q + r * q_ld + d) * ku;
       }
@@ -138,17 +138,18 @@ void dot_block(const A* q, int64_t q_ld, const A* k, int64_t k_ld, int64_t len, 
   for (; c < cols; ++c)
     for (int r = 0; r < kRows; ++r) {
       V acc{};
-      for (int64_t d = 0; d < len; d += W) acc += vload(q + r * q_ld + d) * vload(k + c * k_ld + d);
+      for (int64_t d = 0; d < len; d += W) acc += vload(q + r * q_ld + d) * vload_from<A>(k + c * k_ld + d);
       s[r * s_ld + c] = sum(acc);
     }
 }
 
-// o[r] += sum over c < cols of p[r][c] v[c] for kRows rows (p and o rows p_ld / o_ld apart; value rows v_ld apart):
+// o[r] += sum over c < cols of p[r][c] v[c] for kRows rows (p and o rows p_ld / o_ld apart; value rows v_ld apart, of
+// the compute type or bf16 under fp32):
 // each vector of o's sum over the keys in order, from zero, joining o at the end (one rounded partial sum a tile),
 // whatever kRows. kRows rows by kVecs vectors at a time, so that each value vector loaded serves kRows products and
 // their chains overlap. add_weighted_cols: the len elements of the rows (a multiple of twice the vector width).
-template <class A, int kRows, int kVecs>
-void add_weighted_block(const A* p, int64_t p_ld, const A* v, int64_t v_ld, int64_t cols, A* o, int64_t o_ld) {
+template <class A, int kRows, int kVecs, class T>
+void add_weighted_block(const A* p, int64_t p_ld, const T* v, int64_t v_ld, int64_t cols, A* o, int64_t o_ld) {
   using V = vec_t<A>;
   constexpr int W = Vec<A>::width;
   V acc[kRows][kVecs] = {};
@@ -158,7 +159,7 @@ void add_weighted_block(const A* p, int64_t p_ld, const A* v, int64_t v_ld, int6
     for (int r = 0; r < kRows; ++r) pc[r] = vbroadcast(p[r * p_ld + c]);
 #pragma GCC unroll 8
     for (int u = 0; u < kVecs; ++u) {
-      const V vu = vload(v + c * v_ld + u * W);
+      const V vu = vload_from<A>(v + c * v_ld + u * W);
 #pragma GCC unroll 2
       for (int r = 0; r < kRows; ++r) acc[r][u] += pc[r] * vu;
     }
@@ -168,8 +169,8 @@ void add_weighted_block(const A* p, int64_t p_ld, const A* v, int64_t v_ld, int6
 #pragma GCC unroll 8
     for (int u = 0; u < kVecs; ++u) vstore(o + r * o_ld + u * W, vload(o + r * o_ld + u * W) + acc[r][u]);
 }
-template <class A, int kRows>
-void add_weighted_cols(const A* p, int64_t p_ld, const A* v, int64_t v_ld, int64_t len, int64_t cols, A* o,
+template <class A, int kRows, class T>
+void add_weighted_cols(const A* p, int64_t p_ld, const T* v, int64_t v_ld, int64_t len, int64_t cols, A* o,
                        int64_t o_ld) {
   constexpr int W = Vec<A>::width, kMost = 8 / kRows;  // (kRows x kMost accumulators)
   int64_t d = 0;
@@ -179,16 +180,16 @@ void add_weighted_cols(const A* p, int64_t p_ld, const A* v, int64_t v_ld, int64
 }
 
 // The above for `rows` rows, two at a time (each row's sums as alone); dot_rows zeroes s[r][cols .. cols_padded).
-template <class A>
-void dot_rows(const A* q, int64_t q_ld, int64_t rows, const A* k, int64_t k_ld, int64_t len, int64_t cols,
+template <class A, class T>
+void dot_rows(const A* q, int64_t q_ld, int64_t rows, const T* k, int64_t k_ld, int64_t len, int64_t cols,
               int64_t cols_padded, A* s, int64_t s_ld) {
   int64_t r = 0;
   for (; r + 2 <= rows; r += 2) dot_block<A, 2>(q + r * q_ld, q_ld, k, k_ld, len, cols, s + r * s_ld, s_ld);
   if (r < rows) dot_block<A, 1>(q + r * q_ld, q_ld, k, k_ld, len, cols, s + r * s_ld, s_ld);
   for (r = 0; r < rows; ++r) std::fill(s + r * s_ld + cols, s + r * s_ld + cols_padded, A(0));
 }
-template <class A>
-void add_weighted_rows(const A* p, int64_t p_ld, int64_t rows, const A* v, int64_t v_ld, int64_t len, int64_t cols,
+template <class A, class T>
+void add_weighted_rows(const A* p, int64_t p_ld, int64_t rows, const T* v, int64_t v_ld, int64_t len, int64_t cols,
                        A* o, int64_t o_ld) {
   int64_t r = 0;
   for (; r + 2 <= rows; r += 2) add_weighted_cols<A, 2>(p + r * p_ld, p_ld, v, v_ld, len, cols, o + r * o_ld, o_ld);
@@ -197,14 +198,11 @@ void add_weighted_rows(const A* p, int64_t p_ld, int64_t rows, const A* v, int64
 
 // A decode step's tile (at most kDotRows query rows a kv head): consecutive query heads h0 .. h0 + heads - 1 of one
 // kv head, the sequence's rows of each, packed head by head (packed row i * rows + r), so that each key and value
-// tile is loaded once for all of them; the key and value rows copied as they are (no transposition) and read by
-// vector dot products (S) and row updates (O += P V), each row's sums in the same order whatever its pack. Against
-// the prefill tiles (a transposed key tile, scalar stores 512 bytes apart, and a value copy per head), AVX-512, fp32,
-// one thread, E = 128: MHA H = 32 over 4096 keys 41.9 -> 12.7 ms, GQA H = 32 / 8 12.4 -> 4.2, MQA over 8192 keys
-// 7.6 -> 4.2; then, with the products in blocks (dot_rows, add_weighted_rows: two rows by four keys, two rows by
-// four value vectors), 12.0 -> 11.3, 4.0 -> 3.2, 3.9 -> 2.6; then, fp32 rows read where they lie (no copy), 11.5 ->
-// 6.6, 3.9 -> 2.0, 3.7 -> 1.6 (SDPA 9.2, 3.2, 4.2). Above 8 rows the prefill tiles' products win (16 rows of one
-// head: 2x).
+// tile is read once for all of them. The key and value rows are read as they lie (no transposition; copied first
+// only where their dtype or length differs from the tiles') by vector dot products (S) and row updates (O += P V),
+// each row's sums in the same order whatever its pack. Against the prefill tiles (a transposed key tile and a value
+// copy per head) this is 6x faster at MHA (docs/kernels/cpu.md). Above 8 rows the prefill tiles' products win (16
+// rows of one head: 2x).
 constexpr int64_t kDotRows = 8;
 
 template <class A>
@@ -218,28 +216,37 @@ void fwd_rows_tile(const FwdParams& p, FwdScratch<A>& w, const Seq& sq, int64_t 
   OnlineSoftmax<A> sm{w.m.data(), w.l.data(), packed};
   sm.reset();
   A* const k = w.kt.data() + w.cached * w.ld_qk * kFwdTileK;  // key rows, ld_qk apart (past the cached tiles)
-  // Rows of the compute type as long as the tiles' (no padding) are read where they lie, not copied.
-  const bool in_place = t == (std::is_same_v<A, double> ? DType::kFloat64 : DType::kFloat32) &&
-                        p.head_dim == w.ld_qk && p.head_dim_v == w.ld_v;
+  // Key and value rows as long as the tiles' (no padding), of the compute type or bf16 under fp32 (widened in the
+  // loads), are read where they lie; others are copied into the tiles first. f(rows, row stride).
+  const bool whole_rows = p.head_dim == w.ld_qk && p.head_dim_v == w.ld_v;
+  const bool in_place = whole_rows && t == (std::is_same_v<A, double> ? DType::kFloat64 : DType::kFloat32);
+  const bool in_place_bf16 = whole_rows && std::is_same_v<A, float> && t == DType::kBFloat16;
+  const auto with_rows = [&](const char* src, int64_t stride, int64_t cols, int64_t len, A* tile, int64_t ld,
+                             auto&& f) {
+    if (in_place) return f(reinterpret_cast<const A*>(src), stride);
+    if constexpr (std::is_same_v<A, float>) {
+      if (in_place_bf16) return f(reinterpret_cast<const bf16_t*>(src), stride);
+    }
+    load_rows<A>(t, src, stride, cols, len, A(1), tile, ld, ld);
+    f(static_cast<const A*>(tile), ld);
+  };
   const int64_t begin = sq.key_begin(0) / kFwdTileK * kFwdTileK, end = sq.key_end(rows - 1);
   for (int64_t col0 = begin; col0 < end; col0 += kFwdTileK) {
     const int64_t cols = std::min(kFwdTileK, end - col0), cols_padded = round_up(cols, kPanel<A>);
-    const char* k_rows = row_ptr(p.k, p.k_stride, t, sq.tb, hk, sq.k0 + col0);
-    const A* kr = reinterpret_cast<const A*>(k_rows);
-    if (!in_place) load_rows<A>(t, k_rows, p.k_stride.row, cols, p.head_dim, A(1), k, w.ld_qk, w.ld_qk);
-    dot_rows<A>(w.q.data(), w.ld_qk, packed, in_place ? kr : k, in_place ? p.k_stride.row : w.ld_qk, w.ld_qk, cols,
-                cols_padded, w.s.data(), kFwdTileK);
+    with_rows(row_ptr(p.k, p.k_stride, t, sq.tb, hk, sq.k0 + col0), p.k_stride.row, cols, p.head_dim, k, w.ld_qk,
+              [&](const auto* kr, int64_t k_ld) {
+                dot_rows<A>(w.q.data(), w.ld_qk, packed, kr, k_ld, w.ld_qk, cols, cols_padded, w.s.data(), kFwdTileK);
+              });
     for (int64_t i = 0; i < heads; ++i)
       prepare_scores(p, TilePos{sq, h0 + i, 0, rows, col0, cols, cols_padded}, w.s.data() + i * rows * kFwdTileK,
                      kFwdTileK);
     sm.update(w.s.data(), kFwdTileK, cols_padded, w.o.data(), w.ld_v);
     for (int64_t i = 0; i < heads && p.dropout_p > 0.0; ++i)
       drop_scores(p, TilePos{sq, h0 + i, 0, rows, col0, cols, cols_padded}, w.s.data() + i * rows * kFwdTileK);
-    const char* v_rows = row_ptr(p.v, p.v_stride, t, sq.tb, hk, sq.k0 + col0);
-    const A* vr = reinterpret_cast<const A*>(v_rows);
-    if (!in_place) load_rows<A>(t, v_rows, p.v_stride.row, cols, p.head_dim_v, A(1), w.v.data(), w.ld_v, w.ld_v);
-    add_weighted_rows<A>(w.s.data(), kFwdTileK, packed, in_place ? vr : w.v.data(), in_place ? p.v_stride.row : w.ld_v,
-                         w.ld_v, cols, w.o.data(), w.ld_v);
+    with_rows(row_ptr(p.v, p.v_stride, t, sq.tb, hk, sq.k0 + col0), p.v_stride.row, cols, p.head_dim_v, w.v.data(),
+              w.ld_v, [&](const auto* vr, int64_t v_ld) {
+                add_weighted_rows<A>(w.s.data(), kFwdTileK, packed, vr, v_ld, w.ld_v, cols, w.o.data(), w.ld_v);
+              });
   }
 
   for (int64_t i = 0; i < heads; ++i)

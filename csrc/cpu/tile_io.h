@@ -1,6 +1,9 @@
 // Moving rows of one (batch, head) matrix between the caller's tensors (any dtype, any row
 // stride) and dense compute-type tiles. The dtype switch runs once per tile, not per element.
 #pragma once
+#include <cstdint>
+#include <type_traits>
+
 #include <torch/headeronly/util/BFloat16.h>
 #include <torch/headeronly/util/Half.h>
 
@@ -28,6 +31,25 @@ inline const char* row_ptr(const void* base, const Strides& s, DType t, int64_t 
 }
 inline char* row_ptr(void* base, const Strides& s, DType t, int64_t b, int64_t h, int64_t row) {
   return const_cast<char*>(row_ptr(static_cast<const void*>(base), s, t, b, h, row));
+}
+
+// A vector of the compute type A from a row of the cache's type T: as it is, or bf16 widened to float (its bits the
+// float's upper half, exact).
+template <class A, class T>
+inline vec_t<A> vload_from(const T* p) {
+  if constexpr (std::is_same_v<T, A>) {
+    return vload(p);
+  } else {
+    static_assert(std::is_same_v<A, float> && std::is_same_v<T, bf16_t>, "bf16 rows widen to float only");
+    typedef uint16_t Halves __attribute__((vector_size(kVecBytes / 2)));
+    typedef uint32_t Bits __attribute__((vector_size(kVecBytes)));
+    Halves h;
+    std::memcpy(&h, p, sizeof(h));
+    const Bits bits = __builtin_convertvector(h, Bits) << 16;
+    vec_t<float> v;
+    std::memcpy(&v, &bits, sizeof(v));
+    return v;
+  }
 }
 
 // dst[r][c] = mult * src[r][c] for r < rows, c < cols; dst[r][cols..padded_cols) = 0.
