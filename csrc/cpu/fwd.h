@@ -111,9 +111,9 @@ void fwd_tile(const FwdParams& p, FwdScratch<A>& w, const Seq& sq, int64_t h, in
 }
 
 // s[r][c] = q[r] . k[c] over len elements (a multiple of the vector width) for kRows query rows (q and s rows q_ld /
-// s_ld apart) and the cols key rows of k (k_ld apart, of the compute type or bf16 under fp32): each score's sum over
-// its vectors in order, then across the lanes, whatever kRows. kRows rows by kKeys keys at a time, so that each
-// vector loaded serves several products and their chains overlap.
+// s_ld apart) and the cols key rows of k (k_ld apart, of the compute type or bf16 / fp16 under fp32): each score's
+// sum over its vectors in order, then across the lanes, whatever kRows. kRows rows by kKeys keys at a time, so that
+// each vector loaded serves several products and their chains overlap.
 template <class A, int kRows, class T>
 void dot_block(const A* q, int64_t q_ld, const T* k, int64_t k_ld, int64_t len, int64_t cols, A* s, int64_t s_ld) {
   using V = vec_t<A>;
@@ -144,7 +144,7 @@ void dot_block(const A* q, int64_t q_ld, const T* k, int64_t k_ld, int64_t len, 
 }
 
 // o[r] += sum over c < cols of p[r][c] v[c] for kRows rows (p and o rows p_ld / o_ld apart; value rows v_ld apart, of
-// the compute type or bf16 under fp32):
+// the compute type or bf16 / fp16 under fp32):
 // each vector of o's sum over the keys in order, from zero, joining o at the end (one rounded partial sum a tile),
 // whatever kRows. kRows rows by kVecs vectors at a time, so that each value vector loaded serves kRows products and
 // their chains overlap. add_weighted_cols: the len elements of the rows (a multiple of twice the vector width).
@@ -216,16 +216,18 @@ void fwd_rows_tile(const FwdParams& p, FwdScratch<A>& w, const Seq& sq, int64_t 
   OnlineSoftmax<A> sm{w.m.data(), w.l.data(), packed};
   sm.reset();
   A* const k = w.kt.data() + w.cached * w.ld_qk * kFwdTileK;  // key rows, ld_qk apart (past the cached tiles)
-  // Key and value rows as long as the tiles' (no padding), of the compute type or bf16 under fp32 (widened in the
-  // loads), are read where they lie; others are copied into the tiles first. f(rows, row stride).
+  // Key and value rows as long as the tiles' (no padding), of the compute type or bf16 / fp16 under fp32 (widened in
+  // the loads), are read where they lie; others are copied into the tiles first. f(rows, row stride).
   const bool whole_rows = p.head_dim == w.ld_qk && p.head_dim_v == w.ld_v;
   const bool in_place = whole_rows && t == (std::is_same_v<A, double> ? DType::kFloat64 : DType::kFloat32);
-  const bool in_place_bf16 = whole_rows && std::is_same_v<A, float> && t == DType::kBFloat16;
   const auto with_rows = [&](const char* src, int64_t stride, int64_t cols, int64_t len, A* tile, int64_t ld,
                              auto&& f) {
     if (in_place) return f(reinterpret_cast<const A*>(src), stride);
     if constexpr (std::is_same_v<A, float>) {
-      if (in_place_bf16) return f(reinterpret_cast<const bf16_t*>(src), stride);
+      if (whole_rows && t == DType::kBFloat16) return f(reinterpret_cast<const bf16_t*>(src), stride);
+      if constexpr (kWidensFp16) {
+        if (whole_rows && t == DType::kFloat16) return f(reinterpret_cast<const fp16_t*>(src), stride);
+      }
     }
     load_rows<A>(t, src, stride, cols, len, A(1), tile, ld, ld);
     f(static_cast<const A*>(tile), ld);

@@ -10,6 +10,10 @@
 #include "../params.h"
 #include "vec.h"
 
+#if defined(__F16C__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace flashattn::cpu::FLASHATTN_CPU_ISA {
 
 using bf16_t = torch::headeronly::BFloat16;
@@ -33,14 +37,22 @@ inline char* row_ptr(void* base, const Strides& s, DType t, int64_t b, int64_t h
   return const_cast<char*>(row_ptr(static_cast<const void*>(base), s, t, b, h, row));
 }
 
-// A vector of the compute type A from a row of the cache's type T: as it is, or bf16 widened to float (its bits the
-// float's upper half, exact).
+// Whether fp16 rows widen in vector loads: F16C's / AVX-512's vcvtph2ps (the vector extension's conversion goes a
+// lane at a time).
+#if (FLASHATTN_VEC_BYTES == 64 && defined(__AVX512F__)) || (FLASHATTN_VEC_BYTES == 32 && defined(__F16C__))
+constexpr bool kWidensFp16 = true;
+#else
+constexpr bool kWidensFp16 = false;
+#endif
+
+// A vector of the compute type A from a row of the cache's type T: as it is, or bf16 / fp16 widened to float (exact;
+// bf16's bits are the float's upper half).
 template <class A, class T>
 inline vec_t<A> vload_from(const T* p) {
   if constexpr (std::is_same_v<T, A>) {
     return vload(p);
-  } else {
-    static_assert(std::is_same_v<A, float> && std::is_same_v<T, bf16_t>, "bf16 rows widen to float only");
+  } else if constexpr (std::is_same_v<T, bf16_t>) {
+    static_assert(std::is_same_v<A, float>, "bf16 rows widen to float only");
     typedef uint16_t Halves __attribute__((vector_size(kVecBytes / 2)));
     typedef uint32_t Bits __attribute__((vector_size(kVecBytes)));
     Halves h;
@@ -48,6 +60,19 @@ inline vec_t<A> vload_from(const T* p) {
     const Bits bits = __builtin_convertvector(h, Bits) << 16;
     vec_t<float> v;
     std::memcpy(&v, &bits, sizeof(v));
+    return v;
+  } else {
+    static_assert(std::is_same_v<A, float> && std::is_same_v<T, fp16_t> && kWidensFp16,
+                  "fp16 rows widen to float only, with F16C or AVX-512");
+    vec_t<float> v;
+#if FLASHATTN_VEC_BYTES == 64 && defined(__AVX512F__)
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m512 x = _mm512_maskz_cvtph_ps(__mmask16(0xffff), h);  // (maskz: the unmasked form warns in GCC 12)
+    std::memcpy(&v, &x, sizeof(v));
+#elif FLASHATTN_VEC_BYTES == 32 && defined(__F16C__)
+    const __m256 x = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    std::memcpy(&v, &x, sizeof(v));
+#endif
     return v;
   }
 }
