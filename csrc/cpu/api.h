@@ -4,7 +4,10 @@
 
 namespace flashattn::cpu {
 
-// A paged k / v (p.block_table) is gathered into the workspace first (gather_pages.h).
+// Queries of at most kDecodeRows rows a sequence are decode steps: fwd.h's decode tile, which reads a paged k / v
+// where its pages lie. Other paged calls read a copy gathered into the workspace first (gather_pages.h).
+constexpr int64_t kDecodeRows = 8;
+inline bool reads_pages(const FwdParams& p) { return p.len_q <= kDecodeRows; }
 size_t fwd_workspace_bytes(const FwdParams& p);
 void run_fwd(const FwdParams& p);
 size_t bwd_workspace_bytes(const BwdParams& p);

@@ -48,7 +48,7 @@ bool use_avx512() {
 #endif
 
 void run_fwd(const FwdParams& p) {
-  if (p.is_paged()) {
+  if (p.is_paged() && !reads_pages(p)) {
     const FwdParams gathered = gather_pages(p);
     FLASHATTN_DISPATCH(run_fwd(gathered));
   }

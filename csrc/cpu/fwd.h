@@ -1,7 +1,7 @@
 // CPU forward: for each (sequence, head, query tile), stream key/value tiles through a tiled
 // online softmax. A task owns one (sequence, kv head) and a share of its query tiles, for every
 // query head of the GQA group, so the transposed key tiles it builds serve all of them. A sequence
-// of at most kDotRows query rows (a decode step) takes fwd_rows_tile instead: its group's heads
+// of at most kDecodeRows query rows (a decode step) takes fwd_rows_tile instead: its group's heads
 // packed into one tile, key and value rows read as they are.
 // Extra memory per thread is one tile set and the transposed keys of one head: O(len_k),
 // nothing of size len_q x len_k.
@@ -10,7 +10,9 @@
 #include <vector>
 
 #pragma once
+#include "../common/pages.h"
 #include "../params.h"
+#include "api.h"
 #include "gemm.h"
 #include "parallel.h"
 #include "scores.h"
@@ -110,22 +112,40 @@ void fwd_tile(const FwdParams& p, FwdScratch<A>& w, const Seq& sq, int64_t h, in
   finish_rows(p, sq, h, row0, rows, w.m.data(), w.l.data(), w.o.data(), w.ld_v);
 }
 
+// Where a tile's key or value rows lie (row c at rows(c)): `ld` apart from `base`, or each at its own address (the
+// rows of a paged cache, which a tile may cross from one page to the next). T: the compute type, or bf16 / fp16
+// under fp32 (widened in the loads).
+template <class T>
+struct StridedRows {
+  const T* base;
+  int64_t ld;
+  const T* operator()(int64_t c) const { return base + c * ld; }
+};
+template <class T>
+struct ListedRows {
+  const char* const* at;
+  const T* operator()(int64_t c) const { return reinterpret_cast<const T*>(at[c]); }
+};
+
 // s[r][c] = q[r] . k[c] over len elements (a multiple of the vector width) for kRows query rows (q and s rows q_ld /
-// s_ld apart) and the cols key rows of k (k_ld apart, of the compute type or bf16 / fp16 under fp32): each score's
-// sum over its vectors in order, then across the lanes, whatever kRows. kRows rows by kKeys keys at a time, so that
-// each vector loaded serves several products and their chains overlap.
-template <class A, int kRows, class T>
-void dot_block(const A* q, int64_t q_ld, const T* k, int64_t k_ld, int64_t len, int64_t cols, A* s, int64_t s_ld) {
+// s_ld apart) and the cols key rows k(c): each score's sum over its vectors in order, then across the lanes,
+// whatever kRows. kRows rows by kKeys keys at a time, so that each vector loaded serves several products and their
+// chains overlap.
+template <class A, int kRows, class Rows>
+void dot_block(const A* q, int64_t q_ld, const Rows& k, int64_t len, int64_t cols, A* s, int64_t s_ld) {
   using V = vec_t<A>;
   constexpr int W = Vec<A>::width, kKeys = 4;
   const auto sum = [](V acc) { return reduce_lanes<A>(acc, [](A a, A b) { return a + b; }); };
   int64_t c = 0;
   for (; c + kKeys <= cols; c += kKeys) {
     V acc[kRows][kKeys] = {};
+    decltype(k(0)) kc[kKeys];
+#pragma GCC unroll 4
+    for (int u = 0; u < kKeys; ++u) kc[u] = k(c + u);
     for (int64_t d = 0; d < len; d += W) {
 #pragma GCC unroll 4
       for (int u = 0; u < kKeys; ++u) {
-        const V ku = vload_from<A>(k + (c + u) * k_ld + d);
+        const V ku = vload_from<A>(kc[u] + d);
 #pragma GCC unroll 2
         for (int r = 0; r < kRows; ++r) acc[r][u] += vload(q + r * q_ld + d) * ku;
       }
@@ -138,18 +158,18 @@ void dot_block(const A* q, int64_t q_ld, const T* k, int64_t k_ld, int64_t len, 
   for (; c < cols; ++c)
     for (int r = 0; r < kRows; ++r) {
       V acc{};
-      for (int64_t d = 0; d < len; d += W) acc += vload(q + r * q_ld + d) * vload_from<A>(k + c * k_ld + d);
+      for (int64_t d = 0; d < len; d += W) acc += vload(q + r * q_ld + d) * vload_from<A>(k(c) + d);
       s[r * s_ld + c] = sum(acc);
     }
 }
 
-// o[r] += sum over c < cols of p[r][c] v[c] for kRows rows (p and o rows p_ld / o_ld apart; value rows v_ld apart, of
-// the compute type or bf16 / fp16 under fp32):
-// each vector of o's sum over the keys in order, from zero, joining o at the end (one rounded partial sum a tile),
-// whatever kRows. kRows rows by kVecs vectors at a time, so that each value vector loaded serves kRows products and
-// their chains overlap. add_weighted_cols: the len elements of the rows (a multiple of twice the vector width).
-template <class A, int kRows, int kVecs, class T>
-void add_weighted_block(const A* p, int64_t p_ld, const T* v, int64_t v_ld, int64_t cols, A* o, int64_t o_ld) {
+// o[r][d0 ..] += sum over c < cols of p[r][c] v(c)[d0 ..] for kRows rows (p and o rows p_ld / o_ld apart) and kVecs
+// vectors from column d0: each vector of o's sum over the keys in order, from zero, joining o at the end (one
+// rounded partial sum a tile), whatever kRows. kRows rows by kVecs vectors at a time, so that each value vector
+// loaded serves kRows products and their chains overlap. add_weighted_cols: the len elements of the rows (a
+// multiple of twice the vector width).
+template <class A, int kRows, int kVecs, class Rows>
+void add_weighted_block(const A* p, int64_t p_ld, const Rows& v, int64_t d0, int64_t cols, A* o, int64_t o_ld) {
   using V = vec_t<A>;
   constexpr int W = Vec<A>::width;
   V acc[kRows][kVecs] = {};
@@ -157,9 +177,10 @@ void add_weighted_block(const A* p, int64_t p_ld, const T* v, int64_t v_ld, int6
     V pc[kRows];
 #pragma GCC unroll 2
     for (int r = 0; r < kRows; ++r) pc[r] = vbroadcast(p[r * p_ld + c]);
+    const auto vc = v(c) + d0;
 #pragma GCC unroll 8
     for (int u = 0; u < kVecs; ++u) {
-      const V vu = vload_from<A>(v + c * v_ld + u * W);
+      const V vu = vload_from<A>(vc + u * W);
 #pragma GCC unroll 2
       for (int r = 0; r < kRows; ++r) acc[r][u] += pc[r] * vu;
     }
@@ -167,48 +188,48 @@ void add_weighted_block(const A* p, int64_t p_ld, const T* v, int64_t v_ld, int6
 #pragma GCC unroll 2
   for (int r = 0; r < kRows; ++r)
 #pragma GCC unroll 8
-    for (int u = 0; u < kVecs; ++u) vstore(o + r * o_ld + u * W, vload(o + r * o_ld + u * W) + acc[r][u]);
+    for (int u = 0; u < kVecs; ++u) {
+      A* od = o + r * o_ld + d0 + u * W;
+      vstore(od, vload(od) + acc[r][u]);
+    }
 }
-template <class A, int kRows, class T>
-void add_weighted_cols(const A* p, int64_t p_ld, const T* v, int64_t v_ld, int64_t len, int64_t cols, A* o,
-                       int64_t o_ld) {
+template <class A, int kRows, class Rows>
+void add_weighted_cols(const A* p, int64_t p_ld, const Rows& v, int64_t len, int64_t cols, A* o, int64_t o_ld) {
   constexpr int W = Vec<A>::width, kMost = 8 / kRows;  // (kRows x kMost accumulators)
   int64_t d = 0;
-  for (; d + kMost * W <= len; d += kMost * W)
-    add_weighted_block<A, kRows, kMost>(p, p_ld, v + d, v_ld, cols, o + d, o_ld);
-  for (; d < len; d += 2 * W) add_weighted_block<A, kRows, 2>(p, p_ld, v + d, v_ld, cols, o + d, o_ld);
+  for (; d + kMost * W <= len; d += kMost * W) add_weighted_block<A, kRows, kMost>(p, p_ld, v, d, cols, o, o_ld);
+  for (; d < len; d += 2 * W) add_weighted_block<A, kRows, 2>(p, p_ld, v, d, cols, o, o_ld);
 }
 
 // The above for `rows` rows, two at a time (each row's sums as alone); dot_rows zeroes s[r][cols .. cols_padded).
-template <class A, class T>
-void dot_rows(const A* q, int64_t q_ld, int64_t rows, const T* k, int64_t k_ld, int64_t len, int64_t cols,
-              int64_t cols_padded, A* s, int64_t s_ld) {
+template <class A, class Rows>
+void dot_rows(const A* q, int64_t q_ld, int64_t rows, const Rows& k, int64_t len, int64_t cols, int64_t cols_padded,
+              A* s, int64_t s_ld) {
   int64_t r = 0;
-  for (; r + 2 <= rows; r += 2) dot_block<A, 2>(q + r * q_ld, q_ld, k, k_ld, len, cols, s + r * s_ld, s_ld);
-  if (r < rows) dot_block<A, 1>(q + r * q_ld, q_ld, k, k_ld, len, cols, s + r * s_ld, s_ld);
+  for (; r + 2 <= rows; r += 2) dot_block<A, 2>(q + r * q_ld, q_ld, k, len, cols, s + r * s_ld, s_ld);
+  if (r < rows) dot_block<A, 1>(q + r * q_ld, q_ld, k, len, cols, s + r * s_ld, s_ld);
   for (r = 0; r < rows; ++r) std::fill(s + r * s_ld + cols, s + r * s_ld + cols_padded, A(0));
 }
-template <class A, class T>
-void add_weighted_rows(const A* p, int64_t p_ld, int64_t rows, const T* v, int64_t v_ld, int64_t len, int64_t cols,
-                       A* o, int64_t o_ld) {
+template <class A, class Rows>
+void add_weighted_rows(const A* p, int64_t p_ld, int64_t rows, const Rows& v, int64_t len, int64_t cols, A* o,
+                       int64_t o_ld) {
   int64_t r = 0;
-  for (; r + 2 <= rows; r += 2) add_weighted_cols<A, 2>(p + r * p_ld, p_ld, v, v_ld, len, cols, o + r * o_ld, o_ld);
-  if (r < rows) add_weighted_cols<A, 1>(p + r * p_ld, p_ld, v, v_ld, len, cols, o + r * o_ld, o_ld);
+  for (; r + 2 <= rows; r += 2) add_weighted_cols<A, 2>(p + r * p_ld, p_ld, v, len, cols, o + r * o_ld, o_ld);
+  if (r < rows) add_weighted_cols<A, 1>(p + r * p_ld, p_ld, v, len, cols, o + r * o_ld, o_ld);
 }
 
-// A decode step's tile (at most kDotRows query rows a kv head): consecutive query heads h0 .. h0 + heads - 1 of one
-// kv head, the sequence's rows of each, packed head by head (packed row i * rows + r), so that each key and value
-// tile is read once for all of them. The key and value rows are read as they lie (no transposition; copied first
-// only where their dtype or length differs from the tiles') by vector dot products (S) and row updates (O += P V),
-// each row's sums in the same order whatever its pack. Against the prefill tiles (a transposed key tile and a value
-// copy per head) this is 6x faster at MHA (docs/kernels/cpu.md). Above 8 rows the prefill tiles' products win (16
-// rows of one head: 2x).
-constexpr int64_t kDotRows = 8;
-
+// A decode step's tile (at most kDecodeRows query rows a kv head): consecutive query heads h0 .. h0 + heads - 1 of
+// one kv head, the sequence's rows of each, packed head by head (packed row i * rows + r), so that each key and value
+// tile is read once for all of them. The key and value rows are read where they lie, paged or not (no
+// transposition; copied first only where their dtype or length differs from the tiles'), by vector dot products (S)
+// and row updates (O += P V), each row's sums in the same order whatever its pack. Against the prefill tiles (a
+// transposed key tile and a value copy per head) this is 6x faster at MHA (docs/kernels/cpu.md). Above 8 rows the
+// prefill tiles' products win (16 rows of one head: 2x).
 template <class A>
 void fwd_rows_tile(const FwdParams& p, FwdScratch<A>& w, const Seq& sq, int64_t h0, int64_t heads) {
   const int64_t rows = sq.len_q, packed = heads * rows, hk = h0 / p.group();
   const DType t = p.dtype;
+  const int64_t elem = int64_t(dtype_size(t));
   for (int64_t i = 0; i < heads; ++i)
     load_rows<A>(t, row_ptr(p.q, p.q_stride, t, sq.tb, h0 + i, sq.q0), p.q_stride.row, rows, p.head_dim,
                  A(p.scale), w.q.data() + i * rows * w.ld_qk, w.ld_qk, w.ld_qk);
@@ -217,38 +238,63 @@ void fwd_rows_tile(const FwdParams& p, FwdScratch<A>& w, const Seq& sq, int64_t 
   sm.reset();
   A* const k = w.kt.data() + w.cached * w.ld_qk * kFwdTileK;  // key rows, ld_qk apart (past the cached tiles)
   // Key and value rows as long as the tiles' (no padding), of the compute type or bf16 / fp16 under fp32 (widened in
-  // the loads), are read where they lie; others are copied into the tiles first. f(rows, row stride).
+  // the loads), are read where they lie; others are copied into the tiles first.
   const bool whole_rows = p.head_dim == w.ld_qk && p.head_dim_v == w.ld_v;
   const bool in_place = whole_rows && t == (std::is_same_v<A, double> ? DType::kFloat64 : DType::kFloat32);
-  const auto with_rows = [&](const char* src, int64_t stride, int64_t cols, int64_t len, A* tile, int64_t ld,
-                             auto&& f) {
-    if (in_place) return f(reinterpret_cast<const A*>(src), stride);
+  const char* at[2][kFwdTileK];  // a paged tile's key and value rows
+  // f(rows) on the tile's key (which = 0) or value rows at column col0: where they lie, or copied into `tile`.
+  const auto with_rows = [&](int which, int64_t col0, int64_t cols, A* tile, int64_t ld, auto&& f) {
+    const void* base = which == 0 ? p.k : p.v;
+    const Strides& st = which == 0 ? p.k_stride : p.v_stride;
+    const int64_t len = which == 0 ? p.head_dim : p.head_dim_v;
+    const auto read = [&](auto type_tag) {
+      using T = std::remove_const_t<std::remove_pointer_t<decltype(type_tag)>>;
+      if (p.is_paged()) return f(ListedRows<T>{at[which]});
+      return f(StridedRows<T>{reinterpret_cast<const T*>(row_ptr(base, st, t, sq.tb, hk, sq.k0 + col0)), st.row});
+    };
+    if (in_place) return read(static_cast<const A*>(nullptr));
     if constexpr (std::is_same_v<A, float>) {
-      if (whole_rows && t == DType::kBFloat16) return f(reinterpret_cast<const bf16_t*>(src), stride);
+      if (whole_rows && t == DType::kBFloat16) return read(static_cast<const bf16_t*>(nullptr));
       if constexpr (kWidensFp16) {
-        if (whole_rows && t == DType::kFloat16) return f(reinterpret_cast<const fp16_t*>(src), stride);
+        if (whole_rows && t == DType::kFloat16) return read(static_cast<const fp16_t*>(nullptr));
       }
     }
-    load_rows<A>(t, src, stride, cols, len, A(1), tile, ld, ld);
-    f(static_cast<const A*>(tile), ld);
+    if (p.is_paged()) {
+      for (int64_t c = 0; c < cols; ++c) load_rows<A>(t, at[which][c], st.row, 1, len, A(1), tile + c * ld, ld, ld);
+    } else {
+      load_rows<A>(t, row_ptr(base, st, t, sq.tb, hk, sq.k0 + col0), st.row, cols, len, A(1), tile, ld, ld);
+    }
+    f(StridedRows<A>{tile, ld});
   };
   const int64_t begin = sq.key_begin(0) / kFwdTileK * kFwdTileK, end = sq.key_end(rows - 1);
   for (int64_t col0 = begin; col0 < end; col0 += kFwdTileK) {
     const int64_t cols = std::min(kFwdTileK, end - col0), cols_padded = round_up(cols, kPanel<A>);
-    with_rows(row_ptr(p.k, p.k_stride, t, sq.tb, hk, sq.k0 + col0), p.k_stride.row, cols, p.head_dim, k, w.ld_qk,
-              [&](const auto* kr, int64_t k_ld) {
-                dot_rows<A>(w.q.data(), w.ld_qk, packed, kr, k_ld, w.ld_qk, cols, cols_padded, w.s.data(), kFwdTileK);
-              });
+    if (p.is_paged()) {  // the rows' addresses, a page's run of rows at a time
+      for (int64_t c = 0; c < cols;) {
+        const int64_t j = sq.k0 + col0 + c, page = page_of(p, j), in_page = j - page * p.page_size;
+        const int64_t run = std::min(cols - c, p.page_size - in_page), block = block_of(p, sq.tb, page);
+        const char* k_row = static_cast<const char*>(p.k) +
+                            (block * p.k_stride.batch + hk * p.k_stride.head + in_page * p.k_stride.row) * elem;
+        const char* v_row = static_cast<const char*>(p.v) +
+                            (block * p.v_stride.batch + hk * p.v_stride.head + in_page * p.v_stride.row) * elem;
+        for (int64_t i = 0; i < run; ++i, ++c) {
+          at[0][c] = k_row + i * p.k_stride.row * elem;
+          at[1][c] = v_row + i * p.v_stride.row * elem;
+        }
+      }
+    }
+    with_rows(0, col0, cols, k, w.ld_qk, [&](const auto& kr) {
+      dot_rows<A>(w.q.data(), w.ld_qk, packed, kr, w.ld_qk, cols, cols_padded, w.s.data(), kFwdTileK);
+    });
     for (int64_t i = 0; i < heads; ++i)
       prepare_scores(p, TilePos{sq, h0 + i, 0, rows, col0, cols, cols_padded}, w.s.data() + i * rows * kFwdTileK,
                      kFwdTileK);
     sm.update(w.s.data(), kFwdTileK, cols_padded, w.o.data(), w.ld_v);
     for (int64_t i = 0; i < heads && p.dropout_p > 0.0; ++i)
       drop_scores(p, TilePos{sq, h0 + i, 0, rows, col0, cols, cols_padded}, w.s.data() + i * rows * kFwdTileK);
-    with_rows(row_ptr(p.v, p.v_stride, t, sq.tb, hk, sq.k0 + col0), p.v_stride.row, cols, p.head_dim_v, w.v.data(),
-              w.ld_v, [&](const auto* vr, int64_t v_ld) {
-                add_weighted_rows<A>(w.s.data(), kFwdTileK, packed, vr, v_ld, w.ld_v, cols, w.o.data(), w.ld_v);
-              });
+    with_rows(1, col0, cols, w.v.data(), w.ld_v, [&](const auto& vr) {
+      add_weighted_rows<A>(w.s.data(), kFwdTileK, packed, vr, w.ld_v, cols, w.o.data(), w.ld_v);
+    });
   }
 
   for (int64_t i = 0; i < heads; ++i)
@@ -256,8 +302,8 @@ void fwd_rows_tile(const FwdParams& p, FwdScratch<A>& w, const Seq& sq, int64_t 
                 w.o.data() + i * rows * w.ld_v, w.ld_v);
 }
 
-// Query heads hk * group + pack * per_pack ... of a short sequence (at most kDotRows rows) by fwd_rows_tile, in
-// packs of per_pack heads of at most kDotRows rows each.
+// Query heads hk * group + pack * per_pack ... of a short sequence (at most kDecodeRows rows) by fwd_rows_tile, in
+// packs of per_pack heads of at most kDecodeRows rows each.
 template <class A>
 void fwd_rows_pack(const FwdParams& p, FwdScratch<A>& w, const Seq& sq, int64_t hk, int64_t pack, int64_t per_pack) {
   const int64_t h0 = hk * p.group() + pack * per_pack, heads = std::min(per_pack, (hk + 1) * p.group() - h0);
@@ -269,10 +315,10 @@ void fwd_impl(const FwdParams& p) {
   const int64_t n_tiles = (p.len_q + kFwdTileQ - 1) / kFwdTileQ;  // of the longest sequence
   const int64_t n_groups = p.batch * p.heads_kv;
   const int64_t threads = torch::stable::get_num_threads();
-  if (p.len_q <= kDotRows) {
-    // A decode step: a kv head's query heads in packs of at most kDotRows rows, more packs where that gives every
+  if (p.len_q <= kDecodeRows) {
+    // A decode step: a kv head's query heads in packs of at most kDecodeRows rows, more packs where that gives every
     // thread a task (each pack loads the key and value tiles itself).
-    const int64_t most = kDotRows / std::max<int64_t>(p.len_q, 1), fewest = (p.group() + most - 1) / most;
+    const int64_t most = kDecodeRows / std::max<int64_t>(p.len_q, 1), fewest = (p.group() + most - 1) / most;
     const int64_t packs = std::clamp<int64_t>((threads + n_groups - 1) / n_groups, fewest, p.group());
     const int64_t per_pack = (p.group() + packs - 1) / packs;
     run_tasks(n_groups * packs, [&] {
@@ -292,8 +338,8 @@ void fwd_impl(const FwdParams& p) {
       const int64_t g = task / shares, share = task % shares;
       const Seq sq = sequence(p, g / p.heads_kv);
       const int64_t hk = g % p.heads_kv;
-      if (sq.len_q <= kDotRows) {  // (a short sequence of a varlen call: its rows as in a call of its own)
-        const int64_t per_pack = std::max<int64_t>(kDotRows / std::max<int64_t>(sq.len_q, 1), 1);
+      if (sq.len_q <= kDecodeRows) {  // (a short sequence of a varlen call: its rows as in a call of its own)
+        const int64_t per_pack = std::max<int64_t>(kDecodeRows / std::max<int64_t>(sq.len_q, 1), 1);
         for (int64_t pack = share; pack * per_pack < p.group(); pack += shares)
           fwd_rows_pack<A>(p, w, sq, hk, pack, per_pack);
         return;

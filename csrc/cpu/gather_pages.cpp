@@ -7,8 +7,8 @@
 
 namespace flashattn::cpu {
 
-// The gathered copy of a paged k / v; the CPU kernels take no other workspace.
-size_t fwd_workspace_bytes(const FwdParams& p) { return p.is_paged() ? gathered_bytes(p) : 0; }
+// The gathered copy of a paged k / v where the kernels do not read the pages; they take no other workspace.
+size_t fwd_workspace_bytes(const FwdParams& p) { return p.is_paged() && !reads_pages(p) ? gathered_bytes(p) : 0; }
 
 FwdParams gather_pages(const FwdParams& p) {
   const FwdParams g = with_gathered_pages(p);

@@ -1,5 +1,6 @@
-// CPU: a paged k / v (FwdParams::block_table) gathered into the workspace before the forward,
-// which then reads it as a padded batch (the CPU kernels address contiguous key rows).
+// CPU: a paged k / v (FwdParams::block_table) gathered into the workspace before a forward whose
+// queries are longer than decode steps (api.h reads_pages), which then reads it as a padded batch
+// (the prefill tiles address contiguous key rows). Decode steps read the pages where they lie.
 #pragma once
 #include <cstddef>
 
