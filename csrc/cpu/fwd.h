@@ -2,7 +2,7 @@
 // online softmax. A task owns one (sequence, kv head) and a share of its query tiles, for every
 // query head of the GQA group, so the transposed key tiles it builds serve all of them. A sequence
 // of at most kDecodeRows query rows (a decode step) takes fwd_rows_tile instead: its group's heads
-// packed into one tile, key and value rows read as they are.
+// packed into one tile, key and value rows read where they lie (in their pages, paged).
 // Extra memory per thread is one tile set and the transposed keys of one head: O(len_k),
 // nothing of size len_q x len_k.
 #include <cmath>
