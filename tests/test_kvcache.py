@@ -144,9 +144,9 @@ def test_paged_page_sizes(device, dtype, page, cache, leftpad):
                          ids=["fp32", "bf16", "fp16", "fp64"])
 @pytest.mark.parametrize("page", [16, 48, 256])
 def test_cpu_paged_steps_equal_dense_bit_for_bit(dtype, page):
-    """On the CPU a decode step reads a paged cache's rows in its pages (up to 8 query rows) and a longer query a
-    gathered copy; either way each row's sums run as over the dense cache, so the outputs match it exactly. Pages in
-    shuffled blocks, ragged lengths, GQA, head dims read in place (64) and copied (40)."""
+    """On the CPU a paged cache's rows are read in their pages, by the decode tile (up to 8 query rows) and by the
+    prefill tiles (longer queries); each row's sums run as over the dense cache, so the outputs match it exactly.
+    Pages in shuffled blocks, ragged lengths, GQA, head dims read in place (64) and copied (40)."""
     torch.manual_seed(0)
     batch, cache, heads, heads_kv = 3, 768, 8, 2
     lens = torch.tensor([cache, 300, 77], dtype=torch.int32)

@@ -4,10 +4,7 @@
 
 namespace flashattn::cpu {
 
-// Queries of at most kDecodeRows rows a sequence are decode steps: fwd.h's decode tile, which reads a paged k / v
-// where its pages lie. Other paged calls read a copy gathered into the workspace first (gather_pages.h).
-constexpr int64_t kDecodeRows = 8;
-inline bool reads_pages(const FwdParams& p) { return p.len_q <= kDecodeRows; }
+// No workspace: the kernels read a paged k / v (p.block_table) in its pages.
 size_t fwd_workspace_bytes(const FwdParams& p);
 void run_fwd(const FwdParams& p);
 size_t bwd_workspace_bytes(const BwdParams& p);

@@ -5,7 +5,6 @@
 #include <cstring>
 
 #include "api.h"
-#include "gather_pages.h"
 
 namespace flashattn::cpu {
 
@@ -47,13 +46,9 @@ bool use_avx512() {
 #define FLASHATTN_DISPATCH(call) return baseline::call
 #endif
 
-void run_fwd(const FwdParams& p) {
-  if (p.is_paged() && !reads_pages(p)) {
-    const FwdParams gathered = gather_pages(p);
-    FLASHATTN_DISPATCH(run_fwd(gathered));
-  }
-  FLASHATTN_DISPATCH(run_fwd(p));
-}
+// The kernels read a paged k / v in its pages: no workspace.
+size_t fwd_workspace_bytes(const FwdParams&) { return 0; }
+void run_fwd(const FwdParams& p) { FLASHATTN_DISPATCH(run_fwd(p)); }
 size_t bwd_workspace_bytes(const BwdParams& p) { FLASHATTN_DISPATCH(bwd_workspace_bytes(p)); }
 void run_bwd(const BwdParams& p) { FLASHATTN_DISPATCH(run_bwd(p)); }
 

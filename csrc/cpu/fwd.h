@@ -12,7 +12,6 @@
 #pragma once
 #include "../common/pages.h"
 #include "../params.h"
-#include "api.h"
 #include "gemm.h"
 #include "parallel.h"
 #include "scores.h"
@@ -73,6 +72,23 @@ void finish_rows(const FwdParams& p, const Seq& sq, int64_t h, int64_t row0, int
                 p.head_dim_v, A(1), o, ld_v);
 }
 
+// f(c, run, k_row, v_row) for each run of keys col0 + c .. col0 + c + run - 1 (c < cols) of a paged cache that lie
+// in one page: the run's first key and value rows (the next ones a row stride apart). A tile of kFwdTileK keys
+// crosses pages of fewer keys, or starts mid-page after left padding.
+template <class F>
+void for_each_page_run(const FwdParams& p, const Seq& sq, int64_t hk, int64_t col0, int64_t cols, F&& f) {
+  const int64_t elem = int64_t(dtype_size(p.dtype));
+  const auto row = [&](const void* base, const Strides& s, int64_t block, int64_t in_page) {
+    return static_cast<const char*>(base) + (block * s.batch + hk * s.head + in_page * s.row) * elem;
+  };
+  for (int64_t c = 0; c < cols;) {
+    const int64_t j = sq.k0 + col0 + c, page = page_of(p, j), in_page = j - page * p.page_size;
+    const int64_t run = std::min(cols - c, p.page_size - in_page), block = block_of(p, sq.tb, page);
+    f(c, run, row(p.k, p.k_stride, block, in_page), row(p.v, p.v_stride, block, in_page));
+    c += run;
+  }
+}
+
 template <class A>
 void fwd_tile(const FwdParams& p, FwdScratch<A>& w, const Seq& sq, int64_t h, int64_t row0) {
   const int64_t rows = std::min(kFwdTileQ, sq.len_q - row0);
@@ -95,9 +111,16 @@ void fwd_tile(const FwdParams& p, FwdScratch<A>& w, const Seq& sq, int64_t h, in
     A* kt = w.kt.data() + std::min(tile, w.cached) * w.ld_qk * kFwdTileK;
     if (tile >= w.cached || !w.filled[tile]) {
       // A tile cut short by the band is transposed whole: later query tiles see more of it.
-      const int64_t tile_keys = std::min(kFwdTileK, sq.len_k - col0);
-      load_rows_transposed<A>(t, row_ptr(p.k, p.k_stride, t, sq.tb, hk, sq.k0 + col0), p.k_stride.row, tile_keys,
-                              p.head_dim, kt, kFwdTileK, round_up(tile_keys, kPanel<A>));
+      const int64_t tile_keys = std::min(kFwdTileK, sq.len_k - col0), padded = round_up(tile_keys, kPanel<A>);
+      if (p.is_paged()) {  // (a page's run of rows at a time, the padding after the last)
+        for_each_page_run(p, sq, hk, col0, tile_keys, [&](int64_t c, int64_t run, const char* k_row, const char*) {
+          load_rows_transposed<A>(t, k_row, p.k_stride.row, run, p.head_dim, kt + c, kFwdTileK, run);
+        });
+        load_rows_transposed<A>(t, nullptr, 0, 0, p.head_dim, kt + tile_keys, kFwdTileK, padded - tile_keys);
+      } else {
+        load_rows_transposed<A>(t, row_ptr(p.k, p.k_stride, t, sq.tb, hk, sq.k0 + col0), p.k_stride.row, tile_keys,
+                                p.head_dim, kt, kFwdTileK, padded);
+      }
       if (tile < w.cached) w.filled[tile] = 1;
     }
     gemm<A>(rows, cols_padded, p.head_dim, w.q.data(), w.ld_qk, kt, kFwdTileK, w.s.data(), kFwdTileK, false);
@@ -105,8 +128,14 @@ void fwd_tile(const FwdParams& p, FwdScratch<A>& w, const Seq& sq, int64_t h, in
     prepare_scores(p, pos, w.s.data(), kFwdTileK);
     sm.update(w.s.data(), kFwdTileK, cols_padded, w.o.data(), w.ld_v);
     if (p.dropout_p > 0.0) drop_scores(p, pos, w.s.data());
-    load_rows<A>(t, row_ptr(p.v, p.v_stride, t, sq.tb, hk, sq.k0 + col0), p.v_stride.row, cols, p.head_dim_v,
-                 A(1), w.v.data(), w.ld_v, w.ld_v);
+    if (p.is_paged()) {
+      for_each_page_run(p, sq, hk, col0, cols, [&](int64_t c, int64_t run, const char*, const char* v_row) {
+        load_rows<A>(t, v_row, p.v_stride.row, run, p.head_dim_v, A(1), w.v.data() + c * w.ld_v, w.ld_v, w.ld_v);
+      });
+    } else {
+      load_rows<A>(t, row_ptr(p.v, p.v_stride, t, sq.tb, hk, sq.k0 + col0), p.v_stride.row, cols, p.head_dim_v,
+                   A(1), w.v.data(), w.ld_v, w.ld_v);
+    }
     gemm<A>(rows, w.ld_v, cols, w.s.data(), kFwdTileK, w.v.data(), w.ld_v, w.o.data(), w.ld_v, true);
   }
   finish_rows(p, sq, h, row0, rows, w.m.data(), w.l.data(), w.o.data(), w.ld_v);
@@ -225,6 +254,8 @@ void add_weighted_rows(const A* p, int64_t p_ld, int64_t rows, const Rows& v, in
 // and row updates (O += P V), each row's sums in the same order whatever its pack. Against the prefill tiles (a
 // transposed key tile and a value copy per head) this is 6x faster at MHA (docs/kernels/cpu.md). Above 8 rows the
 // prefill tiles' products win (16 rows of one head: 2x).
+constexpr int64_t kDecodeRows = 8;
+
 template <class A>
 void fwd_rows_tile(const FwdParams& p, FwdScratch<A>& w, const Seq& sq, int64_t h0, int64_t heads) {
   const int64_t rows = sq.len_q, packed = heads * rows, hk = h0 / p.group();
@@ -269,19 +300,13 @@ void fwd_rows_tile(const FwdParams& p, FwdScratch<A>& w, const Seq& sq, int64_t 
   const int64_t begin = sq.key_begin(0) / kFwdTileK * kFwdTileK, end = sq.key_end(rows - 1);
   for (int64_t col0 = begin; col0 < end; col0 += kFwdTileK) {
     const int64_t cols = std::min(kFwdTileK, end - col0), cols_padded = round_up(cols, kPanel<A>);
-    if (p.is_paged()) {  // the rows' addresses, a page's run of rows at a time
-      for (int64_t c = 0; c < cols;) {
-        const int64_t j = sq.k0 + col0 + c, page = page_of(p, j), in_page = j - page * p.page_size;
-        const int64_t run = std::min(cols - c, p.page_size - in_page), block = block_of(p, sq.tb, page);
-        const char* k_row = static_cast<const char*>(p.k) +
-                            (block * p.k_stride.batch + hk * p.k_stride.head + in_page * p.k_stride.row) * elem;
-        const char* v_row = static_cast<const char*>(p.v) +
-                            (block * p.v_stride.batch + hk * p.v_stride.head + in_page * p.v_stride.row) * elem;
-        for (int64_t i = 0; i < run; ++i, ++c) {
-          at[0][c] = k_row + i * p.k_stride.row * elem;
-          at[1][c] = v_row + i * p.v_stride.row * elem;
+    if (p.is_paged()) {  // the rows' addresses
+      for_each_page_run(p, sq, hk, col0, cols, [&](int64_t c, int64_t run, const char* k_row, const char* v_row) {
+        for (int64_t i = 0; i < run; ++i) {
+          at[0][c + i] = k_row + i * p.k_stride.row * elem;
+          at[1][c + i] = v_row + i * p.v_stride.row * elem;
         }
-      }
+      });
     }
     with_rows(0, col0, cols, k, w.ld_qk, [&](const auto& kr) {
       dot_rows<A>(w.q.data(), w.ld_qk, packed, kr, w.ld_qk, cols, cols_padded, w.s.data(), kFwdTileK);
