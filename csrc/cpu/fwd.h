@@ -72,21 +72,32 @@ void finish_rows(const FwdParams& p, const Seq& sq, int64_t h, int64_t row0, int
                 p.head_dim_v, A(1), o, ld_v);
 }
 
-// f(c, run, k_row, v_row) for each run of keys col0 + c .. col0 + c + run - 1 (c < cols) of a paged cache that lie
-// in one page: the run's first key and value rows (the next ones a row stride apart). A tile of kFwdTileK keys
-// crosses pages of fewer keys, or starts mid-page after left padding.
+// f(c, run, row) for each run of keys col0 + c .. col0 + c + run - 1 (c < cols) of kv head hk of a paged k- or
+// v-shaped operand (base, strides s) that lie in one page: the run's first row (the next ones a row stride apart).
+// A tile of kFwdTileK keys crosses pages of fewer keys, or starts mid-page after left padding.
 template <class F>
-void for_each_page_run(const FwdParams& p, const Seq& sq, int64_t hk, int64_t col0, int64_t cols, F&& f) {
+void for_each_page_run(const FwdParams& p, const Seq& sq, const void* base, const Strides& s, int64_t hk,
+                       int64_t col0, int64_t cols, F&& f) {
   const int64_t elem = int64_t(dtype_size(p.dtype));
-  const auto row = [&](const void* base, const Strides& s, int64_t block, int64_t in_page) {
-    return static_cast<const char*>(base) + (block * s.batch + hk * s.head + in_page * s.row) * elem;
-  };
   for (int64_t c = 0; c < cols;) {
     const int64_t j = sq.k0 + col0 + c, page = page_of(p, j), in_page = j - page * p.page_size;
     const int64_t run = std::min(cols - c, p.page_size - in_page), block = block_of(p, sq.tb, page);
-    f(c, run, row(p.k, p.k_stride, block, in_page), row(p.v, p.v_stride, block, in_page));
+    f(c, run, static_cast<const char*>(base) + (block * s.batch + hk * s.head + in_page * s.row) * elem);
     c += run;
   }
+}
+
+// Key rows col0 .. col0 + cols - 1 of kv head hk of a k- or v-shaped operand (base, strides s; len elements a row)
+// into `tile` (rows ld apart, padded with zeros to ld): from a dense tensor, or a page's run at a time.
+template <class A>
+void load_key_rows(const FwdParams& p, const Seq& sq, const void* base, const Strides& s, int64_t hk, int64_t col0,
+                   int64_t cols, int64_t len, A* tile, int64_t ld) {
+  if (!p.is_paged())
+    return load_rows<A>(p.dtype, row_ptr(base, s, p.dtype, sq.tb, hk, sq.k0 + col0), s.row, cols, len, A(1), tile, ld,
+                        ld);
+  for_each_page_run(p, sq, base, s, hk, col0, cols, [&](int64_t c, int64_t run, const char* row) {
+    load_rows<A>(p.dtype, row, s.row, run, len, A(1), tile + c * ld, ld, ld);
+  });
 }
 
 template <class A>
@@ -113,8 +124,8 @@ void fwd_tile(const FwdParams& p, FwdScratch<A>& w, const Seq& sq, int64_t h, in
       // A tile cut short by the band is transposed whole: later query tiles see more of it.
       const int64_t tile_keys = std::min(kFwdTileK, sq.len_k - col0), padded = round_up(tile_keys, kPanel<A>);
       if (p.is_paged()) {  // (a page's run of rows at a time, the padding after the last)
-        for_each_page_run(p, sq, hk, col0, tile_keys, [&](int64_t c, int64_t run, const char* k_row, const char*) {
-          load_rows_transposed<A>(t, k_row, p.k_stride.row, run, p.head_dim, kt + c, kFwdTileK, run);
+        for_each_page_run(p, sq, p.k, p.k_stride, hk, col0, tile_keys, [&](int64_t c, int64_t run, const char* row) {
+          load_rows_transposed<A>(t, row, p.k_stride.row, run, p.head_dim, kt + c, kFwdTileK, run);
         });
         load_rows_transposed<A>(t, nullptr, 0, 0, p.head_dim, kt + tile_keys, kFwdTileK, padded - tile_keys);
       } else {
@@ -128,14 +139,7 @@ void fwd_tile(const FwdParams& p, FwdScratch<A>& w, const Seq& sq, int64_t h, in
     prepare_scores(p, pos, w.s.data(), kFwdTileK);
     sm.update(w.s.data(), kFwdTileK, cols_padded, w.o.data(), w.ld_v);
     if (p.dropout_p > 0.0) drop_scores(p, pos, w.s.data());
-    if (p.is_paged()) {
-      for_each_page_run(p, sq, hk, col0, cols, [&](int64_t c, int64_t run, const char*, const char* v_row) {
-        load_rows<A>(t, v_row, p.v_stride.row, run, p.head_dim_v, A(1), w.v.data() + c * w.ld_v, w.ld_v, w.ld_v);
-      });
-    } else {
-      load_rows<A>(t, row_ptr(p.v, p.v_stride, t, sq.tb, hk, sq.k0 + col0), p.v_stride.row, cols, p.head_dim_v,
-                   A(1), w.v.data(), w.ld_v, w.ld_v);
-    }
+    load_key_rows<A>(p, sq, p.v, p.v_stride, hk, col0, cols, p.head_dim_v, w.v.data(), w.ld_v);
     gemm<A>(rows, w.ld_v, cols, w.s.data(), kFwdTileK, w.v.data(), w.ld_v, w.o.data(), w.ld_v, true);
   }
   finish_rows(p, sq, h, row0, rows, w.m.data(), w.l.data(), w.o.data(), w.ld_v);
@@ -260,7 +264,6 @@ template <class A>
 void fwd_rows_tile(const FwdParams& p, FwdScratch<A>& w, const Seq& sq, int64_t h0, int64_t heads) {
   const int64_t rows = sq.len_q, packed = heads * rows, hk = h0 / p.group();
   const DType t = p.dtype;
-  const int64_t elem = int64_t(dtype_size(t));
   for (int64_t i = 0; i < heads; ++i)
     load_rows<A>(t, row_ptr(p.q, p.q_stride, t, sq.tb, h0 + i, sq.q0), p.q_stride.row, rows, p.head_dim,
                  A(p.scale), w.q.data() + i * rows * w.ld_qk, w.ld_qk, w.ld_qk);
@@ -272,16 +275,20 @@ void fwd_rows_tile(const FwdParams& p, FwdScratch<A>& w, const Seq& sq, int64_t 
   // the loads), are read where they lie; others are copied into the tiles first.
   const bool whole_rows = p.head_dim == w.ld_qk && p.head_dim_v == w.ld_v;
   const bool in_place = whole_rows && t == (std::is_same_v<A, double> ? DType::kFloat64 : DType::kFloat32);
-  const char* at[2][kFwdTileK];  // a paged tile's key and value rows
-  // f(rows) on the tile's key (which = 0) or value rows at column col0: where they lie, or copied into `tile`.
-  const auto with_rows = [&](int which, int64_t col0, int64_t cols, A* tile, int64_t ld, auto&& f) {
-    const void* base = which == 0 ? p.k : p.v;
-    const Strides& st = which == 0 ? p.k_stride : p.v_stride;
-    const int64_t len = which == 0 ? p.head_dim : p.head_dim_v;
+  const char* at[kFwdTileK];  // a paged tile's rows
+  // f(rows) on the tile's key rows of a k- or v-shaped operand (base, strides st; len elements a row) at column col0:
+  // where they lie, or copied into `tile` (rows ld apart).
+  const auto with_rows = [&](const void* base, const Strides& st, int64_t len, int64_t col0, int64_t cols, A* tile,
+                             int64_t ld, auto&& f) {
     const auto read = [&](auto type_tag) {
       using T = std::remove_const_t<std::remove_pointer_t<decltype(type_tag)>>;
-      if (p.is_paged()) return f(ListedRows<T>{at[which]});
-      return f(StridedRows<T>{reinterpret_cast<const T*>(row_ptr(base, st, t, sq.tb, hk, sq.k0 + col0)), st.row});
+      if (!p.is_paged())
+        return f(StridedRows<T>{reinterpret_cast<const T*>(row_ptr(base, st, t, sq.tb, hk, sq.k0 + col0)), st.row});
+      const int64_t stride_bytes = st.row * int64_t(dtype_size(t));
+      for_each_page_run(p, sq, base, st, hk, col0, cols, [&](int64_t c, int64_t run, const char* row) {
+        for (int64_t i = 0; i < run; ++i) at[c + i] = row + i * stride_bytes;
+      });
+      return f(ListedRows<T>{at});
     };
     if (in_place) return read(static_cast<const A*>(nullptr));
     if constexpr (std::is_same_v<A, float>) {
@@ -290,25 +297,13 @@ void fwd_rows_tile(const FwdParams& p, FwdScratch<A>& w, const Seq& sq, int64_t 
         if (whole_rows && t == DType::kFloat16) return read(static_cast<const fp16_t*>(nullptr));
       }
     }
-    if (p.is_paged()) {
-      for (int64_t c = 0; c < cols; ++c) load_rows<A>(t, at[which][c], st.row, 1, len, A(1), tile + c * ld, ld, ld);
-    } else {
-      load_rows<A>(t, row_ptr(base, st, t, sq.tb, hk, sq.k0 + col0), st.row, cols, len, A(1), tile, ld, ld);
-    }
+    load_key_rows<A>(p, sq, base, st, hk, col0, cols, len, tile, ld);
     f(StridedRows<A>{tile, ld});
   };
   const int64_t begin = sq.key_begin(0) / kFwdTileK * kFwdTileK, end = sq.key_end(rows - 1);
   for (int64_t col0 = begin; col0 < end; col0 += kFwdTileK) {
     const int64_t cols = std::min(kFwdTileK, end - col0), cols_padded = round_up(cols, kPanel<A>);
-    if (p.is_paged()) {  // the rows' addresses
-      for_each_page_run(p, sq, hk, col0, cols, [&](int64_t c, int64_t run, const char* k_row, const char* v_row) {
-        for (int64_t i = 0; i < run; ++i) {
-          at[0][c + i] = k_row + i * p.k_stride.row * elem;
-          at[1][c + i] = v_row + i * p.v_stride.row * elem;
-        }
-      });
-    }
-    with_rows(0, col0, cols, k, w.ld_qk, [&](const auto& kr) {
+    with_rows(p.k, p.k_stride, p.head_dim, col0, cols, k, w.ld_qk, [&](const auto& kr) {
       dot_rows<A>(w.q.data(), w.ld_qk, packed, kr, w.ld_qk, cols, cols_padded, w.s.data(), kFwdTileK);
     });
     for (int64_t i = 0; i < heads; ++i)
@@ -317,7 +312,7 @@ void fwd_rows_tile(const FwdParams& p, FwdScratch<A>& w, const Seq& sq, int64_t 
     sm.update(w.s.data(), kFwdTileK, cols_padded, w.o.data(), w.ld_v);
     for (int64_t i = 0; i < heads && p.dropout_p > 0.0; ++i)
       drop_scores(p, TilePos{sq, h0 + i, 0, rows, col0, cols, cols_padded}, w.s.data() + i * rows * kFwdTileK);
-    with_rows(1, col0, cols, w.v.data(), w.ld_v, [&](const auto& vr) {
+    with_rows(p.v, p.v_stride, p.head_dim_v, col0, cols, w.v.data(), w.ld_v, [&](const auto& vr) {
       add_weighted_rows<A>(w.s.data(), kFwdTileK, packed, vr, w.ld_v, cols, w.o.data(), w.ld_v);
     });
   }
