@@ -69,14 +69,4 @@ __device__ __forceinline__ void cp_async_wait() {
 #endif
 }
 
-// cp_async_wait<pending> for a count known at run time, at most kMost (a ring's depth chosen at launch): a chain of
-// uniform compares.
-template <int kMost>
-__device__ __forceinline__ void cp_async_wait_at_most(int pending) {
-  if constexpr (kMost > 0) {
-    if (pending < kMost) return cp_async_wait_at_most<kMost - 1>(pending);
-  }
-  cp_async_wait<kMost>();
-}
-
 }  // namespace flashattn::cuda

@@ -143,15 +143,12 @@ struct DecodeLaunch {
   }
   // Whether the deep ring's kernel may take its smem (opted in; false where the device has less).
   static bool deep_ring_opted_in(DecodeKv kv) {
-    if constexpr (Cfg::kDeepStages == Cfg::kStages) {
-      return false;
-    } else {
-      if (Cfg::kDeepSmemBytes > device_limits().smem_optin) return false;
-      return with_decode_kv(kv, [](auto k) {
-        constexpr DecodeKv kKv = decltype(k)::value;
-        return set_smem(fwd_decode_kernel<Elem, kDim, kKv, 0>, Cfg::kDeepSmemBytes, decode_kernel_name(kKv));
-      });
-    }
+    if (Cfg::kDeepSmemBytes > device_limits().smem_optin) return false;
+    return with_decode_kv(kv, [](auto k) {
+      constexpr DecodeKv kKv = decltype(k)::value;
+      return set_smem(fwd_decode_kernel<Elem, kDim, kKv, Cfg::kDeepStages>, Cfg::kDeepSmemBytes,
+                      decode_kernel_name(kKv));
+    });
   }
   // f(kernel, kv name) for the planned call's kernel: its K / V form and its ring.
   template <class F>
@@ -159,7 +156,7 @@ struct DecodeLaunch {
     with_decode_kv(kv, [&](auto k) {
       constexpr DecodeKv kKv = decltype(k)::value;
       if constexpr (Cfg::kDeepStages != Cfg::kStages) {
-        if (grid.stages == Cfg::kDeepStages) return f(fwd_decode_kernel<Elem, kDim, kKv, 0>, kKv);
+        if (grid.stages == Cfg::kDeepStages) return f(fwd_decode_kernel<Elem, kDim, kKv, Cfg::kDeepStages>, kKv);
       }
       f(fwd_decode_kernel<Elem, kDim, kKv, Cfg::kStages>, kKv);
     });

@@ -9,7 +9,7 @@
 // with more, warps 2 i and 2 i + 1 take rows 16 i .. 16 i + 15, over 32 keys each (two slots of 16).
 // Each warp runs the online softmax over its own keys, and at the end the warps' rows merge through smem.
 // K / V tiles stream through a ring of buffers (cp.async): DecodeConfig::kStages, or kDeepStages where the call runs
-// one block an SM (DecodeGrid::stages; a kernel for each). A grid smaller than the GPU cuts each
+// one block an SM (DecodeGrid::stages; each depth its own kernel). A grid smaller than the GPU cuts each
 // walk over the keys into parts, a block each; a part stores its merged rows (fp32) in the
 // workspace, and a second kernel (decode_combine.cuh, a dependent launch) adds each row's parts in
 // part order. On sm_90 a short step (a cache of few tiles, every walk's parts together fewer blocks than SMs)
@@ -101,10 +101,10 @@ inline DecodeKv decode_kv(const FwdParams& p, int tile_keys) {
   return whole_tiles ? DecodeKv::kPagedTiles : DecodeKv::kPagedRows;
 }
 
-// kStages: the K / V ring's buffers, DecodeConfig::kStages; or 0, the deep ring's kernel, which reads its depth
-// (DecodeGrid::stages, at most kDeepStages). The regular ring's depth is known at compile time: read at run time,
-// its key loop took 25-30 more instructions at dim 128 and the 1k-2k steps 0.1-0.5 µs more. The deep ring's is
-// not: compiled at six stages, its steps with an append were 3-8% slower (docs/kernels/sm80_decode.md).
+// kStages: the K / V ring's buffers, DecodeConfig::kStages or kDeepStages (DecodeGrid::stages), a template argument
+// rather than a value the kernel reads: a key loop of run-time waits and buffer indices took 25-30 more instructions
+// at dim 128, and the 1k-2k steps 0.1-0.3 µs more. The deep ring's prologue stays a loop: unrolled (six tile
+// copies before the wait for the append), its steps with an append were 3-8% slower.
 template <class Elem, int kDim, DecodeKv kKv, int kStages>
 __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads, DecodeConfig<Elem, kDim>::kBlocksPerSm)
     fwd_decode_kernel(const FwdParams p, DecodeGrid grid) {
@@ -119,9 +119,8 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads, DecodeConf
   // (16 as every kernel declares it: one declaration per file; the window starts 128-byte aligned)
   extern __shared__ __align__(16) unsigned char smem_raw[];
   Elem* sQ = reinterpret_cast<Elem*>(smem_raw);
-  const int stages = kStages > 0 ? kStages : grid.stages;
-  Elem* sK = sQ + kRows * kLd;         // [stages] tiles
-  Elem* sV = sK + stages * kBN * kLd;  // [stages] tiles
+  Elem* sK = sQ + kRows * kLd;          // [kStages] tiles
+  Elem* sV = sK + kStages * kBN * kLd;  // [kStages] tiles
 
   // (a dependent launch: nothing is read before the kernels before it are done, or early (DecodeGrid) only what
   // they leave as it is)
@@ -202,28 +201,27 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads, DecodeConf
                                                                rows_k, Ev, tid);
   };
   // When a tile's buffer is refilled: dense, right after the tile (a second barrier per tile), so that a block
-  // waiting for its next tile has all its stages in flight; paged row by row, at the top of the tile after it, once
+  // waiting for its next tile has all kStages in flight; paged row by row, at the top of the tile after it, once
   // the wait for that tile is over (one tile fewer in flight). The row copy's table loads then overlap the wait,
   // not the tile's products: refilled early, its MQA steps took up to 1.09x the time, dense ones 0.84-1.02x.
   constexpr bool kRefillEarly = kKv != DecodeKv::kPagedRows;
-  const int most_ahead = kRefillEarly ? stages : stages - 1;  // tiles in flight while a tile is computed
-  constexpr int kMostPending = (kStages > 0 ? kStages : Cfg::kDeepStages) - (kRefillEarly ? 1 : 2);
+  constexpr int kAhead = kRefillEarly ? kStages : kStages - 1;  // tiles in flight while a tile is computed
   // Early: the first tiles before the wait where none holds a key the kernel before writes (the last `added`),
   // else the wait first. After it a sequence is valid only where the append wrote the planned length into
   // seqused_k (it writes -1 for those it refuses: their plan's reads stayed in bounds, sequence_of_lengths clamps,
   // and their rows come out NaN).
-  const int64_t ahead = tiles < most_ahead ? tiles : most_ahead;
+  const int64_t ahead = tiles < kAhead ? tiles : kAhead;
   const bool issue_early = grid.early && n_begin + ahead * kBN <= sq.len_k - grid.added;
   if (grid.early && !issue_early) wait_for_prior_grids();
-  // Q with the first tile (issued after it: the tile comes from DRAM, Q mostly from L2), then the next most_ahead - 1
+  // Q with the first tile (issued after it: the tile comes from DRAM, Q mostly from L2), then the next kAhead - 1
   // tiles, a commit group each. Q written by the kernel before and the tiles issued early: Q after the wait, in a
   // group of its own, waited for with every early tile (issued while the append ran, mostly landed).
   const bool q_after_wait = grid.q_late && issue_early;
   if (tiles > 0) load_kv(0, 0);
   if (!q_after_wait) load_chunk_q<kDim>(sQ, p, sq, r0, rows, E, head_of, row_of, tid);  // past the chunk's rows zeros
   cp_async_commit();
-#pragma unroll (kStages > 0 ? kStages : 1)  // (the deep ring's prologue a loop: see kStages)
-  for (int s = 1; s < most_ahead; ++s) {
+#pragma unroll (kStages == DecodeConfig<Elem, kDim>::kStages ? kStages : 1)  // (the deep ring's a loop: see kStages)
+  for (int s = 1; s < kAhead; ++s) {
     if (s < tiles) load_kv(s, s);
     cp_async_commit();
   }
@@ -254,17 +252,21 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads, DecodeConf
   // (rows <= 16, dims <= 128, K / V refilled early): their scores' products interleaved and one softmax over both,
   // so that a part's tiles cost about half the latency (the loop of a short step is bound by it, one warp per
   // scheduler); else one tile.
-  constexpr bool kTwoTileSteps = kRefillEarly && Cfg::kStages >= 3;
-  auto stage_after = [&](int st) { return st == stages - 1 ? 0 : st + 1; };
+  constexpr bool kTwoTileSteps = kRefillEarly && kStages >= 3;
+  auto stage_after = [](int st) { return st == kStages - 1 ? 0 : st + 1; };
   int stage = 0;
 #pragma unroll 1
   for (int j = 0; j < tiles;) {
     const bool two = kTwoTileSteps && !pairs && j + 1 < tiles;
     // The step's tiles landed for all (the tiles after them may still be in flight).
-    cp_async_wait_at_most<kMostPending>(two ? most_ahead - 2 : most_ahead - 1);
+    if (two) {
+      cp_async_wait<(kTwoTileSteps ? kAhead - 2 : 0)>();
+    } else {
+      cp_async_wait<kAhead - 1>();
+    }
     __syncthreads();
-    if constexpr (!kRefillEarly) {  // tile j + most_ahead into tile j - 1's buffer, which every warp is done with
-      if (j + most_ahead < tiles) load_kv(j + most_ahead, stage == 0 ? stages - 1 : stage - 1);
+    if constexpr (!kRefillEarly) {  // tile j + kAhead into tile j - 1's buffer, which every warp is done with
+      if (j + kAhead < tiles) load_kv(j + kAhead, stage == 0 ? kStages - 1 : stage - 1);
       cp_async_commit();
     }
     const int64_t n0 = n_begin + int64_t(j) * kBN;
@@ -292,12 +294,12 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads, DecodeConf
       keys_of_slot(0);
       if (pairs) keys_of_slot(1);
     }
-    if constexpr (kRefillEarly) {  // tiles j + most_ahead ... into the step's buffers, once every warp is done with them
+    if constexpr (kRefillEarly) {  // tiles j + kAhead ... into the step's buffers, once every warp is done with them
       __syncthreads();
-      if (j + most_ahead < tiles) load_kv(j + most_ahead, stage);
+      if (j + kAhead < tiles) load_kv(j + kAhead, stage);
       cp_async_commit();
       if (two) {
-        if (j + 1 + most_ahead < tiles) load_kv(j + 1 + most_ahead, next_stage);
+        if (j + 1 + kAhead < tiles) load_kv(j + 1 + kAhead, next_stage);
         cp_async_commit();
       }
     }
