@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <limits>
 #include <optional>
@@ -923,11 +924,13 @@ Error check_rotary(const Tensor& k_cache, const std::optional<Tensor>& rotary_co
 // left padding, cache row, the blocks of the pages that hold its keys) allow no step. The values
 // are read only where the backends read them (a CUDA step never waits). With rotary tables the new
 // keys are written rotated, and q's rows rotated into q_rotated, in the same launch (check_rotary).
-Error kvcache_append(Tensor k_cache, Tensor v_cache, Tensor k, Tensor v, Tensor seqlens,
-                     const std::optional<Tensor>& batch_idx, const std::optional<Tensor>& block_table,
-                     const std::optional<Tensor>& leftpad, const std::optional<Tensor>& rotary_cos,
-                     const std::optional<Tensor>& rotary_sin, bool rotary_interleaved, const std::optional<Tensor>& q,
-                     const std::optional<Tensor>& q_rotated, bool q_rows_consecutive, Tensor& seqused) {
+// append_params: the argument checks of an append, and its AppendParams but the seqused output's.
+Error append_params(const Tensor& k_cache, const Tensor& v_cache, const Tensor& k, const Tensor& v,
+                    const Tensor& seqlens, const std::optional<Tensor>& batch_idx,
+                    const std::optional<Tensor>& block_table, const std::optional<Tensor>& leftpad,
+                    const std::optional<Tensor>& rotary_cos, const std::optional<Tensor>& rotary_sin,
+                    bool rotary_interleaved, const std::optional<Tensor>& q, const std::optional<Tensor>& q_rotated,
+                    bool q_rows_consecutive, AppendParams& p) {
   const std::pair<const Tensor*, const char*> named[] = {
       {&k_cache, "k_cache"}, {&v_cache, "v_cache"}, {&k, "k"}, {&v, "v"}};
   for (const auto& [t, name] : named) {
@@ -935,7 +938,6 @@ Error kvcache_append(Tensor k_cache, Tensor v_cache, Tensor k, Tensor v, Tensor 
              "' must have 4 dimensions with a contiguous last one (stride 1), got shape ", shape_str(*t));
     FA_CHECK(t->is_cpu() || t->is_cuda(), "flashattn: argument '", name, "' must be on a CPU or CUDA device");
   }
-  AppendParams p;
   FA_TRY(to_dtype(k_cache.scalar_type(), "k_cache", p.dtype));
   FA_TRY(check_same_device_dtype(k_cache, "k_cache", v_cache, "v_cache"));
   FA_TRY(check_same_device_dtype(k_cache, "k_cache", k, "k"));
@@ -984,7 +986,6 @@ Error kvcache_append(Tensor k_cache, Tensor v_cache, Tensor k, Tensor v, Tensor 
     p.leftpad = static_cast<const int32_t*>(leftpad->const_data_ptr());
   }
   FA_TRY(check_rotary(k_cache, rotary_cos, rotary_sin, rotary_interleaved, q, q_rotated, q_rows_consecutive, p));
-  FA_TRY(allocate({p.batch}, ScalarType::Int, k_cache, "seqused", seqused));
   p.k_cache = k_cache.mutable_data_ptr();
   p.v_cache = v_cache.mutable_data_ptr();
   // (batch, len, heads, dim) tensors: Strides' head and row are their dimensions 2 and 1.
@@ -996,6 +997,18 @@ Error kvcache_append(Tensor k_cache, Tensor v_cache, Tensor k, Tensor v, Tensor 
   p.k_stride = strides(k);
   p.v_stride = strides(v);
   p.seqlens = static_cast<const int32_t*>(seqlens.const_data_ptr());
+  return {};
+}
+
+Error kvcache_append(Tensor k_cache, Tensor v_cache, Tensor k, Tensor v, Tensor seqlens,
+                     const std::optional<Tensor>& batch_idx, const std::optional<Tensor>& block_table,
+                     const std::optional<Tensor>& leftpad, const std::optional<Tensor>& rotary_cos,
+                     const std::optional<Tensor>& rotary_sin, bool rotary_interleaved, const std::optional<Tensor>& q,
+                     const std::optional<Tensor>& q_rotated, bool q_rows_consecutive, Tensor& seqused) {
+  AppendParams p;
+  FA_TRY(append_params(k_cache, v_cache, k, v, seqlens, batch_idx, block_table, leftpad, rotary_cos, rotary_sin,
+                       rotary_interleaved, q, q_rotated, q_rows_consecutive, p));
+  FA_TRY(allocate({p.batch}, ScalarType::Int, k_cache, "seqused", seqused));
   p.seqused = static_cast<int32_t*>(seqused.mutable_data_ptr());
   if (k_cache.is_cpu()) {
     cpu::run_append(p);
@@ -1121,6 +1134,47 @@ Error read_only_cuda_step(const Tensor& k_cache, const Tensor& v_cache, const Te
   }
   return swap_len_heads(out_view, "out", out);
 }
+
+// A CUDA step appending new rows without rotary tables, whose attention the decode kernel serves: that kernel
+// appends them itself (FwdParams::new_k), one launch where the append's and the wait for it cost a step 1-6 µs on
+// an H200. The append's argument checks (append_params); its value rules in the kernel, as the append applies them.
+// taken: false, with nothing done, where the decode kernel does not serve the call, the problem is empty (the
+// append alone runs then) or a new row does not start on 16 bytes (its copies).
+Error appending_cuda_step(const Tensor& k_cache, const Tensor& v_cache, const Tensor& q, const Tensor& k,
+                          const Tensor& v, const Tensor& seqlens, const std::optional<Tensor>& block_table,
+                          const std::optional<Tensor>& leftpad, double scale, bool causal, Tensor& out, Tensor& lse,
+                          bool& taken) {
+  taken = false;
+  AppendParams ap;
+  FA_TRY(append_params(k_cache, v_cache, k, v, seqlens, std::nullopt, block_table, leftpad, std::nullopt,
+                       std::nullopt, true, std::nullopt, std::nullopt, false, ap));
+  if (q.size(0) == 0 || q.size(1) == 0 || q.size(2) == 0) return {};
+  for (const Tensor* t : {&k, &v}) {
+    const int64_t bytes = int64_t(dtype_size(ap.dtype));
+    if (reinterpret_cast<uintptr_t>(t->const_data_ptr()) % 16 != 0) return {};
+    for (int64_t d = 0; d < 3; ++d)
+      if (t->size(d) > 1 && t->stride(d) * bytes % 16 != 0) return {};
+  }
+  StepAttention a{q, q, q, {}};
+  FA_TRY(step_attention(q, k_cache, v_cache, seqlens, leftpad, block_table, a));
+  FwdParams p;
+  Dims d;
+  FA_TRY(fwd_params(a.q, a.k, a.v, scale, causal ? kCausalBottomRight : kCausalNone, a.f, p, d));
+  bool done = false;
+  Tensor out_view = q;
+  FA_TRY(fwd_outputs(p, a.q, d, q.scalar_type(), lse_type(q.scalar_type()), out_view, lse, done));
+  torch::stable::accelerator::DeviceGuard guard(q.get_device_index());  // (the plan is the device's)
+  if (done || !cuda::decode_serves(p)) return {};
+  p.check_pages = true;
+  p.new_k = k.const_data_ptr();
+  p.new_v = v.const_data_ptr();
+  p.new_k_stride = ap.k_stride;
+  p.new_v_stride = ap.v_stride;
+  p.new_rows = k.size(1);
+  FA_TRY(run_backend(p, a.q, cpu::fwd_workspace_bytes, cpu::run_fwd, FLASHATTN_CUDA_FWD));
+  taken = true;
+  return swap_len_heads(out_view, "out", out);
+}
 #endif
 
 // A common decode step of flash_attn_with_kvcache (flashattn_ext/_kvcache_fast.py, which has
@@ -1153,6 +1207,12 @@ Error kvcache_step(Tensor k_cache, Tensor v_cache, Tensor q, const std::optional
 #ifdef FLASHATTN_WITH_CUDA
     if (q.is_cuda() && !k.has_value() && !rotary)
       return read_only_cuda_step(k_cache, v_cache, q, *seqlens, block_table, leftpad, scale, causal, out, lse);
+    if (q.is_cuda() && k.has_value() && !rotary) {
+      bool taken = false;
+      FA_TRY(appending_cuda_step(k_cache, v_cache, q, *k, *v, *seqlens, block_table, leftpad, scale, causal, out, lse,
+                                 taken));
+      if (taken) return {};
+    }
 #endif
     Tensor k_new = q, v_new = q;
     if (k.has_value()) {

@@ -107,6 +107,15 @@ struct FwdParams {
   const int32_t* seqused_before = nullptr;
   int64_t seqused_added = 0;
   bool q_from_prior = false;
+  // Optional (a KV-cache step that the decode kernel appends itself; CUDA): new_rows rows of new_k / new_v
+  // ((batch, new_rows, heads_kv, dim), strides as k's) for each sequence, written into k / v (the caches) at rows
+  // seqused_k[b] ... by the kernel, which attends them with the rest: sequence b's keys end at seqused_k[b] +
+  // new_rows. The append's rules hold: a sequence whose leftpad_k exceeds seqused_k, whose end passes len_k or one
+  // of whose pages names a block outside [0, num_blocks) writes nothing, and its rows are NaN.
+  const void* new_k = nullptr;
+  const void* new_v = nullptr;
+  Strides new_k_stride, new_v_stride;
+  int64_t new_rows = 0;
 
   // Paged k / v (block_table != null: a KV cache in pages). k and v hold num_blocks blocks of
   // page_size rows, addressed [block][head][row] through k_stride / v_stride (the batch stride

@@ -707,3 +707,71 @@ def test_cuda_rotary_steps_over_long_caches(interleaved, paged):
     caches."""
     run_and_check(*make_case("cuda", torch.bfloat16, rotary=True, interleaved=interleaved, causal=True, cache=4096,
                              seqlens=(3000, 1000, None), paged=paged, page=256))
+
+
+@needs_cuda
+@pytest.mark.parametrize("len_new", [1, 3])
+@pytest.mark.parametrize("page", [None, 256, 16])
+@pytest.mark.parametrize("heads_kv,cache", [(1, 8192), (8, 2048)], ids=["mqa_8k", "gqa_2k"])
+def test_cuda_appending_steps_append_in_the_decode_kernel(heads_kv, cache, page, len_new):
+    """bf16 steps appending rows without rotary tables, which the decode kernel appends itself (no append launch):
+    each part that holds new keys writes them into the caches before it copies its tiles, once the sequence's rules
+    hold. Sequence 0's new rows straddle a tile (and a part) boundary; 1 names a block past the cache on its first
+    page (paged) or is valid (dense); 2's cache has no room for its rows. With left padding (pages then looked up
+    row by row), 3's padding is past its length before the append though not after it. The valid sequences match
+    the float64 reference and their caches hold the new rows; the others get NaN rows and their caches are left as
+    they were."""
+    batch, heads, dim = 4, 32, 128
+    table, clean = _cuda_caches(batch, heads_kv, dim, cache, page)
+    pages = cache // page if page else None
+    make = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+    q, k, v = make(batch, len_new, heads, dim), make(batch, len_new, heads_kv, dim), make(batch, len_new, heads_kv, dim)
+
+    def rows_of(b, length):  # (cache tensor index) of each of sequence b's first `length` key rows
+        if not page:
+            return [(b, j) for j in range(length)]
+        return [(int(table[b, j // page]), j % page) for j in range(length)]
+
+    def check(seqlens, nan, leftpad=None):
+        call = dict(cache_seqlens=torch.tensor(seqlens, dtype=torch.int32, device="cuda"))
+        if page:
+            call["block_table"] = bad_table
+        if leftpad is not None:
+            call["cache_leftpad"] = torch.tensor(leftpad, dtype=torch.int32, device="cuda")
+        k_cache, v_cache = (c.clone() for c in clean)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            out, lse = flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, k=k, v=v, **call,
+                                                             return_softmax_lse=True, causal=True)
+            torch.cuda.synchronize()
+        kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        plan = flashattn_ext.kernel_plan(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
+                                         block_table=call.get("block_table"), seqused_k=call["cache_seqlens"],
+                                         leftpad_k=call.get("cache_leftpad"))
+        decode = plan.startswith("sm80_decode")  # (FLASHATTN_CUDA_KERNELS=simt: the append, then SIMT)
+        assert any("append_kernel" in name for name in kernels) != decode, kernels
+        for b in range(batch):
+            own = rows_of(b, cache) if not page else [
+                (blk, j % page) for j, blk in ((j, int(bad_table[b, j // page])) for j in range(cache))
+                if 0 <= blk < batch * pages]
+            expect_k, expect_v = clean[0].clone(), clean[1].clone()
+            if b not in nan:
+                for t, (blk, row) in enumerate(rows_of(b, seqlens[b] + len_new)[seqlens[b]:]):
+                    expect_k[blk, row], expect_v[blk, row] = k[b, t], v[b, t]
+            index = tuple(torch.tensor(i, device="cuda") for i in zip(*own))
+            assert torch.equal(k_cache[index], expect_k[index]) and torch.equal(v_cache[index], expect_v[index]), b
+            if b in nan:
+                assert out[b].isnan().all() and lse[b].isnan().all(), f"sequence {b}"
+                continue
+            rows, whole = slice(b, b + 1), table[b].long() if page else slice(b, b + 1)
+            _assert_sequence_matches(b, out, lse, q=q[rows], k_cache=clean[0][whole], v_cache=clean[1][whole],
+                                     k=k[rows], v=v[rows], seqlens=seqlens[rows], causal=True,
+                                     leftpad=None if leftpad is None else leftpad[rows],
+                                     block_table=[list(range(pages))] if page else None)
+
+    bad_table = table.clone() if page else None
+    if page:
+        bad_table[1, 0] = batch * pages
+    seqlens = [cache // 2 - 1, cache // 4 + 5, cache - len_new + 1, cache // 8]
+    check(seqlens, nan={1, 2} if page else {2})
+    leftpad = [64, 0, 0, seqlens[3] + 1]
+    check(seqlens, nan={1, 2, 3} if page else {2, 3}, leftpad=leftpad)

@@ -199,6 +199,11 @@ bool launch_decode(const FwdParams& p, cudaStream_t stream) {
       grid.added = int(p.seqused_added);
       grid.q_late = p.q_from_prior;
     }
+    // The step's append in this kernel: lengths before the new keys.
+    if (p.new_k != nullptr) {
+      grid.appends = true;
+      grid.added = int(p.new_rows);
+    }
     grid.set_divisors(p);
     l.with_kernel([&](auto kernel, DecodeKv kv) {
       launch_after_prior(kernel, unsigned(l.walks * grid.parts), unsigned(grid.cluster), Cfg::kThreads, l.smem_bytes(),

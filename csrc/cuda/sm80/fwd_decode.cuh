@@ -21,6 +21,8 @@
 // the host from len_k (the cache's length, the longest possible walk), so the grid never depends
 // on values the host has not read (CUDA graphs). A part past its sequence's keys is empty (max
 // -inf, sum 0) and adds nothing to the merge.
+// A step that appends new keys without rotary tables is this kernel's alone (FwdParams::new_k): the blocks whose
+// parts hold the new keys write them into the caches first, then read them there with the rest.
 // Paged caches (block_table) are read in place: a tile's block looked up once where every tile lies in one
 // page, else each row looked up in the table (paged_copy.cuh), one lookup for K and V, so that a tile may span
 // pages of any size and start anywhere in a page (DecodeKv).
@@ -63,6 +65,9 @@ struct DecodeGrid {
   bool early = false, q_late = false;
   const int32_t* lengths = nullptr;  // the prologue's seqused_k[b] is lengths[b] + added (else seqused_k, 0)
   int added = 0;
+  // The step's append is this kernel's (FwdParams::new_k): the last `added` keys of each sequence come from new_k /
+  // new_v, and the first block of each walk's part that holds some writes them into the caches.
+  bool appends = false;
   // The kernel's divisors (common/fast_divide.h: a short step's prologue is a chain of its divisions): the grid's
   // fastest and next index (above), the kv heads, the query rows and the parts. Set once the rest is.
   FastDivisor by_fastest, by_next, by_heads_kv, by_len_q, by_parts;
@@ -139,6 +144,10 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads, DecodeConf
   const int E = int(p.head_dim), Ev = int(p.head_dim_v);
 
   Seq sq = sequence_of_lengths(p, b, grid.lengths, grid.added);
+  // Appending: the append's rule leftpad_k <= seqused_k before the new keys too; the first new key, counted from the
+  // sequence's first.
+  if (grid.appends) sq.valid = sq.valid && grid.lengths[b] >= sq.k0;
+  const int64_t new_first = sq.len_k - grid.added;
   const unsigned group = grid.by_heads_kv.div(unsigned(p.heads_q));  // (decode_call: sq.len_q is p.len_q)
   const int64_t r0 = int64_t(chunk) * grid.chunk_rows;  // the chunk's first packed row
   const int rows = int(group * sq.len_q - r0 < grid.chunk_rows ? group * sq.len_q - r0 : grid.chunk_rows);
@@ -206,6 +215,52 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads, DecodeConf
   // not the tile's products: refilled early, its MQA steps took up to 1.09x the time, dense ones 0.84-1.02x.
   constexpr bool kRefillEarly = kKv != DecodeKv::kPagedRows;
   constexpr int kAhead = kRefillEarly ? kStages : kStages - 1;  // tiles in flight while a tile is computed
+  // Appending: each block whose part holds new keys writes them into the caches before it copies its tiles (the
+  // chunks of a walk write the same bytes), once the sequence's rules hold: its lengths (sq.valid) and, paged, every
+  // page of its keys in the cache (the parts check only their own pages). A part's tile copies then read them
+  // there: no copy of a second form in the key loop (as a patch of the landed tile, its code took 10% more
+  // instructions).
+  if (grid.appends) {
+    const int64_t part_end = n_begin + int64_t(tiles) * kBN < sq.len_k ? n_begin + int64_t(tiles) * kBN : sq.len_k;
+    const int64_t from = n_begin > new_first ? n_begin : new_first;
+    if (from < part_end) {
+      bool refused = !sq.valid;
+      if constexpr (kKv != DecodeKv::kDense) {
+        if (sq.valid) {
+          const int64_t end_page = page_of(p, sq.k0 + sq.len_k - 1) + 1;
+          for (int64_t page = page_of(p, sq.k0) + tid; page < end_page; page += kThreads) block_of(p, b, page, refused);
+        }
+      }
+      if (__syncthreads_or(refused)) {
+        sq.valid = false;
+      } else {
+        // (new row i of the step is key row new_first + i of the sequence)
+        auto cache_at = [&](const Elem* base, const Strides& st, int64_t n) {
+          Elem* row0 = const_cast<Elem*>(base);  // (the caches are the step's to write)
+          if constexpr (kKv == DecodeKv::kDense) {
+            return row0 + n * st.row;
+          } else {
+            const int64_t j = sq.k0 + n, page = page_of(p, j);
+            return row0 + block_of(p, b, page) * st.batch + (j - page * p.page_size) * st.row;
+          }
+        };
+        const Elem* new_k = static_cast<const Elem*>(p.new_k) + b * p.new_k_stride.batch + hk * p.new_k_stride.head;
+        const Elem* new_v = static_cast<const Elem*>(p.new_v) + b * p.new_v_stride.batch + hk * p.new_v_stride.head;
+        constexpr int kChunk = chunk_elems<Elem>();
+        const int k_chunks = E / kChunk, row_chunks = k_chunks + Ev / kChunk;
+        for (int i = tid; i < int(part_end - from) * row_chunks; i += kThreads) {
+          const int r = i / row_chunks, c = i - r * row_chunks;
+          const int64_t n = from + r, t = n - new_first;
+          const bool key = c < k_chunks;
+          const int col = (key ? c : c - k_chunks) * kChunk;
+          const Elem* src = key ? new_k + t * p.new_k_stride.row : new_v + t * p.new_v_stride.row;
+          Elem* dst = key ? cache_at(k, p.k_stride, n) : cache_at(v, p.v_stride, n);
+          *reinterpret_cast<uint4*>(dst + col) = *reinterpret_cast<const uint4*>(src + col);
+        }
+        __syncthreads();  // (written before any thread's tile copies read them)
+      }
+    }
+  }
   // Early: the first tiles before the wait where none holds a key the kernel before writes (the last `added`),
   // else the wait first. After it a sequence is valid only where the append wrote the planned length into
   // seqused_k (it writes -1 for those it refuses: their plan's reads stayed in bounds, sequence_of_lengths clamps,
@@ -232,7 +287,6 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads, DecodeConf
     cp_async_wait<0>();
   }
   if (grid.early) sq.valid = sq.valid && p.seqused_k[b] == grid.lengths[b] + grid.added;
-
   const DecodeOperandReads<Cfg, Elem> read(sQ, sK, sV, row_group, key_slot, lane);
 
   // The lane's rows g and g + 8 of the warp's group: their bands (none past the chunk's rows).
