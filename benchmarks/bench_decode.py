@@ -22,6 +22,7 @@ one (time). Rows whose buffers would pass --max-gb are skipped.
     python benchmarks/bench_decode.py --full                # B 1..64, C 1k..128k, E 64/128/256
     python benchmarks/bench_decode.py --device cpu --quick  # tiny sizes on the CPU (code paths only)
     python benchmarks/bench_decode.py --table results/h200/decode_bf16.json  # its markdown table (docs/inference.md)
+    python benchmarks/bench_decode.py --plot results/h200/decode_bf16.json --out-dir /tmp  # its plots
 
 --impls may also name ours-rotary (and ours-rotary-graph; not in the default list): the dense step
 with rotary tables (float32, the whole head, causal), q and the new keys rotated inside the
@@ -75,6 +76,7 @@ def parse_args(argv):
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--device", default="cuda")
     p.add_argument("--table", metavar="JSON", help="print the summary table of a result file as markdown, run nothing")
+    p.add_argument("--plot", metavar="JSON", help="draw the plots of a result file into --out-dir, run nothing")
     args = p.parse_args(argv)
     if args.full:
         args.batches, args.head_dims = "1,2,4,8,16,32,64", "64,128,256"
@@ -365,6 +367,12 @@ def main(argv=None):
     if args.table:
         with open(args.table) as f:
             print(markdown_table(json.load(f)["rows"]))
+        return
+    if args.plot:
+        os.makedirs(args.out_dir, exist_ok=True)
+        with open(args.plot) as f:
+            for png in plot(json.load(f)["rows"], args.impls, args.out_dir):
+                print(f"wrote {png}")
         return
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("no CUDA device here; --device cpu --quick runs the code paths on the CPU")
