@@ -291,11 +291,11 @@ void fwd_rows_tile(const FwdParams& p, FwdScratch<A>& w, const Seq& sq, int64_t 
       return f(ListedRows<T>{at});
     };
     if (in_place) return read(static_cast<const A*>(nullptr));
-    if constexpr (std::is_same_v<A, float>) {
+    if constexpr (kLoadsAs<A, bf16_t>) {
       if (whole_rows && t == DType::kBFloat16) return read(static_cast<const bf16_t*>(nullptr));
-      if constexpr (kWidensFp16) {
-        if (whole_rows && t == DType::kFloat16) return read(static_cast<const fp16_t*>(nullptr));
-      }
+    }
+    if constexpr (kLoadsAs<A, fp16_t>) {
+      if (whole_rows && t == DType::kFloat16) return read(static_cast<const fp16_t*>(nullptr));
     }
     load_key_rows<A>(p, sq, base, st, hk, col0, cols, len, tile, ld);
     f(StridedRows<A>{tile, ld});

@@ -77,32 +77,52 @@ inline vec_t<A> vload_from(const T* p) {
   }
 }
 
-// dst[r][c] = mult * src[r][c] for r < rows, c < cols; dst[r][cols..padded_cols) = 0.
+// Whether rows of T load as vectors of A (vload_from): T is A, or bf16 / fp16 (with kWidensFp16) widened to float.
+template <class A, class T>
+constexpr bool kLoadsAs =
+    std::is_same_v<T, A> ||
+    (std::is_same_v<A, float> && (std::is_same_v<T, bf16_t> || (std::is_same_v<T, fp16_t> && kWidensFp16)));
+
+// dst[r][c] = mult * src[r][c] for r < rows, c < cols; dst[r][cols..padded_cols) = 0. Whole vectors through
+// vload_from where T loads as A (torch's fp16 conversion is a scalar routine), the rest element by element; the
+// same values either way.
 template <class A>
 void load_rows(DType t, const char* src, int64_t row_stride, int64_t rows, int64_t cols, A mult, A* dst,
                int64_t ld, int64_t padded_cols) {
   with_type(t, [&](auto type_tag) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(type_tag)>>;
-    const int64_t stride_bytes = row_stride * int64_t(sizeof(T));
+    constexpr int64_t W = Vec<A>::width;
+    const int64_t stride_bytes = row_stride * int64_t(sizeof(T)), whole = kLoadsAs<A, T> ? cols / W * W : 0;
     for (int64_t r = 0; r < rows; ++r) {
       const T* s = reinterpret_cast<const T*>(src + r * stride_bytes);
       A* d = dst + r * ld;
-      for (int64_t c = 0; c < cols; ++c) d[c] = mult * static_cast<A>(s[c]);
+      if constexpr (kLoadsAs<A, T>) {
+        for (int64_t c = 0; c < whole; c += W) vstore(d + c, vload_from<A>(s + c) * mult);
+      }
+      for (int64_t c = whole; c < cols; ++c) d[c] = mult * static_cast<A>(s[c]);
       for (int64_t c = cols; c < padded_cols; ++c) d[c] = A(0);
     }
   });
 }
 
-// dst[c][r] = src[r][c] for r < rows, c < cols; dst[c][rows..padded_rows) = 0.
+// dst[c][r] = src[r][c] for r < rows, c < cols; dst[c][rows..padded_rows) = 0 (widened as load_rows does).
 template <class A>
 void load_rows_transposed(DType t, const char* src, int64_t row_stride, int64_t rows, int64_t cols, A* dst,
                           int64_t ld, int64_t padded_rows) {
   with_type(t, [&](auto type_tag) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(type_tag)>>;
-    const int64_t stride_bytes = row_stride * int64_t(sizeof(T));
+    constexpr int64_t W = Vec<A>::width;
+    const int64_t stride_bytes = row_stride * int64_t(sizeof(T)), whole = kLoadsAs<A, T> ? cols / W * W : 0;
     for (int64_t r = 0; r < rows; ++r) {
       const T* s = reinterpret_cast<const T*>(src + r * stride_bytes);
-      for (int64_t c = 0; c < cols; ++c) dst[c * ld + r] = static_cast<A>(s[c]);
+      if constexpr (kLoadsAs<A, T>) {
+        for (int64_t c = 0; c < whole; c += W) {
+          A lanes[W];
+          vstore(lanes, vload_from<A>(s + c));
+          for (int64_t i = 0; i < W; ++i) dst[(c + i) * ld + r] = lanes[i];
+        }
+      }
+      for (int64_t c = whole; c < cols; ++c) dst[c * ld + r] = static_cast<A>(s[c]);
     }
     for (int64_t c = 0; c < cols; ++c)
       for (int64_t r = rows; r < padded_rows; ++r) dst[c * ld + r] = A(0);
