@@ -163,14 +163,15 @@ def float8_cases():
 
 
 def kvcache_cases(device="cuda"):
-    """flash_attn_with_kvcache steps: the append (a warp per head) and the decode kernel started as a dependent
-    launch, its walks in parts (on sm_90 a cluster a walk in the third and fifth steps, caches of at most 16 tiles;
+    """flash_attn_with_kvcache steps: the decode kernel appending the new rows itself (steps without rotary
+    tables), or after the append's launch (rotary: a warp per head; the decode kernel a dependent launch), its walks
+    in parts (on sm_90 a cluster a walk in the third and fifth steps, caches of at most 16 tiles;
     elsewhere the parts added by the combine kernel, a dependent launch too, a warp a row in the last step's 4
     parts; on sm_90 the last two steps' 33 walks in 4 parts of a block an SM with the deep ring;
     FLASHATTN_CUDA_KERNELS=sm80 keeps every step off clusters and the deep ring): GQA and MHA dense steps, paged steps
     with a ragged batch and left padding (row copies) and from each cache's first key (whole-tile copies), rotary
-    tables (q rotated in the append), head dim 40, two rows per step, and read-only steps (no append: the decode
-    kernel checks the pages)."""
+    tables (q rotated in the append), head dim 40, two rows per step, read-only steps (no append: the decode
+    kernel checks the pages), and steps whose last sequence has no room for its rows."""
     from flashattn_ext import flash_attn_with_kvcache
     gen = torch.Generator(device=device).manual_seed(0)
     # (batch, heads_q, heads_kv, head dim, cache, rows, paged: None, "leftpad" or "from 0", rotary)
@@ -197,6 +198,9 @@ def kvcache_cases(device="cuda"):
         flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, **kw)
         if not rotary:  # a read-only step: no append (paged: the decode kernel checks the pages itself)
             flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, **kw)
+        if not rotary and b > 1:  # the last sequence refused (no room for its rows): it must write nothing
+            seqlens[-1] = cache - lq + 1
+            flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, **kw)
 
 
 if sys.argv[1:] in (["fp8"], ["kvcache"]):
