@@ -198,9 +198,9 @@ void dot_block(const A* q, int64_t q_ld, const Rows& k, int64_t len, int64_t col
 
 // o[r][d0 ..] += sum over c < cols of p[r][c] v(c)[d0 ..] for kRows rows (p and o rows p_ld / o_ld apart) and kVecs
 // vectors from column d0: each vector of o's sum over the keys in order, from zero, joining o at the end (one
-// rounded partial sum a tile), whatever kRows. kRows rows by kVecs vectors at a time, so that each value vector
-// loaded serves kRows products and their chains overlap. add_weighted_cols: the len elements of the rows (a
-// multiple of twice the vector width).
+// rounded partial sum a tile), whatever kRows or kVecs. kRows rows by kVecs vectors at a time, so that each value
+// vector loaded serves kRows products and their chains overlap. add_weighted_cols: the len elements of the rows (a
+// multiple of the vector width).
 template <class A, int kRows, int kVecs, class Rows>
 void add_weighted_block(const A* p, int64_t p_ld, const Rows& v, int64_t d0, int64_t cols, A* o, int64_t o_ld) {
   using V = vec_t<A>;
@@ -231,7 +231,8 @@ void add_weighted_cols(const A* p, int64_t p_ld, const Rows& v, int64_t len, int
   constexpr int W = Vec<A>::width, kMost = 8 / kRows;  // (kRows x kMost accumulators)
   int64_t d = 0;
   for (; d + kMost * W <= len; d += kMost * W) add_weighted_block<A, kRows, kMost>(p, p_ld, v, d, cols, o, o_ld);
-  for (; d < len; d += 2 * W) add_weighted_block<A, kRows, 2>(p, p_ld, v, d, cols, o, o_ld);
+  for (; d + 2 * W <= len; d += 2 * W) add_weighted_block<A, kRows, 2>(p, p_ld, v, d, cols, o, o_ld);
+  if (d < len) add_weighted_block<A, kRows, 1>(p, p_ld, v, d, cols, o, o_ld);
 }
 
 // The above for `rows` rows, two at a time (each row's sums as alone); dot_rows zeroes s[r][cols .. cols_padded).
@@ -271,9 +272,12 @@ void fwd_rows_tile(const FwdParams& p, FwdScratch<A>& w, const Seq& sq, int64_t 
   OnlineSoftmax<A> sm{w.m.data(), w.l.data(), packed};
   sm.reset();
   A* const k = w.kt.data() + w.cached * w.ld_qk * kFwdTileK;  // key rows, ld_qk apart (past the cached tiles)
-  // Key and value rows as long as the tiles' (no padding), of the compute type or bf16 / fp16 under fp32 (widened in
-  // the loads), are read where they lie; others are copied into the tiles first.
-  const bool whole_rows = p.head_dim == w.ld_qk && p.head_dim_v == w.ld_v;
+  // The products run over whole vectors (len_qk, len_v: the head dims rounded up to the vector width; the tiles'
+  // padding past them is zero). Key and value rows of whole vectors, of the compute type or bf16 / fp16 under fp32
+  // (widened in the loads), are read where they lie; others are copied into the tiles first.
+  constexpr int64_t W = Vec<A>::width;
+  const int64_t len_qk = round_up(p.head_dim, W), len_v = round_up(p.head_dim_v, W);
+  const bool whole_rows = p.head_dim == len_qk && p.head_dim_v == len_v;
   const bool in_place = whole_rows && t == (std::is_same_v<A, double> ? DType::kFloat64 : DType::kFloat32);
   const char* at[kFwdTileK];  // a paged tile's rows
   // f(rows) on the tile's key rows of a k- or v-shaped operand (base, strides st; len elements a row) at column col0:
@@ -304,7 +308,7 @@ void fwd_rows_tile(const FwdParams& p, FwdScratch<A>& w, const Seq& sq, int64_t 
   for (int64_t col0 = begin; col0 < end; col0 += kFwdTileK) {
     const int64_t cols = std::min(kFwdTileK, end - col0), cols_padded = round_up(cols, kPanel<A>);
     with_rows(p.k, p.k_stride, p.head_dim, col0, cols, k, w.ld_qk, [&](const auto& kr) {
-      dot_rows<A>(w.q.data(), w.ld_qk, packed, kr, w.ld_qk, cols, cols_padded, w.s.data(), kFwdTileK);
+      dot_rows<A>(w.q.data(), w.ld_qk, packed, kr, len_qk, cols, cols_padded, w.s.data(), kFwdTileK);
     });
     for (int64_t i = 0; i < heads; ++i)
       prepare_scores(p, TilePos{sq, h0 + i, 0, rows, col0, cols, cols_padded}, w.s.data() + i * rows * kFwdTileK,
@@ -313,7 +317,7 @@ void fwd_rows_tile(const FwdParams& p, FwdScratch<A>& w, const Seq& sq, int64_t 
     for (int64_t i = 0; i < heads && p.dropout_p > 0.0; ++i)
       drop_scores(p, TilePos{sq, h0 + i, 0, rows, col0, cols, cols_padded}, w.s.data() + i * rows * kFwdTileK);
     with_rows(p.v, p.v_stride, p.head_dim_v, col0, cols, w.v.data(), w.ld_v, [&](const auto& vr) {
-      add_weighted_rows<A>(w.s.data(), kFwdTileK, packed, vr, w.ld_v, cols, w.o.data(), w.ld_v);
+      add_weighted_rows<A>(w.s.data(), kFwdTileK, packed, vr, len_v, cols, w.o.data(), w.ld_v);
     });
   }
 
