@@ -1,6 +1,6 @@
 """Where a decode step's time goes: per-kernel GPU time (torch.profiler, eager calls) of
-flash_attn_with_kvcache's step (the append, any memset, the decode kernel), dense and paged, beside
-SDPA's cuDNN and flash backends on the same dense cache, and graph-replay totals of each (the step
+flash_attn_with_kvcache's step (the decode kernel, which appends the row, and any combine kernel), dense and
+paged, beside SDPA's cuDNN and flash backends on the same dense cache, and graph-replay totals of each (the step
 with and without new rows, a device-to-device copy of the K/V bytes). On a GPU machine:
 
     PYTHONPATH=$PWD python3 scripts/decode_breakdown.py --rows gqa-8-8192,mqa-64-8192 --out breakdown.json
