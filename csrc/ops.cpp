@@ -1182,7 +1182,8 @@ Error appending_cuda_step(const Tensor& k_cache, const Tensor& v_cache, const Te
 // padding, kvcache_append (the new keys and values written in place, q rotated into a new tensor,
 // the value rules: seqused -1 for a sequence that breaks one), then fwd on the caches themselves
 // with each sequence's key range (seqused_k, leftpad_k, the block table); a read-only CUDA step
-// whose attention the decode kernel serves skips the append (read_only_cuda_step). q, k, v, the
+// whose attention the decode kernel serves skips the append (read_only_cuda_step), and so does a step with
+// new rows and no rotary tables, whose rows that kernel appends (appending_cuda_step). q, k, v, the
 // caches and out in flash_attn_with_kvcache's (batch, len, heads, dim) layout; lse (batch, heads_q,
 // len_q). The same two calls as the op-by-op composition, with one dispatch instead of two plus the
 // transposes and the zero-row k / v of a read-only step.

@@ -66,7 +66,7 @@ struct DecodeGrid {
   const int32_t* lengths = nullptr;  // the prologue's seqused_k[b] is lengths[b] + added (else seqused_k, 0)
   int added = 0;
   // The step's append is this kernel's (FwdParams::new_k): the last `added` keys of each sequence come from new_k /
-  // new_v, and the first block of each walk's part that holds some writes them into the caches.
+  // new_v, and each block whose part holds some writes them into the caches before its tile copies.
   bool appends = false;
   // The kernel's divisors (common/fast_divide.h: a short step's prologue is a chain of its divisions): the grid's
   // fastest and next index (above), the kv heads, the query rows and the parts. Set once the rest is.
