@@ -278,7 +278,6 @@ void fwd_rows_tile(const FwdParams& p, FwdScratch<A>& w, const Seq& sq, int64_t 
   constexpr int64_t W = Vec<A>::width;
   const int64_t len_qk = round_up(p.head_dim, W), len_v = round_up(p.head_dim_v, W);
   const bool whole_rows = p.head_dim == len_qk && p.head_dim_v == len_v;
-  const bool in_place = whole_rows && t == (std::is_same_v<A, double> ? DType::kFloat64 : DType::kFloat32);
   const char* at[kFwdTileK];  // a paged tile's rows
   // f(rows) on the tile's key rows of a k- or v-shaped operand (base, strides st; len elements a row) at column col0:
   // where they lie, or copied into `tile` (rows ld apart).
@@ -294,13 +293,16 @@ void fwd_rows_tile(const FwdParams& p, FwdScratch<A>& w, const Seq& sq, int64_t 
       });
       return f(ListedRows<T>{at});
     };
-    if (in_place) return read(static_cast<const A*>(nullptr));
-    if constexpr (kLoadsAs<A, bf16_t>) {
-      if (whole_rows && t == DType::kBFloat16) return read(static_cast<const bf16_t*>(nullptr));
+    bool read_in_place = false;
+    if (whole_rows) {
+      with_type(t, [&](auto type_tag) {
+        if constexpr (kLoadsAs<A, std::remove_const_t<std::remove_pointer_t<decltype(type_tag)>>>) {
+          read(type_tag);
+          read_in_place = true;
+        }
+      });
     }
-    if constexpr (kLoadsAs<A, fp16_t>) {
-      if (whole_rows && t == DType::kFloat16) return read(static_cast<const fp16_t*>(nullptr));
-    }
+    if (read_in_place) return;
     load_key_rows<A>(p, sq, base, st, hk, col0, cols, len, tile, ld);
     f(StridedRows<A>{tile, ld});
   };
