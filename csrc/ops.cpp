@@ -1098,18 +1098,35 @@ Error no_new_rows(const Tensor& k_cache, const Tensor& v_cache, int64_t batch, T
 }
 
 #ifdef FLASHATTN_WITH_CUDA
-// A read-only CUDA step (no new rows, no rotary tables) with pages or left padding. Where the decode kernel serves
-// its attention, that kernel alone runs, on seqlens as given: the append's launch would only apply the value rules
-// and clear the kernel's counters (~2.5 us of a step on an H200). Its sequence() gives a sequence whose lengths or
-// left padding break the rules (0 <= leftpad <= seqlens <= the cache's keys) no key and NaN rows, as the append's
-// seqused -1 does; it applies the page rule where it reads the pages (FwdParams::check_pages) and clears its
-// counters itself. Any other kernel reads gathered pages without that rule: the append runs first for it.
-Error read_only_cuda_step(const Tensor& k_cache, const Tensor& v_cache, const Tensor& q, const Tensor& seqlens,
-                          const std::optional<Tensor>& block_table, const std::optional<Tensor>& leftpad, double scale,
-                          bool causal, Tensor& out, Tensor& lse) {
-  // (named as the append names them, before fwd's checks would call them seqused_k and leftpad_k)
-  FA_TRY(check_per_sequence(seqlens, "seqlens", k_cache, q.size(0)));
-  if (leftpad.has_value()) FA_TRY(check_per_sequence(*leftpad, "leftpad", k_cache, q.size(0)));
+// A CUDA step without rotary tables whose attention the decode kernel serves: that kernel alone, no append launch
+// (which costs a step 1-6 µs on an H200). Its sequence() gives a sequence whose lengths or left padding break the
+// append's rules (0 <= leftpad <= seqlens, seqlens + the new rows <= the cache's keys) no key and NaN rows, as the
+// append's seqused -1 does, and it applies the page rule where it reads the pages (FwdParams::check_pages). New rows
+// (k, v) it writes into the caches itself, once their sequence's rules hold (FwdParams::new_k; the append's argument
+// checks first, append_params). Where another kernel takes the attention, a read-only step runs the append's launch
+// first for the rules (the gather that copies the pages for those kernels checks no block); a step with new rows is
+// not taken (taken = false, nothing done), nor is one whose problem is empty or whose new rows do not start on 16
+// bytes (the kernel's copies): the append's launch and fwd run it.
+Error direct_cuda_step(const Tensor& k_cache, const Tensor& v_cache, const Tensor& q, const std::optional<Tensor>& k,
+                       const std::optional<Tensor>& v, const Tensor& seqlens, const std::optional<Tensor>& block_table,
+                       const std::optional<Tensor>& leftpad, double scale, bool causal, Tensor& out, Tensor& lse,
+                       bool& taken) {
+  taken = false;
+  AppendParams ap;
+  if (k.has_value()) {
+    FA_TRY(append_params(k_cache, v_cache, *k, *v, seqlens, std::nullopt, block_table, leftpad, std::nullopt,
+                         std::nullopt, true, std::nullopt, std::nullopt, false, ap));
+    if (q.size(0) == 0 || q.size(1) == 0 || q.size(2) == 0) return {};
+    for (const Tensor* t : {&*k, &*v}) {
+      const int64_t bytes = int64_t(dtype_size(ap.dtype));
+      if (reinterpret_cast<uintptr_t>(t->const_data_ptr()) % 16 != 0) return {};
+      for (int64_t d = 0; d < 3; ++d)
+        if (t->size(d) > 1 && t->stride(d) * bytes % 16 != 0) return {};
+    }
+  } else {  // (named as the append names them, before fwd's checks would call them seqused_k and leftpad_k)
+    FA_TRY(check_per_sequence(seqlens, "seqlens", k_cache, q.size(0)));
+    if (leftpad.has_value()) FA_TRY(check_per_sequence(*leftpad, "leftpad", k_cache, q.size(0)));
+  }
   StepAttention a{q, q, q, {}};
   FA_TRY(step_attention(q, k_cache, v_cache, seqlens, leftpad, block_table, a));
   FwdParams p;
@@ -1118,11 +1135,21 @@ Error read_only_cuda_step(const Tensor& k_cache, const Tensor& v_cache, const Te
   bool done = false;
   Tensor out_view = q;
   FA_TRY(fwd_outputs(p, a.q, d, q.scalar_type(), lse_type(q.scalar_type()), out_view, lse, done));
+  torch::stable::accelerator::DeviceGuard guard(q.get_device_index());  // (the plan is the device's)
+  const bool decode = !done && cuda::decode_serves(p);
+  if (k.has_value() && !decode) return {};
+  taken = true;
   if (!done) {
     Tensor used = seqlens;  // (held until the attention is queued)
-    torch::stable::accelerator::DeviceGuard guard(q.get_device_index());  // (the plan is the device's)
-    if (cuda::decode_serves(p)) {
+    if (decode) {
       p.check_pages = true;
+      if (k.has_value()) {
+        p.new_k = k->const_data_ptr();
+        p.new_v = v->const_data_ptr();
+        p.new_k_stride = ap.k_stride;
+        p.new_v_stride = ap.v_stride;
+        p.new_rows = k->size(1);
+      }
     } else {
       Tensor k_new = q, v_new = q;
       FA_TRY(no_new_rows(k_cache, v_cache, q.size(0), k_new, v_new));
@@ -1134,56 +1161,14 @@ Error read_only_cuda_step(const Tensor& k_cache, const Tensor& v_cache, const Te
   }
   return swap_len_heads(out_view, "out", out);
 }
-
-// A CUDA step appending new rows without rotary tables, whose attention the decode kernel serves: that kernel
-// appends them itself (FwdParams::new_k), one launch where the append's and the wait for it cost a step 1-6 µs on
-// an H200. The append's argument checks (append_params); its value rules in the kernel, as the append applies them.
-// taken: false, with nothing done, where the decode kernel does not serve the call, the problem is empty (the
-// append alone runs then) or a new row does not start on 16 bytes (its copies).
-Error appending_cuda_step(const Tensor& k_cache, const Tensor& v_cache, const Tensor& q, const Tensor& k,
-                          const Tensor& v, const Tensor& seqlens, const std::optional<Tensor>& block_table,
-                          const std::optional<Tensor>& leftpad, double scale, bool causal, Tensor& out, Tensor& lse,
-                          bool& taken) {
-  taken = false;
-  AppendParams ap;
-  FA_TRY(append_params(k_cache, v_cache, k, v, seqlens, std::nullopt, block_table, leftpad, std::nullopt,
-                       std::nullopt, true, std::nullopt, std::nullopt, false, ap));
-  if (q.size(0) == 0 || q.size(1) == 0 || q.size(2) == 0) return {};
-  for (const Tensor* t : {&k, &v}) {
-    const int64_t bytes = int64_t(dtype_size(ap.dtype));
-    if (reinterpret_cast<uintptr_t>(t->const_data_ptr()) % 16 != 0) return {};
-    for (int64_t d = 0; d < 3; ++d)
-      if (t->size(d) > 1 && t->stride(d) * bytes % 16 != 0) return {};
-  }
-  StepAttention a{q, q, q, {}};
-  FA_TRY(step_attention(q, k_cache, v_cache, seqlens, leftpad, block_table, a));
-  FwdParams p;
-  Dims d;
-  FA_TRY(fwd_params(a.q, a.k, a.v, scale, causal ? kCausalBottomRight : kCausalNone, a.f, p, d));
-  bool done = false;
-  Tensor out_view = q;
-  FA_TRY(fwd_outputs(p, a.q, d, q.scalar_type(), lse_type(q.scalar_type()), out_view, lse, done));
-  torch::stable::accelerator::DeviceGuard guard(q.get_device_index());  // (the plan is the device's)
-  if (done || !cuda::decode_serves(p)) return {};
-  p.check_pages = true;
-  p.new_k = k.const_data_ptr();
-  p.new_v = v.const_data_ptr();
-  p.new_k_stride = ap.k_stride;
-  p.new_v_stride = ap.v_stride;
-  p.new_rows = k.size(1);
-  FA_TRY(run_backend(p, a.q, cpu::fwd_workspace_bytes, cpu::run_fwd, FLASHATTN_CUDA_FWD));
-  taken = true;
-  return swap_len_heads(out_view, "out", out);
-}
 #endif
 
 // A common decode step of flash_attn_with_kvcache (flashattn_ext/_kvcache_fast.py, which has
 // checked its arguments) in one op call: where there are new rows, rotary tables, pages or left
 // padding, kvcache_append (the new keys and values written in place, q rotated into a new tensor,
 // the value rules: seqused -1 for a sequence that breaks one), then fwd on the caches themselves
-// with each sequence's key range (seqused_k, leftpad_k, the block table); a read-only CUDA step
-// whose attention the decode kernel serves skips the append (read_only_cuda_step), and so does a step with
-// new rows and no rotary tables, whose rows that kernel appends (appending_cuda_step). q, k, v, the
+// with each sequence's key range (seqused_k, leftpad_k, the block table); a CUDA step without rotary
+// tables whose attention the decode kernel serves is that kernel alone (direct_cuda_step). q, k, v, the
 // caches and out in flash_attn_with_kvcache's (batch, len, heads, dim) layout; lse (batch, heads_q,
 // len_q). The same two calls as the op-by-op composition, with one dispatch instead of two plus the
 // transposes and the zero-row k / v of a read-only step.
@@ -1206,12 +1191,10 @@ Error kvcache_step(Tensor k_cache, Tensor v_cache, Tensor q, const std::optional
     FA_CHECK(seqlens.has_value(), "flashattn: argument 'seqlens' is needed with new rows, rotary tables, a "
              "'block_table' or 'leftpad'");
 #ifdef FLASHATTN_WITH_CUDA
-    if (q.is_cuda() && !k.has_value() && !rotary)
-      return read_only_cuda_step(k_cache, v_cache, q, *seqlens, block_table, leftpad, scale, causal, out, lse);
-    if (q.is_cuda() && k.has_value() && !rotary) {
+    if (q.is_cuda() && !rotary) {
       bool taken = false;
-      FA_TRY(appending_cuda_step(k_cache, v_cache, q, *k, *v, *seqlens, block_table, leftpad, scale, causal, out, lse,
-                                 taken));
+      FA_TRY(direct_cuda_step(k_cache, v_cache, q, k, v, *seqlens, block_table, leftpad, scale, causal, out, lse,
+                              taken));
       if (taken) return {};
     }
 #endif
