@@ -69,15 +69,17 @@ struct DecodeGrid {
   // new_v, and each block whose part holds some writes them into the caches before its tile copies.
   bool appends = false;
   // The kernel's divisors (common/fast_divide.h: a short step's prologue is a chain of its divisions): the grid's
-  // fastest and next index (above), the kv heads, the query rows and the parts. Set once the rest is.
-  FastDivisor by_fastest, by_next, by_heads_kv, by_len_q, by_parts;
-  void set_divisors(const FwdParams& p) {
+  // fastest and next index (above), the kv heads, the query rows and the parts; and paged whole tiles, a page's
+  // tiles (the key loop's refills find their page without a division sequence). Set once the rest is.
+  FastDivisor by_fastest, by_next, by_heads_kv, by_len_q, by_parts, by_page_tiles;
+  void set_divisors(const FwdParams& p, int tile_keys) {
     const bool clustered = cluster > 1;
     by_fastest = FastDivisor(unsigned(clustered ? parts : chunks));
     by_next = FastDivisor(unsigned(clustered ? chunks : parts));
     by_heads_kv = FastDivisor(unsigned(p.heads_kv));
     by_len_q = FastDivisor(unsigned(p.len_q));
     by_parts = FastDivisor(unsigned(parts));
+    by_page_tiles = FastDivisor(unsigned(p.page_size >= tile_keys ? p.page_size / tile_keys : 1));
   }
 };
 
@@ -197,10 +199,11 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads, DecodeConf
       return;
     }
     int64_t k_at = n0 * p.k_stride.row, v_at = n0 * p.v_stride.row;
-    if constexpr (kKv == DecodeKv::kPagedTiles) {  // (k0 is 0: the tile lies in page n0 / page_size)
-      const int64_t page = page_of(p, n0), block = block_of(p, b, page, bad_page);
-      k_at = block * p.k_stride.batch + (n0 - page * p.page_size) * p.k_stride.row;
-      v_at = block * p.v_stride.batch + (n0 - page * p.page_size) * p.v_stride.row;
+    if constexpr (kKv == DecodeKv::kPagedTiles) {  // (k0 is 0, n0 a multiple of kBN: the tile lies in one page)
+      const unsigned tile = unsigned(uint64_t(n0) / kBN), page = grid.by_page_tiles.div(tile);
+      const int64_t block = block_of(p, b, page, bad_page), row = int64_t(tile - page * grid.by_page_tiles.d) * kBN;
+      k_at = block * p.k_stride.batch + row * p.k_stride.row;
+      v_at = block * p.v_stride.batch + row * p.v_stride.row;
     }
     // (a whole tile, every tile but a walk's last, where the copying threads cover whole rows: no per-chunk bounds
     // tests, ~3 instructions a chunk against ~14, in a loop whose time in a short step is its instructions' latency)
