@@ -47,6 +47,18 @@
 
 namespace flashattn::cuda::sm80 {
 
+// How K / V are addressed (a template parameter: the lookups' registers would cost the dense kernel occupancy,
+// 126 -> 165 registers at dim 64): dense; paged with every tile inside one page (pages of a multiple of the
+// tile's keys, sequences from their cache's first key): a table lookup per tile, then the dense copy; paged
+// otherwise: row by row through the table (paged_copy.cuh).
+enum class DecodeKv { kDense, kPagedTiles, kPagedRows };
+// The variant that reads a call's K / V.
+inline DecodeKv decode_kv(const FwdParams& p, int tile_keys) {
+  if (!p.is_paged()) return DecodeKv::kDense;
+  const bool whole_tiles = p.page_size % tile_keys == 0 && p.leftpad_k == nullptr && p.cu_seqlens_k == nullptr;
+  return whole_tiles ? DecodeKv::kPagedTiles : DecodeKv::kPagedRows;
+}
+
 // The grid: blocks (batch, kv head, part, chunk) with the chunk fastest, so that the chunks of a GQA
 // group's part, which read the same K / V tiles, run side by side and share them through L2; a walk is
 // (batch, kv head, chunk). Where parts > 1, `partial`: a slot per walk and part, which decode_combine_kernel
@@ -69,9 +81,10 @@ struct DecodeGrid {
   // new_v, and each block whose part holds some writes them into the caches before its tile copies.
   bool appends = false;
   // The kernel's divisors (common/fast_divide.h: a short step's prologue is a chain of its divisions): the grid's
-  // fastest and next index (above), the kv heads, the query rows and the parts; and paged whole tiles, a page's
-  // tiles (the key loop's refills find their page without a division sequence). Set once the rest is.
-  FastDivisor by_fastest, by_next, by_heads_kv, by_len_q, by_parts, by_page_tiles;
+  // fastest and next index (above), the kv heads, the query rows and the parts; and paged, a page's keys (the key
+  // loop's refills find their page without a division sequence): in tiles where whole tiles are copied, else in
+  // rows. Set once the rest is.
+  FastDivisor by_fastest, by_next, by_heads_kv, by_len_q, by_parts, by_page;
   void set_divisors(const FwdParams& p, int tile_keys) {
     const bool clustered = cluster > 1;
     by_fastest = FastDivisor(unsigned(clustered ? parts : chunks));
@@ -79,7 +92,8 @@ struct DecodeGrid {
     by_heads_kv = FastDivisor(unsigned(p.heads_kv));
     by_len_q = FastDivisor(unsigned(p.len_q));
     by_parts = FastDivisor(unsigned(parts));
-    by_page_tiles = FastDivisor(unsigned(p.page_size >= tile_keys ? p.page_size / tile_keys : 1));
+    const bool whole_tiles = decode_kv(p, tile_keys) == DecodeKv::kPagedTiles;
+    by_page = FastDivisor(unsigned(!p.is_paged() ? 1 : whole_tiles ? p.page_size / tile_keys : p.page_size));
   }
 };
 
@@ -95,18 +109,6 @@ struct DecodeSlot {
   __device__ __forceinline__ float* max(int row) const { return base + kRows * kDim + row; }
   __device__ __forceinline__ float* sum(int row) const { return base + kRows * kDim + kRows + row; }
 };
-
-// How K / V are addressed (a template parameter: the lookups' registers would cost the dense kernel occupancy,
-// 126 -> 165 registers at dim 64): dense; paged with every tile inside one page (pages of a multiple of the
-// tile's keys, sequences from their cache's first key): a table lookup per tile, then the dense copy; paged
-// otherwise: row by row through the table (paged_copy.cuh).
-enum class DecodeKv { kDense, kPagedTiles, kPagedRows };
-// The variant that reads a call's K / V.
-inline DecodeKv decode_kv(const FwdParams& p, int tile_keys) {
-  if (!p.is_paged()) return DecodeKv::kDense;
-  const bool whole_tiles = p.page_size % tile_keys == 0 && p.leftpad_k == nullptr && p.cu_seqlens_k == nullptr;
-  return whole_tiles ? DecodeKv::kPagedTiles : DecodeKv::kPagedRows;
-}
 
 // kStages: the K / V ring's buffers, DecodeConfig::kStages or kDeepStages (DecodeGrid::stages), a template argument
 // rather than a value the kernel reads: a key loop of run-time waits and buffer indices took 25-30 more instructions
@@ -195,13 +197,13 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads, DecodeConf
     const int rows_k = sq.k_tile_rows(n0, kBN);
     if constexpr (kKv == DecodeKv::kPagedRows) {  // (n0 counted from the sequence's first key, k0 from its cache's)
       copy_paged_kv_async<kBN, kDim, kCopyThreads, kSw>(sK + stage * kBN * kLd, sV + stage * kBN * kLd, kLd, p, b,
-                                                        hk, sq.k0 + n0, rows_k, E, Ev, tid, bad_page);
+                                                        hk, sq.k0 + n0, rows_k, E, Ev, tid, grid.by_page, bad_page);
       return;
     }
     int64_t k_at = n0 * p.k_stride.row, v_at = n0 * p.v_stride.row;
     if constexpr (kKv == DecodeKv::kPagedTiles) {  // (k0 is 0, n0 a multiple of kBN: the tile lies in one page)
-      const unsigned tile = unsigned(uint64_t(n0) / kBN), page = grid.by_page_tiles.div(tile);
-      const int64_t block = block_of(p, b, page, bad_page), row = int64_t(tile - page * grid.by_page_tiles.d) * kBN;
+      const unsigned tile = unsigned(uint64_t(n0) / kBN), page = grid.by_page.div(tile);
+      const int64_t block = block_of(p, b, page, bad_page), row = int64_t(tile - page * grid.by_page.d) * kBN;
       k_at = block * p.k_stride.batch + row * p.k_stride.row;
       v_at = block * p.v_stride.batch + row * p.v_stride.row;
     }

@@ -8,6 +8,7 @@
 #include "../../common/pages.h"
 #include "../../params.h"
 #include "../common/cp_async.cuh"
+#include "../common/fast_divide.h"
 #include "../common/tile_copy.cuh"
 
 namespace flashattn::cuda::sm80 {
@@ -22,10 +23,14 @@ namespace flashattn::cuda::sm80 {
 template <int kRows, int kCols, int kThreads, bool kSwizzle, class Elem>
 __device__ __forceinline__ void copy_paged_kv_async(Elem* sK, Elem* sV, int ld, const FwdParams& p, int64_t b,
                                                     int64_t h, int64_t j0, int rows, int cols_k, int cols_v,
-                                                    int tid, bool& bad_block) {
+                                                    int tid, const FastDivisor& by_page, bool& bad_block) {
   constexpr int kChunk = chunk_elems<Elem>();
   constexpr int kPerRow = kCols / kChunk;
   static_assert(kCols % kChunk == 0, "tile width is a whole number of 16-byte chunks");
+  // (the page of key row j: by the grid's magic divisor where the rows allow, every cache in practice)
+  auto page_of_row = [&](int64_t j) {
+    return p.len_k <= INT32_MAX ? int64_t(by_page.div(uint32_t(j))) : j / p.page_size;
+  };
   const Elem* k = static_cast<const Elem*>(p.k) + h * p.k_stride.head;
   const Elem* v = static_cast<const Elem*>(p.v) + h * p.v_stride.head;
   // Chunk c of row `row` of block `block` into smem offset `at` of both tiles.
@@ -41,7 +46,7 @@ __device__ __forceinline__ void copy_paged_kv_async(Elem* sK, Elem* sV, int ld, 
       const bool row_ok = r < rows;
       int64_t page = 0, block = 0;
       if (row_ok) {
-        page = page_of(p, j0 + r);
+        page = page_of_row(j0 + r);
         block = block_of(p, b, page, bad_block);
       }
       copy(r * ld + c, block, j0 + r - page * p.page_size, c, row_ok);
@@ -55,7 +60,7 @@ __device__ __forceinline__ void copy_paged_kv_async(Elem* sK, Elem* sV, int ld, 
                   "swizzled rows are whole 128-byte lines, and a thread's rows agree modulo 4");
     const int at_even = r0 * ld + (kSwizzle ? c ^ ((r0 & 7) * kChunk) : c);
     const int at_odd = kSwizzle && kRowStep % 8 != 0 ? r0 * ld + (c ^ (((r0 & 7) ^ 4) * kChunk)) : at_even;
-    int64_t page = page_of(p, j0 + r0);
+    int64_t page = page_of_row(j0 + r0);
     int64_t row = j0 + r0 - page * p.page_size;  // within the page
     int64_t loaded = -1, block = 0;
 #pragma unroll
