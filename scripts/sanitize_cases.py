@@ -169,23 +169,25 @@ def kvcache_cases(device="cuda"):
     elsewhere the parts added by the combine kernel, a dependent launch too, a warp a row in the last step's 4
     parts; on sm_90 the last two steps' 33 walks in 4 parts of a block an SM with the deep ring;
     FLASHATTN_CUDA_KERNELS=sm80 keeps every step off clusters and the deep ring): GQA and MHA dense steps, paged steps
-    with a ragged batch and left padding (row copies) and from each cache's first key (whole-tile copies), rotary
-    tables (q rotated in the append), head dim 40, two rows per step, read-only steps (no append: the decode
-    kernel checks the pages), and steps whose last sequence has no room for its rows."""
+    with a ragged batch and left padding (row copies) and from each cache's first key (pages of 256, whole-tile
+    copies, and of 16, four to a tile), rotary tables (q rotated in the append), head dim 40, two rows per step,
+    read-only steps (no append: the decode kernel checks the pages), and steps whose last sequence has no room for
+    its rows."""
     from flashattn_ext import flash_attn_with_kvcache
     gen = torch.Generator(device=device).manual_seed(0)
-    # (batch, heads_q, heads_kv, head dim, cache, rows, paged: None, "leftpad" or "from 0", rotary)
+    # (batch, heads_q, heads_kv, head dim, cache, rows, paged: None, "leftpad", "from 0" or "pages of 16", rotary)
     steps = ((2, 8, 2, 128, 3000, 1, None, False), (1, 4, 4, 64, 5000, 1, None, True),
              (3, 6, 2, 128, 1024, 2, "leftpad", False), (2, 8, 1, 128, 4096, 1, "from 0", False),
              (2, 4, 1, 40, 700, 1, None, False), (8, 16, 8, 128, 3000, 1, None, False),
-             (3, 33, 11, 128, 6400, 1, None, True), (3, 33, 11, 96, 6400, 1, "leftpad", False))
+             (3, 33, 11, 128, 6400, 1, None, True), (3, 33, 11, 96, 6400, 1, "leftpad", False),
+             (3, 16, 4, 128, 2048, 1, "pages of 16", False))
     for b, hq, hk, e, cache, lq, paged, rotary in steps:
         randn = lambda *s: torch.randn(*s, generator=gen, device=device, dtype=torch.bfloat16)
         q, k, v = randn(b, lq, hq, e), randn(b, lq, hk, e), randn(b, lq, hk, e)
         seqlens = torch.tensor([cache - lq - 7 * i for i in range(b)], dtype=torch.int32, device=device)
         kw = {}
         if paged:
-            page = 256
+            page = 16 if paged == "pages of 16" else 256
             k_cache, v_cache = randn(b * cache // page, page, hk, e), randn(b * cache // page, page, hk, e)
             kw["block_table"] = torch.randperm(b * cache // page, device=device).view(b, -1).to(torch.int32)
             if paged == "leftpad":
