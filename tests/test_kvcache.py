@@ -146,11 +146,12 @@ def test_paged_page_sizes(device, dtype, page, cache, leftpad):
 def test_cpu_paged_steps_equal_dense_bit_for_bit(dtype, page):
     """On the CPU a paged cache's rows are read in their pages, by the decode tile (up to 8 query rows) and by the
     prefill tiles (longer queries); each row's sums run as over the dense cache, so the outputs match it exactly.
-    Pages in shuffled blocks, ragged lengths, GQA, head dims read in place (64) and copied (40)."""
+    Pages in shuffled blocks, ragged lengths, GQA, head dims read in place (64 in whole vectors, 40 with a last half
+    vector in floats under AVX-512) and copied (36 there, whose rows end mid half vector)."""
     torch.manual_seed(0)
     batch, cache, heads, heads_kv = 3, 768, 8, 2
     lens = torch.tensor([cache, 300, 77], dtype=torch.int32)
-    for dim in (64, 40):
+    for dim in (64, 40, 36):
         k = torch.randn(batch, cache, heads_kv, dim, dtype=dtype)
         v = torch.randn(batch, cache, heads_kv, dim, dtype=dtype)
         pages = cache // page
@@ -166,6 +167,28 @@ def test_cpu_paged_steps_equal_dense_bit_for_bit(dtype, page):
             paged = flashattn_ext.flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=lens, block_table=table,
                                                           causal=True, return_softmax_lse=True)
             assert torch.equal(dense[0], paged[0]) and torch.equal(dense[1], paged[1]), (dim, len_q)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64],
+                         ids=["fp32", "bf16", "fp16", "fp64"])
+@pytest.mark.parametrize("dim,dim_v", [(40, 72), (72, 40), (36, 20)])
+def test_cpu_decode_head_dims_past_whole_vectors(dtype, dim, dim_v):
+    """CPU decode steps whose key / value rows end with a half vector (floats under AVX-512: 40, 72; read where they
+    lie, the last half loaded alone) or mid one (36, 20 there: copied into the tiles first; under AVX2 and in fp64
+    half vectors too), GQA, ragged lengths, causal, one and three query rows, against the float64 reference."""
+    torch.manual_seed(0)
+    batch, cache, heads, heads_kv = 2, 300, 8, 2
+    k_cache = torch.randn(batch, cache, heads_kv, dim, dtype=dtype)
+    v_cache = torch.randn(batch, cache, heads_kv, dim_v, dtype=dtype)
+    seqlens = [cache, 131]
+    for len_q in (1, 3):
+        q = torch.randn(batch, len_q, heads, dim, dtype=dtype)
+        out, lse = flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.tensor(
+            seqlens, dtype=torch.int32), causal=True, return_softmax_lse=True)
+        expected = kvcache_ref(q.double(), k_cache.double(), v_cache.double(), seqlens=seqlens, causal=True)
+        same = kvcache_ref(q, k_cache, v_cache, seqlens=seqlens, causal=True)
+        assert_accurate("out", out, expected[0], same[0], REL_ATOL[dtype])
+        assert_accurate("lse", lse, expected[1], same[1], REL_ATOL[lse_dtype(dtype)])
 
 
 @pytest.mark.parametrize("len_q", [1, 5, 16])

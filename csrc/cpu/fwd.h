@@ -160,27 +160,37 @@ struct ListedRows {
   const T* operator()(int64_t c) const { return reinterpret_cast<const T*>(at[c]); }
 };
 
-// s[r][c] = q[r] . k[c] over len elements (a multiple of the vector width) for kRows query rows (q and s rows q_ld /
-// s_ld apart) and the cols key rows k(c): each score's sum over its vectors in order, then across the lanes,
-// whatever kRows. kRows rows by kKeys keys at a time, so that each vector loaded serves several products and their
+// s[r][c] = q[r] . k[c] over len elements (a multiple of half the vector width; q's rows zero past len up to a whole
+// vector) for kRows query rows (q and s rows q_ld / s_ld apart) and the cols key rows k(c): each score's sum over its
+// vectors in order, then across the lanes, whatever kRows; a last half vector of k loaded as the lower lanes of a
+// zeroed one. kRows rows by kKeys keys at a time, so that each vector loaded serves several products and their
 // chains overlap.
 template <class A, int kRows, class Rows>
 void dot_block(const A* q, int64_t q_ld, const Rows& k, int64_t len, int64_t cols, A* s, int64_t s_ld) {
   using V = vec_t<A>;
   constexpr int W = Vec<A>::width, kKeys = 4;
   const auto sum = [](V acc) { return reduce_lanes<A>(acc, [](A a, A b) { return a + b; }); };
+  const int64_t whole = len / W * W;
   int64_t c = 0;
   for (; c + kKeys <= cols; c += kKeys) {
     V acc[kRows][kKeys] = {};
     decltype(k(0)) kc[kKeys];
 #pragma GCC unroll 4
     for (int u = 0; u < kKeys; ++u) kc[u] = k(c + u);
-    for (int64_t d = 0; d < len; d += W) {
+    for (int64_t d = 0; d < whole; d += W) {
 #pragma GCC unroll 4
       for (int u = 0; u < kKeys; ++u) {
         const V ku = vload_from<A>(kc[u] + d);
 #pragma GCC unroll 2
         for (int r = 0; r < kRows; ++r) acc[r][u] += vload(q + r * q_ld + d) * ku;
+      }
+    }
+    if (whole < len) {
+#pragma GCC unroll 4
+      for (int u = 0; u < kKeys; ++u) {
+        const V ku = vload_from<A, true>(kc[u] + whole);
+#pragma GCC unroll 2
+        for (int r = 0; r < kRows; ++r) acc[r][u] += vload(q + r * q_ld + whole) * ku;
       }
     }
 #pragma GCC unroll 2
@@ -191,7 +201,8 @@ void dot_block(const A* q, int64_t q_ld, const Rows& k, int64_t len, int64_t col
   for (; c < cols; ++c)
     for (int r = 0; r < kRows; ++r) {
       V acc{};
-      for (int64_t d = 0; d < len; d += W) acc += vload(q + r * q_ld + d) * vload_from<A>(k(c) + d);
+      for (int64_t d = 0; d < whole; d += W) acc += vload(q + r * q_ld + d) * vload_from<A>(k(c) + d);
+      if (whole < len) acc += vload(q + r * q_ld + whole) * vload_from<A, true>(k(c) + whole);
       s[r * s_ld + c] = sum(acc);
     }
 }
@@ -199,9 +210,10 @@ void dot_block(const A* q, int64_t q_ld, const Rows& k, int64_t len, int64_t col
 // o[r][d0 ..] += sum over c < cols of p[r][c] v(c)[d0 ..] for kRows rows (p and o rows p_ld / o_ld apart) and kVecs
 // vectors from column d0: each vector of o's sum over the keys in order, from zero, joining o at the end (one
 // rounded partial sum a tile), whatever kRows or kVecs. kRows rows by kVecs vectors at a time, so that each value
-// vector loaded serves kRows products and their chains overlap. add_weighted_cols: the len elements of the rows (a
-// multiple of the vector width).
-template <class A, int kRows, int kVecs, class Rows>
+// vector loaded serves kRows products and their chains overlap; kHalf: the last vector is a row's last half (loaded
+// as the lower lanes of a zeroed one; o's row has room for the whole vector). add_weighted_cols: the len elements of
+// the rows (a multiple of half the vector width).
+template <class A, int kRows, int kVecs, bool kHalf = false, class Rows>
 void add_weighted_block(const A* p, int64_t p_ld, const Rows& v, int64_t d0, int64_t cols, A* o, int64_t o_ld) {
   using V = vec_t<A>;
   constexpr int W = Vec<A>::width;
@@ -213,7 +225,7 @@ void add_weighted_block(const A* p, int64_t p_ld, const Rows& v, int64_t d0, int
     const auto vc = v(c) + d0;
 #pragma GCC unroll 8
     for (int u = 0; u < kVecs; ++u) {
-      const V vu = vload_from<A>(vc + u * W);
+      const V vu = kHalf && u == kVecs - 1 ? vload_from<A, true>(vc + u * W) : vload_from<A>(vc + u * W);
 #pragma GCC unroll 2
       for (int r = 0; r < kRows; ++r) acc[r][u] += pc[r] * vu;
     }
@@ -229,10 +241,12 @@ void add_weighted_block(const A* p, int64_t p_ld, const Rows& v, int64_t d0, int
 template <class A, int kRows, class Rows>
 void add_weighted_cols(const A* p, int64_t p_ld, const Rows& v, int64_t len, int64_t cols, A* o, int64_t o_ld) {
   constexpr int W = Vec<A>::width, kMost = 8 / kRows;  // (kRows x kMost accumulators)
+  const int64_t whole = len / W * W;
   int64_t d = 0;
-  for (; d + kMost * W <= len; d += kMost * W) add_weighted_block<A, kRows, kMost>(p, p_ld, v, d, cols, o, o_ld);
-  for (; d + 2 * W <= len; d += 2 * W) add_weighted_block<A, kRows, 2>(p, p_ld, v, d, cols, o, o_ld);
-  if (d < len) add_weighted_block<A, kRows, 1>(p, p_ld, v, d, cols, o, o_ld);
+  for (; d + kMost * W <= whole; d += kMost * W) add_weighted_block<A, kRows, kMost>(p, p_ld, v, d, cols, o, o_ld);
+  for (; d + 2 * W <= whole; d += 2 * W) add_weighted_block<A, kRows, 2>(p, p_ld, v, d, cols, o, o_ld);
+  if (d < whole) add_weighted_block<A, kRows, 1>(p, p_ld, v, d, cols, o, o_ld);
+  if (whole < len) add_weighted_block<A, kRows, 1, true>(p, p_ld, v, whole, cols, o, o_ld);
 }
 
 // The above for `rows` rows, two at a time (each row's sums as alone); dot_rows zeroes s[r][cols .. cols_padded).
@@ -272,11 +286,12 @@ void fwd_rows_tile(const FwdParams& p, FwdScratch<A>& w, const Seq& sq, int64_t 
   OnlineSoftmax<A> sm{w.m.data(), w.l.data(), packed};
   sm.reset();
   A* const k = w.kt.data() + w.cached * w.ld_qk * kFwdTileK;  // key rows, ld_qk apart (past the cached tiles)
-  // The products run over whole vectors (len_qk, len_v: the head dims rounded up to the vector width; the tiles'
-  // padding past them is zero). Key and value rows of whole vectors, of the compute type or bf16 / fp16 under fp32
-  // (widened in the loads), are read where they lie; others are copied into the tiles first.
+  // The products run over whole vectors and a last half (len_qk, len_v: the head dims rounded up to half the vector
+  // width; the tiles' padding past them is zero). Key and value rows of whole and half vectors, of the compute type
+  // or bf16 / fp16 under fp32 (widened in the loads), are read where they lie; others are copied into the tiles
+  // first.
   constexpr int64_t W = Vec<A>::width;
-  const int64_t len_qk = round_up(p.head_dim, W), len_v = round_up(p.head_dim_v, W);
+  const int64_t len_qk = round_up(p.head_dim, W / 2), len_v = round_up(p.head_dim_v, W / 2);
   const bool whole_rows = p.head_dim == len_qk && p.head_dim_v == len_v;
   const char* at[kFwdTileK];  // a paged tile's rows
   // f(rows) on the tile's key rows of a k- or v-shaped operand (base, strides st; len elements a row) at column col0:

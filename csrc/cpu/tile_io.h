@@ -3,6 +3,7 @@
 #pragma once
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 
 #include <torch/headeronly/util/BFloat16.h>
 #include <torch/headeronly/util/Half.h>
@@ -45,32 +46,69 @@ constexpr bool kWidensFp16 = true;
 constexpr bool kWidensFp16 = false;
 #endif
 
+// The vector of the W / 2 lanes `lo` and W / 2 zeros above them: a half-width load widened by a shuffle (a memcpy
+// into a zeroed vector, a wide load after a narrow store, stalled: E = 40 decode 1.2x the copied tiles' time; it
+// stays for compilers without the shuffle builtin, GCC before 12, with the same values).
+template <class Half, size_t... I>
+inline auto with_zero_half(Half lo, std::index_sequence<I...>) {
+  typedef std::remove_reference_t<decltype(lo[0])> Elem;
+  typedef Elem Whole __attribute__((vector_size(2 * sizeof(Half))));
+#if defined(__has_builtin) && __has_builtin(__builtin_shufflevector)
+  const Whole v = __builtin_shufflevector(lo, Half{}, int(I)...);
+#else
+  Whole v{};
+  std::memcpy(&v, &lo, sizeof(lo));
+#endif
+  return v;
+}
+
 // A vector of the compute type A from a row of the cache's type T: as it is, or bf16 / fp16 widened to float (exact;
-// bf16's bits are the float's upper half).
-template <class A, class T>
+// bf16's bits are the float's upper half). kHalf: only W / 2 elements from p, the upper lanes zero (a row's last
+// half vector, read where it lies without reading past it).
+template <class A, bool kHalf = false, class T>
 inline vec_t<A> vload_from(const T* p) {
-  if constexpr (std::is_same_v<T, A>) {
+  constexpr int W = Vec<A>::width;
+  const auto widened = [](auto loaded) {
+    vec_t<A> v;
+    if constexpr (kHalf) {
+      const auto whole = with_zero_half(loaded, std::make_index_sequence<W>{});
+      std::memcpy(&v, &whole, sizeof(v));
+    } else {
+      std::memcpy(&v, &loaded, sizeof(v));
+    }
+    return v;
+  };
+  if constexpr (std::is_same_v<T, A> && !kHalf) {
     return vload(p);
+  } else if constexpr (std::is_same_v<T, A>) {
+    typedef A Half __attribute__((vector_size(kVecBytes / 2)));  // (vector sizes that depend on kHalf are ignored)
+    Half lo;
+    std::memcpy(&lo, p, sizeof(lo));
+    return widened(lo);
   } else if constexpr (std::is_same_v<T, bf16_t>) {
     static_assert(std::is_same_v<A, float>, "bf16 rows widen to float only");
     typedef uint16_t Halves __attribute__((vector_size(kVecBytes / 2)));
+    typedef uint16_t Quarters __attribute__((vector_size(kVecBytes / 4)));
     typedef uint32_t Bits __attribute__((vector_size(kVecBytes)));
-    Halves h;
+    typedef uint32_t HalfBits __attribute__((vector_size(kVecBytes / 2)));
+    std::conditional_t<kHalf, Quarters, Halves> h;
+    using Widened = std::conditional_t<kHalf, HalfBits, Bits>;
     std::memcpy(&h, p, sizeof(h));
-    const Bits bits = __builtin_convertvector(h, Bits) << 16;
-    vec_t<float> v;
-    std::memcpy(&v, &bits, sizeof(v));
-    return v;
+    return widened(Widened(__builtin_convertvector(h, Widened) << 16));
   } else {
     static_assert(std::is_same_v<A, float> && std::is_same_v<T, fp16_t> && kWidensFp16,
                   "fp16 rows widen to float only, with F16C or AVX-512");
     vec_t<float> v;
 #if FLASHATTN_VEC_BYTES == 64 && defined(__AVX512F__)
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    const __m512 x = _mm512_maskz_cvtph_ps(__mmask16(0xffff), h);  // (maskz: the unmasked form warns in GCC 12)
+    // (maskz: the unmasked form warns in GCC 12)
+    const __m512 x = kHalf ? _mm512_maskz_cvtph_ps(__mmask16(0x00ff), _mm256_zextsi128_si256(_mm_loadu_si128(
+                                 reinterpret_cast<const __m128i*>(p))))
+                           : _mm512_maskz_cvtph_ps(__mmask16(0xffff), _mm256_loadu_si256(
+                                 reinterpret_cast<const __m256i*>(p)));
     std::memcpy(&v, &x, sizeof(v));
 #elif FLASHATTN_VEC_BYTES == 32 && defined(__F16C__)
-    const __m256 x = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256 x = _mm256_cvtph_ps(kHalf ? _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))
+                                           : _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     std::memcpy(&v, &x, sizeof(v));
 #endif
     return v;
