@@ -85,15 +85,16 @@ struct DecodeGrid {
   // loop's refills find their page without a division sequence): in tiles where whole tiles are copied, else in
   // rows. Set once the rest is.
   FastDivisor by_fastest, by_next, by_heads_kv, by_len_q, by_parts, by_page;
-  void set_divisors(const FwdParams& p, int tile_keys) {
+  void set_divisors(const FwdParams& p, DecodeKv kv, int tile_keys) {
     const bool clustered = cluster > 1;
     by_fastest = FastDivisor(unsigned(clustered ? parts : chunks));
     by_next = FastDivisor(unsigned(clustered ? chunks : parts));
     by_heads_kv = FastDivisor(unsigned(p.heads_kv));
     by_len_q = FastDivisor(unsigned(p.len_q));
     by_parts = FastDivisor(unsigned(parts));
-    const bool whole_tiles = decode_kv(p, tile_keys) == DecodeKv::kPagedTiles;
-    by_page = FastDivisor(unsigned(!p.is_paged() ? 1 : whole_tiles ? p.page_size / tile_keys : p.page_size));
+    by_page = FastDivisor(unsigned(kv == DecodeKv::kDense        ? 1
+                                   : kv == DecodeKv::kPagedTiles ? p.page_size / tile_keys
+                                                                 : p.page_size));
   }
 };
 
