@@ -30,6 +30,25 @@ __device__ __forceinline__ void for_each_tile_chunk(int tid, Chunk&& chunk) {
   }
 }
 
+// A thread's chunks of a tile in the layout where a row's chunks divide the block: column chunk c of rows r0, r0 +
+// kRowStep, ... (kIters of them); at(it) the chunk's offset in the tile (pitch ld) for row r0 + it * kRowStep, padded
+// or swizzled (kSwizzle: below). Swizzled, a thread's rows fall on chunk c ^ (r % 8): where kRowStep is an odd
+// multiple of 4, r % 8 flips bit 2 from one row to the next (two column offsets in turn).
+template <int kRows, int kCols, int kThreads, bool kSwizzle, class Elem>
+struct TileRowChunks {
+  static constexpr int kChunk = chunk_elems<Elem>(), kPerRow = kCols / kChunk, kRowStep = kThreads / kPerRow;
+  static constexpr int kIters = (kRows + kRowStep - 1) / kRowStep;
+  static_assert(kThreads % kPerRow == 0, "a row's chunks divide the block");
+  static_assert(!kSwizzle || (kCols * sizeof(Elem) % 128 == 0 && kRowStep % 4 == 0),
+                "swizzled rows are whole 128-byte lines, and a thread's rows agree modulo 4");
+  int r0, c, even, odd;
+  __device__ __forceinline__ TileRowChunks(int ld, int tid) : r0(tid / kPerRow), c((tid % kPerRow) * kChunk) {
+    even = r0 * ld + (kSwizzle ? c ^ ((r0 & 7) * kChunk) : c);
+    odd = kSwizzle && kRowStep % 8 != 0 ? r0 * ld + (c ^ (((r0 & 7) ^ 4) * kChunk)) : even;
+  }
+  __device__ __forceinline__ int at(int it, int ld) const { return (it % 2 ? odd : even) + it * kRowStep * ld; }
+};
+
 // Rows `kRows` x columns `kCols` from `g` (rows `g_ld` elements apart) into `s` (pitch `ld`).
 // Where a row's chunks divide the block (dims 32, 64, 128, 256), a thread copies one 16-byte
 // column chunk of every kThreads / kPerRow-th row: the trip count is a constant and the address

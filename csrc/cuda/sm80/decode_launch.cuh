@@ -204,7 +204,7 @@ bool launch_decode(const FwdParams& p, cudaStream_t stream) {
       grid.appends = true;
       grid.added = int(p.new_rows);
     }
-    grid.set_divisors(p, l.kv, Cfg::kBN);
+    grid.set_divisors(p, l.kv);
     l.with_kernel([&](auto kernel, DecodeKv kv) {
       launch_after_prior(kernel, unsigned(l.walks * grid.parts), unsigned(grid.cluster), Cfg::kThreads, l.smem_bytes(),
                          stream, decode_kernel_name(kv), p, grid);

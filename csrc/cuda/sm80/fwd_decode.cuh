@@ -48,15 +48,18 @@
 namespace flashattn::cuda::sm80 {
 
 // How K / V are addressed (a template parameter: the lookups' registers would cost the dense kernel occupancy,
-// 126 -> 165 registers at dim 64): dense; paged with every tile inside one page (pages of a multiple of the
-// tile's keys, sequences from their cache's first key): a table lookup per tile, then the dense copy; paged
-// otherwise: row by row through the table (paged_copy.cuh).
+// 126 -> 165 registers at dim 64): dense; paged in whole segments of kPageSegment keys (pages of a multiple of it,
+// sequences from their cache's first key, so every segment of a tile lies in one page): a table lookup per tile and
+// the dense copy where pages hold whole tiles, else a lookup and a copy per segment; paged otherwise (left padding,
+// packed sequences): row by row through the table (paged_copy.cuh).
 enum class DecodeKv { kDense, kPagedTiles, kPagedRows };
+constexpr int kPageSegment = 16;
 // The variant that reads a call's K / V.
 inline DecodeKv decode_kv(const FwdParams& p, int tile_keys) {
   if (!p.is_paged()) return DecodeKv::kDense;
-  const bool whole_tiles = p.page_size % tile_keys == 0 && p.leftpad_k == nullptr && p.cu_seqlens_k == nullptr;
-  return whole_tiles ? DecodeKv::kPagedTiles : DecodeKv::kPagedRows;
+  const bool segments = p.page_size % kPageSegment == 0 && tile_keys % kPageSegment == 0 && p.leftpad_k == nullptr &&
+                        p.cu_seqlens_k == nullptr;
+  return segments ? DecodeKv::kPagedTiles : DecodeKv::kPagedRows;
 }
 
 // The grid: blocks (batch, kv head, part, chunk) with the chunk fastest, so that the chunks of a GQA
@@ -82,10 +85,10 @@ struct DecodeGrid {
   bool appends = false;
   // The kernel's divisors (common/fast_divide.h: a short step's prologue is a chain of its divisions): the grid's
   // fastest and next index (above), the kv heads, the query rows and the parts; and paged, a page's keys (the key
-  // loop's refills find their page without a division sequence): in tiles where whole tiles are copied, else in
-  // rows. Set once the rest is.
+  // loop's refills find their page without a division sequence): in segments (kPageSegment) where whole segments are
+  // copied, else in rows. Set once the rest is.
   FastDivisor by_fastest, by_next, by_heads_kv, by_len_q, by_parts, by_page;
-  void set_divisors(const FwdParams& p, DecodeKv kv, int tile_keys) {
+  void set_divisors(const FwdParams& p, DecodeKv kv) {
     const bool clustered = cluster > 1;
     by_fastest = FastDivisor(unsigned(clustered ? parts : chunks));
     by_next = FastDivisor(unsigned(clustered ? chunks : parts));
@@ -93,7 +96,7 @@ struct DecodeGrid {
     by_len_q = FastDivisor(unsigned(p.len_q));
     by_parts = FastDivisor(unsigned(parts));
     by_page = FastDivisor(unsigned(kv == DecodeKv::kDense        ? 1
-                                   : kv == DecodeKv::kPagedTiles ? p.page_size / tile_keys
+                                   : kv == DecodeKv::kPagedTiles ? p.page_size / kPageSegment
                                                                  : p.page_size));
   }
 };
@@ -202,9 +205,50 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads, DecodeConf
       return;
     }
     int64_t k_at = n0 * p.k_stride.row, v_at = n0 * p.v_stride.row;
-    if constexpr (kKv == DecodeKv::kPagedTiles) {  // (k0 is 0, n0 a multiple of kBN: the tile lies in one page)
-      const unsigned tile = unsigned(uint64_t(n0) / kBN), page = grid.by_page.div(tile);
-      const int64_t block = block_of(p, b, page, bad_page), row = int64_t(tile - page * grid.by_page.d) * kBN;
+    if constexpr (kKv == DecodeKv::kPagedTiles) {  // (k0 is 0, n0 a multiple of kBN: whole segments)
+      constexpr int kSegs = kBN / kPageSegment;
+      const unsigned seg = unsigned(uint64_t(n0) / kPageSegment);  // the tile's first segment
+      if (grid.by_page.d % kSegs != 0) {  // pages not of whole tiles: the segments' blocks, then their rows
+        const Elem* k_seg[kSegs];
+        const Elem* v_seg[kSegs];
+#pragma unroll
+        for (int i = 0; i < kSegs; ++i) {  // (a segment past the keys: no lookup, its rows zeros)
+          const unsigned page = grid.by_page.div(seg + i);
+          const int64_t block = rows_k > i * kPageSegment ? block_of(p, b, page, bad_page) : 0;
+          const int64_t row = int64_t(seg + i - page * grid.by_page.d) * kPageSegment;
+          k_seg[i] = k + block * p.k_stride.batch + row * p.k_stride.row;
+          v_seg[i] = v + block * p.v_stride.batch + row * p.v_stride.row;
+        }
+        Elem* const tile_k = sK + stage * kBN * kLd;
+        Elem* const tile_v = sV + stage * kBN * kLd;
+        if constexpr (kFull && kPageSegment % (kCopyThreads / kRowChunks) == 0) {
+          // (a thread's rows r0 + it kRowStep: kPageSegment / kRowStep of them in each segment)
+          using Rows = TileRowChunks<kBN, kDim, kCopyThreads, kSw, Elem>;
+          constexpr int kPerSegment = kPageSegment / Rows::kRowStep;
+          const Rows thread(kLd, tid);
+#pragma unroll
+          for (int it = 0; it < Rows::kIters; ++it) {
+            const int r = thread.r0 + it * Rows::kRowStep, in_segment = r - it / kPerSegment * kPageSegment;
+            const bool k_ok = r < rows_k && thread.c < E, v_ok = r < rows_k && thread.c < Ev;
+            const Elem* k_src = k_seg[it / kPerSegment] + in_segment * p.k_stride.row + thread.c;
+            const Elem* v_src = v_seg[it / kPerSegment] + in_segment * p.v_stride.row + thread.c;
+            cp_async_16_zfill(tile_k + thread.at(it, kLd), k_ok ? k_src : k, k_ok);
+            cp_async_16_zfill(tile_v + thread.at(it, kLd), v_ok ? v_src : v, v_ok);
+          }
+        } else {
+#pragma unroll
+          for (int i = 0; i < kSegs; ++i) {
+            const int rows = rows_k - i * kPageSegment, at = i * kPageSegment * kLd;
+            copy_tile_async<kPageSegment, kDim, kCopyThreads, kFull, kSw, true>(tile_k + at, kLd, k_seg[i],
+                                                                                p.k_stride.row, rows, E, tid);
+            copy_tile_async<kPageSegment, kDim, kCopyThreads, kFull, kSw, true>(tile_v + at, kLd, v_seg[i],
+                                                                                p.v_stride.row, rows, Ev, tid);
+          }
+        }
+        return;
+      }
+      const unsigned page = grid.by_page.div(seg);  // the tile in one page: its block, then the dense copy
+      const int64_t block = block_of(p, b, page, bad_page), row = int64_t(seg - page * grid.by_page.d) * kPageSegment;
       k_at = block * p.k_stride.batch + row * p.k_stride.row;
       v_at = block * p.v_stride.batch + row * p.v_stride.row;
     }
