@@ -51,15 +51,15 @@ auto with_decode_kv(DecodeKv kv, F&& f) {
   switch (kv) {
     case DecodeKv::kDense:
       return f(std::integral_constant<DecodeKv, DecodeKv::kDense>{});
-    case DecodeKv::kPagedTiles:
-      return f(std::integral_constant<DecodeKv, DecodeKv::kPagedTiles>{});
+    case DecodeKv::kPagedSegments:
+      return f(std::integral_constant<DecodeKv, DecodeKv::kPagedSegments>{});
     default:
       return f(std::integral_constant<DecodeKv, DecodeKv::kPagedRows>{});
   }
 }
 constexpr const char* decode_kernel_name(DecodeKv kv) {
   return kv == DecodeKv::kDense        ? "sm80::fwd_decode_kernel"
-         : kv == DecodeKv::kPagedTiles ? "sm80::fwd_decode_kernel (paged tiles)"
+         : kv == DecodeKv::kPagedSegments ? "sm80::fwd_decode_kernel (paged segments)"
                                        : "sm80::fwd_decode_kernel (paged rows)";
 }
 

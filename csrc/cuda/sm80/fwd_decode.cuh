@@ -52,14 +52,14 @@ namespace flashattn::cuda::sm80 {
 // sequences from their cache's first key, so every segment of a tile lies in one page): a table lookup per tile and
 // the dense copy where pages hold whole tiles, else a lookup and a copy per segment; paged otherwise (left padding,
 // packed sequences): row by row through the table (paged_copy.cuh).
-enum class DecodeKv { kDense, kPagedTiles, kPagedRows };
+enum class DecodeKv { kDense, kPagedSegments, kPagedRows };
 constexpr int kPageSegment = 16;
 // The variant that reads a call's K / V.
 inline DecodeKv decode_kv(const FwdParams& p, int tile_keys) {
   if (!p.is_paged()) return DecodeKv::kDense;
   const bool segments = p.page_size % kPageSegment == 0 && tile_keys % kPageSegment == 0 && p.leftpad_k == nullptr &&
                         p.cu_seqlens_k == nullptr;
-  return segments ? DecodeKv::kPagedTiles : DecodeKv::kPagedRows;
+  return segments ? DecodeKv::kPagedSegments : DecodeKv::kPagedRows;
 }
 
 // The grid: blocks (batch, kv head, part, chunk) with the chunk fastest, so that the chunks of a GQA
@@ -96,7 +96,7 @@ struct DecodeGrid {
     by_len_q = FastDivisor(unsigned(p.len_q));
     by_parts = FastDivisor(unsigned(parts));
     by_page = FastDivisor(unsigned(kv == DecodeKv::kDense        ? 1
-                                   : kv == DecodeKv::kPagedTiles ? p.page_size / kPageSegment
+                                   : kv == DecodeKv::kPagedSegments ? p.page_size / kPageSegment
                                                                  : p.page_size));
   }
 };
@@ -205,7 +205,7 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads, DecodeConf
       return;
     }
     int64_t k_at = n0 * p.k_stride.row, v_at = n0 * p.v_stride.row;
-    if constexpr (kKv == DecodeKv::kPagedTiles) {  // (k0 is 0, n0 a multiple of kBN: whole segments)
+    if constexpr (kKv == DecodeKv::kPagedSegments) {  // (k0 is 0, n0 a multiple of kBN: whole segments)
       constexpr int kSegs = kBN / kPageSegment;
       const unsigned seg = unsigned(uint64_t(n0) / kPageSegment);  // the tile's first segment
       if (grid.by_page.d % kSegs != 0) {  // pages not of whole tiles: the segments' blocks, then their rows
