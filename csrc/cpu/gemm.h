@@ -9,8 +9,8 @@
 namespace flashattn::cpu::FLASHATTN_CPU_ISA {
 
 // A register block is kRows rows of C by two vectors of columns: 12 accumulators, 2 B
-// vectors and 1 broadcast fit AVX2's 16 registers.
-constexpr int kRows = 6;
+// vectors and 1 broadcast fit AVX2's 16 registers; AVX-512's 32 hold 24 (12 rows).
+constexpr int kRows = Vec<float>::width == 16 ? 12 : 6;
 template <class A>
 constexpr int kPanel = 2 * Vec<A>::width;
 
@@ -37,6 +37,16 @@ inline void micro_kernel(int64_t K, const A* a, int64_t lda, const A* b, int64_t
   }
 }
 
+// The last M % kRows rows (0 < rows <= MR): one block of that many rows.
+template <class A, int MR, bool kTransA>
+inline void rest_rows(int rows, int64_t K, const A* a, int64_t lda, const A* b, int64_t ldb, A* c, int64_t ldc,
+                      bool accumulate) {
+  if constexpr (MR > 1) {
+    if (rows < MR) return rest_rows<A, MR - 1, kTransA>(rows, K, a, lda, b, ldb, c, ldc, accumulate);
+  }
+  micro_kernel<A, MR, kTransA>(K, a, lda, b, ldb, c, ldc, accumulate);
+}
+
 template <class A, bool kTransA>
 void gemm_any(int64_t M, int64_t N, int64_t K, const A* a, int64_t lda, const A* b, int64_t ldb, A* c, int64_t ldc,
               bool accumulate) {
@@ -46,16 +56,8 @@ void gemm_any(int64_t M, int64_t N, int64_t K, const A* a, int64_t lda, const A*
     for (; i + kRows <= M; i += kRows)
       micro_kernel<A, kRows, kTransA>(K, kTransA ? a + i : a + i * lda, lda, b + j, ldb, c + i * ldc + j, ldc,
                                       accumulate);
-    const A* ai = kTransA ? a + i : a + i * lda;
-    A* ci = c + i * ldc + j;
-    switch (M - i) {
-      case 5: micro_kernel<A, 5, kTransA>(K, ai, lda, b + j, ldb, ci, ldc, accumulate); break;
-      case 4: micro_kernel<A, 4, kTransA>(K, ai, lda, b + j, ldb, ci, ldc, accumulate); break;
-      case 3: micro_kernel<A, 3, kTransA>(K, ai, lda, b + j, ldb, ci, ldc, accumulate); break;
-      case 2: micro_kernel<A, 2, kTransA>(K, ai, lda, b + j, ldb, ci, ldc, accumulate); break;
-      case 1: micro_kernel<A, 1, kTransA>(K, ai, lda, b + j, ldb, ci, ldc, accumulate); break;
-      default: break;
-    }
+    if (i < M) rest_rows<A, kRows - 1, kTransA>(int(M - i), K, kTransA ? a + i : a + i * lda, lda, b + j, ldb,
+                                              c + i * ldc + j, ldc, accumulate);
   }
 }
 
