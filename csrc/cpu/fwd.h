@@ -12,6 +12,7 @@
 #pragma once
 #include "../common/pages.h"
 #include "../params.h"
+#include "bf16_dot.h"
 #include "gemm.h"
 #include "parallel.h"
 #include "scores.h"
@@ -25,6 +26,9 @@ namespace {
 // One thread's tiles; row-major, padded to the panel width.
 template <class A>
 struct FwdScratch {
+  // bf16 products (bf16_dot.h): bf16 calls of even head dims where the CPU has them.
+  bool dot;
+  int64_t qk_pairs;
   int64_t ld_qk, ld_v;  // padded head dims of q/k and of v/out
   // Key tiles of the task's (sequence, kv head), transposed (ld_qk x kFwdTileK each): slots
   // for the first `cached` tiles, filled[t] once tile t is in its slot, and one more slot
@@ -35,21 +39,31 @@ struct FwdScratch {
   std::vector<char> filled;
   std::vector<A> kt;
   std::vector<A> q, v, s, o, m, l;
+  // (dot: below) Q, the key tiles (transposed, cached as kt is) and V as pair words (qk_pairs / ld_v a row), P
+  // rounded to bf16; kt then has only its last slot (the decode rows' tile, fwd_rows_tile, takes it).
+  std::vector<uint32_t> qp, ktp, vp, pb;
   // cache_key_tiles: the task computes several query tiles against the same key tiles (else one slot, no cache).
   FwdScratch(const FwdParams& p, bool cache_key_tiles)
-      : ld_qk(round_up(p.head_dim, kPanel<A>)),
+      : dot(std::is_same_v<A, float> && p.dtype == DType::kBFloat16 && p.head_dim % 2 == 0 &&
+            p.head_dim_v % 2 == 0 && cpu_has_bf16_dot()),
+        qk_pairs(round_up(p.head_dim, kPanel<A>) / 2),
+        ld_qk(round_up(p.head_dim, kPanel<A>)),
         ld_v(round_up(p.head_dim_v, kPanel<A>)),
         cached(cache_key_tiles ? std::min((p.len_k + kFwdTileK - 1) / kFwdTileK,
                                           kCacheBytes / int64_t(sizeof(A) * ld_qk * kFwdTileK))
                                : 0),
         filled(cached),
-        kt((cached + 1) * ld_qk * kFwdTileK),
+        kt((dot ? 1 : cached + 1) * ld_qk * kFwdTileK),
         q(kFwdTileQ * ld_qk),
         v(kFwdTileK * ld_v),
         s(kFwdTileQ * kFwdTileK),
         o(kFwdTileQ * ld_v),
         m(kFwdTileQ),
-        l(kFwdTileQ) {}
+        l(kFwdTileQ),
+        qp(dot ? kFwdTileQ * qk_pairs : 0),
+        ktp(dot ? (cached + 1) * qk_pairs * kFwdTileK : 0),
+        vp(dot ? kFwdTileK / 2 * ld_v : 0),
+        pb(dot ? kFwdTileQ * kFwdTileK / 2 : 0) {}
 };
 
 // The dropped probabilities of a tile of scores (rows kFwdTileK apart) set to 0: l keeps every probability, only
@@ -100,13 +114,63 @@ void load_key_rows(const FwdParams& p, const Seq& sq, const void* base, const St
   });
 }
 
+// The bf16 products' operands (FwdScratch::dot): bf16 rows read as 16-bit words and pair words.
+typedef uint16_t bf16_bits __attribute__((may_alias));
+typedef uint32_t bf16_pair __attribute__((may_alias));
+
+// Pair words of key rows c0 .. c0 + run - 1 (the first at `row`, the next stride_bytes apart), transposed: tile[i][c]
+// the row's i-th pair (rows ld apart), i < pairs.
+inline void put_pairs_transposed(const char* row, int64_t stride_bytes, int64_t c0, int64_t run, int64_t pairs,
+                                 uint32_t* tile, int64_t ld) {
+  for (int64_t c = 0; c < run; ++c) {
+    const bf16_pair* words = reinterpret_cast<const bf16_pair*>(row + c * stride_bytes);
+    for (int64_t i = 0; i < pairs; ++i) tile[i * ld + c0 + c] = words[i];
+  }
+}
+
+// Each key row's address, for rows col0 .. col0 + cols - 1 of kv head hk of a k- or v-shaped operand (dense, or in
+// its pages).
+inline void key_row_addresses(const FwdParams& p, const Seq& sq, const void* base, const Strides& s, int64_t hk,
+                              int64_t col0, int64_t cols, const char** rows) {
+  const int64_t stride_bytes = s.row * int64_t(dtype_size(p.dtype));
+  auto run_rows = [&](int64_t c, int64_t run, const char* row) {
+    for (int64_t i = 0; i < run; ++i) rows[c + i] = row + i * stride_bytes;
+  };
+  if (p.is_paged())
+    for_each_page_run(p, sq, base, s, hk, col0, cols, run_rows);
+  else
+    run_rows(0, cols, row_ptr(base, s, p.dtype, sq.tb, hk, sq.k0 + col0));
+}
+
+// V's rows 2j and 2j + 1 as pair words along the keys: tile[j][e] (rows ld apart) for e < len, zeros to ld; a last
+// odd row paired with zeros.
+inline void put_row_pairs(const char* const* rows, int64_t cols, int64_t len, uint32_t* tile, int64_t ld) {
+  for (int64_t j = 0; 2 * j < cols; ++j) {
+    const bf16_bits* lo = reinterpret_cast<const bf16_bits*>(rows[2 * j]);
+    uint32_t* out = tile + j * ld;
+    if (2 * j + 1 < cols) {
+      const bf16_bits* hi = reinterpret_cast<const bf16_bits*>(rows[2 * j + 1]);
+      for (int64_t e = 0; e < len; ++e) out[e] = uint32_t(lo[e]) | uint32_t(hi[e]) << 16;
+    } else {
+      for (int64_t e = 0; e < len; ++e) out[e] = uint32_t(lo[e]);
+    }
+    for (int64_t e = len; e < ld; ++e) out[e] = 0;
+  }
+}
+
 template <class A>
 void fwd_tile(const FwdParams& p, FwdScratch<A>& w, const Seq& sq, int64_t h, int64_t row0) {
   const int64_t rows = std::min(kFwdTileQ, sq.len_q - row0);
   const int64_t hk = h / p.group();
   const DType t = p.dtype;
-  load_rows<A>(t, row_ptr(p.q, p.q_stride, t, sq.tb, h, sq.q0 + row0), p.q_stride.row, rows, p.head_dim,
-               A(p.scale), w.q.data(), w.ld_qk, w.ld_qk);
+  const char* const q_rows = row_ptr(p.q, p.q_stride, t, sq.tb, h, sq.q0 + row0);
+  const int64_t pairs = p.head_dim / 2;
+  if (w.dot) {  // (unscaled: the scale multiplies S)
+    for (int64_t r = 0; r < rows; ++r)
+      std::memcpy(w.qp.data() + r * w.qk_pairs, q_rows + r * p.q_stride.row * 2, size_t(pairs) * 4);
+  } else {
+    load_rows<A>(t, q_rows, p.q_stride.row, rows, p.head_dim, A(p.scale), w.q.data(), w.ld_qk, w.ld_qk);
+  }
   std::fill(w.o.begin(), w.o.end(), A(0));
   OnlineSoftmax<A> sm{w.m.data(), w.l.data(), rows};
   sm.reset();
@@ -119,11 +183,18 @@ void fwd_tile(const FwdParams& p, FwdScratch<A>& w, const Seq& sq, int64_t h, in
     const int64_t cols = std::min(kFwdTileK, end - col0);
     const int64_t cols_padded = round_up(cols, kPanel<A>);
     const int64_t tile = col0 / kFwdTileK;
-    A* kt = w.kt.data() + std::min(tile, w.cached) * w.ld_qk * kFwdTileK;
+    A* kt = w.kt.data() + (w.dot ? 0 : std::min(tile, w.cached) * w.ld_qk * kFwdTileK);
+    uint32_t* ktp = w.ktp.data() + (w.dot ? std::min(tile, w.cached) * w.qk_pairs * kFwdTileK : 0);
     if (tile >= w.cached || !w.filled[tile]) {
       // A tile cut short by the band is transposed whole: later query tiles see more of it.
       const int64_t tile_keys = std::min(kFwdTileK, sq.len_k - col0), padded = round_up(tile_keys, kPanel<A>);
-      if (p.is_paged()) {  // (a page's run of rows at a time, the padding after the last)
+      if (w.dot) {
+        const char* key_rows[kFwdTileK];
+        key_row_addresses(p, sq, p.k, p.k_stride, hk, col0, tile_keys, key_rows);
+        for (int64_t c = 0; c < tile_keys; ++c) put_pairs_transposed(key_rows[c], 0, c, 1, pairs, ktp, kFwdTileK);
+        for (int64_t i = 0; i < pairs; ++i)
+          std::fill(ktp + i * kFwdTileK + tile_keys, ktp + i * kFwdTileK + padded, 0u);
+      } else if (p.is_paged()) {  // (a page's run of rows at a time, the padding after the last)
         for_each_page_run(p, sq, p.k, p.k_stride, hk, col0, tile_keys, [&](int64_t c, int64_t run, const char* row) {
           load_rows_transposed<A>(t, row, p.k_stride.row, run, p.head_dim, kt + c, kFwdTileK, run);
         });
@@ -134,11 +205,33 @@ void fwd_tile(const FwdParams& p, FwdScratch<A>& w, const Seq& sq, int64_t h, in
       }
       if (tile < w.cached) w.filled[tile] = 1;
     }
-    gemm<A>(rows, cols_padded, p.head_dim, w.q.data(), w.ld_qk, kt, kFwdTileK, w.s.data(), kFwdTileK, false);
+    if constexpr (kBf16DotBuilt && std::is_same_v<A, float>) {
+      if (w.dot) {
+        gemm_bf16_pairs(rows, cols_padded, pairs, w.qp.data(), w.qk_pairs, ktp, kFwdTileK, w.s.data(), kFwdTileK,
+                        false);
+        const vec_t<A> scale = vbroadcast(A(p.scale));
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t c = 0; c < cols_padded; c += Vec<A>::width)
+            vstore(w.s.data() + r * kFwdTileK + c, vload(w.s.data() + r * kFwdTileK + c) * scale);
+      }
+    }
+    if (!w.dot)
+      gemm<A>(rows, cols_padded, p.head_dim, w.q.data(), w.ld_qk, kt, kFwdTileK, w.s.data(), kFwdTileK, false);
     const TilePos pos{sq, h, row0, rows, col0, cols, cols_padded};
     prepare_scores(p, pos, w.s.data(), kFwdTileK);
     sm.update(w.s.data(), kFwdTileK, cols_padded, w.o.data(), w.ld_v);
     if (p.dropout_p > 0.0) drop_scores(p, pos, w.s.data());
+    if constexpr (kBf16DotBuilt && std::is_same_v<A, float>) {
+      if (w.dot) {  // (P rounded to bf16 as the GPU kernels round it; the row sums keep the floats)
+        const char* value_rows[kFwdTileK];
+        key_row_addresses(p, sq, p.v, p.v_stride, hk, col0, cols, value_rows);
+        put_row_pairs(value_rows, cols, p.head_dim_v, w.vp.data(), w.ld_v);
+        round_rows_to_bf16(w.s.data(), kFwdTileK, rows, cols_padded, w.pb.data(), kFwdTileK / 2);
+        gemm_bf16_pairs(rows, w.ld_v, (cols + 1) / 2, w.pb.data(), kFwdTileK / 2, w.vp.data(), w.ld_v, w.o.data(),
+                        w.ld_v, true);
+        continue;
+      }
+    }
     load_key_rows<A>(p, sq, p.v, p.v_stride, hk, col0, cols, p.head_dim_v, w.v.data(), w.ld_v);
     gemm<A>(rows, w.ld_v, cols, w.s.data(), kFwdTileK, w.v.data(), w.ld_v, w.o.data(), w.ld_v, true);
   }
@@ -285,7 +378,7 @@ void fwd_rows_tile(const FwdParams& p, FwdScratch<A>& w, const Seq& sq, int64_t 
   std::fill(w.o.begin(), w.o.begin() + packed * w.ld_v, A(0));
   OnlineSoftmax<A> sm{w.m.data(), w.l.data(), packed};
   sm.reset();
-  A* const k = w.kt.data() + w.cached * w.ld_qk * kFwdTileK;  // key rows, ld_qk apart (past the cached tiles)
+  A* const k = w.kt.data() + w.kt.size() - w.ld_qk * kFwdTileK;  // key rows, ld_qk apart (kt's last slot)
   // The products run over whole vectors and a last half (len_qk, len_v: the head dims rounded up to half the vector
   // width; the tiles' padding past them is zero). Key and value rows of whole and half vectors, of the compute type
   // or bf16 / fp16 under fp32 (widened in the loads), are read where they lie; others are copied into the tiles

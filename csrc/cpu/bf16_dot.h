@@ -1,0 +1,91 @@
+// bf16 products on AVX512_BF16's dot-product instruction (vdpbf16ps: 32 bf16 products summed into 16 floats, twice
+// the multiply-adds of an fp32 FMA), for the prefill forward of bf16 calls (fwd.h) where the CPU has it. Operands
+// are pair words: two bf16 values adjacent along the product's K dimension in one 32-bit word, the lower half the
+// even index. Built in the AVX-512 kernels only (the functions carry the instruction set themselves, so that no
+// other code of that build may use it); kBf16DotBuilt says whether this build has them.
+#pragma once
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+#include "gemm.h"
+
+#if FLASHATTN_VEC_BYTES == 64 && defined(__AVX512F__)
+#include <immintrin.h>
+#define FLASHATTN_BF16_DOT 1
+#define FLASHATTN_BF16_DOT_TARGET __attribute__((target("avx512bf16,avx512f,avx512vl,avx512bw,avx512dq")))
+#endif
+
+namespace flashattn::cpu::FLASHATTN_CPU_ISA {
+
+#ifdef FLASHATTN_BF16_DOT
+constexpr bool kBf16DotBuilt = true;
+
+// Whether this CPU runs vdpbf16ps (FLASHATTN_CPU_ISA=avx512 turns it off: the fp32 products on bf16 inputs).
+inline bool cpu_has_bf16_dot() {
+  static const bool yes = [] {
+    const char* forced = std::getenv("FLASHATTN_CPU_ISA");
+    return !(forced != nullptr && std::strcmp(forced, "avx512") == 0) && __builtin_cpu_supports("avx512bf16");
+  }();
+  return yes;
+}
+
+// kRows rows of C by two vectors of columns, as gemm.h's fp32 block; a[r * lda + k] and b[k * ldb + j] pair words.
+template <int MR>
+FLASHATTN_BF16_DOT_TARGET inline void bf16_dot_block(int64_t K, const uint32_t* a, int64_t lda, const uint32_t* b,
+                                                     int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+  __m512 c0[MR], c1[MR];
+  for (int r = 0; r < MR; ++r) c0[r] = c1[r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b + k * ldb), b1 = (__m512bh)_mm512_loadu_si512(b + k * ldb + 16);
+    for (int r = 0; r < MR; ++r) {
+      const __m512bh ar = (__m512bh)_mm512_set1_epi32(int(a[r * lda + k]));
+      c0[r] = _mm512_dpbf16_ps(c0[r], ar, b0);
+      c1[r] = _mm512_dpbf16_ps(c1[r], ar, b1);
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    float* cr = c + r * ldc;
+    _mm512_storeu_ps(cr, accumulate ? _mm512_add_ps(_mm512_loadu_ps(cr), c0[r]) : c0[r]);
+    _mm512_storeu_ps(cr + 16, accumulate ? _mm512_add_ps(_mm512_loadu_ps(cr + 16), c1[r]) : c1[r]);
+  }
+}
+
+template <int MR>
+FLASHATTN_BF16_DOT_TARGET inline void bf16_dot_rest(int rows, int64_t K, const uint32_t* a, int64_t lda,
+                                                    const uint32_t* b, int64_t ldb, float* c, int64_t ldc,
+                                                    bool accumulate) {
+  if constexpr (MR > 1) {
+    if (rows < MR) return bf16_dot_rest<MR - 1>(rows, K, a, lda, b, ldb, c, ldc, accumulate);
+  }
+  bf16_dot_block<MR>(K, a, lda, b, ldb, c, ldc, accumulate);
+}
+
+// C (M x N floats, ldc) = or += A B over K pair words: A M x K (lda), B K x N (ldb); N a multiple of 32 (kPanel).
+FLASHATTN_BF16_DOT_TARGET inline void gemm_bf16_pairs(int64_t M, int64_t N, int64_t K, const uint32_t* a,
+                                                      int64_t lda, const uint32_t* b, int64_t ldb, float* c,
+                                                      int64_t ldc, bool accumulate) {
+  for (int64_t j = 0; j < N; j += 32) {
+    int64_t i = 0;
+    for (; i + kRows <= M; i += kRows)
+      bf16_dot_block<kRows>(K, a + i * lda, lda, b + j, ldb, c + i * ldc + j, ldc, accumulate);
+    if (i < M) bf16_dot_rest<kRows - 1>(int(M - i), K, a + i * lda, lda, b + j, ldb, c + i * ldc + j, ldc, accumulate);
+  }
+}
+
+// P's rows as the A operand of P V: dst[r][c / 2] = the pair word of src[r][c], src[r][c + 1] rounded to bf16 (to
+// nearest even), dst rows dst_ld words apart, for r < rows, c < cols; cols a multiple of 16.
+FLASHATTN_BF16_DOT_TARGET inline void round_rows_to_bf16(const float* src, int64_t src_ld, int64_t rows, int64_t cols,
+                                                         uint32_t* dst, int64_t dst_ld) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; c += 16) {
+      const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(src + r * src_ld + c));
+      std::memcpy(dst + r * dst_ld + c / 2, &h, sizeof(h));
+    }
+}
+#else
+constexpr bool kBf16DotBuilt = false;
+inline bool cpu_has_bf16_dot() { return false; }
+#endif
+
+}  // namespace flashattn::cpu::FLASHATTN_CPU_ISA
