@@ -10,7 +10,9 @@
 
 #include "gemm.h"
 
-#if FLASHATTN_VEC_BYTES == 64 && defined(__AVX512F__)
+// (the intrinsics came with GCC 10 and Clang 9; older compilers build the fp32 products only)
+#if FLASHATTN_VEC_BYTES == 64 && defined(__AVX512F__) && \
+    ((defined(__clang__) && __clang_major__ >= 11) || (!defined(__clang__) && __GNUC__ >= 10))
 #include <immintrin.h>
 #define FLASHATTN_BF16_DOT 1
 #define FLASHATTN_BF16_DOT_TARGET __attribute__((target("avx512bf16,avx512f,avx512vl,avx512bw,avx512dq")))
