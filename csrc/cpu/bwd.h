@@ -8,6 +8,7 @@
 
 #pragma once
 #include "../params.h"
+#include "bf16_dot.h"
 #include "gemm.h"
 #include "parallel.h"
 #include "scores.h"
@@ -40,25 +41,48 @@ struct BwdLayout {
 
 template <class A>
 struct BwdScratch {
+  // bf16 products (bf16_dot.h), as the forward takes them: bf16 calls of even head dims where the CPU has them.
+  bool dot;
   int64_t ld_qk, ld_v;
   std::vector<A> k, kt, vt, dk, dv, q, dout, s, dp;
   std::vector<A> tanh;         // tanh(s / softcap) of the tile, for softcap's derivative
   std::vector<uint8_t> keep;   // dropout keep mask of the tile
+  // (dot) The operands as pair words: Kᵀ and Vᵀ (pairs along the dims, kTileK a row), K, Q and dO rows interleaved
+  // in pairs (ld_qk / ld_v a row), Q and dO rows as they are (half the head dim a row), P and dS rounded to bf16 in
+  // row pairs (kTileK a row), dS in pairs along its rows (kTileK / 2 a row); k, kt, vt, q and dout then stay empty.
+  std::vector<uint32_t> kt_pairs, vt_pairs, k_rows, q_rows, dout_rows, q_words, dout_words, p_rows, ds_rows, ds_words;
   explicit BwdScratch(const BwdParams& p)
-      : ld_qk(round_up(p.head_dim, kPanel<A>)),
+      : dot(std::is_same_v<A, float> && p.dtype == DType::kBFloat16 && p.head_dim % 2 == 0 &&
+            p.head_dim_v % 2 == 0 && cpu_has_bf16_dot()),
+        ld_qk(round_up(p.head_dim, kPanel<A>)),
         ld_v(round_up(p.head_dim_v, kPanel<A>)),
-        k(kTileK * ld_qk),
-        kt(ld_qk * kTileK),
-        vt(ld_v * kTileK),
+        k(dot ? 0 : kTileK * ld_qk),
+        kt(dot ? 0 : ld_qk * kTileK),
+        vt(dot ? 0 : ld_v * kTileK),
         dk(kTileK * ld_qk),
         dv(kTileK * ld_v),
-        q(kTileQ * ld_qk),
-        dout(kTileQ * ld_v),
+        q(dot ? 0 : kTileQ * ld_qk),
+        dout(dot ? 0 : kTileQ * ld_v),
         s(kTileQ * kTileK),
         dp(kTileQ * kTileK),
         tanh(kTileQ * kTileK),
-        keep(kTileQ * kTileK) {}
+        keep(kTileQ * kTileK),
+        kt_pairs(dot ? ld_qk / 2 * kTileK : 0),
+        vt_pairs(dot ? ld_v / 2 * kTileK : 0),
+        k_rows(dot ? kTileK / 2 * ld_qk : 0),
+        q_rows(dot ? kTileQ / 2 * ld_qk : 0),
+        dout_rows(dot ? kTileQ / 2 * ld_v : 0),
+        q_words(dot ? kTileQ * ld_qk / 2 : 0),
+        dout_words(dot ? kTileQ * ld_v / 2 : 0),
+        p_rows(dot ? kTileQ / 2 * kTileK : 0),
+        ds_rows(dot ? kTileQ / 2 * kTileK : 0),
+        ds_words(dot ? kTileQ * kTileK / 2 : 0) {}
 };
+
+// The addresses of `count` rows from `first`, stride_bytes apart.
+inline void strided_rows(const char* first, int64_t stride_bytes, int64_t count, const char** rows) {
+  for (int64_t i = 0; i < count; ++i) rows[i] = first + i * stride_bytes;
+}
 
 // D = rowsum(dO * O) - dlse for rows [row0, row0 + rows) of one head. `dout` and `out`
 // are scratch tiles of kTileQ x ld_v.
@@ -108,9 +132,21 @@ void bwd_key_tile(const BwdParams& p, BwdScratch<A>& w, A* dq_acc, const A* delt
   const int64_t ld_qk = w.ld_qk, ld_v = w.ld_v;
   const char* k_rows = row_ptr(p.k, p.k_stride, t, sq.tb, hk, sq.k0 + col0);
   const char* v_rows = row_ptr(p.v, p.v_stride, t, sq.tb, hk, sq.k0 + col0);
-  load_rows<A>(t, k_rows, p.k_stride.row, cols, p.head_dim, A(1), w.k.data(), ld_qk, ld_qk);
-  load_rows_transposed<A>(t, k_rows, p.k_stride.row, cols, p.head_dim, w.kt.data(), kTileK, cols_padded);
-  load_rows_transposed<A>(t, v_rows, p.v_stride.row, cols, p.head_dim_v, w.vt.data(), kTileK, cols_padded);
+  const int64_t qk_pairs = p.head_dim / 2, v_pairs = p.head_dim_v / 2;
+  if (w.dot) {  // (the transposed tiles' padding keys zero, as load_rows_transposed leaves them)
+    const char* rows[kTileK];
+    strided_rows(k_rows, p.k_stride.row * 2, cols, rows);
+    put_row_pairs(rows, cols, p.head_dim, w.k_rows.data(), ld_qk);
+    put_pairs_transposed(rows, cols, qk_pairs, w.kt_pairs.data(), kTileK);
+    strided_rows(v_rows, p.v_stride.row * 2, cols, rows);
+    put_pairs_transposed(rows, cols, v_pairs, w.vt_pairs.data(), kTileK);
+    for (int64_t i = 0; i < qk_pairs; ++i) std::fill_n(w.kt_pairs.data() + i * kTileK + cols, cols_padded - cols, 0u);
+    for (int64_t i = 0; i < v_pairs; ++i) std::fill_n(w.vt_pairs.data() + i * kTileK + cols, cols_padded - cols, 0u);
+  } else {
+    load_rows<A>(t, k_rows, p.k_stride.row, cols, p.head_dim, A(1), w.k.data(), ld_qk, ld_qk);
+    load_rows_transposed<A>(t, k_rows, p.k_stride.row, cols, p.head_dim, w.kt.data(), kTileK, cols_padded);
+    load_rows_transposed<A>(t, v_rows, p.v_stride.row, cols, p.head_dim_v, w.vt.data(), kTileK, cols_padded);
+  }
   std::fill(w.dk.begin(), w.dk.end(), A(0));
   std::fill(w.dv.begin(), w.dv.end(), A(0));
 
@@ -122,20 +158,39 @@ void bwd_key_tile(const BwdParams& p, BwdScratch<A>& w, A* dq_acc, const A* delt
   for (int64_t h = hk * p.group(); h < (hk + 1) * p.group(); ++h) {
     for (int64_t row0 = row_begin; row0 < row_end; row0 += kTileQ) {
       const int64_t rows = std::min(kTileQ, sq.len_q - row0);
-      load_rows<A>(t, row_ptr(p.q, p.q_stride, t, sq.tb, h, sq.q0 + row0), p.q_stride.row, rows, p.head_dim,
-                   A(p.scale), w.q.data(), ld_qk, ld_qk);
-      load_rows<A>(t, row_ptr(p.dout, p.dout_stride, t, sq.tb, h, sq.q0 + row0), p.dout_stride.row, rows,
-                   p.head_dim_v, A(1), w.dout.data(), ld_v, ld_v);
+      const char* const q_rows = row_ptr(p.q, p.q_stride, t, sq.tb, h, sq.q0 + row0);
+      const char* const dout_rows = row_ptr(p.dout, p.dout_stride, t, sq.tb, h, sq.q0 + row0);
+      if (w.dot) {  // (Q unscaled: the scale multiplies S, and dK when it is stored)
+        const char* rows_at[kTileQ];
+        strided_rows(q_rows, p.q_stride.row * 2, rows, rows_at);
+        put_row_pairs(rows_at, rows, p.head_dim, w.q_rows.data(), ld_qk);
+        for (int64_t r = 0; r < rows; ++r) std::memcpy(w.q_words.data() + r * ld_qk / 2, rows_at[r], qk_pairs * 4);
+        strided_rows(dout_rows, p.dout_stride.row * 2, rows, rows_at);
+        put_row_pairs(rows_at, rows, p.head_dim_v, w.dout_rows.data(), ld_v);
+        for (int64_t r = 0; r < rows; ++r) std::memcpy(w.dout_words.data() + r * ld_v / 2, rows_at[r], v_pairs * 4);
+      } else {
+        load_rows<A>(t, q_rows, p.q_stride.row, rows, p.head_dim, A(p.scale), w.q.data(), ld_qk, ld_qk);
+        load_rows<A>(t, dout_rows, p.dout_stride.row, rows, p.head_dim_v, A(1), w.dout.data(), ld_v, ld_v);
+      }
       const int64_t ri = sq.row_index(p.heads_q, h, row0);
       const A* lse = static_cast<const A*>(p.lse) + ri;
       const A* delta = delta_all + ri;
 
       // P = exp(S - lse), S the scores of the forward
-      gemm<A>(rows, cols_padded, p.head_dim, w.q.data(), ld_qk, w.kt.data(), kTileK, s, kTileK, false);
+      if constexpr (kBf16DotBuilt && std::is_same_v<A, float>) {
+        if (w.dot) {
+          gemm_bf16_pairs(rows, cols_padded, qk_pairs, w.q_words.data(), ld_qk / 2, w.kt_pairs.data(), kTileK, s,
+                          kTileK, false);
+          for (int64_t r = 0; r < rows; ++r)
+            for (int64_t c = 0; c < cols_padded; ++c) s[r * kTileK + c] *= A(p.scale);
+        }
+      }
+      if (!w.dot) gemm<A>(rows, cols_padded, p.head_dim, w.q.data(), ld_qk, w.kt.data(), kTileK, s, kTileK, false);
       const TilePos pos{sq, h, row0, rows, col0, cols, cols_padded};
       prepare_scores(p, pos, s, kTileK, p.softcap > 0.0 ? w.tanh.data() : nullptr);
       recompute_probs(s, kTileK, rows, cols_padded, lse);
       // dV += P^T dO, with P as the forward multiplied V by (after dropout)
+      const A* pv = s;
       if (p.dropout_p > 0.0) {
         uint8_t* keep = w.keep.data();
         A* pd = w.dp.data();
@@ -143,13 +198,24 @@ void bwd_key_tile(const BwdParams& p, BwdScratch<A>& w, A* dq_acc, const A* delt
         for (int64_t r = 0; r < rows; ++r)
           for (int64_t c = 0; c < cols_padded; ++c)
             pd[r * kTileK + c] = keep[r * kTileK + c] ? s[r * kTileK + c] * inv_keep : A(0);
-        gemm_tn<A>(cols, ld_v, rows, pd, kTileK, w.dout.data(), ld_v, w.dv.data(), ld_v, true);
-      } else {
-        gemm_tn<A>(cols, ld_v, rows, s, kTileK, w.dout.data(), ld_v, w.dv.data(), ld_v, true);
+        pv = pd;
       }
-      // dS = P * (dO V^T - D): the gradient of the scores that the softmax took
-      gemm<A>(rows, cols_padded, p.head_dim_v, w.dout.data(), ld_v, w.vt.data(), kTileK, w.dp.data(), kTileK,
-              false);
+      const int64_t row_pairs = (rows + 1) / 2;
+      if constexpr (kBf16DotBuilt && std::is_same_v<A, float>) {
+        if (w.dot) {  // (P rounded to bf16 as the forward's P V took it; dP = dO V^T)
+          put_rounded_row_pairs(pv, kTileK, rows, cols, w.p_rows.data(), kTileK);
+          gemm_bf16_pairs<true>(cols, ld_v, row_pairs, w.p_rows.data(), kTileK, w.dout_rows.data(), ld_v,
+                                w.dv.data(), ld_v, true);
+          gemm_bf16_pairs(rows, cols_padded, v_pairs, w.dout_words.data(), ld_v / 2, w.vt_pairs.data(), kTileK,
+                          w.dp.data(), kTileK, false);
+        }
+      }
+      if (!w.dot) {
+        gemm_tn<A>(cols, ld_v, rows, pv, kTileK, w.dout.data(), ld_v, w.dv.data(), ld_v, true);
+        // dS = P * (dO V^T - D): the gradient of the scores that the softmax took
+        gemm<A>(rows, cols_padded, p.head_dim_v, w.dout.data(), ld_v, w.vt.data(), kTileK, w.dp.data(), kTileK,
+                false);
+      }
       softmax_grad(p, w, s, rows, cols_padded, delta);
       if (p.dbias) {  // the bias was added to the scores as they are now
         A* db = static_cast<A*>(p.dbias) + ((sq.b * p.heads_q + h) * p.len_q + row0) * p.len_k + col0;
@@ -163,12 +229,24 @@ void bwd_key_tile(const BwdParams& p, BwdScratch<A>& w, A* dq_acc, const A* delt
           }
       }
       // dK += dS^T (scale Q);  dQ += dS K (scale applied when the slices are summed)
-      gemm_tn<A>(cols, ld_qk, rows, s, kTileK, w.q.data(), ld_qk, w.dk.data(), ld_qk, true);
-      gemm<A>(rows, ld_qk, cols, s, kTileK, w.k.data(), ld_qk, dq_acc + ri * ld_qk, ld_qk, true);
+      if constexpr (kBf16DotBuilt && std::is_same_v<A, float>) {
+        if (w.dot) {  // (dS rounded to bf16; dK's scale when it is stored)
+          put_rounded_row_pairs(s, kTileK, rows, cols, w.ds_rows.data(), kTileK);
+          gemm_bf16_pairs<true>(cols, ld_qk, row_pairs, w.ds_rows.data(), kTileK, w.q_rows.data(), ld_qk,
+                                w.dk.data(), ld_qk, true);
+          round_rows_to_bf16(s, kTileK, rows, cols_padded, w.ds_words.data(), kTileK / 2);
+          gemm_bf16_pairs(rows, ld_qk, (cols + 1) / 2, w.ds_words.data(), kTileK / 2, w.k_rows.data(), ld_qk,
+                          dq_acc + ri * ld_qk, ld_qk, true);
+        }
+      }
+      if (!w.dot) {
+        gemm_tn<A>(cols, ld_qk, rows, s, kTileK, w.q.data(), ld_qk, w.dk.data(), ld_qk, true);
+        gemm<A>(rows, ld_qk, cols, s, kTileK, w.k.data(), ld_qk, dq_acc + ri * ld_qk, ld_qk, true);
+      }
     }
   }
   store_rows<A>(t, row_ptr(p.dk, p.dk_stride, t, sq.tb, hk, sq.k0 + col0), p.dk_stride.row, cols, p.head_dim,
-                A(1), w.dk.data(), ld_qk);
+                A(w.dot ? p.scale : 1), w.dk.data(), ld_qk);
   store_rows<A>(t, row_ptr(p.dv, p.dv_stride, t, sq.tb, hk, sq.k0 + col0), p.dv_stride.row, cols, p.head_dim_v,
                 A(1), w.dv.data(), ld_v);
 }

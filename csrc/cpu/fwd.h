@@ -114,20 +114,6 @@ void load_key_rows(const FwdParams& p, const Seq& sq, const void* base, const St
   });
 }
 
-// The bf16 products' operands (FwdScratch::dot): bf16 rows read as 16-bit words and pair words.
-typedef uint16_t bf16_bits __attribute__((may_alias));
-typedef uint32_t bf16_pair __attribute__((may_alias));
-
-// Pair words of key rows c0 .. c0 + run - 1 (the first at `row`, the next stride_bytes apart), transposed: tile[i][c]
-// the row's i-th pair (rows ld apart), i < pairs.
-inline void put_pairs_transposed(const char* row, int64_t stride_bytes, int64_t c0, int64_t run, int64_t pairs,
-                                 uint32_t* tile, int64_t ld) {
-  for (int64_t c = 0; c < run; ++c) {
-    const bf16_pair* words = reinterpret_cast<const bf16_pair*>(row + c * stride_bytes);
-    for (int64_t i = 0; i < pairs; ++i) tile[i * ld + c0 + c] = words[i];
-  }
-}
-
 // Each key row's address, for rows col0 .. col0 + cols - 1 of kv head hk of a k- or v-shaped operand (dense, or in
 // its pages).
 inline void key_row_addresses(const FwdParams& p, const Seq& sq, const void* base, const Strides& s, int64_t hk,
@@ -140,22 +126,6 @@ inline void key_row_addresses(const FwdParams& p, const Seq& sq, const void* bas
     for_each_page_run(p, sq, base, s, hk, col0, cols, run_rows);
   else
     run_rows(0, cols, row_ptr(base, s, p.dtype, sq.tb, hk, sq.k0 + col0));
-}
-
-// V's rows 2j and 2j + 1 as pair words along the keys: tile[j][e] (rows ld apart) for e < len, zeros to ld; a last
-// odd row paired with zeros.
-inline void put_row_pairs(const char* const* rows, int64_t cols, int64_t len, uint32_t* tile, int64_t ld) {
-  for (int64_t j = 0; 2 * j < cols; ++j) {
-    const bf16_bits* lo = reinterpret_cast<const bf16_bits*>(rows[2 * j]);
-    uint32_t* out = tile + j * ld;
-    if (2 * j + 1 < cols) {
-      const bf16_bits* hi = reinterpret_cast<const bf16_bits*>(rows[2 * j + 1]);
-      for (int64_t e = 0; e < len; ++e) out[e] = uint32_t(lo[e]) | uint32_t(hi[e]) << 16;
-    } else {
-      for (int64_t e = 0; e < len; ++e) out[e] = uint32_t(lo[e]);
-    }
-    for (int64_t e = len; e < ld; ++e) out[e] = 0;
-  }
 }
 
 template <class A>
@@ -191,7 +161,7 @@ void fwd_tile(const FwdParams& p, FwdScratch<A>& w, const Seq& sq, int64_t h, in
       if (w.dot) {
         const char* key_rows[kFwdTileK];
         key_row_addresses(p, sq, p.k, p.k_stride, hk, col0, tile_keys, key_rows);
-        for (int64_t c = 0; c < tile_keys; ++c) put_pairs_transposed(key_rows[c], 0, c, 1, pairs, ktp, kFwdTileK);
+        put_pairs_transposed(key_rows, tile_keys, pairs, ktp, kFwdTileK);
         for (int64_t i = 0; i < pairs; ++i)
           std::fill(ktp + i * kFwdTileK + tile_keys, ktp + i * kFwdTileK + padded, 0u);
       } else if (p.is_paged()) {  // (a page's run of rows at a time, the padding after the last)
