@@ -1,7 +1,7 @@
 """Host time of one flash_attn_with_kvcache step: µs per call on a tiny cache (default B = 1,
 C = 64, H = 2, E = 16, fp32 on the CPU), where the kernels take a few microseconds and the rest is
-the Python and dispatcher work before them. Each step kind runs `--calls` calls, best of
-`--repeats` batches (the batch least disturbed by other work on the host).
+the Python and dispatcher work before them. The step kinds run interleaved over `--repeats` rounds of a batch of
+`--calls` calls each (bench_overhead.interleaved_us: the order rotated per round); best (median) batch.
 
 Steps: read-only dense (int32 cache_seqlens, and an int = C as transformers' decode steps pass),
 append dense (tensor and int cache_seqlens), append with rotary (float32 tables, causal), append
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import flashattn_ext
-from bench_overhead import per_call_us
+from bench_overhead import interleaved_us
 
 STEPS = ("read", "read-int", "append", "append-int", "rotary", "paged", "leftpad", "sdpa")
 
@@ -67,10 +67,12 @@ def main():
              None: torch.bfloat16 if args.device == "cuda" else torch.float32}[args.dtype]
     batch, cache, heads, dim = (int(x) for x in args.shape.split(","))
     steps = make_steps(batch, cache, heads, dim, args.page_size, dtype, args.device)
-    results = {}
-    for name in args.steps.split(","):  # grad mode on, as an eager caller's (nothing requires grad)
-        results[name] = per_call_us(steps[name], args.device, args.calls, args.repeats)
-        print(f"{name:12s} {results[name]:8.1f} us/call", flush=True)
+    # (grad mode on, as an eager caller's; nothing requires grad)
+    timed = interleaved_us({name: steps[name] for name in args.steps.split(",")}, args.device, args.calls,
+                           args.repeats)
+    results = {name: best for name, (best, _) in timed.items()}
+    for name, (best, median) in timed.items():
+        print(f"{name:12s} {best:8.1f} ({median:6.1f}) us/call", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f)

@@ -26,7 +26,7 @@ namespace {
 // One thread's tiles; row-major, padded to the panel width.
 template <class A>
 struct FwdScratch {
-  // bf16 products (bf16_dot.h): bf16 calls of even head dims where the CPU has them.
+  // bf16 products (bf16_dot.h): the prefill tiles of bf16 calls of even head dims where the CPU has them.
   bool dot;
   int64_t qk_pairs;
   int64_t ld_qk, ld_v;  // padded head dims of q/k and of v/out
@@ -42,9 +42,10 @@ struct FwdScratch {
   // (dot: below) Q, the key tiles (transposed, cached as kt is) and V as pair words (qk_pairs / ld_v a row), P
   // rounded to bf16; kt then has only its last slot (the decode rows' tile, fwd_rows_tile, takes it).
   std::vector<uint32_t> qp, ktp, vp, pb;
-  // cache_key_tiles: the task computes several query tiles against the same key tiles (else one slot, no cache).
-  FwdScratch(const FwdParams& p, bool cache_key_tiles)
-      : dot(std::is_same_v<A, float> && p.dtype == DType::kBFloat16 && p.head_dim % 2 == 0 &&
+  // cache_key_tiles: the task computes several query tiles against the same key tiles (else one slot, no cache);
+  // rows: the query rows of its tiles (kFwdTileQ, or a decode step's kDecodeRows).
+  FwdScratch(const FwdParams& p, bool cache_key_tiles, int64_t rows = kFwdTileQ)
+      : dot(rows == kFwdTileQ && std::is_same_v<A, float> && p.dtype == DType::kBFloat16 && p.head_dim % 2 == 0 &&
             p.head_dim_v % 2 == 0 && cpu_has_bf16_dot()),
         qk_pairs(round_up(p.head_dim, kPanel<A>) / 2),
         ld_qk(round_up(p.head_dim, kPanel<A>)),
@@ -54,16 +55,16 @@ struct FwdScratch {
                                : 0),
         filled(cached),
         kt((dot ? 1 : cached + 1) * ld_qk * kFwdTileK),
-        q(kFwdTileQ * ld_qk),
+        q(rows * ld_qk),
         v(kFwdTileK * ld_v),
-        s(kFwdTileQ * kFwdTileK),
-        o(kFwdTileQ * ld_v),
-        m(kFwdTileQ),
-        l(kFwdTileQ),
-        qp(dot ? kFwdTileQ * qk_pairs : 0),
+        s(rows * kFwdTileK),
+        o(rows * ld_v),
+        m(rows),
+        l(rows),
+        qp(dot ? rows * qk_pairs : 0),
         ktp(dot ? (cached + 1) * qk_pairs * kFwdTileK : 0),
         vp(dot ? kFwdTileK / 2 * ld_v : 0),
-        pb(dot ? kFwdTileQ * kFwdTileK / 2 : 0) {}
+        pb(dot ? rows * kFwdTileK / 2 : 0) {}
 };
 
 // The dropped probabilities of a tile of scores (rows kFwdTileK apart) set to 0: l keeps every probability, only
@@ -426,7 +427,7 @@ void fwd_impl(const FwdParams& p) {
     const int64_t packs = std::clamp<int64_t>((threads + n_groups - 1) / n_groups, fewest, p.group());
     const int64_t per_pack = (p.group() + packs - 1) / packs;
     run_tasks(n_groups * packs, [&] {
-      return [&p, w = FwdScratch<A>(p, false), packs, per_pack](int64_t task) mutable {
+      return [&p, w = FwdScratch<A>(p, false, kDecodeRows), packs, per_pack](int64_t task) mutable {
         const int64_t g = task / packs;
         fwd_rows_pack<A>(p, w, sequence(p, g / p.heads_kv), g % p.heads_kv, task % packs, per_pack);
       };
