@@ -146,8 +146,8 @@ def test_paged_page_sizes(device, dtype, page, cache, leftpad):
 def test_cpu_paged_steps_equal_dense_bit_for_bit(dtype, page):
     """On the CPU a paged cache's rows are read in their pages, by the decode tile (up to 8 query rows) and by the
     prefill tiles (longer queries); each row's sums run as over the dense cache, so the outputs match it exactly.
-    Pages in shuffled blocks, ragged lengths, GQA, head dims read in place (64 in whole vectors, 40 with a last half
-    vector in floats under AVX-512) and copied (36 there, whose rows end mid half vector)."""
+    Pages in shuffled blocks, ragged lengths, GQA, head dims in whole vectors (64), ending with a half vector (40 in
+    floats under AVX-512) and mid one (36 there: the last vector masked; copied under AVX2)."""
     torch.manual_seed(0)
     batch, cache, heads, heads_kv = 3, 768, 8, 2
     lens = torch.tensor([cache, 300, 77], dtype=torch.int32)
@@ -171,11 +171,12 @@ def test_cpu_paged_steps_equal_dense_bit_for_bit(dtype, page):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64],
                          ids=["fp32", "bf16", "fp16", "fp64"])
-@pytest.mark.parametrize("dim,dim_v", [(40, 72), (72, 40), (36, 20)])
+@pytest.mark.parametrize("dim,dim_v", [(40, 72), (72, 40), (36, 20), (44, 52), (34, 66)])
 def test_cpu_decode_head_dims_past_whole_vectors(dtype, dim, dim_v):
     """CPU decode steps whose key / value rows end with a half vector (floats under AVX-512: 40, 72; read where they
-    lie, the last half loaded alone) or mid one (36, 20 there: copied into the tiles first; under AVX2 and in fp64
-    half vectors too), GQA, ragged lengths, causal, one and three query rows, against the float64 reference."""
+    lie, the last half loaded alone) or mid one (36, 20, 44, 52, 34, 66 there: read where they lie, the last vector
+    masked; under AVX2 copied into the tiles first where not half vectors), GQA, ragged lengths, causal, one and three
+    query rows, against the float64 reference."""
     torch.manual_seed(0)
     batch, cache, heads, heads_kv = 2, 300, 8, 2
     k_cache = torch.randn(batch, cache, heads_kv, dim, dtype=dtype)

@@ -228,9 +228,10 @@ struct ListedRows {
 // vector) for kRows query rows (q and s rows q_ld / s_ld apart) and the cols key rows k(c): each score's sum over its
 // vectors in order, then across the lanes, whatever kRows; a last half vector of k loaded as the lower lanes of a
 // zeroed one. kRows rows by kKeys keys at a time, so that each vector loaded serves several products and their
-// chains overlap.
-template <class A, int kRows, class Rows>
-void dot_block(const A* q, int64_t q_ld, const Rows& k, int64_t len, int64_t cols, A* s, int64_t s_ld) {
+// chains overlap. kMasked: k's rows end at `end` < len, their vectors past it loaded masked (vload_first), zeros as
+// a copied tile's padding.
+template <class A, int kRows, bool kMasked, class Rows>
+void dot_block(const A* q, int64_t q_ld, const Rows& k, int64_t len, int64_t end, int64_t cols, A* s, int64_t s_ld) {
   using V = vec_t<A>;
   constexpr int W = Vec<A>::width, kKeys = 4;
   const auto sum = [](V acc) { return reduce_lanes<A>(acc, [](A a, A b) { return a + b; }); };
@@ -244,7 +245,7 @@ void dot_block(const A* q, int64_t q_ld, const Rows& k, int64_t len, int64_t col
     for (int64_t d = 0; d < whole; d += W) {
 #pragma GCC unroll 4
       for (int u = 0; u < kKeys; ++u) {
-        const V ku = vload_from<A>(kc[u] + d);
+        const V ku = vload_row<A, kMasked>(kc[u] + d, end - d);
 #pragma GCC unroll 2
         for (int r = 0; r < kRows; ++r) acc[r][u] += vload(q + r * q_ld + d) * ku;
       }
@@ -252,7 +253,7 @@ void dot_block(const A* q, int64_t q_ld, const Rows& k, int64_t len, int64_t col
     if (whole < len) {
 #pragma GCC unroll 4
       for (int u = 0; u < kKeys; ++u) {
-        const V ku = vload_from<A, true>(kc[u] + whole);
+        const V ku = vload_row<A, kMasked, true>(kc[u] + whole, end - whole);
 #pragma GCC unroll 2
         for (int r = 0; r < kRows; ++r) acc[r][u] += vload(q + r * q_ld + whole) * ku;
       }
@@ -265,8 +266,10 @@ void dot_block(const A* q, int64_t q_ld, const Rows& k, int64_t len, int64_t col
   for (; c < cols; ++c)
     for (int r = 0; r < kRows; ++r) {
       V acc{};
-      for (int64_t d = 0; d < whole; d += W) acc += vload(q + r * q_ld + d) * vload_from<A>(k(c) + d);
-      if (whole < len) acc += vload(q + r * q_ld + whole) * vload_from<A, true>(k(c) + whole);
+      for (int64_t d = 0; d < whole; d += W)
+        acc += vload(q + r * q_ld + d) * vload_row<A, kMasked>(k(c) + d, end - d);
+      if (whole < len)
+        acc += vload(q + r * q_ld + whole) * vload_row<A, kMasked, true>(k(c) + whole, end - whole);
       s[r * s_ld + c] = sum(acc);
     }
 }
@@ -276,9 +279,10 @@ void dot_block(const A* q, int64_t q_ld, const Rows& k, int64_t len, int64_t col
 // rounded partial sum a tile), whatever kRows or kVecs. kRows rows by kVecs vectors at a time, so that each value
 // vector loaded serves kRows products and their chains overlap; kHalf: the last vector is a row's last half (loaded
 // as the lower lanes of a zeroed one; o's row has room for the whole vector). add_weighted_cols: the len elements of
-// the rows (a multiple of half the vector width).
-template <class A, int kRows, int kVecs, bool kHalf = false, class Rows>
-void add_weighted_block(const A* p, int64_t p_ld, const Rows& v, int64_t d0, int64_t cols, A* o, int64_t o_ld) {
+// the rows (a multiple of half the vector width). kMasked: v's rows end at `end`, their vectors past it loaded masked.
+template <class A, int kRows, int kVecs, bool kHalf, bool kMasked, class Rows>
+void add_weighted_block(const A* p, int64_t p_ld, const Rows& v, int64_t d0, int64_t end, int64_t cols, A* o,
+                        int64_t o_ld) {
   using V = vec_t<A>;
   constexpr int W = Vec<A>::width;
   V acc[kRows][kVecs] = {};
@@ -289,7 +293,8 @@ void add_weighted_block(const A* p, int64_t p_ld, const Rows& v, int64_t d0, int
     const auto vc = v(c) + d0;
 #pragma GCC unroll 8
     for (int u = 0; u < kVecs; ++u) {
-      const V vu = kHalf && u == kVecs - 1 ? vload_from<A, true>(vc + u * W) : vload_from<A>(vc + u * W);
+      const V vu = kHalf && u == kVecs - 1 ? vload_row<A, kMasked, true>(vc + u * W, end - d0 - u * W)
+                                           : vload_row<A, kMasked>(vc + u * W, end - d0 - u * W);
 #pragma GCC unroll 2
       for (int r = 0; r < kRows; ++r) acc[r][u] += pc[r] * vu;
     }
@@ -302,32 +307,36 @@ void add_weighted_block(const A* p, int64_t p_ld, const Rows& v, int64_t d0, int
       vstore(od, vload(od) + acc[r][u]);
     }
 }
-template <class A, int kRows, class Rows>
-void add_weighted_cols(const A* p, int64_t p_ld, const Rows& v, int64_t len, int64_t cols, A* o, int64_t o_ld) {
+template <class A, int kRows, bool kMasked, class Rows>
+void add_weighted_cols(const A* p, int64_t p_ld, const Rows& v, int64_t len, int64_t end, int64_t cols, A* o,
+                       int64_t o_ld) {
   constexpr int W = Vec<A>::width, kMost = 8 / kRows;  // (kRows x kMost accumulators)
   const int64_t whole = len / W * W;
   int64_t d = 0;
-  for (; d + kMost * W <= whole; d += kMost * W) add_weighted_block<A, kRows, kMost>(p, p_ld, v, d, cols, o, o_ld);
-  for (; d + 2 * W <= whole; d += 2 * W) add_weighted_block<A, kRows, 2>(p, p_ld, v, d, cols, o, o_ld);
-  if (d < whole) add_weighted_block<A, kRows, 1>(p, p_ld, v, d, cols, o, o_ld);
-  if (whole < len) add_weighted_block<A, kRows, 1, true>(p, p_ld, v, whole, cols, o, o_ld);
+  for (; d + kMost * W <= whole; d += kMost * W)
+    add_weighted_block<A, kRows, kMost, false, kMasked>(p, p_ld, v, d, end, cols, o, o_ld);
+  for (; d + 2 * W <= whole; d += 2 * W) add_weighted_block<A, kRows, 2, false, kMasked>(p, p_ld, v, d, end, cols, o, o_ld);
+  if (d < whole) add_weighted_block<A, kRows, 1, false, kMasked>(p, p_ld, v, d, end, cols, o, o_ld);
+  if (whole < len) add_weighted_block<A, kRows, 1, true, kMasked>(p, p_ld, v, whole, end, cols, o, o_ld);
 }
 
 // The above for `rows` rows, two at a time (each row's sums as alone); dot_rows zeroes s[r][cols .. cols_padded).
-template <class A, class Rows>
-void dot_rows(const A* q, int64_t q_ld, int64_t rows, const Rows& k, int64_t len, int64_t cols, int64_t cols_padded,
-              A* s, int64_t s_ld) {
+// end: the rows' length (len rounds it up to half a vector; below len, kMasked).
+template <class A, bool kMasked, class Rows>
+void dot_rows(const A* q, int64_t q_ld, int64_t rows, const Rows& k, int64_t len, int64_t end, int64_t cols,
+              int64_t cols_padded, A* s, int64_t s_ld) {
   int64_t r = 0;
-  for (; r + 2 <= rows; r += 2) dot_block<A, 2>(q + r * q_ld, q_ld, k, len, cols, s + r * s_ld, s_ld);
-  if (r < rows) dot_block<A, 1>(q + r * q_ld, q_ld, k, len, cols, s + r * s_ld, s_ld);
+  for (; r + 2 <= rows; r += 2) dot_block<A, 2, kMasked>(q + r * q_ld, q_ld, k, len, end, cols, s + r * s_ld, s_ld);
+  if (r < rows) dot_block<A, 1, kMasked>(q + r * q_ld, q_ld, k, len, end, cols, s + r * s_ld, s_ld);
   for (r = 0; r < rows; ++r) std::fill(s + r * s_ld + cols, s + r * s_ld + cols_padded, A(0));
 }
-template <class A, class Rows>
-void add_weighted_rows(const A* p, int64_t p_ld, int64_t rows, const Rows& v, int64_t len, int64_t cols, A* o,
-                       int64_t o_ld) {
+template <class A, bool kMasked, class Rows>
+void add_weighted_rows(const A* p, int64_t p_ld, int64_t rows, const Rows& v, int64_t len, int64_t end, int64_t cols,
+                       A* o, int64_t o_ld) {
   int64_t r = 0;
-  for (; r + 2 <= rows; r += 2) add_weighted_cols<A, 2>(p + r * p_ld, p_ld, v, len, cols, o + r * o_ld, o_ld);
-  if (r < rows) add_weighted_cols<A, 1>(p + r * p_ld, p_ld, v, len, cols, o + r * o_ld, o_ld);
+  for (; r + 2 <= rows; r += 2)
+    add_weighted_cols<A, 2, kMasked>(p + r * p_ld, p_ld, v, len, end, cols, o + r * o_ld, o_ld);
+  if (r < rows) add_weighted_cols<A, 1, kMasked>(p + r * p_ld, p_ld, v, len, end, cols, o + r * o_ld, o_ld);
 }
 
 // A decode step's tile (at most kDecodeRows query rows a kv head): consecutive query heads h0 .. h0 + heads - 1 of
@@ -351,12 +360,13 @@ void fwd_rows_tile(const FwdParams& p, FwdScratch<A>& w, const Seq& sq, int64_t 
   sm.reset();
   A* const k = w.kt.data() + w.kt.size() - w.ld_qk * kFwdTileK;  // key rows, ld_qk apart (kt's last slot)
   // The products run over whole vectors and a last half (len_qk, len_v: the head dims rounded up to half the vector
-  // width; the tiles' padding past them is zero). Key and value rows of whole and half vectors, of the compute type
-  // or bf16 / fp16 under fp32 (widened in the loads), are read where they lie; others are copied into the tiles
-  // first.
+  // width; the tiles' padding past them is zero). Key and value rows of the compute type or bf16 / fp16 under fp32
+  // (widened in the loads) are read where they lie: rows of whole and half vectors as they are, rows of other
+  // lengths with their last vector masked (kMaskedLoads builds; the same sums as a copy's zero padding); elsewhere
+  // those are copied into the tiles first.
   constexpr int64_t W = Vec<A>::width;
   const int64_t len_qk = round_up(p.head_dim, W / 2), len_v = round_up(p.head_dim_v, W / 2);
-  const bool whole_rows = p.head_dim == len_qk && p.head_dim_v == len_v;
+  const bool whole_rows = kMaskedLoads || (p.head_dim == len_qk && p.head_dim_v == len_v);
   const char* at[kFwdTileK];  // a paged tile's rows
   // f(rows) on the tile's key rows of a k- or v-shaped operand (base, strides st; len elements a row) at column col0:
   // where they lie, or copied into `tile` (rows ld apart).
@@ -364,13 +374,20 @@ void fwd_rows_tile(const FwdParams& p, FwdScratch<A>& w, const Seq& sq, int64_t 
                              int64_t ld, auto&& f) {
     const auto read = [&](auto type_tag) {
       using T = std::remove_const_t<std::remove_pointer_t<decltype(type_tag)>>;
+      // (rows of lengths in whole and half vectors, or kMaskedLoads' masked last vector)
+      const auto call = [&](const auto& rows) {
+        if constexpr (kMaskedLoads) {
+          if (len != round_up(len, W / 2)) return f(rows, std::true_type{});
+        }
+        f(rows, std::false_type{});
+      };
       if (!p.is_paged())
-        return f(StridedRows<T>{reinterpret_cast<const T*>(row_ptr(base, st, t, sq.tb, hk, sq.k0 + col0)), st.row});
+        return call(StridedRows<T>{reinterpret_cast<const T*>(row_ptr(base, st, t, sq.tb, hk, sq.k0 + col0)), st.row});
       const int64_t stride_bytes = st.row * int64_t(dtype_size(t));
       for_each_page_run(p, sq, base, st, hk, col0, cols, [&](int64_t c, int64_t run, const char* row) {
         for (int64_t i = 0; i < run; ++i) at[c + i] = row + i * stride_bytes;
       });
-      return f(ListedRows<T>{at});
+      return call(ListedRows<T>{at});
     };
     bool read_in_place = false;
     if (whole_rows) {
@@ -383,13 +400,14 @@ void fwd_rows_tile(const FwdParams& p, FwdScratch<A>& w, const Seq& sq, int64_t 
     }
     if (read_in_place) return;
     load_key_rows<A>(p, sq, base, st, hk, col0, cols, len, tile, ld);
-    f(StridedRows<A>{tile, ld});
+    f(StridedRows<A>{tile, ld}, std::false_type{});  // (a copy: its padding is zero)
   };
   const int64_t begin = sq.key_begin(0) / kFwdTileK * kFwdTileK, end = sq.key_end(rows - 1);
   for (int64_t col0 = begin; col0 < end; col0 += kFwdTileK) {
     const int64_t cols = std::min(kFwdTileK, end - col0), cols_padded = round_up(cols, kPanel<A>);
-    with_rows(p.k, p.k_stride, p.head_dim, col0, cols, k, w.ld_qk, [&](const auto& kr) {
-      dot_rows<A>(w.q.data(), w.ld_qk, packed, kr, len_qk, cols, cols_padded, w.s.data(), kFwdTileK);
+    with_rows(p.k, p.k_stride, p.head_dim, col0, cols, k, w.ld_qk, [&](const auto& kr, auto masked) {
+      dot_rows<A, masked()>(w.q.data(), w.ld_qk, packed, kr, len_qk, p.head_dim, cols, cols_padded, w.s.data(),
+                            kFwdTileK);
     });
     for (int64_t i = 0; i < heads; ++i)
       prepare_scores(p, TilePos{sq, h0 + i, 0, rows, col0, cols, cols_padded}, w.s.data() + i * rows * kFwdTileK,
@@ -397,8 +415,9 @@ void fwd_rows_tile(const FwdParams& p, FwdScratch<A>& w, const Seq& sq, int64_t 
     sm.update(w.s.data(), kFwdTileK, cols_padded, w.o.data(), w.ld_v);
     for (int64_t i = 0; i < heads && p.dropout_p > 0.0; ++i)
       drop_scores(p, TilePos{sq, h0 + i, 0, rows, col0, cols, cols_padded}, w.s.data() + i * rows * kFwdTileK);
-    with_rows(p.v, p.v_stride, p.head_dim_v, col0, cols, w.v.data(), w.ld_v, [&](const auto& vr) {
-      add_weighted_rows<A>(w.s.data(), kFwdTileK, packed, vr, len_v, cols, w.o.data(), w.ld_v);
+    with_rows(p.v, p.v_stride, p.head_dim_v, col0, cols, w.v.data(), w.ld_v, [&](const auto& vr, auto masked) {
+      add_weighted_rows<A, masked()>(w.s.data(), kFwdTileK, packed, vr, len_v, p.head_dim_v, cols, w.o.data(),
+                                     w.ld_v);
     });
   }
 

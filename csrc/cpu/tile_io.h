@@ -121,6 +121,53 @@ constexpr bool kLoadsAs =
     std::is_same_v<T, A> ||
     (std::is_same_v<A, float> && (std::is_same_v<T, bf16_t> || (std::is_same_v<T, fp16_t> && kWidensFp16)));
 
+// Whether this build loads a row's first n < W elements alone (vload_first): AVX-512's masked loads, which read
+// nothing past them. Then rows of any length are read where they lie; else rows end in whole or half vectors.
+#if FLASHATTN_VEC_BYTES == 64 && defined(__AVX512F__)
+constexpr bool kMaskedLoads = true;
+#else
+constexpr bool kMaskedLoads = false;
+#endif
+
+// The vector of a row's elements p[0 .. n) of the cache's type T as A (widened as vload_from does), zeros above;
+// n >= W: a whole vector. (kMaskedLoads builds only.)
+template <class A, class T>
+inline vec_t<A> vload_first(const T* p, int64_t n) {
+  constexpr int W = Vec<A>::width;
+  if (n >= W) return vload_from<A>(p);
+  vec_t<A> v{};
+#if FLASHATTN_VEC_BYTES == 64 && defined(__AVX512F__)
+  const uint32_t mask = n > 0 ? (1u << n) - 1u : 0u;
+  if constexpr (std::is_same_v<T, float> && std::is_same_v<A, float>) {
+    const __m512 x = _mm512_maskz_loadu_ps(__mmask16(mask), p);
+    std::memcpy(&v, &x, sizeof(v));
+  } else if constexpr (std::is_same_v<T, double>) {
+    const __m512d x = _mm512_maskz_loadu_pd(__mmask8(mask), p);
+    std::memcpy(&v, &x, sizeof(v));
+  } else if constexpr (std::is_same_v<T, bf16_t>) {
+    const __m512i x = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(__mmask16(mask), p)), 16);
+    std::memcpy(&v, &x, sizeof(v));
+  } else {
+    static_assert(std::is_same_v<T, fp16_t>, "rows of float, double, bf16 or fp16");
+    const __m512 x = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(__mmask16(mask), p));
+    std::memcpy(&v, &x, sizeof(v));
+  }
+#else
+  static_assert(kMaskedLoads || sizeof(T) == 0, "masked loads need AVX-512");
+#endif
+  return v;
+}
+
+// A row's vector at p (kHalf: its last half vector) where n of its elements remain: as it is, or kMasked, its
+// first n elements alone (vload_first).
+template <class A, bool kMasked, bool kHalf = false, class T>
+inline vec_t<A> vload_row(const T* p, [[maybe_unused]] int64_t n) {
+  if constexpr (kMasked)
+    return vload_first<A>(p, n);
+  else
+    return vload_from<A, kHalf>(p);
+}
+
 // dst[r][c] = mult * src[r][c] for r < rows, c < cols; dst[r][cols..padded_cols) = 0. Whole vectors through
 // vload_from where T loads as A (torch's fp16 conversion is a scalar routine), the rest element by element; the
 // same values either way.
