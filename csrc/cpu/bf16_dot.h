@@ -25,6 +25,11 @@ namespace flashattn::cpu::FLASHATTN_CPU_ISA {
 typedef uint16_t bf16_bits __attribute__((may_alias));
 typedef uint32_t bf16_pair __attribute__((may_alias));
 
+// The addresses of `count` rows from `first`, stride_bytes apart.
+inline void strided_rows(const char* first, int64_t stride_bytes, int64_t count, const char** rows) {
+  for (int64_t i = 0; i < count; ++i) rows[i] = first + i * stride_bytes;
+}
+
 // Rows' pair words transposed: tile[i][c] = pair word i of rows[c] (tile rows ld apart), i < pairs, c < count.
 inline void put_pairs_transposed(const char* const* rows, int64_t count, int64_t pairs, uint32_t* tile, int64_t ld) {
   for (int64_t c = 0; c < count; ++c) {
@@ -56,8 +61,8 @@ inline uint32_t bf16_round_bits(float x) {
   return ((b & 0x7fffffffu) > 0x7f800000u ? b | 0x00400000u : b + 0x7fffu + (b >> 16 & 1u)) >> 16;
 }
 
-// The same interleave of float rows rounded to bf16: out[j][c] for c < cols (rows ld_out apart) from src rows 2j and
-// 2j + 1 (ld_src apart), j < ceil(rows / 2).
+// Float rows rounded to bf16 and interleaved as put_row_pairs does (P and dS as the B operand of dV and dK): out[j][c] for c < cols (rows ld_out apart) from
+// src rows 2j and 2j + 1 (ld_src apart), j < ceil(rows / 2).
 inline void put_rounded_row_pairs(const float* src, int64_t ld_src, int64_t rows, int64_t cols, uint32_t* out,
                                   int64_t ld_out) {
   for (int64_t j = 0; 2 * j < rows; ++j) {
@@ -88,7 +93,7 @@ inline bool cpu_has_bf16_dot() {
 // b[k * ldb + j] pair words.
 template <int MR, bool kTransA>
 FLASHATTN_BF16_DOT_TARGET inline void bf16_dot_block(int64_t K, const uint32_t* a, int64_t lda, const uint32_t* b,
-                                                     int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+                                                     int64_t ldb, float* c, int64_t ldc, float alpha, bool accumulate) {
   __m512 c0[MR], c1[MR];
   for (int r = 0; r < MR; ++r) c0[r] = c1[r] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
@@ -99,48 +104,51 @@ FLASHATTN_BF16_DOT_TARGET inline void bf16_dot_block(int64_t K, const uint32_t* 
       c1[r] = _mm512_dpbf16_ps(c1[r], ar, b1);
     }
   }
+  const __m512 scale = _mm512_set1_ps(alpha);
   for (int r = 0; r < MR; ++r) {
     float* cr = c + r * ldc;
-    _mm512_storeu_ps(cr, accumulate ? _mm512_add_ps(_mm512_loadu_ps(cr), c0[r]) : c0[r]);
-    _mm512_storeu_ps(cr + 16, accumulate ? _mm512_add_ps(_mm512_loadu_ps(cr + 16), c1[r]) : c1[r]);
+    const __m512 s0 = _mm512_mul_ps(c0[r], scale), s1 = _mm512_mul_ps(c1[r], scale);
+    _mm512_storeu_ps(cr, accumulate ? _mm512_add_ps(_mm512_loadu_ps(cr), s0) : s0);
+    _mm512_storeu_ps(cr + 16, accumulate ? _mm512_add_ps(_mm512_loadu_ps(cr + 16), s1) : s1);
   }
 }
 
 template <int MR, bool kTransA>
 FLASHATTN_BF16_DOT_TARGET inline void bf16_dot_rest(int rows, int64_t K, const uint32_t* a, int64_t lda,
                                                     const uint32_t* b, int64_t ldb, float* c, int64_t ldc,
-                                                    bool accumulate) {
+                                                    float alpha, bool accumulate) {
   if constexpr (MR > 1) {
-    if (rows < MR) return bf16_dot_rest<MR - 1, kTransA>(rows, K, a, lda, b, ldb, c, ldc, accumulate);
+    if (rows < MR) return bf16_dot_rest<MR - 1, kTransA>(rows, K, a, lda, b, ldb, c, ldc, alpha, accumulate);
   }
-  bf16_dot_block<MR, kTransA>(K, a, lda, b, ldb, c, ldc, accumulate);
+  bf16_dot_block<MR, kTransA>(K, a, lda, b, ldb, c, ldc, alpha, accumulate);
 }
 
-// C (M x N floats, ldc) = or += A B over K pair words: A M x K (lda; kTransA: stored K x M), B K x N (ldb); N a
-// multiple of 32 (kPanel).
+// C (M x N floats, ldc) = or += alpha A B over K pair words: A M x K (lda; kTransA: stored K x M), B K x N (ldb); N
+// a multiple of 32 (kPanel).
 template <bool kTransA = false>
 FLASHATTN_BF16_DOT_TARGET inline void gemm_bf16_pairs(int64_t M, int64_t N, int64_t K, const uint32_t* a,
                                                       int64_t lda, const uint32_t* b, int64_t ldb, float* c,
-                                                      int64_t ldc, bool accumulate) {
+                                                      int64_t ldc, float alpha, bool accumulate) {
   for (int64_t j = 0; j < N; j += 32) {
     int64_t i = 0;
     for (; i + kRows <= M; i += kRows)
-      bf16_dot_block<kRows, kTransA>(K, kTransA ? a + i : a + i * lda, lda, b + j, ldb, c + i * ldc + j, ldc,
+      bf16_dot_block<kRows, kTransA>(K, kTransA ? a + i : a + i * lda, lda, b + j, ldb, c + i * ldc + j, ldc, alpha,
                                      accumulate);
     if (i < M)
       bf16_dot_rest<kRows - 1, kTransA>(int(M - i), K, kTransA ? a + i : a + i * lda, lda, b + j, ldb,
-                                        c + i * ldc + j, ldc, accumulate);
+                                        c + i * ldc + j, ldc, alpha, accumulate);
   }
 }
 
-// P's rows as the A operand of P V: dst[r][c / 2] = the pair word of src[r][c], src[r][c + 1] rounded to bf16 (to
-// nearest even), dst rows dst_ld words apart, for r < rows, c < cols; cols a multiple of 16.
-FLASHATTN_BF16_DOT_TARGET inline void round_rows_to_bf16(const float* src, int64_t src_ld, int64_t rows, int64_t cols,
-                                                         uint32_t* dst, int64_t dst_ld) {
+// Float rows rounded to bf16 (to nearest even) in pair words along each row (P and dS as the A operand of P V and
+// dS K): out[r][c / 2] from src[r][c], src[r][c + 1] (out rows ld_out words apart), r < rows, c < cols (a multiple of
+// 16). (vcvtneps2bf16: the plain bf16_round_bits here cost the bf16 forward ~5%.)
+FLASHATTN_BF16_DOT_TARGET inline void put_rounded_pairs(const float* src, int64_t ld_src, int64_t rows, int64_t cols,
+                                                        uint32_t* out, int64_t ld_out) {
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < cols; c += 16) {
-      const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(src + r * src_ld + c));
-      std::memcpy(dst + r * dst_ld + c / 2, &h, sizeof(h));
+      const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(src + r * ld_src + c));
+      std::memcpy(out + r * ld_out + c / 2, &h, sizeof(h));
     }
 }
 #else
@@ -149,8 +157,8 @@ inline bool cpu_has_bf16_dot() { return false; }
 // (declared for the callers' discarded `if constexpr (kBf16DotBuilt)` branches; never defined or called)
 template <bool kTransA = false>
 void gemm_bf16_pairs(int64_t M, int64_t N, int64_t K, const uint32_t* a, int64_t lda, const uint32_t* b, int64_t ldb,
-                     float* c, int64_t ldc, bool accumulate);
-void round_rows_to_bf16(const float* src, int64_t src_ld, int64_t rows, int64_t cols, uint32_t* dst, int64_t dst_ld);
+                     float* c, int64_t ldc, float alpha, bool accumulate);
+void put_rounded_pairs(const float* src, int64_t ld_src, int64_t rows, int64_t cols, uint32_t* out, int64_t ld_out);
 #endif
 
 }  // namespace flashattn::cpu::FLASHATTN_CPU_ISA

@@ -79,11 +79,6 @@ struct BwdScratch {
         ds_words(dot ? kTileQ * kTileK / 2 : 0) {}
 };
 
-// The addresses of `count` rows from `first`, stride_bytes apart.
-inline void strided_rows(const char* first, int64_t stride_bytes, int64_t count, const char** rows) {
-  for (int64_t i = 0; i < count; ++i) rows[i] = first + i * stride_bytes;
-}
-
 // D = rowsum(dO * O) - dlse for rows [row0, row0 + rows) of one head. `dout` and `out`
 // are scratch tiles of kTileQ x ld_v.
 template <class A>
@@ -180,9 +175,7 @@ void bwd_key_tile(const BwdParams& p, BwdScratch<A>& w, A* dq_acc, const A* delt
       if constexpr (kBf16DotBuilt && std::is_same_v<A, float>) {
         if (w.dot) {
           gemm_bf16_pairs(rows, cols_padded, qk_pairs, w.q_words.data(), ld_qk / 2, w.kt_pairs.data(), kTileK, s,
-                          kTileK, false);
-          for (int64_t r = 0; r < rows; ++r)
-            for (int64_t c = 0; c < cols_padded; ++c) s[r * kTileK + c] *= A(p.scale);
+                          kTileK, float(p.scale), false);
         }
       }
       if (!w.dot) gemm<A>(rows, cols_padded, p.head_dim, w.q.data(), ld_qk, w.kt.data(), kTileK, s, kTileK, false);
@@ -205,9 +198,9 @@ void bwd_key_tile(const BwdParams& p, BwdScratch<A>& w, A* dq_acc, const A* delt
         if (w.dot) {  // (P rounded to bf16 as the forward's P V took it; dP = dO V^T)
           put_rounded_row_pairs(pv, kTileK, rows, cols, w.p_rows.data(), kTileK);
           gemm_bf16_pairs<true>(cols, ld_v, row_pairs, w.p_rows.data(), kTileK, w.dout_rows.data(), ld_v,
-                                w.dv.data(), ld_v, true);
+                                w.dv.data(), ld_v, 1.f, true);
           gemm_bf16_pairs(rows, cols_padded, v_pairs, w.dout_words.data(), ld_v / 2, w.vt_pairs.data(), kTileK,
-                          w.dp.data(), kTileK, false);
+                          w.dp.data(), kTileK, 1.f, false);
         }
       }
       if (!w.dot) {
@@ -233,10 +226,10 @@ void bwd_key_tile(const BwdParams& p, BwdScratch<A>& w, A* dq_acc, const A* delt
         if (w.dot) {  // (dS rounded to bf16; dK's scale when it is stored)
           put_rounded_row_pairs(s, kTileK, rows, cols, w.ds_rows.data(), kTileK);
           gemm_bf16_pairs<true>(cols, ld_qk, row_pairs, w.ds_rows.data(), kTileK, w.q_rows.data(), ld_qk,
-                                w.dk.data(), ld_qk, true);
-          round_rows_to_bf16(s, kTileK, rows, cols_padded, w.ds_words.data(), kTileK / 2);
+                                w.dk.data(), ld_qk, 1.f, true);
+          put_rounded_pairs(s, kTileK, rows, cols_padded, w.ds_words.data(), kTileK / 2);
           gemm_bf16_pairs(rows, ld_qk, (cols + 1) / 2, w.ds_words.data(), kTileK / 2, w.k_rows.data(), ld_qk,
-                          dq_acc + ri * ld_qk, ld_qk, true);
+                          dq_acc + ri * ld_qk, ld_qk, 1.f, true);
         }
       }
       if (!w.dot) {

@@ -28,7 +28,6 @@ template <class A>
 struct FwdScratch {
   // bf16 products (bf16_dot.h): the prefill tiles of bf16 calls of even head dims where the CPU has them.
   bool dot;
-  int64_t qk_pairs;
   int64_t ld_qk, ld_v;  // padded head dims of q/k and of v/out
   // Key tiles of the task's (sequence, kv head), transposed (ld_qk x kFwdTileK each): slots
   // for the first `cached` tiles, filled[t] once tile t is in its slot, and one more slot
@@ -39,7 +38,7 @@ struct FwdScratch {
   std::vector<char> filled;
   std::vector<A> kt;
   std::vector<A> q, v, s, o, m, l;
-  // (dot: below) Q, the key tiles (transposed, cached as kt is) and V as pair words (qk_pairs / ld_v a row), P
+  // (dot: below) Q, the key tiles (transposed, cached as kt is) and V as pair words (ld_qk / 2 and ld_v a row), P
   // rounded to bf16; kt then has only its last slot (the decode rows' tile, fwd_rows_tile, takes it).
   std::vector<uint32_t> qp, ktp, vp, pb;
   // cache_key_tiles: the task computes several query tiles against the same key tiles (else one slot, no cache);
@@ -47,7 +46,6 @@ struct FwdScratch {
   FwdScratch(const FwdParams& p, bool cache_key_tiles, int64_t rows = kFwdTileQ)
       : dot(rows == kFwdTileQ && std::is_same_v<A, float> && p.dtype == DType::kBFloat16 && p.head_dim % 2 == 0 &&
             p.head_dim_v % 2 == 0 && cpu_has_bf16_dot()),
-        qk_pairs(round_up(p.head_dim, kPanel<A>) / 2),
         ld_qk(round_up(p.head_dim, kPanel<A>)),
         ld_v(round_up(p.head_dim_v, kPanel<A>)),
         cached(cache_key_tiles ? std::min((p.len_k + kFwdTileK - 1) / kFwdTileK,
@@ -61,8 +59,8 @@ struct FwdScratch {
         o(rows * ld_v),
         m(rows),
         l(rows),
-        qp(dot ? rows * qk_pairs : 0),
-        ktp(dot ? (cached + 1) * qk_pairs * kFwdTileK : 0),
+        qp(dot ? rows * ld_qk / 2 : 0),
+        ktp(dot ? (cached + 1) * ld_qk / 2 * kFwdTileK : 0),
         vp(dot ? kFwdTileK / 2 * ld_v : 0),
         pb(dot ? rows * kFwdTileK / 2 : 0) {}
 };
@@ -120,9 +118,7 @@ void load_key_rows(const FwdParams& p, const Seq& sq, const void* base, const St
 inline void key_row_addresses(const FwdParams& p, const Seq& sq, const void* base, const Strides& s, int64_t hk,
                               int64_t col0, int64_t cols, const char** rows) {
   const int64_t stride_bytes = s.row * int64_t(dtype_size(p.dtype));
-  auto run_rows = [&](int64_t c, int64_t run, const char* row) {
-    for (int64_t i = 0; i < run; ++i) rows[c + i] = row + i * stride_bytes;
-  };
+  auto run_rows = [&](int64_t c, int64_t run, const char* row) { strided_rows(row, stride_bytes, run, rows + c); };
   if (p.is_paged())
     for_each_page_run(p, sq, base, s, hk, col0, cols, run_rows);
   else
@@ -138,7 +134,7 @@ void fwd_tile(const FwdParams& p, FwdScratch<A>& w, const Seq& sq, int64_t h, in
   const int64_t pairs = p.head_dim / 2;
   if (w.dot) {  // (unscaled: the scale multiplies S)
     for (int64_t r = 0; r < rows; ++r)
-      std::memcpy(w.qp.data() + r * w.qk_pairs, q_rows + r * p.q_stride.row * 2, size_t(pairs) * 4);
+      std::memcpy(w.qp.data() + r * w.ld_qk / 2, q_rows + r * p.q_stride.row * 2, size_t(pairs) * 4);
   } else {
     load_rows<A>(t, q_rows, p.q_stride.row, rows, p.head_dim, A(p.scale), w.q.data(), w.ld_qk, w.ld_qk);
   }
@@ -155,7 +151,7 @@ void fwd_tile(const FwdParams& p, FwdScratch<A>& w, const Seq& sq, int64_t h, in
     const int64_t cols_padded = round_up(cols, kPanel<A>);
     const int64_t tile = col0 / kFwdTileK;
     A* kt = w.kt.data() + (w.dot ? 0 : std::min(tile, w.cached) * w.ld_qk * kFwdTileK);
-    uint32_t* ktp = w.ktp.data() + (w.dot ? std::min(tile, w.cached) * w.qk_pairs * kFwdTileK : 0);
+    uint32_t* ktp = w.ktp.data() + (w.dot ? std::min(tile, w.cached) * w.ld_qk / 2 * kFwdTileK : 0);
     if (tile >= w.cached || !w.filled[tile]) {
       // A tile cut short by the band is transposed whole: later query tiles see more of it.
       const int64_t tile_keys = std::min(kFwdTileK, sq.len_k - col0), padded = round_up(tile_keys, kPanel<A>);
@@ -178,12 +174,8 @@ void fwd_tile(const FwdParams& p, FwdScratch<A>& w, const Seq& sq, int64_t h, in
     }
     if constexpr (kBf16DotBuilt && std::is_same_v<A, float>) {
       if (w.dot) {
-        gemm_bf16_pairs(rows, cols_padded, pairs, w.qp.data(), w.qk_pairs, ktp, kFwdTileK, w.s.data(), kFwdTileK,
-                        false);
-        const vec_t<A> scale = vbroadcast(A(p.scale));
-        for (int64_t r = 0; r < rows; ++r)
-          for (int64_t c = 0; c < cols_padded; c += Vec<A>::width)
-            vstore(w.s.data() + r * kFwdTileK + c, vload(w.s.data() + r * kFwdTileK + c) * scale);
+        gemm_bf16_pairs(rows, cols_padded, pairs, w.qp.data(), w.ld_qk / 2, ktp, kFwdTileK, w.s.data(), kFwdTileK,
+                        float(p.scale), false);
       }
     }
     if (!w.dot)
@@ -197,9 +189,9 @@ void fwd_tile(const FwdParams& p, FwdScratch<A>& w, const Seq& sq, int64_t h, in
         const char* value_rows[kFwdTileK];
         key_row_addresses(p, sq, p.v, p.v_stride, hk, col0, cols, value_rows);
         put_row_pairs(value_rows, cols, p.head_dim_v, w.vp.data(), w.ld_v);
-        round_rows_to_bf16(w.s.data(), kFwdTileK, rows, cols_padded, w.pb.data(), kFwdTileK / 2);
+        put_rounded_pairs(w.s.data(), kFwdTileK, rows, cols_padded, w.pb.data(), kFwdTileK / 2);
         gemm_bf16_pairs(rows, w.ld_v, (cols + 1) / 2, w.pb.data(), kFwdTileK / 2, w.vp.data(), w.ld_v, w.o.data(),
-                        w.ld_v, true);
+                        w.ld_v, 1.f, true);
         continue;
       }
     }
@@ -366,7 +358,7 @@ void fwd_rows_tile(const FwdParams& p, FwdScratch<A>& w, const Seq& sq, int64_t 
   // those are copied into the tiles first.
   constexpr int64_t W = Vec<A>::width;
   const int64_t len_qk = round_up(p.head_dim, W / 2), len_v = round_up(p.head_dim_v, W / 2);
-  const bool whole_rows = kMaskedLoads || (p.head_dim == len_qk && p.head_dim_v == len_v);
+  const bool rows_in_place = kMaskedLoads || (p.head_dim == len_qk && p.head_dim_v == len_v);
   const char* at[kFwdTileK];  // a paged tile's rows
   // f(rows) on the tile's key rows of a k- or v-shaped operand (base, strides st; len elements a row) at column col0:
   // where they lie, or copied into `tile` (rows ld apart).
@@ -383,14 +375,11 @@ void fwd_rows_tile(const FwdParams& p, FwdScratch<A>& w, const Seq& sq, int64_t 
       };
       if (!p.is_paged())
         return call(StridedRows<T>{reinterpret_cast<const T*>(row_ptr(base, st, t, sq.tb, hk, sq.k0 + col0)), st.row});
-      const int64_t stride_bytes = st.row * int64_t(dtype_size(t));
-      for_each_page_run(p, sq, base, st, hk, col0, cols, [&](int64_t c, int64_t run, const char* row) {
-        for (int64_t i = 0; i < run; ++i) at[c + i] = row + i * stride_bytes;
-      });
+      key_row_addresses(p, sq, base, st, hk, col0, cols, at);
       return call(ListedRows<T>{at});
     };
     bool read_in_place = false;
-    if (whole_rows) {
+    if (rows_in_place) {
       with_type(t, [&](auto type_tag) {
         if constexpr (kLoadsAs<A, std::remove_const_t<std::remove_pointer_t<decltype(type_tag)>>>) {
           read(type_tag);

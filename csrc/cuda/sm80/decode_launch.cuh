@@ -58,9 +58,9 @@ auto with_decode_kv(DecodeKv kv, F&& f) {
   }
 }
 constexpr const char* decode_kernel_name(DecodeKv kv) {
-  return kv == DecodeKv::kDense        ? "sm80::fwd_decode_kernel"
+  return kv == DecodeKv::kDense           ? "sm80::fwd_decode_kernel"
          : kv == DecodeKv::kPagedSegments ? "sm80::fwd_decode_kernel (paged segments)"
-                                       : "sm80::fwd_decode_kernel (paged rows)";
+                                          : "sm80::fwd_decode_kernel (paged rows)";
 }
 
 template <class Elem, int kDim>
