@@ -274,6 +274,39 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads, DecodeConf
     const int64_t part_end = n_begin + int64_t(tiles) * kBN < sq.len_k ? n_begin + int64_t(tiles) * kBN : sq.len_k;
     const int64_t from = n_begin > new_first ? n_begin : new_first;
     if (from < part_end) {
+      // (new row i of the step is key row new_first + i of the sequence; item i of the part's new rows is chunk
+      // i % row_chunks of row i / row_chunks, its key chunks first, then its value chunks)
+      auto cache_at = [&](const Elem* base, const Strides& st, int64_t n) {
+        Elem* row0 = const_cast<Elem*>(base);  // (the caches are the step's to write)
+        if constexpr (kKv == DecodeKv::kDense) {
+          return row0 + n * st.row;
+        } else {
+          const int64_t j = sq.k0 + n, page = page_of(p, j);
+          return row0 + block_of(p, b, page) * st.batch + (j - page * p.page_size) * st.row;
+        }
+      };
+      const Elem* new_k = static_cast<const Elem*>(p.new_k) + b * p.new_k_stride.batch + hk * p.new_k_stride.head;
+      const Elem* new_v = static_cast<const Elem*>(p.new_v) + b * p.new_v_stride.batch + hk * p.new_v_stride.head;
+      constexpr int kChunk = chunk_elems<Elem>();
+      const int k_chunks = E / kChunk, row_chunks = k_chunks + Ev / kChunk, items = int(part_end - from) * row_chunks;
+      auto item_at = [&](int i, const Elem*& src, Elem*& dst) {
+        const int r = i / row_chunks, c = i - r * row_chunks;
+        const int64_t n = from + r, t = n - new_first;
+        const bool key = c < k_chunks;
+        const int col = (key ? c : c - k_chunks) * kChunk;
+        src = (key ? new_k + t * p.new_k_stride.row : new_v + t * p.new_v_stride.row) + col;
+        dst = (key ? cache_at(k, p.k_stride, n) : cache_at(v, p.v_stride, n)) + col;
+      };
+      // The thread's first item read (and, paged, its page looked up) beside the page check, not after it: the
+      // write then waits for one round of loads, not two. (Indices within the cache and the new rows whatever the
+      // lengths: sequence_of_lengths clamps.)
+      const Elem* first_src = nullptr;
+      Elem* first_dst = nullptr;
+      uint4 first = {};
+      if (tid < items) {
+        item_at(tid, first_src, first_dst);
+        first = *reinterpret_cast<const uint4*>(first_src);
+      }
       bool refused = !sq.valid;
       if constexpr (kKv != DecodeKv::kDense) {
         if (sq.valid) {
@@ -284,28 +317,12 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads, DecodeConf
       if (__syncthreads_or(refused)) {
         sq.valid = false;
       } else {
-        // (new row i of the step is key row new_first + i of the sequence)
-        auto cache_at = [&](const Elem* base, const Strides& st, int64_t n) {
-          Elem* row0 = const_cast<Elem*>(base);  // (the caches are the step's to write)
-          if constexpr (kKv == DecodeKv::kDense) {
-            return row0 + n * st.row;
-          } else {
-            const int64_t j = sq.k0 + n, page = page_of(p, j);
-            return row0 + block_of(p, b, page) * st.batch + (j - page * p.page_size) * st.row;
-          }
-        };
-        const Elem* new_k = static_cast<const Elem*>(p.new_k) + b * p.new_k_stride.batch + hk * p.new_k_stride.head;
-        const Elem* new_v = static_cast<const Elem*>(p.new_v) + b * p.new_v_stride.batch + hk * p.new_v_stride.head;
-        constexpr int kChunk = chunk_elems<Elem>();
-        const int k_chunks = E / kChunk, row_chunks = k_chunks + Ev / kChunk;
-        for (int i = tid; i < int(part_end - from) * row_chunks; i += kThreads) {
-          const int r = i / row_chunks, c = i - r * row_chunks;
-          const int64_t n = from + r, t = n - new_first;
-          const bool key = c < k_chunks;
-          const int col = (key ? c : c - k_chunks) * kChunk;
-          const Elem* src = key ? new_k + t * p.new_k_stride.row : new_v + t * p.new_v_stride.row;
-          Elem* dst = key ? cache_at(k, p.k_stride, n) : cache_at(v, p.v_stride, n);
-          *reinterpret_cast<uint4*>(dst + col) = *reinterpret_cast<const uint4*>(src + col);
+        if (tid < items) *reinterpret_cast<uint4*>(first_dst) = first;
+        for (int i = tid + kThreads; i < items; i += kThreads) {
+          const Elem* src;
+          Elem* dst;
+          item_at(i, src, dst);
+          *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
         }
         __syncthreads();  // (written before any thread's tile copies read them)
       }
