@@ -89,17 +89,14 @@ __device__ __forceinline__ void copy_tile_async(Elem* s, int ld, const Elem* g, 
       cp_async_16_zfill(s + r * ld + c, valid ? g + r * g_ld + c : g, valid);
     });
   } else {
-    constexpr int kRowStep = kThreads / kPerRow;
-    constexpr int kIters = (kRows + kRowStep - 1) / kRowStep;
-    const int r0 = tid / kPerRow, c = (tid % kPerRow) * kChunk;
+    using Rows = TileRowChunks<kRows, kCols, kThreads, kSwizzle, Elem>;
+    constexpr int kRowStep = Rows::kRowStep, kIters = Rows::kIters;
+    const Rows thread(ld, tid);
+    const int r0 = thread.r0, c = thread.c;
     const Elem* src = g + r0 * g_ld + c;
     const int64_t src_step = kRowStep * g_ld;
-    static_assert(!kSwizzle || (kCols * sizeof(Elem) % 128 == 0 && kRowStep % 4 == 0),
-                  "swizzled rows are whole 128-byte lines, and a thread's rows agree modulo 4");
-    // Swizzled, a thread's rows r0 + it * kRowStep fall on chunk c ^ (r % 8): where kRowStep is an
-    // odd multiple of 4, r % 8 flips bit 2 from one row to the next (two column offsets in turn).
-    Elem* const dst_even = s + r0 * ld + (kSwizzle ? c ^ ((r0 & 7) * kChunk) : c);
-    Elem* const dst_odd = kSwizzle && kRowStep % 8 != 0 ? s + r0 * ld + (c ^ (((r0 & 7) ^ 4) * kChunk)) : dst_even;
+    Elem* const dst_even = s + thread.even;
+    Elem* const dst_odd = s + thread.odd;
     auto dst = [&](int it) { return (it % 2 ? dst_odd : dst_even) + it * kRowStep * ld; };
     if (kFullTilePath && rows >= kRows && cols >= kCols) {
 #pragma unroll
