@@ -15,6 +15,7 @@
 #include "../common/grid.cuh"
 #include "../common/numeric.cuh"
 #include "../common/online_softmax.cuh"
+#include "../common/quad_transpose.cuh"
 #include "../common/wgmma.cuh"
 #include "../schedule/causal_order.cuh"
 #include "key_bias.cuh"
@@ -290,14 +291,13 @@ struct FwdRows {
 
   // The output of the warp's 16 rows (from `wrow` in the block's tile) stored from the registers, and the row
   // LSE. For a kernel whose Q buffer may already hold the next item's rows (FwdWsConfig::kEarlyQRelease). A lane
-  // holds two columns of each 8; the four lanes of a row swap them (a 4 x 4 transpose of 4-byte words, two
-  // butterfly steps) so that each lane stores 16 contiguous bytes: one store writes 64 bytes of each of its
-  // 8 rows, a quarter of the store instructions and of the memory requests of 4-byte stores.
+  // holds two columns of each 8; the four lanes of a row swap them (transpose_quad_words) so that each lane stores
+  // 16 contiguous bytes: one store writes 64 bytes of each of its 8 rows, a quarter of the store instructions and of
+  // the memory requests of 4-byte stores.
   __device__ __forceinline__ void store_direct(const FwdParams& p, const Dest& dst, int wrow, int lane) {
     static_assert(!kFp8, "float8's output is staged in a buffer of its own");
     static_assert(kDA % 4 == 0, "columns in groups of 32");
     const int g = lane / 4, t = lane % 4;
-    const bool hi = (t & 2) != 0, odd = (t & 1) != 0;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const float l = reduce_sum_lanes<4>(row_sum[r]);
@@ -312,19 +312,7 @@ struct FwdRows {
         uint32_t w[4];
 #pragma unroll
         for (int k = 0; k < 4; ++k) w[k] = M::pack(o[d0 + k][2 * r] * inv, o[d0 + k][2 * r + 1] * inv);
-        // (bit 1 of the lane swapped with bit 1 of k, then bit 0 with bit 0)
-#pragma unroll
-        for (int k0 = 0; k0 < 2; ++k0) {
-          const uint32_t got = __shfl_xor_sync(0xffffffffu, hi ? w[k0] : w[2 + k0], 2);
-          w[k0] = hi ? got : w[k0];
-          w[2 + k0] = hi ? w[2 + k0] : got;
-        }
-#pragma unroll
-        for (int k1 = 0; k1 < 2; ++k1) {
-          const uint32_t got = __shfl_xor_sync(0xffffffffu, odd ? w[2 * k1] : w[2 * k1 + 1], 1);
-          w[2 * k1] = odd ? got : w[2 * k1];
-          w[2 * k1 + 1] = odd ? w[2 * k1 + 1] : got;
-        }
+        transpose_quad_words(w, t);
         if (row < dst.rows) *reinterpret_cast<uint4*>(out + 8 * (d0 + t)) = make_uint4(w[0], w[1], w[2], w[3]);
       }
       if (t == 0 && row < dst.rows) dst.lse[row] = empty ? neg_inf<float>() : Exp::lse(row_max[r], l);
