@@ -5,11 +5,26 @@ public API and in the fake kernels: torch.compile then reports bad input at trac
 a bad argument never reaches the C++ kernel, whose exceptions some torch builds fail to
 carry across the stable ABI (torch 2.11 segfaults on any exception a stable-ABI kernel
 throws; scripts/probe reproduces it; torch 2.13 raises it)."""
+import math
+
 import torch
 
 MAX_HEAD_DIM = 256
 DTYPE_NAMES = {torch.float64: "float64", torch.float32: "float32", torch.bfloat16: "bfloat16",
                torch.float16: "float16"}
+
+
+# The largest |scale| the op takes (csrc/ops.cpp: scale * log2(e) must fit in the accumulation type): fp32, fp64.
+_SCALE_LIMITS = tuple(torch.finfo(t).max / math.log2(math.e) for t in (torch.float32, torch.float64))
+
+
+def check_scale(scale, dtype, name="scale", where="flashattn_ext"):
+    """The op's rule for the scale (a float), in a message naming the argument as the caller's function names it
+    (scale, softmax_scale)."""
+    limit = _SCALE_LIMITS[dtype == torch.float64]
+    if not -limit <= scale <= limit:  # (NaN too)
+        raise ValueError(f"{where}: {name} must be finite with |{name}| <= {limit:.6g} (scale * log2(e) must fit in "
+                         f"the accumulation type), got {scale}")
 
 
 def _dtype_name(dtype):

@@ -100,7 +100,7 @@ def step(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, s
         return None
     if softmax_scale is None:
         scale = 1.0 / math.sqrt(q.shape[3])
-    elif type(softmax_scale) in (float, int):
+    elif type(softmax_scale) in (float, int) and -1e38 <= softmax_scale <= 1e38:  # (else the general path's check)
         scale = float(softmax_scale)
     else:
         return None

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from ._checks import check_features, check_fwd_args
+from ._checks import check_features, check_fwd_args, check_scale
 from ._ring_plan import LAYOUTS, alibi_terms, block_calls, ring_steps, shard_chunks, zigzag_chunk_ids
 from .functional import _check_tensors, _real, _window
 from .ops import FEATURES, autocast_inputs, run_bwd, run_fwd
@@ -265,15 +265,6 @@ def _check_shards_agree(group, rank, world, q, k, v, args):
             pos = end
 
 
-def _check_scale(scale, dtype):
-    """The op's rule (csrc/ops.cpp): scale * log2(e) must fit in the accumulation type. Checked
-    before the ring starts, so that no rank stops with transfers in flight."""
-    limit = (torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).max) / math.log2(math.e)
-    if not (math.isfinite(scale) and abs(scale) <= limit):
-        raise ValueError(f"flashattn_ext.ring_attention: softmax_scale must be finite with |softmax_scale| <= "
-                         f"{limit:.6g} (scale * log2(e) must fit in the accumulation type), got {scale}")
-
-
 def ring_attention(q, k, v, group=None, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
                    alibi_slopes=None, deterministic=False, layout=None, return_lse=False):
     """Exact attention over a sequence sharded across the ranks of `group` (default: the world).
@@ -305,7 +296,7 @@ def ring_attention(q, k, v, group=None, causal=False, softmax_scale=None, window
     check_fwd_args(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0, layout="blhd")
     check_features(q.transpose(1, 2), k.transpose(1, 2), 0, window_left=window[0], window_right=window[1],
                    alibi_slopes=alibi_slopes, softcap=softcap)
-    _check_scale(scale, q.dtype)
+    check_scale(scale, q.dtype, "softmax_scale", "flashattn_ext.ring_attention")
     if q.shape[1] != k.shape[1]:
         raise ValueError(f"flashattn_ext.ring_attention: q and k must be shards of one sequence (the same shard_len), "
                          f"got {q.shape[1]} and {k.shape[1]}")

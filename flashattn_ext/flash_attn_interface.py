@@ -18,6 +18,7 @@ import torch
 
 from . import fp8, functional
 from ._attn_probs import attention_probs, varlen_attention_probs, with_dropout_signs
+from ._checks import check_scale
 from .functional import _check_tensors, _count, _real, _window, checked_fwd, fp8_call
 from .kvcache import flash_attn_with_kvcache
 from .ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, new_rng_state
@@ -96,6 +97,7 @@ def _forward_and_probs(q, k, v, dropout_p, softmax_scale, causal, window_size, s
         scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] > 0 else 1.0
     else:
         scale = _real(softmax_scale, "softmax_scale")
+        check_scale(scale, q.dtype, "softmax_scale")
     causal = CAUSAL_BOTTOM_RIGHT if causal else CAUSAL_NONE
     window = _window(window_size)
     softcap, dropout_p = _real(softcap, "softcap", " >= 0 (0 = off)"), _real(dropout_p, "dropout_p", " in [0, 1)")

@@ -6,7 +6,8 @@ import operator
 import torch
 
 from . import fp8
-from ._checks import call_signature, check_features, check_fwd_args, check_layout, passed_before, remember_passed
+from ._checks import (call_signature, check_features, check_fwd_args, check_layout, check_scale, passed_before,
+                      remember_passed)
 from .ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, CAUSAL_TOP_LEFT, fwd, fwd_plain, new_rng_state
 
 
@@ -55,7 +56,8 @@ def _is_zero(x):
 def _plain_options(scale, dropout_p, softcap=0.0):
     """No option but the causal flag, and a scale that needs no conversion: a call the public
     functions may take straight to the op once its signature passed the checks."""
-    return (scale is None or type(scale) is float) and _is_zero(dropout_p) and _is_zero(softcap)
+    return ((scale is None or (type(scale) is float and -1e38 <= scale <= 1e38)) and _is_zero(dropout_p)
+            and _is_zero(softcap))
 
 
 def _attention(q, k, v, scale, causal, deterministic, attn_bias=None, window_size=(-1, -1), alibi_slopes=None,
@@ -65,6 +67,7 @@ def _attention(q, k, v, scale, causal, deterministic, attn_bias=None, window_siz
         scale = default_scale(q.shape[-1])
     else:
         scale = _real(scale, scale_name)
+        check_scale(scale, q.dtype, scale_name)
     if (attn_bias is None and alibi_slopes is None and cu_seqlens_q is None and cu_seqlens_k is None and not softcap
             and not dropout_p and window_size == (-1, -1)):
         # No optional feature: the op with its defaults, and only the checks that can fail then (the
@@ -92,6 +95,7 @@ def fp8_call(q, k, v, descales, softmax_scale, dropout_p, causal, layout, cu_seq
     """fp8.prepare on the op's views of a float8 call (or of one that gave descales: it says
     why that is wrong), with the scalar arguments read as _attention reads them."""
     scale = default_scale(q.shape[-1]) if softmax_scale is None else _real(softmax_scale, "softmax_scale")
+    check_scale(scale, torch.float32, "softmax_scale")  # (float8 calls accumulate in fp32)
     return fp8.prepare(q, k, v, descales, scale, _real(dropout_p, "dropout_p", " in [0, 1)"), causal, layout,
                        cu_seqlens_q, cu_seqlens_k, features)
 

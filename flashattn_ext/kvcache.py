@@ -13,7 +13,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import _kvcache_compose, _kvcache_fast, _kvcache_values
-from ._checks import DTYPE_NAMES, MAX_HEAD_DIM
+from ._checks import DTYPE_NAMES, MAX_HEAD_DIM, check_scale
 from ._kvcache_values import PAGE_MULTIPLE
 
 
@@ -324,6 +324,7 @@ def _resolve(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, c
         softcap = float(softcap)
     except (TypeError, ValueError):
         _fail(f"softmax_scale and softcap must be numbers, got {softmax_scale!r} and {softcap!r}")
+    check_scale(softmax_scale, q.dtype, "softmax_scale")
     if not softcap >= 0.0:
         _fail(f"softcap must be >= 0 (0 = off), got {softcap}")
     _int(num_splits, "num_splits", "an int >= 0 (0 = automatic)", lambda x: x >= 0)

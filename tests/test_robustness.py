@@ -152,9 +152,19 @@ def test_infinite_softcap_is_no_cap(device, cap):
 
 def test_scale_beyond_the_accumulation_type_is_refused(device):
     q, k, v = _qkv(device, dtype=torch.float32)
+    qt, kt, vt = (t.detach().transpose(1, 2) for t in (q, k, v))
     for scale in (1e39, float("inf"), float("nan")):
+        # each entry point names the argument as its signature does
+        for call in (lambda: flash_attn_func(q, k, v, softmax_scale=scale, causal=True),
+                     lambda: flashattn_ext.flash_attn_with_kvcache(q.detach(), k.detach(), v.detach(),
+                                                                  softmax_scale=scale)):
+            with pytest.raises(ValueError, match=r"softmax_scale must be finite with \|softmax_scale\| <= "):
+                call()
+        with pytest.raises(ValueError, match=r"scale must be finite with \|scale\| <= "):
+            flashattn_ext.scaled_dot_product_attention(qt, kt, vt, scale=scale)
+        # and the op itself, whichever way it is reached
         with pytest.raises(RuntimeError, match="argument 'scale' must be finite with"):
-            flash_attn_func(q, k, v, softmax_scale=scale, causal=True)
+            flashattn_ext.ops.fwd_plain(qt, kt, vt, scale, False, False)
     # float64 accumulates in float64: the same scale is valid there (and the softmax is a hard max)
     q, k, v = (t.detach() for t in _qkv(device))
     out = flash_attn_func(q, k, v, softmax_scale=1e39)
