@@ -15,7 +15,9 @@ DTYPE_NAMES = {torch.float64: "float64", torch.float32: "float32", torch.bfloat1
 
 
 # The largest |scale| the op takes (csrc/ops.cpp: scale * log2(e) must fit in the accumulation type): fp32, fp64.
+# (The fast paths compare against the fp32 one and leave any other scale to the checked path.)
 _SCALE_LIMITS = tuple(torch.finfo(t).max / math.log2(math.e) for t in (torch.float32, torch.float64))
+FP32_SCALE_LIMIT = _SCALE_LIMITS[0]
 
 
 def check_scale(scale, dtype, name="scale", where="flashattn_ext"):

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from ._checks import DTYPE_NAMES, MAX_HEAD_DIM
+from ._checks import DTYPE_NAMES, FP32_SCALE_LIMIT, MAX_HEAD_DIM
 from ._kvcache_values import PAGE_MULTIPLE, raise_on_bad_lengths, raise_on_bad_positions, raise_on_bad_ranges
 from .ops import run_kvcache_step
 
@@ -100,7 +100,7 @@ def step(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, s
         return None
     if softmax_scale is None:
         scale = 1.0 / math.sqrt(q.shape[3])
-    elif type(softmax_scale) in (float, int) and -1e38 <= softmax_scale <= 1e38:  # (else the general path's check)
+    elif type(softmax_scale) in (float, int) and -FP32_SCALE_LIMIT <= softmax_scale <= FP32_SCALE_LIMIT:
         scale = float(softmax_scale)
     else:
         return None

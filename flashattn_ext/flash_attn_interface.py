@@ -12,14 +12,12 @@ here it is always returned, always exact, and costs O(len_q * len_k) memory.
 
 Every function also takes FlashAttention-3's q_descale, k_descale, v_descale (keyword only) for
 float8 inputs, forward only, as functional.flash_attn_func documents them."""
-import math
 
 import torch
 
 from . import fp8, functional
 from ._attn_probs import attention_probs, varlen_attention_probs, with_dropout_signs
-from ._checks import check_scale
-from .functional import _check_tensors, _count, _real, _window, checked_fwd, fp8_call
+from .functional import _check_tensors, _count, _real, _scale, _window, checked_fwd, fp8_call
 from .kvcache import flash_attn_with_kvcache
 from .ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, new_rng_state
 
@@ -93,11 +91,7 @@ def _forward_and_probs(q, k, v, dropout_p, softmax_scale, causal, window_size, s
                         "thd" if varlen else "blhd", varlen.get("cu_seqlens_q"), varlen.get("cu_seqlens_k"))
         return call.run(lambda q, k, v, scale: _forward_and_probs(q, k, v, 0.0, scale, causal, window_size, softcap,
                                                                   alibi_slopes, deterministic, varlen or None))
-    if softmax_scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] > 0 else 1.0
-    else:
-        scale = _real(softmax_scale, "softmax_scale")
-        check_scale(scale, q.dtype, "softmax_scale")
+    scale = _scale(softmax_scale, q.shape[-1], q.dtype, "softmax_scale")
     causal = CAUSAL_BOTTOM_RIGHT if causal else CAUSAL_NONE
     window = _window(window_size)
     softcap, dropout_p = _real(softcap, "softcap", " >= 0 (0 = off)"), _real(dropout_p, "dropout_p", " in [0, 1)")

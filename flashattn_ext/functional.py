@@ -6,8 +6,8 @@ import operator
 import torch
 
 from . import fp8
-from ._checks import (call_signature, check_features, check_fwd_args, check_layout, check_scale, passed_before,
-                      remember_passed)
+from ._checks import (FP32_SCALE_LIMIT, call_signature, check_features, check_fwd_args, check_layout, check_scale,
+                      passed_before, remember_passed)
 from .ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, CAUSAL_TOP_LEFT, fwd, fwd_plain, new_rng_state
 
 
@@ -48,6 +48,16 @@ def default_scale(head_dim):
     return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
 
 
+def _scale(scale, head_dim, dtype, name):
+    """A call's scale as a float: head_dim^-1/2 where not given, else the argument checked as the op checks it,
+    in a message naming it `name` (the argument's name in the caller's signature)."""
+    if scale is None:
+        return default_scale(head_dim)
+    scale = _real(scale, name)
+    check_scale(scale, dtype, name)
+    return scale
+
+
 def _is_zero(x):
     """x is a plain number equal to 0: an option left off (anything else goes through _real)."""
     return type(x) in (float, int) and x == 0
@@ -56,18 +66,14 @@ def _is_zero(x):
 def _plain_options(scale, dropout_p, softcap=0.0):
     """No option but the causal flag, and a scale that needs no conversion: a call the public
     functions may take straight to the op once its signature passed the checks."""
-    return ((scale is None or (type(scale) is float and -1e38 <= scale <= 1e38)) and _is_zero(dropout_p)
-            and _is_zero(softcap))
+    return ((scale is None or (type(scale) is float and -FP32_SCALE_LIMIT <= scale <= FP32_SCALE_LIMIT))
+            and _is_zero(dropout_p) and _is_zero(softcap))
 
 
 def _attention(q, k, v, scale, causal, deterministic, attn_bias=None, window_size=(-1, -1), alibi_slopes=None,
                softcap=0.0, dropout_p=0.0, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
                layout="bhld", scale_name="scale"):
-    if scale is None:
-        scale = default_scale(q.shape[-1])
-    else:
-        scale = _real(scale, scale_name)
-        check_scale(scale, q.dtype, scale_name)
+    scale = _scale(scale, q.shape[-1], q.dtype, scale_name)
     if (attn_bias is None and alibi_slopes is None and cu_seqlens_q is None and cu_seqlens_k is None and not softcap
             and not dropout_p and window_size == (-1, -1)):
         # No optional feature: the op with its defaults, and only the checks that can fail then (the
@@ -94,8 +100,7 @@ def fp8_call(q, k, v, descales, softmax_scale, dropout_p, causal, layout, cu_seq
              features=None):
     """fp8.prepare on the op's views of a float8 call (or of one that gave descales: it says
     why that is wrong), with the scalar arguments read as _attention reads them."""
-    scale = default_scale(q.shape[-1]) if softmax_scale is None else _real(softmax_scale, "softmax_scale")
-    check_scale(scale, torch.float32, "softmax_scale")  # (float8 calls accumulate in fp32)
+    scale = _scale(softmax_scale, q.shape[-1], torch.float32, "softmax_scale")  # (float8 accumulates in fp32)
     return fp8.prepare(q, k, v, descales, scale, _real(dropout_p, "dropout_p", " in [0, 1)"), causal, layout,
                        cu_seqlens_q, cu_seqlens_k, features)
 

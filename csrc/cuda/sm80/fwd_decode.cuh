@@ -300,12 +300,12 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads, DecodeConf
       // The thread's first item read (and, paged, its page looked up) beside the page check, not after it: the
       // write then waits for one round of loads, not two. (Indices within the cache and the new rows whatever the
       // lengths: sequence_of_lengths clamps.)
-      const Elem* first_src = nullptr;
       Elem* first_dst = nullptr;
       uint4 first = {};
       if (tid < items) {
-        item_at(tid, first_src, first_dst);
-        first = *reinterpret_cast<const uint4*>(first_src);
+        const Elem* src;
+        item_at(tid, src, first_dst);
+        first = *reinterpret_cast<const uint4*>(src);
       }
       bool refused = !sq.valid;
       if constexpr (kKv != DecodeKv::kDense) {
