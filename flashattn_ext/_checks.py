@@ -23,7 +23,7 @@ FP32_SCALE_LIMIT = _SCALE_LIMITS[0]
 def check_scale(scale, dtype, name="scale", where="flashattn_ext"):
     """The op's rule for the scale (a float), in a message naming the argument as the caller's function names it
     (scale, softmax_scale)."""
-    limit = _SCALE_LIMITS[dtype == torch.float64]
+    limit = _SCALE_LIMITS[1] if dtype == torch.float64 else _SCALE_LIMITS[0]  # (torch 2.11's dynamo: no bool index)
     if not -limit <= scale <= limit:  # (NaN too)
         raise ValueError(f"{where}: {name} must be finite with |{name}| <= {limit:.6g} (scale * log2(e) must fit in "
                          f"the accumulation type), got {scale}")
