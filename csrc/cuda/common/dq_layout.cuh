@@ -25,7 +25,6 @@ struct DqRowMajor {
 };
 
 struct DqBlocked {
-  static constexpr int kRun = 2;
   int64_t cols_padded;  // head_dim rounded up to 8
   FLASHATTN_HD explicit DqBlocked(int64_t head_dim) : cols_padded((head_dim + 7) / 8 * 8) {}
   FLASHATTN_HD int64_t offset(int64_t row, int col) const {

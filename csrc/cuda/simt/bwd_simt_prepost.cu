@@ -2,7 +2,8 @@
 // accumulator in the same launch: no cudaMemsetAsync call on the host), and the conversion of
 // the atomic dQ accumulator into dq after. Both walk the rows as stored (a variable-length
 // batch is one run of total_q rows per head), each row taken by a group of adjacent lanes that
-// move 16 bytes per load where the tensors allow it: at 2048 features per token these kernels
+// move 16 bytes per load where the tensors allow it (the tensor-core kernels' blocked accumulator:
+// 16 rows a warp, dq_convert_blocked): at 2048 features per token these kernels
 // are memory-bound, and element-wise loads with index arithmetic per element made them take
 // 10-15% of a backward call at L = 1024 (H200).
 #include <cstdint>
@@ -11,6 +12,7 @@
 #include "../common/check.h"
 #include "../common/dq_layout.cuh"
 #include "../common/numeric.cuh"
+#include "../common/quad_transpose.cuh"
 #include "launch.h"
 
 namespace flashattn::cuda::simt {
@@ -86,9 +88,8 @@ __global__ void __launch_bounds__(kThreads)
   else dot_do_o_rows<T, 1>(p, dsum, lane_shift);
 }
 
-// dq of the rows from the accumulator, kVec values per access. The accumulator's values are read in runs of
-// up to Layout::kRun adjacent columns starting at a multiple of it, which lie together (4 row-major, 2
-// blocked).
+// dq of the rows from a row-major accumulator, kVec values per access. The accumulator's values are read in runs
+// of up to Layout::kRun adjacent columns starting at a multiple of it, which lie together.
 template <class T, int kVec, class Layout>
 __device__ __forceinline__ void dq_convert_rows(const BwdParams& p, const acc_t<T>* dq_accum, int slices,
                                                 int64_t slice_elems, Layout layout, int lane_shift) {
@@ -121,14 +122,68 @@ __device__ __forceinline__ void dq_convert_rows(const BwdParams& p, const acc_t<
   }
 }
 
-// `blocked`: the tensor-core kernels' accumulator (DqBlocked; fp16 / bf16, whose dq rows the plan lets take
-// 16-byte stores), else row-major; `wide`: dq's rows take stores of kVec values (16 bytes), else one value each.
+// dq of the rows from the tensor-core kernels' accumulator (DqBlocked; fp16 / bf16, whose dq rows take 16-byte
+// stores). A warp takes 16 rows x 32 columns, four 8-column atoms: each lane loads its 16-byte slot of each (rows
+// g and g + 8, columns 2 t and 2 t + 1: one whole 512-byte atom a warp and load), and after a quad transpose per row
+// (transpose_quad_words) holds 8 adjacent columns of row g and of row g + 8, one 16-byte store each: every load and
+// store a whole 16-byte slot, none at the atoms' 512-byte strides.
+template <class T>
+__device__ __forceinline__ void dq_convert_blocked(const BwdParams& p, const float* dq_accum, int slices,
+                                                   int64_t slice_elems) {
+  const DqBlocked layout(p.head_dim);
+  const int64_t len = tensor_rows(p);
+  const int64_t rows = tensor_batches(p) * p.heads_q * len;
+  const int atoms = int(layout.cols_padded / 8), quads = (atoms + 3) / 4;
+  const int64_t units = (rows + 15) / 16 * quads;  // (16 rows, 4 atoms) a warp
+  const int lane = threadIdx.x & 31, g = lane / 4, t = lane % 4;
+  const float scale = p.scale;
+  auto pack = [](float a, float b) {
+    Pack<T, 2> v;
+    v.v[0] = from_acc<T>(a);
+    v.v[1] = from_acc<T>(b);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  };
+  for (int64_t u = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32; u < units; u += int64_t(gridDim.x) * kWarps) {
+    const int64_t group = u / quads;
+    const int a0 = int(u - group * quads) * 4;
+    const float* src = dq_accum + group * 16 * layout.cols_padded + a0 * 128 + lane * 4;
+    uint32_t lo[4], hi[4];  // rows g / g + 8: columns 8 (a0 + k) + 2 t, + 1; after the transposes 8 (a0 + t) + 2 k, + 1
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (a0 + k < atoms) {  // (the same for the whole warp)
+        a = *reinterpret_cast<const float4*>(src + k * 128);
+        for (int sl = 1; sl < slices; ++sl) {  // the deterministic path's accumulators, in order
+          const float4 b = *reinterpret_cast<const float4*>(src + k * 128 + sl * slice_elems);
+          a = make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
+        }
+      }
+      lo[k] = pack(a.x * scale, a.y * scale);
+      hi[k] = pack(a.z * scale, a.w * scale);
+    }
+    transpose_quad_words(lo, lane);
+    transpose_quad_words(hi, lane);
+    if (a0 + t >= atoms) continue;
+    const int col = (a0 + t) * 8;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int64_t row = group * 16 + g + 8 * r;
+      if (row >= rows) continue;
+      T* dst = static_cast<T*>(p.dq) + row_offset(row, len, p.heads_q, p.dq_stride) + col;
+      const uint32_t(&w)[4] = r == 0 ? lo : hi;
+      *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+  }
+}
+
+// `blocked`: the tensor-core kernels' accumulator (dq_convert_blocked), else row-major; `wide`: dq's rows take
+// stores of kVec values (16 bytes), else one value each.
 template <class T, int kVec>
 __global__ void __launch_bounds__(kThreads)
     dq_convert_kernel(const BwdParams p, const acc_t<T>* dq_accum, int slices, int64_t slice_elems, bool blocked,
                       bool wide, int lane_shift) {
   if constexpr (sizeof(T) == 2) {
-    if (blocked) return dq_convert_rows<T, kVec>(p, dq_accum, slices, slice_elems, DqBlocked(p.head_dim), lane_shift);
+    if (blocked) return dq_convert_blocked<T>(p, dq_accum, slices, slice_elems);
   }
   if (wide) dq_convert_rows<T, kVec>(p, dq_accum, slices, slice_elems, DqRowMajor{p.head_dim}, lane_shift);
   else dq_convert_rows<T, 1>(p, dq_accum, slices, slice_elems, DqRowMajor{p.head_dim}, lane_shift);
@@ -187,7 +242,8 @@ void bwd_dq_convert(const BwdParams& p, const void* dq_accum, bool blocked, int 
   if (sizeof(T) == 2 && blocked && !wide)
     return fail("dq_convert_kernel: the tensor-core kernels' dQ accumulator for a dq whose rows do not take 16-byte "
                 "stores (the plan's operand alignment was not checked)");
-  const RowGrid g(rows, p.head_dim, wide ? kVec : 1);
+  RowGrid g(rows, p.head_dim, wide ? kVec : 1);
+  if (sizeof(T) == 2 && blocked) g.blocks = capped_blocks((rows + 15) / 16 * ((p.head_dim + 31) / 32), kWarps);
   dq_convert_kernel<T, kVec><<<g.blocks, kThreads, 0, stream>>>(p, static_cast<const acc_t<T>*>(dq_accum), slices,
                                                                 slice_elems, blocked, wide, g.shift);
   check_launch("dq_convert_kernel");
