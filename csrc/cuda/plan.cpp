@@ -194,7 +194,8 @@ std::optional<BwdKernel> tensor_core_bwd(const BwdParams& p, const Limits& lim) 
     };
     if (needs_general_step(p)) return general();
     if constexpr (sm90::BwdWsConfig<Elem, kDim>::kServed) {
-      if (aligned && lim.sm90() && lim.dev.sm90_ws_ready && sm90_takes_features<Elem, kDim>(p, /*forward=*/false) &&
+      if (aligned && bwd_dkdv_rows_aligned_16(p) && lim.sm90() && lim.dev.sm90_ws_ready &&
+          sm90_takes_features<Elem, kDim>(p, /*forward=*/false) &&
           p.head_dim == kDim &&
           p.head_dim_v == kDim && sm90::BwdWsConfig<Elem, kDim>::kSmemBytes <= lim.smem)
         return BwdKernel::kSm90Wgmma;

@@ -44,4 +44,11 @@ inline bool bwd_operands_aligned(const BwdParams& p) {
          pairs_aligned(p.dk, p.dk_stride, e) && pairs_aligned(p.dv, p.dv_stride, e);
 }
 
+// The Hopper dK/dV kernel's dk and dv written 16 bytes at a time (sm90/bwd_sm90.cuh: bwd_ws_store_dkdv).
+inline bool bwd_dkdv_rows_aligned_16(const BwdParams& p) {
+  const size_t e = dtype_size(p.dtype);
+  return rows_aligned_16(p.dk, p.dk_stride.batch, p.dk_stride.head, p.dk_stride.row, p.head_dim, e) &&
+         rows_aligned_16(p.dv, p.dv_stride.batch, p.dv_stride.head, p.dv_stride.row, p.head_dim_v, e);
+}
+
 }  // namespace flashattn::cuda

@@ -32,6 +32,7 @@
 #include "../common/barrier.cuh"
 #include "../common/cp_async.cuh"
 #include "../common/dq_atomics.cuh"
+#include "../common/quad_transpose.cuh"
 #include "../common/tma.cuh"
 #include "../schedule/causal_order.cuh"
 #include "../schedule/key_tile_rounds.h"
@@ -288,12 +289,15 @@ __device__ __forceinline__ void bwd_ws_stage_ds(unsigned char* sds, const float 
   }
 }
 
-// The epilogue: dK (scaled) and dV of the lane's keys key0 and key0 + 8 of the tile below rows_k, at dims
-// col0 + 8 d + 2 t (+ 1).
+// The epilogue: dK (scaled) and dV of the lane's keys key0 and key0 + 8 of the tile below rows_k. A lane holds dims
+// col0 + 8 d + 2 t (+ 1) of each; the quad's lanes swap them (transpose_quad_words) so that each stores 16 contiguous
+// bytes, dims col0 + 8 (d0 + t) ... + 7: a quarter of the store instructions and memory requests of pair stores, at the
+// end of every block (dk / dv rows 16-byte aligned: bwd_dkdv_rows_aligned_16). Every lane of the warp takes part.
 template <class Elem, int kDA>
 __device__ __forceinline__ void bwd_ws_store_dkdv(const BwdParams& p, const Seq& sq, int64_t hk, int64_t n0, int rows_k,
                                                   int key0, int t, const float (&dk)[kDA][4],
                                                   const float (&dv)[kDA][4], int col0 = 0) {
+  static_assert(kDA % 4 == 0, "dims in groups of 32");
   using M = Mma<Elem>;
   Elem* dk_g = sq.k_rows<Elem>(p.dk, p.dk_stride, hk, n0) + col0;
   Elem* dv_g = sq.k_rows<Elem>(p.dv, p.dv_stride, hk, n0) + col0;
@@ -301,11 +305,20 @@ __device__ __forceinline__ void bwd_ws_store_dkdv(const BwdParams& p, const Seq&
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int key = key0 + 8 * r;
-    if (key >= rows_k) continue;
 #pragma unroll
-    for (int d = 0; d < kDA; ++d) {
-      M::store_pair(dk_g + key * p.dk_stride.row + 8 * d + 2 * t, dk[d][2 * r] * scale, dk[d][2 * r + 1] * scale);
-      M::store_pair(dv_g + key * p.dv_stride.row + 8 * d + 2 * t, dv[d][2 * r], dv[d][2 * r + 1]);
+    for (int d0 = 0; d0 < kDA; d0 += 4) {
+      uint32_t wk[4], wv[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        wk[k] = M::pack(dk[d0 + k][2 * r] * scale, dk[d0 + k][2 * r + 1] * scale);
+        wv[k] = M::pack(dv[d0 + k][2 * r], dv[d0 + k][2 * r + 1]);
+      }
+      transpose_quad_words(wk, t);
+      transpose_quad_words(wv, t);
+      if (key < rows_k) {
+        *reinterpret_cast<uint4*>(dk_g + key * p.dk_stride.row + 8 * (d0 + t)) = make_uint4(wk[0], wk[1], wk[2], wk[3]);
+        *reinterpret_cast<uint4*>(dv_g + key * p.dv_stride.row + 8 * (d0 + t)) = make_uint4(wv[0], wv[1], wv[2], wv[3]);
+      }
     }
   }
 }
