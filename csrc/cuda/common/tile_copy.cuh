@@ -32,21 +32,32 @@ __device__ __forceinline__ void for_each_tile_chunk(int tid, Chunk&& chunk) {
 
 // A thread's chunks of a tile in the layout where a row's chunks divide the block: column chunk c of rows r0, r0 +
 // kRowStep, ... (kIters of them); at(it) the chunk's offset in the tile (pitch ld) for row r0 + it * kRowStep, padded
-// or swizzled (kSwizzle: below). Swizzled, a thread's rows fall on chunk c ^ (r % 8): where kRowStep is an odd
-// multiple of 4, r % 8 flips bit 2 from one row to the next (two column offsets in turn).
+// or swizzled (kSwizzle: below). Swizzled, a thread's rows fall on chunk c ^ (r % 8): where kRowStep is a multiple of
+// 4, r % 8 keeps its low bits from one row to the next and an odd multiple flips bit 2 (two column offsets in turn,
+// even and odd); at steps of 1 or 2 rows (a warp copying a 16-row segment, whose rows of 16 or 32 chunks take 2 or
+// 1 row a pass) each row's XOR is its own.
 template <int kRows, int kCols, int kThreads, bool kSwizzle, class Elem>
 struct TileRowChunks {
   static constexpr int kChunk = chunk_elems<Elem>(), kPerRow = kCols / kChunk, kRowStep = kThreads / kPerRow;
   static constexpr int kIters = (kRows + kRowStep - 1) / kRowStep;
+  static constexpr bool kTwoOffsets = !kSwizzle || kRowStep % 4 == 0;  // even / odd serve every row
   static_assert(kThreads % kPerRow == 0, "a row's chunks divide the block");
-  static_assert(!kSwizzle || (kCols * sizeof(Elem) % 128 == 0 && kRowStep % 4 == 0),
-                "swizzled rows are whole 128-byte lines, and a thread's rows agree modulo 4");
+  static_assert(!kSwizzle || (kCols * sizeof(Elem) % 128 == 0 && (kRowStep % 4 == 0 || 8 % kRowStep == 0)),
+                "swizzled rows are whole 128-byte lines, and a thread's rows agree modulo 4 or step through the 8");
   int r0, c, even, odd;
   __device__ __forceinline__ TileRowChunks(int ld, int tid) : r0(tid / kPerRow), c((tid % kPerRow) * kChunk) {
     even = r0 * ld + (kSwizzle ? c ^ ((r0 & 7) * kChunk) : c);
     odd = kSwizzle && kRowStep % 8 != 0 ? r0 * ld + (c ^ (((r0 & 7) ^ 4) * kChunk)) : even;
   }
-  __device__ __forceinline__ int at(int it, int ld) const { return (it % 2 ? odd : even) + it * kRowStep * ld; }
+  __device__ __forceinline__ int at(int it, int ld) const {
+    if constexpr (kTwoOffsets) {
+      return (it % 2 ? odd : even) + it * kRowStep * ld;
+    } else {
+      // (r0 < kRowStep <= 2 and it kRowStep even where kRowStep is 2: (r0 + it kRowStep) % 8 is r0's bit XOR
+      // (it kRowStep) % 8, so even's chunk XOR a constant)
+      return (even ^ (((it * kRowStep) & 7) * kChunk)) + it * kRowStep * ld;
+    }
+  }
 };
 
 // Rows `kRows` x columns `kCols` from `g` (rows `g_ld` elements apart) into `s` (pitch `ld`).
@@ -97,7 +108,13 @@ __device__ __forceinline__ void copy_tile_async(Elem* s, int ld, const Elem* g, 
     const int64_t src_step = kRowStep * g_ld;
     Elem* const dst_even = s + thread.even;
     Elem* const dst_odd = s + thread.odd;
-    auto dst = [&](int it) { return (it % 2 ? dst_odd : dst_even) + it * kRowStep * ld; };
+    auto dst = [&](int it) {
+      if constexpr (Rows::kTwoOffsets) {
+        return (it % 2 ? dst_odd : dst_even) + it * kRowStep * ld;
+      } else {
+        return s + thread.at(it, ld);
+      }
+    };
     if (kFullTilePath && rows >= kRows && cols >= kCols) {
 #pragma unroll
       for (int it = 0; it < kIters; ++it) {

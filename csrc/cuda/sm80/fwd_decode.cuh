@@ -209,33 +209,32 @@ __global__ void __launch_bounds__(DecodeConfig<Elem, kDim>::kThreads, DecodeConf
       constexpr int kSegs = kBN / kPageSegment;
       const unsigned seg = unsigned(uint64_t(n0) / kPageSegment);  // the tile's first segment
       if (grid.by_page.d % kSegs != 0) {  // pages not of whole tiles: the segments' blocks, then their rows
-        const Elem* k_seg[kSegs];
-        const Elem* v_seg[kSegs];
-#pragma unroll
-        for (int i = 0; i < kSegs; ++i) {  // (a segment past the keys: no lookup, its rows zeros)
+        // The segment's block (a segment past the keys: no lookup, its rows zeros) and its rows' addresses.
+        auto segment = [&](int i, const Elem*& k_seg, const Elem*& v_seg) {
           const unsigned page = grid.by_page.div(seg + i);
           const int64_t block = rows_k > i * kPageSegment ? block_of(p, b, page, bad_page) : 0;
           const int64_t row = int64_t(seg + i - page * grid.by_page.d) * kPageSegment;
-          k_seg[i] = k + block * p.k_stride.batch + row * p.k_stride.row;
-          v_seg[i] = v + block * p.v_stride.batch + row * p.v_stride.row;
-        }
-        Elem* const tile_k = sK + stage * kBN * kLd;
-        Elem* const tile_v = sV + stage * kBN * kLd;
-        if constexpr (kFull && kPageSegment % (kCopyThreads / kRowChunks) == 0) {
-          // (a thread's rows r0 + it kRowStep: kPageSegment / kRowStep of them in each segment)
-          using Rows = TileRowChunks<kBN, kDim, kCopyThreads, kSw, Elem>;
-          constexpr int kPerSegment = kPageSegment / Rows::kRowStep;
-          const Rows thread(kLd, tid);
+          k_seg = k + block * p.k_stride.batch + row * p.k_stride.row;
+          v_seg = v + block * p.v_stride.batch + row * p.v_stride.row;
+        };
+        if constexpr (kSegs == kThreads / 32 && 32 % kRowChunks == 0) {
+          // Warp i copies segment i (as a 16-row tile of 32 threads): one lookup a thread, not one per segment.
+          const Elem *k_seg, *v_seg;
+          segment(warp, k_seg, v_seg);
+          Elem* const tile_k = sK + stage * kBN * kLd;
+          Elem* const tile_v = sV + stage * kBN * kLd;
+          const int rows = rows_k - warp * kPageSegment, at = warp * kPageSegment * kLd;
+          copy_tile_async<kPageSegment, kDim, 32, true, kSw, true>(tile_k + at, kLd, k_seg, p.k_stride.row, rows, E,
+                                                                  lane);
+          copy_tile_async<kPageSegment, kDim, 32, true, kSw, true>(tile_v + at, kLd, v_seg, p.v_stride.row, rows, Ev,
+                                                                  lane);
+        } else {  // (every lookup issued before the first copy)
+          const Elem* k_seg[kSegs];
+          const Elem* v_seg[kSegs];
 #pragma unroll
-          for (int it = 0; it < Rows::kIters; ++it) {
-            const int r = thread.r0 + it * Rows::kRowStep, in_segment = r - it / kPerSegment * kPageSegment;
-            const bool k_ok = r < rows_k && thread.c < E, v_ok = r < rows_k && thread.c < Ev;
-            const Elem* k_src = k_seg[it / kPerSegment] + in_segment * p.k_stride.row + thread.c;
-            const Elem* v_src = v_seg[it / kPerSegment] + in_segment * p.v_stride.row + thread.c;
-            cp_async_16_zfill(tile_k + thread.at(it, kLd), k_ok ? k_src : k, k_ok);
-            cp_async_16_zfill(tile_v + thread.at(it, kLd), v_ok ? v_src : v, v_ok);
-          }
-        } else {
+          for (int i = 0; i < kSegs; ++i) segment(i, k_seg[i], v_seg[i]);
+          Elem* const tile_k = sK + stage * kBN * kLd;
+          Elem* const tile_v = sV + stage * kBN * kLd;
 #pragma unroll
           for (int i = 0; i < kSegs; ++i) {
             const int rows = rows_k - i * kPageSegment, at = i * kPageSegment * kLd;
