@@ -6,9 +6,7 @@
 //             4 g + t's four values (rows g and g + 8, columns 2t and 2t + 1) in 16 bytes at
 //             slot 4 g + t. A warp adds an atom of a 16-row-aligned group with one 4-wide
 //             atomic per lane taken straight from its accumulator registers: no shuffles,
-//             selects or moves (the 8-row x 16-column blocks before needed a quad shuffle and
-//             selects per atomic, and their per-row-group address math was ~250 of a dim-64
-//             backward's 1668 instructions per warp and tile).
+//             selects or moves, and one address per atom.
 //             Rows are padded to a multiple of 16 and columns to one of 8 (size).
 #pragma once
 #include <cstdint>

@@ -88,13 +88,14 @@ __global__ void __launch_bounds__(kThreads)
   else dot_do_o_rows<T, 1>(p, dsum, lane_shift);
 }
 
-// dq of the rows from a row-major accumulator, kVec values per access. The accumulator's values are read in runs
-// of up to Layout::kRun adjacent columns starting at a multiple of it, which lie together.
-template <class T, int kVec, class Layout>
+// dq of the rows from a row-major accumulator (DqRowMajor), kVec values per access. The accumulator's values are
+// read in runs of up to DqRowMajor::kRun adjacent columns starting at a multiple of it, which lie together.
+template <class T, int kVec>
 __device__ __forceinline__ void dq_convert_rows(const BwdParams& p, const acc_t<T>* dq_accum, int slices,
-                                                int64_t slice_elems, Layout layout, int lane_shift) {
+                                                int64_t slice_elems, int lane_shift) {
   using Acc = acc_t<T>;
-  constexpr int kRun = kVec < Layout::kRun ? kVec : Layout::kRun;
+  constexpr int kRun = kVec < DqRowMajor::kRun ? kVec : DqRowMajor::kRun;
+  const DqRowMajor layout{p.head_dim};
   const int64_t len = tensor_rows(p);
   const int64_t rows = tensor_batches(p) * p.heads_q * len;
   const int step = kVec << lane_shift, E = int(p.head_dim);
@@ -185,8 +186,8 @@ __global__ void __launch_bounds__(kThreads)
   if constexpr (sizeof(T) == 2) {
     if (blocked) return dq_convert_blocked<T>(p, dq_accum, slices, slice_elems);
   }
-  if (wide) dq_convert_rows<T, kVec>(p, dq_accum, slices, slice_elems, DqRowMajor{p.head_dim}, lane_shift);
-  else dq_convert_rows<T, 1>(p, dq_accum, slices, slice_elems, DqRowMajor{p.head_dim}, lane_shift);
+  if (wide) dq_convert_rows<T, kVec>(p, dq_accum, slices, slice_elems, lane_shift);
+  else dq_convert_rows<T, 1>(p, dq_accum, slices, slice_elems, lane_shift);
 }
 
 unsigned capped_blocks(int64_t work, int64_t per_block) {
