@@ -11,6 +11,7 @@
 #include "../../common/sequence.h"
 #include "../common/check.h"
 #include "../common/dq_layout.cuh"
+#include "../common/fragments.cuh"
 #include "../common/numeric.cuh"
 #include "../common/quad_transpose.cuh"
 #include "launch.h"
@@ -138,12 +139,6 @@ __device__ __forceinline__ void dq_convert_blocked(const BwdParams& p, const flo
   const int64_t units = (rows + 15) / 16 * quads;  // (16 rows, 4 atoms) a warp
   const int lane = threadIdx.x & 31, g = lane / 4, t = lane % 4;
   const float scale = p.scale;
-  auto pack = [](float a, float b) {
-    Pack<T, 2> v;
-    v.v[0] = from_acc<T>(a);
-    v.v[1] = from_acc<T>(b);
-    return *reinterpret_cast<const uint32_t*>(&v);
-  };
   for (int64_t u = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32; u < units; u += int64_t(gridDim.x) * kWarps) {
     const int64_t group = u / quads;
     const int a0 = int(u - group * quads) * 4;
@@ -159,8 +154,8 @@ __device__ __forceinline__ void dq_convert_blocked(const BwdParams& p, const flo
           a = make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
         }
       }
-      lo[k] = pack(a.x * scale, a.y * scale);
-      hi[k] = pack(a.z * scale, a.w * scale);
+      lo[k] = Mma<T>::pack(a.x * scale, a.y * scale);
+      hi[k] = Mma<T>::pack(a.z * scale, a.w * scale);
     }
     transpose_quad_words(lo, lane);
     transpose_quad_words(hi, lane);
