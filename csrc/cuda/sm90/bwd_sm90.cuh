@@ -30,7 +30,6 @@
 #include <type_traits>
 
 #include "../common/barrier.cuh"
-#include "../common/cp_async.cuh"
 #include "../common/dq_atomics.cuh"
 #include "../common/quad_transpose.cuh"
 #include "../common/tma.cuh"
@@ -109,18 +108,25 @@ __device__ __forceinline__ void bwd_ws_producer(const BwdParams& p, const BwdPan
                       int(sq.tb));
         }
       }
-      // LSE and D; rows past the sequence get 0 (with their zero Q and dO they add nothing).
+      // D, and the LSE as P's exponent subtracts it (bwd_ws_probs): base 2, and +inf for a row that sees no key
+      // (LSE -inf), whose exponentials are then 0; done here, once per row, not by each consumer lane. Rows past
+      // the sequence get 0 (with their zero Q and dO they add nothing).
       const int rows = sq.q_tile_rows(walk.m0, kBM);
       const int64_t r0 = sq.row_index(p.heads_q, walk.h, walk.m0);
 #pragma unroll
       for (int i = 0; i < kBM / 32; ++i) {
         const int m = lane + 32 * i;
-        cp_async_elem_zfill(sStats + s * 2 * kBM + m, static_cast<const float*>(p.lse) + r0 + m, m < rows);
-        cp_async_elem_zfill(sStats + s * 2 * kBM + kBM + m, dsum_g + r0 + m, m < rows);
+        float lse = 0.f, dsum = 0.f;
+        if (m < rows) {
+          lse = ExpDomain<float>::from_lse(static_cast<const float*>(p.lse)[r0 + m]);
+          lse = lse == neg_inf<float>() ? -neg_inf<float>() : lse;
+          dsum = dsum_g[r0 + m];
+        }
+        sStats[s * 2 * kBM + m] = lse;
+        sStats[s * 2 * kBM + kBM + m] = dsum;
       }
-      cp_async_mbar_arrive(q_full + s);
+      mbar_arrive(q_full + s);
     }
-    cp_async_wait<0>();
   } else if (warp == 1 && lane == 0 && dq_staged) {
     float* const acc = accum.block_slice<float>(round.groups);
     for (int64_t it = 0; it < walk.iters; ++it, walk.advance(kBM)) {
@@ -141,7 +147,7 @@ __device__ __forceinline__ void bwd_ws_init_barriers(uint64_t* const kv_full, ui
                                                      uint64_t* const dq_empty) {
   mbar_init(kv_full, 1);
   for (int s = 0; s < 2; ++s) {
-    mbar_init(q_full + s, 1 + 32);  // the TMA thread's expect_tx and the warp's LSE / D copies
+    mbar_init(q_full + s, 1 + 32);  // the TMA thread's expect_tx and the warp's LSE / D stores
     mbar_init(q_empty + s, 256);
   }
   mbar_init(dq_full, 256);
@@ -201,21 +207,26 @@ __device__ __forceinline__ void bwd_ws_issue_dq(float (&dq)[kCA][4], uint32_t dq
   wgmma_commit();
 }
 
+// Every score of a tile visible (bwd_ws_probs' `visible` where the tile is neither cut by the mask nor by the
+// sequence: no compare per score).
+struct AllVisible {
+  __device__ __forceinline__ bool operator()(int /*key*/, int /*row*/) const { return true; }
+};
+
 // S^T -> P^T in place: the lane's keys key0 and key0 + 8 (r = 0, 1) against rows 8 j + 2 t + c, with
-// the rows' LSE from smem and the terms of a bias (key_terms.of(x, j, c, r), key_bias.cuh); keys a row
-// does not see (visible(key, row) false) get 0.
+// the rows' LSE from smem (base 2, as the producer stores it) and the terms of a bias (key_terms.of(x, j, c,
+// r), key_bias.cuh); keys a row does not see (visible(key, row) false) get 0.
 template <int kRA, class Visible, class KeyTerms = NoKeyTerms>
 __device__ __forceinline__ void bwd_ws_probs(float (&st)[kRA][4], const float* lse_s, float score_scale, int key0,
                                              int t, const Visible& visible, const KeyTerms& key_terms = {}) {
   using Exp = ExpDomain<float>;
 #pragma unroll
   for (int j = 0; j < kRA; ++j) {
+    const float2 lse_pair = *reinterpret_cast<const float2*>(lse_s + 8 * j + 2 * t);  // rows 8 j + 2 t, + 1
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
       const int row = 8 * j + 2 * t + c;
-      // A row that sees no key (LSE -inf) takes +inf: its exponentials are then 0.
-      const float lse_row = Exp::from_lse(lse_s[row]);
-      const float lse = lse_row == neg_inf<float>() ? -neg_inf<float>() : lse_row;
+      const float lse = c == 0 ? lse_pair.x : lse_pair.y;
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int key = key0 + 8 * r, e = 2 * r + c;
@@ -272,11 +283,10 @@ __device__ __forceinline__ void bwd_ws_a_fragments(uint32_t (&frag)[kKSteps][4],
 }
 
 // The lane's dS^T (keys key0, key0 + 8) into the smem tile `sds` for dQ's product: kBN lines of the
-// rows, 64 rows a panel, its 16-byte chunks swizzled by the line.
-template <class Elem, int kBN, int kRA>
-__device__ __forceinline__ void bwd_ws_stage_ds(unsigned char* sds, const float (&dst)[kRA][4], int key0, int t,
-                                                int j0 = 0) {
-  using M = Mma<Elem>;
+// rows, 64 rows a panel, its 16-byte chunks swizzled by the line. word(i, r): the rounded pair of key r's
+// row atom i (rows 8 (j0 + i) + 2 t, + 1).
+template <int kBN, int kRA, class Word>
+__device__ __forceinline__ void bwd_ws_stage_ds(unsigned char* sds, int key0, int t, int j0, const Word& word) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int key = key0 + 8 * r;
@@ -284,9 +294,23 @@ __device__ __forceinline__ void bwd_ws_stage_ds(unsigned char* sds, const float 
     for (int i = 0; i < kRA; ++i) {
       const int j = j0 + i;
       *reinterpret_cast<uint32_t*>(sds + (j / 8) * kBN * 128 + key * 128 + (((j % 8) ^ (key % 8)) * 16) + 4 * t) =
-          M::pack(dst[i][2 * r], dst[i][2 * r + 1]);
+          word(i, r);
     }
   }
+}
+// ... from the fp32 values (rounded here).
+template <class Elem, int kBN, int kRA>
+__device__ __forceinline__ void bwd_ws_stage_ds(unsigned char* sds, const float (&dst)[kRA][4], int key0, int t,
+                                                int j0) {
+  bwd_ws_stage_ds<kBN, kRA>(sds, key0, t, j0,
+                            [&](int i, int r) { return Mma<Elem>::pack(dst[i][2 * r], dst[i][2 * r + 1]); });
+}
+// ... from the A fragments of the same values (bwd_ws_a_fragments: fragment kk holds atoms 2 kk, 2 kk + 1, key
+// r's pair of each in words r, 2 + r), which already hold them rounded.
+template <int kBN, int kKSteps>
+__device__ __forceinline__ void bwd_ws_stage_ds(unsigned char* sds, const uint32_t (&frag)[kKSteps][4], int key0,
+                                                int t) {
+  bwd_ws_stage_ds<kBN, 2 * kKSteps>(sds, key0, t, 0, [&](int j, int r) { return frag[j / 2][2 * (j % 2) + r]; });
 }
 
 // The epilogue: dK (scaled) and dV of the lane's keys key0 and key0 + 8 of the tile below rows_k. A lane holds dims
@@ -389,7 +413,8 @@ __device__ __forceinline__ void bwd_ws_split_consumer(const BwdParams& p, const 
     } else {
       wgmma_wait<1>();
       pin(st);
-      bwd_ws_probs(st, lse_s, score_scale, key0, t, visible, key_terms);
+      if (all_visible) bwd_ws_probs(st, lse_s, score_scale, key0, t, AllVisible{}, key_terms);
+      else bwd_ws_probs(st, lse_s, score_scale, key0, t, visible, key_terms);
     }
     bwd_ws_stage_ds<Elem, kBN>(sP(s), st, key0, t, row0 / 8);
     wgmma_wait<0>();
@@ -567,7 +592,8 @@ __global__ void __launch_bounds__(BwdWsConfig<Elem, kDim>::kThreads, 1)
       } else {
         wgmma_wait<1>();
         pin(st);
-        bwd_ws_probs(st, lse_s, score_scale, wkey + g, t, visible, key_terms);
+        if (all_visible) bwd_ws_probs(st, lse_s, score_scale, wkey + g, t, AllVisible{}, key_terms);
+        else bwd_ws_probs(st, lse_s, score_scale, wkey + g, t, visible, key_terms);
       }
       wgmma_wait<0>();
       pin(dpt);
@@ -579,7 +605,7 @@ __global__ void __launch_bounds__(BwdWsConfig<Elem, kDim>::kThreads, 1)
       bwd_ws_issue_dkdv<Elem, kDim, kBM>(dk, dv, pa, dsa, q_at, do_at);
 
       // dS^T to smem (buffer it % 2: the other warpgroup may still read the previous tile's for its dQ).
-      bwd_ws_stage_ds<Elem, kBN>(sdS(s), dpt, wkey + g, t);
+      bwd_ws_stage_ds<kBN>(sdS(s), dsa, wkey + g, t);
       fence_proxy_async();
       // dQ is issued behind dV / dK, so that the tensor cores do not drain at the barrier.
       bar_sync(1, 256);  // both halves of dS^T in smem
