@@ -155,25 +155,26 @@ __device__ __forceinline__ void bwd_ws_init_barriers(uint64_t* const kv_full, ui
   fence_mbar_init();
 }
 
-// S^T = K Q^T and dP^T = V dO^T of the warpgroup's 64 keys (k_at, v_at: their lines of K and V) against
-// kRows rows (q_at, do_at: their lines of Q and dO, panels of kBM lines) in two commit groups: the
-// exponentials run under dP^T's product.
+// S^T = K Q^T or dP^T = V dO^T (acc = a b^T) of the warpgroup's 64 keys (a_at: their lines of K or V) against
+// kRows rows (b_at: their lines of Q or dO, panels of kBM lines); one commit group.
+template <class Elem, int kDim, int kBM, int kBN, int kRows = kBM, int kRA>
+__device__ __forceinline__ void bwd_ws_issue_score(float (&acc)[kRA][4], uint32_t a_at, uint32_t b_at) {
+  // (K-major: K, V, Q and dO as the scores' operands; descriptors of common/wgmma.cuh)
+  const uint64_t a = kmajor_desc(a_at), b = kmajor_desc(b_at);
+  wgmma_fence();
+  Wgmma<Elem, kRows>::template ss<0>(acc, a, b);
+#pragma unroll
+  for (int kk = 1; kk < kDim / 16; ++kk)
+    Wgmma<Elem, kRows>::template ss<1>(acc, kmajor_step(a, kk, kBN), kmajor_step(b, kk, kBM));
+  wgmma_commit();
+}
+
+// S^T and dP^T (bwd_ws_issue_score) in two commit groups: the exponentials run under dP^T's product.
 template <class Elem, int kDim, int kBM, int kBN, int kRows = kBM, int kRA>
 __device__ __forceinline__ void bwd_ws_issue_scores(float (&st)[kRA][4], float (&dpt)[kRA][4], uint32_t k_at,
                                                     uint32_t v_at, uint32_t q_at, uint32_t do_at) {
-  // (K-major: K, V, Q and dO as the scores' operands; descriptors of common/wgmma.cuh)
-  const uint64_t k = kmajor_desc(k_at), v = kmajor_desc(v_at), q = kmajor_desc(q_at), dO = kmajor_desc(do_at);
-  wgmma_fence();
-  Wgmma<Elem, kRows>::template ss<0>(st, k, q);
-#pragma unroll
-  for (int kk = 1; kk < kDim / 16; ++kk)
-    Wgmma<Elem, kRows>::template ss<1>(st, kmajor_step(k, kk, kBN), kmajor_step(q, kk, kBM));
-  wgmma_commit();
-  Wgmma<Elem, kRows>::template ss<0>(dpt, v, dO);
-#pragma unroll
-  for (int kk = 1; kk < kDim / 16; ++kk)
-    Wgmma<Elem, kRows>::template ss<1>(dpt, kmajor_step(v, kk, kBN), kmajor_step(dO, kk, kBM));
-  wgmma_commit();
+  bwd_ws_issue_score<Elem, kDim, kBM, kBN, kRows>(st, k_at, q_at);
+  bwd_ws_issue_score<Elem, kDim, kBM, kBN, kRows>(dpt, v_at, do_at);
 }
 
 // dV += P^T dO, dK += dS^T Q: P^T and dS^T from registers, dO and Q MN-major from smem; one commit group.
@@ -191,6 +192,19 @@ __device__ __forceinline__ void bwd_ws_issue_dkdv(float (&dk)[kDA][4], float (&d
   for (int kk = 0; kk < kBM / 16; ++kk) Wgmma<Elem, kDim>::rs(dv, pa[kk], mnmajor_step(dO, kk));
 #pragma unroll
   for (int kk = 0; kk < kBM / 16; ++kk) Wgmma<Elem, kDim>::rs(dk, dsa[kk], mnmajor_step(q, kk));
+  wgmma_commit();
+}
+
+// dV += P^T dO or dK += dS^T Q alone (acc += a b; bwd_ws_issue_dkdv's products one at a time); one commit group.
+template <class Elem, int kDim, int kBM, int kDA>
+__device__ __forceinline__ void bwd_ws_issue_key_grad(float (&acc)[kDA][4], uint32_t (&a)[kBM / 16][4],
+                                                      uint32_t b_at) {
+  pin(acc);
+  pin(a);
+  const uint64_t b = mnmajor_desc(b_at, kBM);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kBM / 16; ++kk) Wgmma<Elem, kDim>::rs(acc, a[kk], mnmajor_step(b, kk));
   wgmma_commit();
 }
 
@@ -287,15 +301,15 @@ __device__ __forceinline__ void bwd_ws_a_fragments(uint32_t (&frag)[kKSteps][4],
 // row atom i (rows 8 (j0 + i) + 2 t, + 1).
 template <int kBN, int kRA, class Word>
 __device__ __forceinline__ void bwd_ws_stage_ds(unsigned char* sds, int key0, int t, int j0, const Word& word) {
+  // Key0's line with its chunk bits (4..6) holding the swizzle key0 % 8 (that of key0 + 8 too): chunk j % 8 of
+  // either line is then one XOR away, and key0 + 8's line and the panel constant offsets.
+  const uint32_t line = uint32_t(key0 * 128 + (key0 % 8) * 16 + 4 * t);
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int key = key0 + 8 * r;
+  for (int i = 0; i < kRA; ++i) {
+    const int j = j0 + i;
+    unsigned char* const at = sds + (line ^ uint32_t((j % 8) * 16)) + (j / 8) * kBN * 128;
 #pragma unroll
-    for (int i = 0; i < kRA; ++i) {
-      const int j = j0 + i;
-      *reinterpret_cast<uint32_t*>(sds + (j / 8) * kBN * 128 + key * 128 + (((j % 8) ^ (key % 8)) * 16) + 4 * t) =
-          word(i, r);
-    }
+    for (int r = 0; r < 2; ++r) *reinterpret_cast<uint32_t*>(at + r * 8 * 128) = word(i, r);
   }
 }
 // ... from the fp32 values (rounded here).
@@ -560,17 +574,34 @@ __global__ void __launch_bounds__(BwdWsConfig<Elem, kDim>::kThreads, 1)
 
     mbar_wait(kv_full, 0);
     QueryTileWalk walk(sq, n0, rows_k, hk * group, group, kBM);
-    // One query tile; the first one peeled off the loop: ptxas then schedules the loop's body without the
-    // first tile's cases (at dim 128 the backward ran 15-18% faster on an H200 at L >= 4096 than with one
-    // loop over every tile; dim 64 the same).
+    // With 64-row tiles (dims 96, 128) and no bias rows, S^T of a query tile is issued at the end of the tile
+    // before, once its dV / dK are done, so that it runs while the lanes add that tile's dQ; past the last tile
+    // the last one's again, its product discarded (a conditional issue would make the waits' counts run-time,
+    // and ptxas then serializes every product). At dim 64 (128-row tiles) that ran 2-4% slower at 512 keys
+    // (H200); with bias rows it spills more.
+    constexpr bool kScoresAhead = kBM == 64 && kBias != BiasForm::kRows;
+    float st[kRA][4];
+    auto issue_st = [&](int64_t it) {
+      const int64_t i = it < walk.iters ? it : walk.iters - 1;
+      const int s = int(i & 1);
+      mbar_wait(q_full + s, uint32_t(i >> 1) & 1);
+      bwd_ws_issue_score<Elem, kDim, kBM, kBN>(st, k_at + uniform_cwg * 64 * 128, smem_addr(sQ(s)));
+    };
+    // One query tile (with kScoresAhead its S^T already issued); the first one peeled off the loop: ptxas then
+    // schedules the loop's body without the first tile's cases (at dim 128 the backward ran 15-18% faster on an
+    // H200 at L >= 4096 than with one loop over every tile; dim 64 the same).
     auto tile = [&](int64_t it) {
       const int s = int(it & 1);
       const int64_t m0 = walk.m0;
       const uint32_t q_at = smem_addr(sQ(s)), do_at = smem_addr(sdO(s));
-      mbar_wait(q_full + s, uint32_t(it >> 1) & 1);
-      float st[kRA][4], dpt[kRA][4];
-      bwd_ws_issue_scores<Elem, kDim, kBM, kBN>(st, dpt, k_at + uniform_cwg * 64 * 128, v_at + uniform_cwg * 64 * 128,
-                                                q_at, do_at);
+      float dpt[kRA][4];
+      if constexpr (kScoresAhead) {
+        bwd_ws_issue_score<Elem, kDim, kBM, kBN>(dpt, v_at + uniform_cwg * 64 * 128, do_at);
+      } else {
+        mbar_wait(q_full + s, uint32_t(it >> 1) & 1);
+        bwd_ws_issue_scores<Elem, kDim, kBM, kBN>(st, dpt, k_at + uniform_cwg * 64 * 128,
+                                                  v_at + uniform_cwg * 64 * 128, q_at, do_at);
+      }
       const float* lse_s = sStats + s * 2 * kBM;
       const float* d_s = lse_s + kBM;
       const bool all_visible = n0 >= sq.key_begin(m0 + kBM - 1) && n0 + kBN <= sq.key_end(m0);
@@ -595,14 +626,26 @@ __global__ void __launch_bounds__(BwdWsConfig<Elem, kDim>::kThreads, 1)
         if (all_visible) bwd_ws_probs(st, lse_s, score_scale, wkey + g, t, AllVisible{}, key_terms);
         else bwd_ws_probs(st, lse_s, score_scale, wkey + g, t, visible, key_terms);
       }
-      wgmma_wait<0>();
-      pin(dpt);
-      bwd_ws_dscores(dpt, st, d_s, t);
       uint32_t pa[kBM / 16][4], dsa[kBM / 16][4];
-      bwd_ws_a_fragments<Elem>(pa, st);
-      bwd_ws_a_fragments<Elem>(dsa, dpt);
-
-      bwd_ws_issue_dkdv<Elem, kDim, kBM>(dk, dv, pa, dsa, q_at, do_at);
+      // With 64-row tiles and no bias rows, dV's product is issued before the wait for dP^T, so that it runs while
+      // the lanes compute dS^T (with 128-row tiles ptxas then has too few registers and serializes the products;
+      // with bias rows it spills more).
+      if constexpr (kBM == 64 && kBias != BiasForm::kRows) {
+        bwd_ws_a_fragments<Elem>(pa, st);
+        bwd_ws_issue_key_grad<Elem, kDim, kBM>(dv, pa, do_at);
+        wgmma_wait<1>();  // dP^T (committed before dV)
+        pin(dpt);
+        bwd_ws_dscores(dpt, st, d_s, t);
+        bwd_ws_a_fragments<Elem>(dsa, dpt);
+        bwd_ws_issue_key_grad<Elem, kDim, kBM>(dk, dsa, q_at);
+      } else {
+        wgmma_wait<0>();
+        pin(dpt);
+        bwd_ws_dscores(dpt, st, d_s, t);
+        bwd_ws_a_fragments<Elem>(pa, st);
+        bwd_ws_a_fragments<Elem>(dsa, dpt);
+        bwd_ws_issue_dkdv<Elem, kDim, kBM>(dk, dv, pa, dsa, q_at, do_at);
+      }
 
       // dS^T to smem (buffer it % 2: the other warpgroup may still read the previous tile's for its dQ).
       bwd_ws_stage_ds<kBN>(sdS(s), dsa, wkey + g, t);
@@ -615,13 +658,24 @@ __global__ void __launch_bounds__(BwdWsConfig<Elem, kDim>::kThreads, 1)
       pin(dv);
       pin(pa);
       pin(dsa);
-      mbar_arrive(q_empty + s);  // Q, dO, LSE and D of this stage are read
-      wgmma_wait<0>();
-      add_dq(it, walk.h, m0);
+      mbar_arrive(q_empty + s);  // Q, dO, LSE and D of this stage are read (the discarded S^T's Q: nothing loads after)
+      if constexpr (kScoresAhead) {
+        issue_st(it + 1);
+        wgmma_wait<1>();
+        add_dq(it, walk.h, m0);
+        wgmma_wait<0>();
+        pin(st);
+      } else {
+        wgmma_wait<0>();
+        add_dq(it, walk.h, m0);
+      }
       walk.advance(kBM);
     };
-    if (walk.iters > 0) tile(0);
-    for (int64_t it = 1; it < walk.iters; ++it) tile(it);
+    if (walk.iters > 0) {
+      if constexpr (kScoresAhead) issue_st(0);
+      tile(0);
+      for (int64_t it = 1; it < walk.iters; ++it) tile(it);
+    }
 
     bwd_ws_store_dkdv<Elem>(p, sq, hk, n0, rows_k, wkey + g, t, dk, dv);
   }
