@@ -7,13 +7,16 @@
 // (128 at dim 64, 64 at 96 and 128) that sees one of its keys, over the kv head's query heads (the walk
 // of the sm80/ kernels, query_walk.cuh):
 //   warpgroup 0, warp 0   copies: K and V once, then per query tile Q and dO (TMA, one thread) and its
-//                         LSE and D (cp.async, the warp) into a two-stage ring of mbarriers;
+//                         LSE and D (loaded by the warp, the LSE stored in P^T's base-2 domain) into a
+//                         two-stage ring of mbarriers;
 //   warpgroup 0, warp 1   adds each finished dQ tile, staged in smem by the consumers, into the fp32
 //                         accumulator with one bulk reduce-add (the TMA unit's atomics);
 //   warpgroups 1 and 2    64 keys each:
 //     S^T = K Q^T, dP^T = V dO^T   wgmma m64n(kBM), both from smem; the exponentials under dP^T
 //     P^T, dS^T = P^T (dP^T - D)   in registers (LSE and D per column, from smem)
 //     dV += P^T dO, dK += dS^T Q   wgmma m64n(E), P^T / dS^T from registers, dO / Q MN-major from smem
+//                                  (kBM = 64: dV issued before dP^T's wait, the next tile's S^T after
+//                                  dV / dK's, kScoresAhead)
 //     dQ = dS K                    dS^T of both through smem; wgmma m64n(E) over this warpgroup's 64 rows
 //                                  (kBM = 128) or m64n(E/2) over its half of the dims, staged in smem
 //                                  for the bulk add
