@@ -16,7 +16,7 @@
 //     P^T, dS^T = P^T (dP^T - D)   in registers (LSE and D per column, from smem)
 //     dV += P^T dO, dK += dS^T Q   wgmma m64n(E), P^T / dS^T from registers, dO / Q MN-major from smem
 //                                  (kBM = 64: dV issued before dP^T's wait, the next tile's S^T after
-//                                  dV / dK's, kScoresAhead)
+//                                  dV / dK's, kOverlapped)
 //     dQ = dS K                    dS^T of both through smem; wgmma m64n(E) over this warpgroup's 64 rows
 //                                  (kBM = 128) or m64n(E/2) over its half of the dims, staged in smem
 //                                  for the bulk add
@@ -577,12 +577,14 @@ __global__ void __launch_bounds__(BwdWsConfig<Elem, kDim>::kThreads, 1)
 
     mbar_wait(kv_full, 0);
     QueryTileWalk walk(sq, n0, rows_k, hk * group, group, kBM);
-    // With 64-row tiles (dims 96, 128) and no bias rows, S^T of a query tile is issued at the end of the tile
-    // before, once its dV / dK are done, so that it runs while the lanes add that tile's dQ; past the last tile
-    // the last one's again, its product discarded (a conditional issue would make the waits' counts run-time,
-    // and ptxas then serializes every product). At dim 64 (128-row tiles) that ran 2-4% slower at 512 keys
-    // (H200); with bias rows it spills more.
-    constexpr bool kScoresAhead = kBM == 64 && kBias != BiasForm::kRows;
+    // With 64-row tiles (dims 96, 128) and no bias rows the products overlap more (kOverlapped): S^T of a query
+    // tile is issued at the end of the tile before, once its dV / dK are done, so that it runs while the lanes add
+    // that tile's dQ (past the last tile the last one's again, its product discarded: a conditional issue would
+    // make the waits' counts run-time, and ptxas then serializes every product), and dV's product is issued
+    // before the wait for dP^T, so that it runs while the lanes compute dS^T. With 128-row tiles (dim 64) the
+    // early S^T ran 2-4% slower at 512 keys (H200) and dV first serializes the products (too few registers); with
+    // bias rows both spill more.
+    constexpr bool kOverlapped = kBM == 64 && kBias != BiasForm::kRows;
     float st[kRA][4];
     auto issue_st = [&](int64_t it) {
       const int64_t i = it < walk.iters ? it : walk.iters - 1;
@@ -590,7 +592,7 @@ __global__ void __launch_bounds__(BwdWsConfig<Elem, kDim>::kThreads, 1)
       mbar_wait(q_full + s, uint32_t(i >> 1) & 1);
       bwd_ws_issue_score<Elem, kDim, kBM, kBN>(st, k_at + uniform_cwg * 64 * 128, smem_addr(sQ(s)));
     };
-    // One query tile (with kScoresAhead its S^T already issued); the first one peeled off the loop: ptxas then
+    // One query tile (with kOverlapped its S^T already issued); the first one peeled off the loop: ptxas then
     // schedules the loop's body without the first tile's cases (at dim 128 the backward ran 15-18% faster on an
     // H200 at L >= 4096 than with one loop over every tile; dim 64 the same).
     auto tile = [&](int64_t it) {
@@ -598,7 +600,7 @@ __global__ void __launch_bounds__(BwdWsConfig<Elem, kDim>::kThreads, 1)
       const int64_t m0 = walk.m0;
       const uint32_t q_at = smem_addr(sQ(s)), do_at = smem_addr(sdO(s));
       float dpt[kRA][4];
-      if constexpr (kScoresAhead) {
+      if constexpr (kOverlapped) {
         bwd_ws_issue_score<Elem, kDim, kBM, kBN>(dpt, v_at + uniform_cwg * 64 * 128, do_at);
       } else {
         mbar_wait(q_full + s, uint32_t(it >> 1) & 1);
@@ -630,10 +632,7 @@ __global__ void __launch_bounds__(BwdWsConfig<Elem, kDim>::kThreads, 1)
         else bwd_ws_probs(st, lse_s, score_scale, wkey + g, t, visible, key_terms);
       }
       uint32_t pa[kBM / 16][4], dsa[kBM / 16][4];
-      // With 64-row tiles and no bias rows, dV's product is issued before the wait for dP^T, so that it runs while
-      // the lanes compute dS^T (with 128-row tiles ptxas then has too few registers and serializes the products;
-      // with bias rows it spills more).
-      if constexpr (kBM == 64 && kBias != BiasForm::kRows) {
+      if constexpr (kOverlapped) {  // dV's product before the wait for dP^T
         bwd_ws_a_fragments<Elem>(pa, st);
         bwd_ws_issue_key_grad<Elem, kDim, kBM>(dv, pa, do_at);
         wgmma_wait<1>();  // dP^T (committed before dV)
@@ -662,7 +661,7 @@ __global__ void __launch_bounds__(BwdWsConfig<Elem, kDim>::kThreads, 1)
       pin(pa);
       pin(dsa);
       mbar_arrive(q_empty + s);  // Q, dO, LSE and D of this stage are read (the discarded S^T's Q: nothing loads after)
-      if constexpr (kScoresAhead) {
+      if constexpr (kOverlapped) {
         issue_st(it + 1);
         wgmma_wait<1>();
         add_dq(it, walk.h, m0);
@@ -675,7 +674,7 @@ __global__ void __launch_bounds__(BwdWsConfig<Elem, kDim>::kThreads, 1)
       walk.advance(kBM);
     };
     if (walk.iters > 0) {
-      if constexpr (kScoresAhead) issue_st(0);
+      if constexpr (kOverlapped) issue_st(0);
       tile(0);
       for (int64_t it = 1; it < walk.iters; ++it) tile(it);
     }
