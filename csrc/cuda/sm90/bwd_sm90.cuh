@@ -23,9 +23,9 @@
 // P and dS round to Elem before their products, as in the sm80/ kernels. Dim 256 (64-key blocks, the
 // consumers splitting the dims): bwd_ws_split_consumer.
 // The consumers take the producer's registers (setmaxnreg) and wait for each other only where dQ needs
-// both halves of dS^T (a named barrier of their 256 threads); nobody issues a copy or an atomic but the
-// producer warps. dQ tiles not 16-row aligned in the accumulator (lengths not a multiple of 16) are
-// added with the consumers' atomics instead.
+// both halves of dS^T (a named barrier of their 256 threads; at dim 256 also where dV needs both halves
+// of P^T); nobody issues a copy or an atomic but the producer warps. dQ tiles not 16-row aligned in the
+// accumulator (lengths not a multiple of 16) are added with the consumers' atomics instead.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -254,6 +254,15 @@ __device__ __forceinline__ void bwd_ws_probs(float (&st)[kRA][4], const float* l
   }
 }
 
+// bwd_ws_probs of a tile, without a visibility test per score where every score of the tile is visible.
+template <int kRA, class Visible, class KeyTerms>
+__device__ __forceinline__ void bwd_ws_tile_probs(float (&st)[kRA][4], const float* lse_s, float score_scale,
+                                                  int key0, int t, bool all_visible, const Visible& visible,
+                                                  const KeyTerms& key_terms) {
+  if (all_visible) bwd_ws_probs(st, lse_s, score_scale, key0, t, AllVisible{}, key_terms);
+  else bwd_ws_probs(st, lse_s, score_scale, key0, t, visible, key_terms);
+}
+
 // Bias rows (BiasForm::kRows): S^T -> P^T (bwd_ws_probs) after the S^T product's wait (wait_scores), with
 // the query tile's bias words (rows m0 + ..., keys n0 + key0 and + 8 of head h) loaded before the wait, so
 // that their latency hides behind the product. `read(r, row)`: the lane's (key, row) pairs to read
@@ -366,8 +375,9 @@ __device__ __forceinline__ void bwd_ws_store_dkdv(const BwdParams& p, const Seq&
 
 // The consumers at dim 256 (BwdWsConfig::kSplitDims): both walk the block's 64 keys. For the scores they
 // split the query tile's rows: consumer c computes S^T and dP^T against rows [32 c, 32 c + 32), their P^T
-// and dS^T, and stages both in smem; then (one named barrier of both) each adds dV, dK and dQ over its
-// half of the dims, [128 c, 128 c + 128), with every row's P^T and dS^T from smem.
+// and dS^T, and stages both in smem; each adds dV, dK and dQ over its half of the dims, [128 c, 128 c + 128),
+// with every row's P^T and dS^T from smem: dV after a named barrier of both on P^T (so that dV's product runs
+// under the dS^T work), dK and dQ after a second one on dS^T.
 template <class Elem, int kDim, BiasForm kBias>
 __device__ __forceinline__ void bwd_ws_split_consumer(const BwdParams& p, const DqAccum& accum,
                                                       const KeyTileRound& round, const Seq& sq, int64_t n0,
@@ -430,26 +440,29 @@ __device__ __forceinline__ void bwd_ws_split_consumer(const BwdParams& p, const 
     } else {
       wgmma_wait<1>();
       pin(st);
-      if (all_visible) bwd_ws_probs(st, lse_s, score_scale, key0, t, AllVisible{}, key_terms);
-      else bwd_ws_probs(st, lse_s, score_scale, key0, t, visible, key_terms);
+      bwd_ws_tile_probs(st, lse_s, score_scale, key0, t, all_visible, visible, key_terms);
     }
     bwd_ws_stage_ds<Elem, kBN>(sP(s), st, key0, t, row0 / 8);
-    wgmma_wait<0>();
+    fence_proxy_async();
+    bar_sync(1, 256);  // every row's P^T in smem
+    // dV += P^T dO over this half's dims, issued before dP^T's wait so that it runs under dS^T; then dK += dS^T Q
+    // and dQ = dS K over them, the latter in two products of 64 dims: the second runs under the first's atomics.
+    const uint64_t pt = kmajor_desc(p_at), dst = kmajor_desc(ds_at);
+    const uint64_t dO = mnmajor_desc(do_half, kBM), q = mnmajor_desc(q_half, kBM);
+    pin(dv);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBM / 16; ++kk)
+      Wgmma<Elem, kHalf>::template ss<1, 0, 1>(dv, kmajor_step(pt, kk, kBN), mnmajor_step(dO, kk));
+    wgmma_commit();
+    wgmma_wait<1>();  // dP^T (committed before dV)
     pin(dpt);
     bwd_ws_dscores(dpt, st, d_s, t);
     bwd_ws_stage_ds<Elem, kBN>(sdS(s), dpt, key0, t, row0 / 8);
     fence_proxy_async();
-    bar_sync(1, 256);  // every row's P^T and dS^T in smem
-    // dV += P^T dO, dK += dS^T Q over this half's dims; dQ = dS K over them, in two products of 64 dims:
-    // the second runs under the first's atomics.
+    bar_sync(2, 256);  // every row's dS^T in smem
     pin(dk);
-    pin(dv);
     wgmma_fence();
-    const uint64_t pt = kmajor_desc(p_at), dst = kmajor_desc(ds_at);
-    const uint64_t dO = mnmajor_desc(do_half, kBM), q = mnmajor_desc(q_half, kBM);
-#pragma unroll
-    for (int kk = 0; kk < kBM / 16; ++kk)
-      Wgmma<Elem, kHalf>::template ss<1, 0, 1>(dv, kmajor_step(pt, kk, kBN), mnmajor_step(dO, kk));
 #pragma unroll
     for (int kk = 0; kk < kBM / 16; ++kk)
       Wgmma<Elem, kHalf>::template ss<1, 0, 1>(dk, kmajor_step(dst, kk, kBN), mnmajor_step(q, kk));
@@ -628,8 +641,7 @@ __global__ void __launch_bounds__(BwdWsConfig<Elem, kDim>::kThreads, 1)
       } else {
         wgmma_wait<1>();
         pin(st);
-        if (all_visible) bwd_ws_probs(st, lse_s, score_scale, wkey + g, t, AllVisible{}, key_terms);
-        else bwd_ws_probs(st, lse_s, score_scale, wkey + g, t, visible, key_terms);
+        bwd_ws_tile_probs(st, lse_s, score_scale, wkey + g, t, all_visible, visible, key_terms);
       }
       uint32_t pa[kBM / 16][4], dsa[kBM / 16][4];
       if constexpr (kOverlapped) {  // dV's product before the wait for dP^T
