@@ -19,7 +19,7 @@ same on pages of 256 keys or --page-size (its ours-paged-read-graph, or with --a
 --rotary: its ours-rotary-graph, the dense step appending one row with rotary tables, causal;
 --sdpa: that SDPA backend on the same shape, the same way). One process times its rows with 40 calls per median
 after at least 0.3 s of warm-up (--repeats, --warmup-s); a process that fails or runs past --child-timeout seconds (a kernel
-that hangs) leaves its round's readings empty."""
+that hangs) leaves its round's readings empty, and its variant runs in no later round."""
 import argparse
 import json
 import os
@@ -115,7 +115,7 @@ def main():
     p.add_argument("--repeats", type=int, default=40, help="calls per median")
     p.add_argument("--warmup-s", type=float, default=0.3, help="seconds of warm-up per row")
     p.add_argument("--json", help="append {pass, dtype, causal, rows, readings} as one JSON line to this file")
-    p.add_argument("--child-timeout", type=float, default=180.0, help="seconds a variant's process may take")
+    p.add_argument("--child-timeout", type=float, default=90.0, help="seconds a variant's process may take")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--impl", default="ours", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -146,16 +146,21 @@ def main():
     base += ["--paged", "--page-size", str(args.page_size)] if args.paged else []
     base += ["--append"] if args.append else []
     base += ["--rotary"] if args.rotary else []
+    dropped = set()  # variants that hung or failed: they do so in every round, so they run no more
     for r in range(args.rounds):
         for name, env, impl in (variants if r % 2 == 0 else variants[::-1]):
+            if name in dropped:
+                continue
             try:
                 res = subprocess.run(base + ["--impl", impl], env={**os.environ, **env}, capture_output=True, text=True,
                                      timeout=args.child_timeout)
             except subprocess.TimeoutExpired:
-                print(f"round {r + 1} {name:>12}: timed out after {args.child_timeout:.0f} s", flush=True)
+                print(f"round {r + 1} {name:>12}: timed out after {args.child_timeout:.0f} s (no more rounds)", flush=True)
+                dropped.add(name)
                 continue
             if res.returncode != 0:
-                print(f"round {r + 1} {name:>12}: failed\n{res.stderr[-2000:]}", flush=True)
+                print(f"round {r + 1} {name:>12}: failed (no more rounds)\n{res.stderr[-2000:]}", flush=True)
+                dropped.add(name)
                 continue
             values = [float(x) for x in res.stdout.split()]
             readings[name].append(values)
