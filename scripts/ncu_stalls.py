@@ -6,9 +6,12 @@
     ncu -i rep.ncu-rep --page source --csv --print-source sass > rep.csv
     python3 scripts/ncu_stalls.py rep.csv [more.csv ...] > $OUT/stalls.txt
 
-prints per CSV its kernel, the warp-stall samples by reason, over the prologue (before the key loop), the key loop
-(sass_blocks.key_loop's rule: the shortest backward branch's range holding a tensor-core product) and the rest, and
-the instructions with the most samples. (ncu's default `--cache-control all` flushes the caches before the launch:
+prints per kernel of each CSV (a report of several kernels gives one CSV with a section each) the warp-stall samples
+by reason, over the prologue (before the key loop), the key loop (sass_blocks.key_loop's rule: the shortest backward
+branch's range holding a tensor-core product) and the rest; the instructions with the most samples; and the code by
+execution count (instructions that ran equally often: a loop body, an item's code, a role's wait loop), which splits
+two kernels' work per tile and per item alike whatever their layout (sm90_forward_ws.md compares ours with cuDNN's
+that way). (ncu's default `--cache-control all` flushes the caches before the launch:
 a short kernel's code is then fetched cold, and `no_inst` stalls dominate, half the samples of a paged decode step's
 kernel in one reading; `none` keeps the caches a graph replay of many steps would have.)"""
 import argparse
@@ -22,10 +25,21 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import sass_blocks  # noqa: E402
 
 
-def summarize(path, top):
-    rows = list(csv.reader(open(path, newline="")))
-    kernel = rows[0][1] if len(rows[0]) > 1 else "?"
-    header, body = rows[1], [r for r in rows[2:] if len(r) > 2]
+def sections(rows):
+    """(kernel, header, body) of each kernel in a source-page CSV (one "Kernel Name" row before each)."""
+    starts = [i for i, r in enumerate(rows) if r and r[0] == "Kernel Name"] or [0]
+    for n, i in enumerate(starts):
+        end = starts[n + 1] if n + 1 < len(starts) else len(rows)
+        kernel = rows[i][1] if len(rows[i]) > 1 else "?"
+        yield kernel, rows[i + 1], [r for r in rows[i + 2:end] if len(r) > 2]
+
+
+def summarize(path, top, classes):
+    for kernel, header, body in sections(list(csv.reader(open(path, newline="")))):
+        summarize_kernel(path, kernel, header, body, top, classes)
+
+
+def summarize_kernel(path, kernel, header, body, top, classes):
     samples_at = header.index("Warp Stall Sampling (All Samples)")
     reasons = [(h[len("stall_"):], i) for i, h in enumerate(header) if h.startswith("stall_") and "Not Issued" not in h]
     count = lambda r, i: int(r[i].replace(",", "") or 0)  # noqa: E731
@@ -52,15 +66,43 @@ def summarize(path, top):
         why = ", ".join(f"{name} {count(r, i)}" for name, i in reasons if count(r, i))
         text = re.sub(r"\s+", " ", text)[:60]
         print(f"   {count(r, samples_at):5d} {region(address):9s} {text:60s} {why}")
+    if classes:
+        print_classes(header, body, reasons, count, samples_at, classes)
+
+
+def print_classes(header, body, reasons, count, samples_at, most):
+    """The code by how often it ran: instructions sharing one execution count run together (a loop's body, an
+    item's code, a role's), so the classes split a kernel's work and samples by phase without its control flow."""
+    executed_at = header.index("Instructions Executed")
+    by_count = collections.defaultdict(list)
+    for r in body:
+        by_count[count(r, executed_at)].append(r)
+    total_executed = sum(n * len(rs) for n, rs in by_count.items()) or 1
+    total_samples = sum(count(r, samples_at) for r in body) or 1
+    print(f"   code by execution count (the {most} classes with the most warp instructions):")
+    ranked = sorted(by_count.items(), key=lambda item: -item[0] * len(item[1]))[:most]
+    for executed, rs in ranked:
+        why = collections.Counter()
+        ops = collections.Counter()
+        for r in rs:
+            for name, i in reasons:
+                why[name] += count(r, i)
+            ops[re.sub(r"^@!?U?P\w+ +", "", r[1].strip()).split(" ")[0].split(".")[0]] += 1
+        samples = sum(count(r, samples_at) for r in rs)
+        print(f"   {executed:10d} x {len(rs):4d} instr: {100 * executed * len(rs) / total_executed:4.1f}% executed, "
+              f"{100 * samples / total_samples:4.1f}% samples; "
+              + ", ".join(f"{k} {v}" for k, v in why.most_common(4) if v) + " | "
+              + " ".join(f"{k} {v}" for k, v in ops.most_common(6)))
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("csv", nargs="+", help="ncu --page source --csv --print-source sass output, one kernel each")
     p.add_argument("--top", type=int, default=15)
+    p.add_argument("--classes", type=int, default=8, help="execution-count classes to list (0: none)")
     args = p.parse_args()
     for path in args.csv:
-        summarize(path, args.top)
+        summarize(path, args.top, args.classes)
 
 
 if __name__ == "__main__":
