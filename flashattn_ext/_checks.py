@@ -302,10 +302,12 @@ def call_signature(q, k, v, *flags):
     if q.layout is not _STRIDED or k.layout is not _STRIDED or v.layout is not _STRIDED:
         return None
     try:
-        return (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device, v.shape, v.stride(),
-                v.dtype, v.device, flags)
+        qs, ks, vs = q.stride(), k.stride(), v.stride()
     except RuntimeError:  # strides that cannot be read (a strided nested tensor): the checks say why
         return None
+    if qs and (qs[-1] != 1 or ks[-1] != 1 or vs[-1] != 1):  # (copied on the way: functional.rows_contiguous)
+        return None
+    return (q.shape, qs, q.dtype, q.device, k.shape, ks, k.dtype, k.device, v.shape, vs, v.dtype, v.device, flags)
 
 
 _transforms_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: True)

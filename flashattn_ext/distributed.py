@@ -16,7 +16,7 @@ from torch.autograd.function import once_differentiable
 
 from ._checks import check_features, check_fwd_args, check_scale
 from ._ring_plan import LAYOUTS, alibi_terms, block_calls, ring_steps, shard_chunks, zigzag_chunk_ids
-from .functional import _check_tensors, _real, _window
+from .functional import _check_tensors, _real, _window, rows_contiguous
 from .ops import FEATURES, autocast_inputs, run_bwd, run_fwd
 
 __all__ = ["ring_attention", "zigzag_shard", "zigzag_unshard"]
@@ -286,6 +286,7 @@ def ring_attention(q, k, v, group=None, causal=False, softmax_scale=None, window
     _check_tensors((("q", q), ("k", k), ("v", v)), four_d)
     rank, world = _group_info(group)
     q, k, v, _ = autocast_inputs(q.device.type, q, k, v, None)  # in an autocast region, its dtype (as the ops)
+    q, k, v = rows_contiguous(q), rows_contiguous(k), rows_contiguous(v)
     causal = bool(causal)
     layout = layout if layout is not None else ("zigzag" if causal else "contiguous")
     if layout not in LAYOUTS:

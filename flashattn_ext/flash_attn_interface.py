@@ -17,7 +17,7 @@ import torch
 
 from . import fp8, functional
 from ._attn_probs import attention_probs, varlen_attention_probs, with_dropout_signs
-from .functional import _check_tensors, _count, _real, _scale, _window, checked_fwd, fp8_call
+from .functional import _check_tensors, _count, _real, _scale, _window, checked_fwd, fp8_call, rows_contiguous
 from .kvcache import flash_attn_with_kvcache
 from .ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, new_rng_state
 
@@ -85,6 +85,7 @@ def _forward_and_probs(q, k, v, dropout_p, softmax_scale, causal, window_size, s
     cu_seqlens arguments). The call draws its dropout state here, so that S_dmask can show
     which scores it dropped. A float8 call (fp8.py) runs on its dequantized tensors, with the
     descales in its scale and output; S_dmask is then bfloat16."""
+    q, k, v = rows_contiguous(q), rows_contiguous(k), rows_contiguous(v)
     if fp8.requested(q, k, v, *descales):
         varlen = varlen or {}
         call = fp8_call(q, k, v, descales, softmax_scale, dropout_p, CAUSAL_BOTTOM_RIGHT if causal else CAUSAL_NONE,

@@ -11,6 +11,19 @@ from ._checks import (FP32_SCALE_LIMIT, call_signature, check_features, check_fw
 from .ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, CAUSAL_TOP_LEFT, fwd, fwd_plain, new_rng_state
 
 
+def rows_contiguous(t):
+    """t where its last dimension is contiguous (or has one element), else a copy that is: the kernels read each
+    row's head dims as one run, and torch's SDPA and flash-attn take a transposed or expanded head dimension by
+    copying it too. Anything else (a nested or sparse tensor, not a tensor) is left for the checks to name."""
+    try:
+        strided_rows = t.stride(-1) != 1
+    except (AttributeError, RuntimeError, IndexError, TypeError):  # no strides or no dimensions
+        return t
+    if strided_rows and type(t) is torch.Tensor and t.layout is torch.strided and not t.is_nested and t.shape[-1] > 1:
+        return t.contiguous()
+    return t
+
+
 def checked_fwd(q, k, v, scale, causal, deterministic=False, layout="bhld", **features):
     """flashattn::fwd after every check of csrc/ops.cpp that needs no tensor values, in Python
     (so that bad input raises at trace time under torch.compile too; see _checks.py);
@@ -80,11 +93,13 @@ def _attention(q, k, v, scale, causal, deterministic, attn_bias=None, window_siz
         # feature checks pass on defaults). Passing on the eleven feature keywords and checking them
         # cost 8-10 us per call (2-core CPU, bench_overhead.py: forward under no_grad 69 -> 60 us).
         # Those checks run once per signature (the other entry points: attention(), the modules).
-        signature = call_signature(q, k, v, "attention", causal)
+        signature = call_signature(q, k, v, "attention", causal)  # (None where a last dimension is not contiguous)
         if not passed_before(signature):
+            q, k, v = rows_contiguous(q), rows_contiguous(k), rows_contiguous(v)
             check_fwd_args(q, k, v, causal, layout)
             remember_passed(signature)
         return fwd_plain(q, k, v, scale, causal, deterministic)
+    q, k, v = rows_contiguous(q), rows_contiguous(k), rows_contiguous(v)
     dropout_p = _real(dropout_p, "dropout_p", " in [0, 1)")
     softcap = _real(softcap, "softcap", " >= 0 (0 = off)")
     left, right = _window(window_size)
@@ -109,6 +124,7 @@ def _fp8_attention(q, k, v, descales, softmax_scale, causal, deterministic, drop
     """(out, lse) of a float8 call on the op's views: the float8 kernel where it takes the call, else
     its dequantized tensors through the bfloat16 path (autocast off, so that it stays bfloat16), the
     output times v_descale."""
+    q, k, v = rows_contiguous(q), rows_contiguous(k), rows_contiguous(v)
     call = fp8_call(q, k, v, descales, softmax_scale, dropout_p, causal, layout, features.get("cu_seqlens_q"),
                     features.get("cu_seqlens_k"), features)
     on_kernel = call.run_kernel(causal)

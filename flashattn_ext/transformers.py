@@ -28,7 +28,7 @@ flash_attn_with_kvcache on the cache transformers has just updated, read in plac
 module imports transformers only when register() is called."""
 import torch
 
-from .functional import checked_fwd, flash_attn_varlen_func
+from .functional import checked_fwd, flash_attn_varlen_func, rows_contiguous
 from .kvcache import flash_attn_with_kvcache
 from .ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, new_rng_state
 
@@ -242,6 +242,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     """The AttentionInterface function: query (batch, heads, len_q, dim), key and value
     (batch, kv_heads, len_k, dim) with kv_heads dividing heads (grouped-query attention
     needs no copy); returns (out (batch, len_q, heads, dim_v), None)."""
+    query, key, value = rows_contiguous(query), rows_contiguous(key), rows_contiguous(value)
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
     softcap, dropout = float(softcap or 0.0), float(dropout)
     if is_causal is None:

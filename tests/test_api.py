@@ -101,3 +101,61 @@ def test_flash_attn_func_outputs(device):
     assert torch.equal(out, out2) and lse.dtype == torch.float32 and lse.shape == (1, 2, 5)
     out3, lse3 = ours(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.5, NONE)
     assert torch.equal(out, out3.transpose(1, 2)) and torch.equal(lse, lse3)
+
+
+
+def _head_dim_view(shape, how, device):
+    """A float64 tensor of `shape` whose last dimension is not contiguous, in the autograd graph of a leaf."""
+    *lead, rows, dim = shape
+    if how == "strided":
+        return torch.randn(*lead, rows, 2 * dim, dtype=torch.float64, device=device, requires_grad=True)[..., ::2]
+    if how == "transposed":
+        return torch.randn(*lead, dim, rows, dtype=torch.float64, device=device, requires_grad=True).transpose(-1, -2)
+    return torch.randn(*lead, rows, 1, dtype=torch.float64, device=device, requires_grad=True).expand(shape)
+
+
+def _flash(fn, q, k, v, **kwargs):
+    out = fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **kwargs)
+    return (out[0] if isinstance(out, tuple) else out).transpose(1, 2)
+
+
+def _varlen(q, k, v):
+    cu_q = torch.tensor([0, 2, q.shape[2]], dtype=torch.int32, device=q.device)
+    cu_k = torch.tensor([0, 3, k.shape[2]], dtype=torch.int32, device=q.device)
+    out = flashattn_ext.flash_attn_varlen_func(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
+                                               cu_q, cu_k, q.shape[2], k.shape[2], causal=True)
+    return out.transpose(0, 1)[None]
+
+
+_ENTRY_POINTS = {
+    "sdpa": lambda q, k, v: flashattn_ext.scaled_dot_product_attention(q, k, v, is_causal=True),
+    "sdpa_mask": lambda q, k, v: flashattn_ext.scaled_dot_product_attention(
+        q, k, v, attn_mask=torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()),
+    "attention": lambda q, k, v: flashattn_ext.attention(q, k, v),
+    "flash_attn_func": lambda q, k, v: _flash(flashattn_ext.flash_attn_func, q, k, v, causal=True),
+    "flash_attn_func_window": lambda q, k, v: _flash(flashattn_ext.flash_attn_func, q, k, v, window_size=(2, 1)),
+    "attn_probs": lambda q, k, v: _flash(flashattn_ext.flash_attn_interface.flash_attn_func, q, k, v,
+                                         return_attn_probs=True),
+    "varlen": _varlen,
+}
+
+
+@pytest.mark.parametrize("how", ["strided", "transposed", "expanded"])
+@pytest.mark.parametrize("entry", list(_ENTRY_POINTS))
+def test_head_dim_not_contiguous(device, entry, how):
+    """torch's SDPA and flash-attn take q, k, v whose last dimension is not contiguous (a strided, transposed or
+    expanded head dim) by copying them; every public function does too: the output and gradients the contiguous
+    tensors give, on two calls (the second must not take a fast path that hands the view to the op)."""
+    call = _ENTRY_POINTS[entry]
+    shapes = (1, 2, 7, 8), (1, 2, 9, 8), (1, 2, 9, 8)
+    dout = torch.randn(1, 2, 7, 8, dtype=torch.float64, device=device)
+    for which in range(3):
+        args = _leaves(*shapes, device=device)
+        args[which] = _head_dim_view(shapes[which], how, device)
+        plain = [a.detach().contiguous().requires_grad_() for a in args]
+        want = call(*plain)
+        want_grads = _grads(want, plain, dout)
+        for _ in range(2):
+            got = call(*args)
+            assert torch.equal(got, want)
+            assert all(torch.equal(g, w) for g, w in zip(_grads(got, args, dout), want_grads))

@@ -128,9 +128,18 @@ def test_failed_call_is_not_remembered(device):
     flashattn_ext.scaled_dot_product_attention(good, good, good)
     with pytest.raises(RuntimeError, match="dtype"):
         flashattn_ext.scaled_dot_product_attention(good, good.double(), good)
-    strided = torch.randn(1, 2, 8, 32, device=device)[..., ::2]  # same shape, last dimension strided
-    with pytest.raises(RuntimeError, match="contiguous last dimension"):
-        flashattn_ext.scaled_dot_product_attention(good, strided, good)
+
+
+def test_strided_head_dim_is_copied_not_remembered(device):
+    """A last dimension that is not contiguous is copied on the way (as torch's SDPA does), so its signature is not
+    remembered: the fast path would hand the strided view to the op, which refuses it."""
+    good = torch.randn(1, 2, 8, 16, device=device)
+    strided = torch.randn(1, 2, 8, 32, device=device)[..., ::2]
+    assert _checks.call_signature(good, strided, good, "sdpa") is None
+    expected = flashattn_ext.scaled_dot_product_attention(good, strided.contiguous(), good)
+    for _ in range(2):
+        assert torch.equal(flashattn_ext.scaled_dot_product_attention(good, strided, good), expected)
+    assert all(strided.stride() not in (sig[1], sig[5], sig[9]) for sig in _checks._PASSED)
 
 
 def test_no_signature_for_what_the_checks_cannot_summarize(device):

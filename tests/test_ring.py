@@ -48,11 +48,12 @@ def _grads(fn, q, k, v, dout, dlse):
 
 
 def _check_exact(rank, world, device, causal=False, layout=None, hq=2, hkv=2, n=6, window=(-1, -1), softcap=0.0,
-                 alibi=False, with_dlse=False, b=2, e=8, ev=None, group=None):
+                 alibi=False, with_dlse=False, b=2, e=8, ev=None, group=None, head_dim_transposed=False):
     """float64: this rank's shard of ring_attention against the op on the whole sequence; rank
-    and world within `group` (default: the world)."""
+    and world within `group` (default: the world). head_dim_transposed: q, k and v shards stored with the head
+    dim outermost (a last dimension that is not contiguous, which ring_attention copies)."""
     label = dict(world=world, causal=causal, layout=layout, hq=hq, hkv=hkv, n=n, window=window, softcap=softcap,
-                 alibi=alibi, with_dlse=with_dlse, ev=ev)
+                 alibi=alibi, with_dlse=with_dlse, ev=ev, head_dim_transposed=head_dim_transposed)
     layout_used = layout or ("zigzag" if causal else "contiguous")
     q, k, v, dout, dlse = _inputs(torch.float64, device, b, n * world, hq, hkv, e, ev, seed=len(str(label)))
     dlse = dlse if with_dlse else None
@@ -60,8 +61,9 @@ def _check_exact(rank, world, device, causal=False, layout=None, hq=2, hkv=2, n=
     options = dict(causal=causal, window_size=window, softcap=softcap, alibi_slopes=slopes, return_lse=True)
     ref = _grads(lambda *t: flashattn_ext.flash_attn_func(*t, **options), q, k, v, dout, dlse)
     shard = lambda x, dim=1: _shard(x, dim, layout_used, rank, world, group)
-    got = _grads(lambda *t: fd.ring_attention(*t, group=group, layout=layout, **options), shard(q), shard(k), shard(v),
-                 shard(dout), None if dlse is None else shard(dlse, 2))
+    stored = (lambda x: x.transpose(-1, -2).contiguous().transpose(-1, -2)) if head_dim_transposed else (lambda x: x)
+    got = _grads(lambda *t: fd.ring_attention(*t, group=group, layout=layout, **options), stored(shard(q)),
+                 stored(shard(k)), stored(shard(v)), shard(dout), None if dlse is None else shard(dlse, 2))
     for name in ("out", "lse", "dq", "dk", "dv"):
         want = shard(ref[name], 2 if name == "lse" else 1)
         err = (got[name] - want).abs().max().item()
@@ -134,7 +136,7 @@ EXACT_CASES = {
     2: [dict(), dict(n=5, hq=4, hkv=2), dict(causal=True, hq=4, hkv=1), dict(causal=True, n=10, with_dlse=True),
         dict(causal=True, layout="contiguous", n=5, ev=4), dict(n=7, window=(3, 2)), dict(causal=True, window=(4, -1)),
         dict(causal=True, n=8, window=(2, 0), softcap=0.7), dict(n=5, alibi=True, with_dlse=True),
-        dict(causal=True, alibi=True, window=(7, -1))],
+        dict(causal=True, alibi=True, window=(7, -1)), dict(causal=True, head_dim_transposed=True)],
     4: [dict(n=3, hq=4, hkv=2), dict(causal=True, n=4, hq=4, hkv=2, with_dlse=True), dict(causal=True, window=(5, 0)),
         dict(n=4, window=(1, 6), alibi=True, softcap=0.5),
         # rings stopped early (2 steps, then 1): dK/dV go home in one direct transfer, or stay

@@ -392,3 +392,20 @@ def test_what_the_kernels_cannot_do_is_refused(device):
     for sink in ("s_aux", "sinks"):
         with pytest.raises(ValueError, match=f"attention sinks \\({sink}"):
             fx.attention_forward(_Attention(), q, q, q, None, **{sink: torch.zeros(4, device=device)})
+
+
+@pytest.mark.parametrize("padding", [False, True])
+def test_head_dim_not_contiguous(device, padding):
+    """A query, key or value whose head dim is not contiguous (a model's own transpose) is copied on the way, as
+    transformers' sdpa path lets torch do: the result of contiguous tensors."""
+    q, k, v = (torch.randn(2, 4, 7, 16, device=device, dtype=torch.float64) for _ in range(3))
+    mask = None
+    if padding:
+        mask = torch.ones(2, 7, dtype=torch.bool, device=device)
+        mask[1, :2] = False
+    want, _ = fx.attention_forward(_Attention(), q, k, v, mask, scaling=0.3)
+    for which in range(3):
+        args = [q, k, v]
+        args[which] = args[which].transpose(-1, -2).contiguous().transpose(-1, -2)
+        got, _ = fx.attention_forward(_Attention(), *args, mask, scaling=0.3)
+        assert torch.equal(got, want)
