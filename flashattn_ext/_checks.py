@@ -305,7 +305,7 @@ def call_signature(q, k, v, *flags):
         qs, ks, vs = q.stride(), k.stride(), v.stride()
     except RuntimeError:  # strides that cannot be read (a strided nested tensor): the checks say why
         return None
-    if qs and (qs[-1] != 1 or ks[-1] != 1 or vs[-1] != 1):  # (copied on the way: functional.rows_contiguous)
+    if qs and (qs[-1] != 1 or ks[-1] != 1 or vs[-1] != 1):  # (copied on the way: ops.rows_contiguous)
         return None
     return (q.shape, qs, q.dtype, q.device, k.shape, ks, k.dtype, k.device, v.shape, vs, v.dtype, v.device, flags)
 

@@ -16,8 +16,8 @@ from torch.autograd.function import once_differentiable
 
 from ._checks import check_features, check_fwd_args, check_scale
 from ._ring_plan import LAYOUTS, alibi_terms, block_calls, ring_steps, shard_chunks, zigzag_chunk_ids
-from .functional import _check_tensors, _real, _window, rows_contiguous
-from .ops import FEATURES, autocast_inputs, run_bwd, run_fwd
+from .functional import _check_tensors, _real, _window
+from .ops import FEATURES, autocast_inputs, rows_contiguous, run_bwd, run_fwd
 
 __all__ = ["ring_attention", "zigzag_shard", "zigzag_unshard"]
 

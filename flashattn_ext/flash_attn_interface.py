@@ -17,9 +17,9 @@ import torch
 
 from . import fp8, functional
 from ._attn_probs import attention_probs, varlen_attention_probs, with_dropout_signs
-from .functional import _check_tensors, _count, _real, _scale, _window, checked_fwd, fp8_call, rows_contiguous
+from .functional import _check_tensors, _count, _real, _scale, _window, checked_fwd, fp8_call
 from .kvcache import flash_attn_with_kvcache
-from .ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, new_rng_state
+from .ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, new_rng_state, rows_contiguous
 
 __all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
            "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache"]

@@ -8,20 +8,7 @@ import torch
 from . import fp8
 from ._checks import (FP32_SCALE_LIMIT, call_signature, check_features, check_fwd_args, check_layout, check_scale,
                       passed_before, remember_passed)
-from .ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, CAUSAL_TOP_LEFT, fwd, fwd_plain, new_rng_state
-
-
-def rows_contiguous(t):
-    """t where its last dimension is contiguous (or has one element), else a copy that is: the kernels read each
-    row's head dims as one run, and torch's SDPA and flash-attn take a transposed or expanded head dimension by
-    copying it too. Anything else (a nested or sparse tensor, not a tensor) is left for the checks to name."""
-    try:
-        strided_rows = t.stride(-1) != 1
-    except (AttributeError, RuntimeError, IndexError, TypeError):  # no strides or no dimensions
-        return t
-    if strided_rows and type(t) is torch.Tensor and t.layout is torch.strided and not t.is_nested and t.shape[-1] > 1:
-        return t.contiguous()
-    return t
+from .ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, CAUSAL_TOP_LEFT, fwd, fwd_plain, new_rng_state, rows_contiguous
 
 
 def checked_fwd(q, k, v, scale, causal, deterministic=False, layout="bhld", **features):

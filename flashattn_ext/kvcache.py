@@ -15,6 +15,7 @@ import torch
 from . import _kvcache_compose, _kvcache_fast, _kvcache_values
 from ._checks import DTYPE_NAMES, MAX_HEAD_DIM, check_scale
 from ._kvcache_values import PAGE_MULTIPLE
+from .ops import rows_contiguous
 
 
 @dataclass(frozen=True)
@@ -290,16 +291,12 @@ def _window(window_size, cache_len):
     return (-1 if left >= cache_len else left), (-1 if right >= cache_len else right)
 
 
-def _last_dim_contiguous(t):
-    return t if t is None or t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
-
-
 def _rotary_tables(rotary_cos, rotary_sin):
     """The tables as the op reads them: one dtype (float32, exactly, where they differ) and a
     contiguous last dimension."""
     if rotary_cos is not None and rotary_cos.dtype != rotary_sin.dtype:
         rotary_cos, rotary_sin = rotary_cos.float(), rotary_sin.float()
-    return _last_dim_contiguous(rotary_cos), _last_dim_contiguous(rotary_sin)
+    return rows_contiguous(rotary_cos), rows_contiguous(rotary_sin)
 
 
 def _resolve(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
@@ -330,9 +327,9 @@ def _resolve(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, c
     _int(num_splits, "num_splits", "an int >= 0 (0 = automatic)", lambda x: x >= 0)
     rotary_cos, rotary_sin = _rotary_tables(rotary_cos, rotary_sin)
     return KVCacheArgs(
-        q=_last_dim_contiguous(q), k_cache=k_cache, v_cache=v_cache, k_new=_last_dim_contiguous(k),
-        v_new=_last_dim_contiguous(v), seqlens=seqlens, batch_idx=cache_batch_idx,
+        q=rows_contiguous(q), k_cache=k_cache, v_cache=v_cache, k_new=rows_contiguous(k),
+        v_new=rows_contiguous(v), seqlens=seqlens, batch_idx=cache_batch_idx,
         leftpad=cache_leftpad, block_table=block_table, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
         rotary_interleaved=bool(rotary_interleaved), scale=softmax_scale, causal=bool(causal),
-        window=_window(window_size, cache_len), softcap=softcap, alibi_slopes=_last_dim_contiguous(alibi_slopes),
+        window=_window(window_size, cache_len), softcap=softcap, alibi_slopes=rows_contiguous(alibi_slopes),
         num_splits=num_splits)

@@ -351,10 +351,17 @@ def _fwd_setup_context(ctx, inputs, output):
                        *output)
 
 
-def _last_dim_contiguous(t):
-    # Gradients from reductions arrive expanded (stride 0 everywhere); the op reads rows in
-    # place and needs unit stride along head_dim.
-    return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
+def rows_contiguous(t):
+    """t where its last dimension is contiguous (or has one element), else a copy that is: the ops read each row's
+    head dims as one run. Gradients from reductions arrive expanded (stride 0), and torch's SDPA and flash-attn
+    take a strided, transposed or expanded head dim of their inputs by copying it too. None, or a tensor without
+    strides (sparse, strided nested), is returned as it is, for the checks to name."""
+    try:
+        if t.stride(-1) == 1 or t.shape[-1] <= 1:
+            return t
+    except (AttributeError, RuntimeError, IndexError, TypeError):
+        return t
+    return t.contiguous()
 
 
 def _gradients(ctx, dout, dlse, bias_needs_grad):
@@ -367,7 +374,7 @@ def _gradients(ctx, dout, dlse, bias_needs_grad):
         features.update(zip(ctx.tensor_names, tensors))
         refuse_forward_only_in_backward(features.get("seqused_k"), features.get("leftpad_k"),
                                         features.get("block_table"))
-    dout = torch.zeros_like(out) if dout is None else _last_dim_contiguous(dout)
+    dout = torch.zeros_like(out) if dout is None else rows_contiguous(dout)
     if dlse is not None:
         dlse = dlse.contiguous()
     deterministic = deterministic or torch.are_deterministic_algorithms_enabled()

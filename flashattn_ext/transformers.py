@@ -28,9 +28,9 @@ flash_attn_with_kvcache on the cache transformers has just updated, read in plac
 module imports transformers only when register() is called."""
 import torch
 
-from .functional import checked_fwd, flash_attn_varlen_func, rows_contiguous
+from .functional import checked_fwd, flash_attn_varlen_func
 from .kvcache import flash_attn_with_kvcache
-from .ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, new_rng_state
+from .ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, new_rng_state, rows_contiguous
 
 # transformers treats any implementation name containing "flash" as a kernel to fetch from
 # its hub, and names containing "sdpa" or "flex" as its own backends: this one has none.
