@@ -68,7 +68,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
     """flash-attn 2's flash_attn_with_kvcache: q (B, Lq, H, E) attends to a cache of keys and values.
 
-    k_cache / v_cache: (B_cache, C, Hkv, E) dense, or (num_blocks, page_size, Hkv, E) paged with
+    k_cache / v_cache: (B_cache, C, Hkv, E) dense (B_cache >= B without cache_batch_idx: sequence b
+    in row b), or (num_blocks, page_size, Hkv, E) paged with
     block_table (B, pages_per_sequence) int32 (page_size a multiple of 16); the sequence b then sees
     C = pages_per_sequence * page_size keys, key j in block block_table[b, j // page_size].
     cache_seqlens (int, or int32 (B,)): keys of each sequence in the cache; None = all C.
@@ -225,9 +226,9 @@ def _check_indexing(q, k_cache, block_table, cache_batch_idx, cache_leftpad):
         _index_tensor(cache_batch_idx, "cache_batch_idx", (batch,), "(batch,)")
         if k_cache.shape[0] < 1:
             _fail(f"k_cache has no rows for cache_batch_idx to index, shape {_shape(k_cache)}")
-    elif k_cache.shape[0] != batch:
+    elif k_cache.shape[0] < batch:
         _fail(f"k_cache has batch {k_cache.shape[0]} but q has {batch}; without cache_batch_idx (or block_table) "
-              f"they must be equal")
+              f"sequence b is cache row b, so it needs at least q's batch")
     if cache_leftpad is not None:
         _index_tensor(cache_leftpad, "cache_leftpad", (batch,), "(batch,)")
 
@@ -311,6 +312,9 @@ def _resolve(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, c
     _check_indexing(q, k_cache, block_table, cache_batch_idx, cache_leftpad)
     _check_rotary(q, rotary_cos, rotary_sin)
     _check_alibi(q, alibi_slopes)
+    if block_table is None and cache_batch_idx is None and k_cache.shape[0] > q.shape[0]:
+        # (as flash-attn: a cache of more rows than the batch, sequence b in row b; views, so appends land in place)
+        k_cache, v_cache = k_cache[:q.shape[0]], v_cache[:q.shape[0]]
     cache_len = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
     len_new = 0 if k is None else k.shape[1]
     seqlens = _seqlens(cache_seqlens, q.shape[0], cache_len, len_new, q.device)

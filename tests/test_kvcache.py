@@ -238,6 +238,21 @@ def test_strided_query_and_new_keys(device):
     run_and_check(ours, ref)
 
 
+@pytest.mark.parametrize("rotary", [False, True], ids=["plain", "rotary"])
+def test_cache_with_more_rows_than_the_batch(device, rotary):
+    """A dense cache with rows past the batch and no cache_batch_idx (a cache allocated for a larger batch): sequence
+    b is row b, as in flash-attn; the append lands in the cache itself and the other rows are left alone."""
+    ours, ref = make_case(device, torch.float32, len_q=2, len_new=2, causal=True, rotary=rotary)
+    extra = {name: torch.randn((2,) + ours[name].shape[1:], device=device) for name in ("k_cache", "v_cache")}
+    big = {name: torch.cat((ours[name], extra[name])) for name in ("k_cache", "v_cache")}
+    out, lse = flashattn_ext.flash_attn_with_kvcache(**dict(ours, **big), return_softmax_lse=True)
+    want_out, want_lse = run_and_check(ours, ref)
+    _, _, k_after, v_after = kvcache_ref(**ref)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    assert torch.equal(big["k_cache"][:BATCH].cpu(), k_after) and torch.equal(big["v_cache"][:BATCH].cpu(), v_after)
+    assert all(torch.equal(big[name][BATCH:], extra[name]) for name in extra)
+
+
 def test_cache_views_of_one_buffer(device):
     """k_cache and v_cache as strided views of one (B, C, 2, Hkv, E) buffer: written in place."""
     ours, ref = make_case(device, torch.float32, len_q=2, len_new=2, causal=True)
@@ -304,7 +319,8 @@ BAD = [
     ("seqlens_int_too_long", _change(cache_seqlens=64),
      r"cache_seqlens = 64 must be in \[0, cache length 64 - new keys 1\]: the cache is too short for the append"),
     ("cache_batch", _change(k_cache=lambda a: a["k_cache"][:2], v_cache=lambda a: a["v_cache"][:2]),
-     r"k_cache has batch 2 but q has 3; without cache_batch_idx \(or block_table\) they must be equal"),
+     r"k_cache has batch 2 but q has 3; without cache_batch_idx \(or block_table\) sequence b is cache row b, so "
+     r"it needs at least q's batch"),
     ("batch_idx_dtype", _change(cache_batch_idx=torch.tensor([0, 1, 2])),
      r"cache_batch_idx must have dtype int32, got torch.int64"),
     ("leftpad_shape", _change(cache_leftpad=torch.zeros(3, 1, dtype=torch.int32)),
