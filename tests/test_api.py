@@ -103,7 +103,6 @@ def test_flash_attn_func_outputs(device):
     assert torch.equal(out, out3.transpose(1, 2)) and torch.equal(lse, lse3)
 
 
-
 def _head_dim_view(shape, how, device):
     """A float64 tensor of `shape` whose last dimension is not contiguous, in the autograd graph of a leaf."""
     *lead, rows, dim = shape
