@@ -271,6 +271,30 @@ struct FwdRows {
       for (int e = 0; e < 4; ++e) o[d][e] *= alpha[e / 2];
   }
 
+  // Each row's 1 / l (0 for a row that sees no key: out = 0) and LSE (-inf there; a NaN l propagates to both), the
+  // two rows together and outside any lane-dependent branch, so that their shuffle, reciprocal and log chains
+  // interleave. 1 / l from one MUFU.RCP (rcp.approx: about an ulp of fp32, far below Out's rounding): a row that sees a
+  // key has l >= 1 (its max contributes 2^0), so the IEEE division's range checks and slow path buy nothing.
+  struct RowEnds {
+    float inv[2], lse[2];
+  };
+  __device__ __forceinline__ RowEnds row_ends() const {
+    RowEnds e;
+    float l[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) l[r] = reduce_sum_lanes<4>(row_sum[r]);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const bool empty = l[r] == 0.f;
+      float inv;
+      asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(inv) : "f"(l[r]));
+      e.inv[r] = empty ? 0.f : inv;
+      const float max = kFp8 ? row_max[r] - kPLog2Offset : row_max[r];
+      e.lse[r] = empty ? neg_inf<float>() : Exp::lse(max, l[r]);
+    }
+    return e;
+  }
+
   // Where a block tile's output goes: its first row of out and of lse, and how many of its rows are
   // the sequence's (a few registers to keep while the next tile's rows are on the way).
   struct Dest {
@@ -298,11 +322,10 @@ struct FwdRows {
     static_assert(!kFp8, "float8's output is staged in a buffer of its own");
     static_assert(kDA % 4 == 0, "columns in groups of 32");
     const int g = lane / 4, t = lane % 4;
+    const RowEnds ends = row_ends();
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const float l = reduce_sum_lanes<4>(row_sum[r]);
-      const bool empty = l == 0.f;  // no key visible: out = 0, lse = -inf (a NaN l propagates)
-      const float inv = empty ? 0.f : 1.f / l;
+      const float inv = ends.inv[r];
       const int row = wrow + g + 8 * r;
       Out* const out = dst.out + row * p.out_stride.row;
 #pragma unroll
@@ -315,7 +338,7 @@ struct FwdRows {
         transpose_quad_words(w, t);
         if (row < dst.rows) *reinterpret_cast<uint4*>(out + 8 * (d0 + t)) = make_uint4(w[0], w[1], w[2], w[3]);
       }
-      if (t == 0 && row < dst.rows) dst.lse[row] = empty ? neg_inf<float>() : Exp::lse(row_max[r], l);
+      if (t == 0 && row < dst.rows) dst.lse[row] = ends.lse[r];
     }
   }
 
@@ -331,19 +354,28 @@ struct FwdRows {
     auto staged = [&](int row, int chunk) {
       return sQ + (chunk / 8) * (kBM * 128) + row * 128 + ((chunk % 8) ^ (row % 8)) * 16;
     };
+    const RowEnds ends = row_ends();
+    float inv[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const float l = reduce_sum_lanes<4>(row_sum[r]);
-      // l == 0 only when no key is visible: out = 0, lse = -inf. A NaN l propagates.
-      const bool empty = l == 0.f;
-      float inv = empty ? 0.f : 1.f / l;
-      if constexpr (kFp8) inv *= out_scale;
+      inv[r] = kFp8 ? ends.inv[r] * out_scale : ends.inv[r];
       const int row = wrow + g + 8 * r;
+      if (t == 0 && row < dst.rows) dst.lse[row] = ends.lse[r];
+    }
+    // Staged with stmatrix, four 8 x 8 atoms an instruction (rows g and g + 8 of chunks d and d + 1; an atom's lane
+    // holds row g, columns 2t, 2t + 1, the accumulator's layout): a quarter of the store instructions of 4-byte
+    // stores. Lane i gives the address of row i % 8 of atom i / 8.
+    static_assert(kDA % 2 == 0, "chunks in pairs");
+    const int atom_row = wrow + lane % 8 + 8 * (lane / 8 % 2), atom_chunk = lane / 16;
 #pragma unroll
-      for (int d = 0; d < kDA; ++d)
-        *reinterpret_cast<uint32_t*>(staged(row, d) + 4 * t) = M::pack(o[d][2 * r] * inv, o[d][2 * r + 1] * inv);
-      const float max = kFp8 ? row_max[r] - kPLog2Offset : row_max[r];
-      if (t == 0 && row < dst.rows) dst.lse[row] = empty ? neg_inf<float>() : Exp::lse(max, l);
+    for (int d = 0; d < kDA; d += 2) {
+      uint32_t w[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int chunk = d + k / 2, r = k % 2;
+        w[k] = M::pack(o[chunk][2 * r] * inv[r], o[chunk][2 * r + 1] * inv[r]);
+      }
+      stmatrix_x4(smem_addr(staged(atom_row, d + atom_chunk)), w);
     }
     __syncwarp();
     // (dim 96: 12 lanes a row, 2 rows a step, lanes 24-31 idle)
