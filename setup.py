@@ -118,7 +118,7 @@ def cuda_gencode_flags():
 def extension():
     rel = lambda pattern: sorted(os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, pattern), recursive=True))
     # The kernel plan (csrc/cuda/plan.cpp) is plain C++: built without CUDA too, for its tests.
-    sources = rel("csrc/*.cpp") + [p for p in rel("csrc/cpu/*.cpp") if p != AVX512_SOURCE] + rel("csrc/cuda/*.cpp")
+    sources = rel("csrc/*.cpp") + rel("csrc/ops/*.cpp") + [p for p in rel("csrc/cpu/*.cpp") if p != AVX512_SOURCE] + rel("csrc/cuda/*.cpp")
     common = dict(name="flashattn_ext._C", sources=sources, py_limited_api=True)
     if not want_cuda():
         return CppExtension(extra_compile_args={"cxx": []}, **common)

@@ -1,4 +1,4 @@
-// Plain description of one attention call, shared by ops.cpp and every backend.
+// Plain description of one attention call, shared by the ops and every backend.
 // No torch types here: kernels include this header and nothing from torch.
 #pragma once
 #include <cstddef>
@@ -44,7 +44,7 @@ struct FwdParams {
   int64_t causal_offset = 0;
 
   // ---- Optional features, each off at its default. A backend must not be called with a
-  // feature it does not implement (ops.cpp refuses such calls); the per-score math they share
+  // feature it does not implement (the ops refuse such calls); the per-score math they share
   // lives in csrc/common/ so that every backend computes the same scores and dropout masks.
   // Order on each score: s = scale q.k; softcap; + ALiBi; + bias; band and bias masks -> -inf;
   // softmax; dropout of the probabilities.
@@ -176,7 +176,7 @@ struct FwdParams {
 };
 
 // The backends are only called with batch, heads, len_q and len_k all >= 1;
-// ops.cpp handles empty problems itself.
+// The ops handle empty problems themselves.
 struct BwdParams : FwdParams {
   // Gradient of the lse output, or null when lse was not used: contiguous
   // (batch, heads_q, len_q) in lse's dtype. Since d lse_i / d s_ij = P_ij, it enters the

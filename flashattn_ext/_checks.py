@@ -1,6 +1,6 @@
-"""Argument checks of flashattn::fwd, in Python, with the messages of csrc/ops.cpp.
+"""Argument checks of flashattn::fwd, in Python, with the messages of csrc/ops/.
 
-csrc/ops.cpp checks every call of the op and stays the contract. These run first on the
+csrc/ops/ checks every call of the op and stays the contract. These run first on the
 public API and in the fake kernels: torch.compile then reports bad input at trace time, and
 a bad argument never reaches the C++ kernel, whose exceptions some torch builds fail to
 carry across the stable ABI (torch 2.11 segfaults on any exception a stable-ABI kernel
@@ -14,7 +14,7 @@ DTYPE_NAMES = {torch.float64: "float64", torch.float32: "float32", torch.bfloat1
                torch.float16: "float16"}
 
 
-# The largest |scale| the op takes (csrc/ops.cpp: scale * log2(e) must fit in the accumulation type): fp32, fp64.
+# The largest |scale| the op takes (csrc/ops/params.cpp: scale * log2(e) must fit in the accumulation type): fp32, fp64.
 # (The fast paths compare against the fp32 one and leave any other scale to the checked path.)
 _SCALE_LIMITS = tuple(torch.finfo(t).max / math.log2(math.e) for t in (torch.float32, torch.float64))
 FP32_SCALE_LIMIT = _SCALE_LIMITS[0]
@@ -94,7 +94,7 @@ def _check_size(t, name, dim, expected, what, layout):
 
 
 def check_fwd_args(q, k, v, causal, layout="bhld", paged=False, float8=False):
-    """The checks of check_qkv in csrc/ops.cpp; `layout` says how the caller passed q, k, v
+    """The checks of check_qkv in csrc/ops/tensors.cpp; `layout` says how the caller passed q, k, v
     (see _USER_DIMS), for the shapes the messages show; paged: k and v are the pages of a
     block_table (their first dimension counts blocks, not sequences); float8: float8 dtypes allowed
     (fp8.py checks their rules)."""
@@ -143,7 +143,7 @@ def _check_cu_seqlens_meta(cu, name, q, n):
 
 
 def check_cu_seqlens_values(cu, name, total, max_seqlen, max_name):
-    """The value checks of check_cu_seqlens in csrc/ops.cpp (they read the tensor, so they run
+    """The value checks of check_cu_seqlens in csrc/ops/params.cpp (they read the tensor, so they run
     on the public API in eager mode, not on fake tensors)."""
     c = cu.tolist()
     if c[0] != 0:
@@ -161,7 +161,7 @@ def check_cu_seqlens_values(cu, name, total, max_seqlen, max_name):
 
 
 def refuse_forward_only_in_backward(seqused_k, leftpad_k, block_table):
-    """The backward refuses the forward-only features (as csrc/ops.cpp's bwd does)."""
+    """The backward refuses the forward-only features (as csrc/ops/attention.cpp's bwd does)."""
     if block_table is not None:
         raise RuntimeError("flashattn: the backward of a call with a 'block_table' (paged k / v) is not supported: "
                            "such calls are forward only (decode steps)")
@@ -182,7 +182,7 @@ def _check_key_range_meta(t, name, q, batch):
 
 
 def _check_block_table(t, q, k, varlen):
-    """The checks of check_block_table in csrc/ops.cpp; returns len_k (pages x page_size)."""
+    """The checks of check_block_table in csrc/ops/params.cpp; returns len_k (pages x page_size)."""
     if varlen:
         raise RuntimeError("flashattn: a 'block_table' (paged k / v) cannot be combined with cu_seqlens (a "
                            "variable-length batch); give per-sequence lengths as seqused_k")
@@ -218,7 +218,7 @@ def _check_key_ranges(q, seqused_k, leftpad_k, attn_bias, varlen):
 def check_features(q, k, causal, attn_bias=None, window_left=-1, window_right=-1, alibi_slopes=None, softcap=0.0,
                    dropout_p=0.0, rng_state=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0,
                    max_seqlen_k=0, seqused_k=None, leftpad_k=None, block_table=None):
-    """The checks of check_and_fill_features in csrc/ops.cpp that need no tensor values
+    """The checks of check_and_fill_features in csrc/ops/params.cpp that need no tensor values
     (q, k already passed check_fwd_args)."""
     if window_left < -1 or window_right < -1:
         raise RuntimeError(f"flashattn: argument 'window_size' must be (left, right) with each >= 0, or -1 for "

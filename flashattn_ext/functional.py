@@ -12,7 +12,7 @@ from .ops import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, CAUSAL_TOP_LEFT, fwd, fwd_pla
 
 
 def checked_fwd(q, k, v, scale, causal, deterministic=False, layout="bhld", **features):
-    """flashattn::fwd after every check of csrc/ops.cpp that needs no tensor values, in Python
+    """flashattn::fwd after every check of csrc/ops/ that needs no tensor values, in Python
     (so that bad input raises at trace time under torch.compile too; see _checks.py);
     `features` as the op names them; `layout` how the caller passed q, k, v (for messages)."""
     check_fwd_args(q, k, v, causal, layout, paged=features.get("block_table") is not None)

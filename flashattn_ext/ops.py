@@ -84,7 +84,7 @@ def _lse_dtype(dtype):
 
 
 def _empty_like_layout(like, heads, length, dim):
-    """Mirror of empty_like_layout in csrc/ops.cpp: keep a (batch, len, heads, dim) memory
+    """Mirror of empty_like_layout in csrc/ops/tensors.cpp: keep a (batch, len, heads, dim) memory
     order when `like` is a transposed flash-attn view, else contiguous."""
     b = like.shape[0]
     if like.shape[1] > 1 and like.shape[2] > 1 and like.stride(1) < like.stride(2):

@@ -1,4 +1,4 @@
-// Entry points of the CUDA backend. Plain C++: included by ops.cpp, which knows no CUDA types.
+// Entry points of the CUDA backend. Plain C++: included by the ops (csrc/ops/), which know no CUDA types.
 #pragma once
 #include <cstddef>
 #include <functional>
@@ -9,7 +9,7 @@
 
 namespace flashattn::cuda {
 
-// Allocates a call's workspace of `bytes` bytes (ops.cpp, through torch; null for none) into
+// Allocates a call's workspace of `bytes` bytes (the ops, through torch; null for none) into
 // `workspace`; false where it could not, the failure kept by the caller to raise.
 using AllocateWorkspace = std::function<bool(size_t bytes, void*& workspace)>;
 

@@ -58,7 +58,7 @@ size_t dq_accum_bytes(const BwdParams& p) {
   return size_t(row_major > blocked ? row_major : blocked) * acc_size(p.dtype);
 }
 
-// (ops.cpp checks these first: a failure here is a bug between the layers.)
+// (the ops check these first: a failure here is a bug between the layers.)
 bool check_dims(const FwdParams& p) {
   if (p.head_dim < 1 || p.head_dim > 256 || p.head_dim_v < 1 || p.head_dim_v > 256) {
     fail("head_dim " + std::to_string(p.head_dim) + " / head_dim_v " + std::to_string(p.head_dim_v) +

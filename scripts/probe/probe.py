@@ -2,7 +2,7 @@
 (probe.cpp) and calls them. torch 2.13 raises RuntimeError for each; torch 2.11 (CUDA 13.0
 build, Python 3.12) segfaults at the first, catch3, whose exception never leaves the kernel:
 there a throw crashes even when it is caught, and so did formatting a number through a
-std::ostream (csrc/ops.cpp does neither), while a regular (non-stable) op that throws works
+std::ostream (csrc/ops/ does neither), while a regular (non-stable) op that throws works
 (plain.py). Run from the repository root: python scripts/probe/probe.py [cflags]."""
 import faulthandler, sys, torch
 from torch.utils import cpp_extension

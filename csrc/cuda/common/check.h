@@ -1,6 +1,6 @@
 // Host-side CUDA error checks. A failure is recorded, not thrown: a C++ exception crossing the
 // stable-ABI library kills the process on torch 2.11 (docs/architecture.md). The first failure of
-// a call is kept per thread; run_fwd / run_bwd hand it back to ops.cpp, which raises it in Python.
+// a call is kept per thread; run_fwd / run_bwd hand it back to the ops, which raise it in Python.
 // Launchers that meet a failure stop launching where they can; whatever ran after it is discarded
 // with the call.
 #pragma once

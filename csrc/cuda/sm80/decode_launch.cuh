@@ -182,7 +182,7 @@ bool launch_decode(const FwdParams& p, cudaStream_t stream) {
     DecodeLaunch<Elem, kDim> l(p);
     if (!l.usable) return false;
     DecodeGrid grid = l.grid;
-    // The workspace ops.cpp allocated from fwd_workspace_bytes (the same plan); whole walks without it.
+    // The workspace the ops allocated from fwd_workspace_bytes (the same plan); whole walks without it.
     const bool combine = l.merges_in_workspace() && p.workspace != nullptr && p.workspace_bytes >= l.workspace_bytes();
     if (combine) {
       grid.partial = static_cast<float*>(p.workspace);
