@@ -72,33 +72,35 @@ void launch_ws(const FwdParams& p, const FwdMaps& maps, cudaStream_t stream) {
   check_launch("sm90 forward");
 }
 
+// Whether the kernel of configuration Cfg gets its registers, with the Q / K / V maps encoded for its tiles.
+template <class Elem, int kDim, class Cfg>
+bool ws_ready(const FwdParams& p, FwdMaps& maps) {
+  return register_pool_holds<fwd_ws_kernel<Elem, kDim, Cfg>, Cfg>() && encode_ws_maps<Cfg>(p, maps);
+}
+
 }  // namespace
 // (A call with a bias is an fp16 / bf16 one whose bias is a key vector, or bias rows the row variant
 // copies (FwdParams::tma_row_bias, kFwdRowBiasTier): the plan sends no other bias here. Its kernel is the
-// configuration's variant for that form, FwdWsConfig::kKeyBias / kRowBias; the bias rows' map is encoded
-// here too, and where the driver refuses it the call goes to the sm80/ kernels.)
+// configuration's variant for that form, FwdWsConfig::kKeyBias / kRowBias, whose key tiles may differ from
+// the plain kernel's; the bias rows' map is encoded here too, and where the driver refuses it the call goes
+// to the sm80/ kernels.)
 template <class Elem, int kDim, int kConsumers>
 bool fwd_ws_ready(const FwdParams& p, FwdMaps& maps) {
   using Cfg = FwdWsConfig<Elem, kDim, kConsumers>;
   if constexpr (Cfg::kServed) {
-    bool pool;
-    if constexpr (Cfg::kFp8) {
-      pool = register_pool_holds<fwd_ws_kernel<Elem, kDim, Cfg>, Cfg>();
-    } else {
-      using KeyCfg = FwdWsConfig<Elem, kDim, kConsumers, BiasForm::kKeyVector>;
-      if (p.bias_kind != BiasKind::kNone && !p.key_vector_bias()) {
+    if constexpr (!Cfg::kFp8) {
+      if (p.key_vector_bias())
+        return ws_ready<Elem, kDim, FwdWsConfig<Elem, kDim, kConsumers, BiasForm::kKeyVector>>(p, maps);
+      if (p.bias_kind != BiasKind::kNone) {
         if constexpr (kFwdRowBiasTier<Elem, kDim, kConsumers>) {
           using RowCfg = FwdWsConfig<Elem, kDim, kConsumers, BiasForm::kRows>;
           static_assert(RowCfg::kSmemBytes <= 232448, "the bias tiles within sm_90's 227 KB of opt-in smem");
-          return register_pool_holds<fwd_ws_kernel<Elem, kDim, RowCfg>, RowCfg>() &&
-                 encode_row_bias_map(&maps.bias, p, RowCfg::kBN) && encode_ws_maps<Cfg>(p, maps);
+          return ws_ready<Elem, kDim, RowCfg>(p, maps) && encode_row_bias_map(&maps.bias, p, RowCfg::kBN);
         }
         return false;
       }
-      pool = p.key_vector_bias() ? register_pool_holds<fwd_ws_kernel<Elem, kDim, KeyCfg>, KeyCfg>()
-                                 : register_pool_holds<fwd_ws_kernel<Elem, kDim, Cfg>, Cfg>();
     }
-    return pool && encode_ws_maps<Cfg>(p, maps);
+    return ws_ready<Elem, kDim, Cfg>(p, maps);
   }
   return false;
 }

@@ -38,12 +38,12 @@ struct FwdWsConfig {
       (kFwdWgmmaTier<Elem, kDim> && (kConsumers == 2 || kDim == 64)) || (kFwdFp8Tier<Elem, kDim> && kConsumers == 2);
   static constexpr int kThreads = 128 * (1 + kConsumers);
   // Dim 256: 64-key tiles (O takes 128 registers of a consumer thread, S 32) and one Q buffer (a 64 KB
-  // tile, released early: kEarlyQRelease). Three consumers: 96-key tiles (S, P and O
-  // of 128-key tiles spill 264 B in their 160 registers).
+  // tile, released early: kEarlyQRelease). Three consumers: 128-key tiles (S, P and O fit their 160 registers
+  // in the key loop; 68 B of spills at the item's end), 96-key tiles with a key-vector bias (440 B at 128).
   // Float8: 192-key tiles (fewer row reductions, rescales and turns per key: its softmax, not its products,
   // bounds it; S, P and O take 96 + 24 + 64 registers).
   static constexpr int kBM = 64 * kConsumers, kStages = 2;
-  static constexpr int kBN = kFp8 ? 192 : kDim == 256 ? 64 : kConsumers == 3 ? 96 : 128;
+  static constexpr int kBN = kFp8 ? 192 : kDim == 256 ? 64 : kConsumers == 3 && kBiasT != BiasForm::kNone ? 96 : 128;
   // Bias rows (BiasForm::kRows): one Q buffer at 128 too, so that two stages of bias tiles fit.
   static constexpr bool kRowBias = kBiasT == BiasForm::kRows;
   static_assert(!kRowBias || kFwdRowBiasTier<Elem, kDim, kConsumersT>, "the row form runs at dims 64, 128, 256");
@@ -81,7 +81,7 @@ struct FwdWsConfig {
   static constexpr uint32_t kBiasBarOffset = kBiasOffset + kBiasStages * kBN * 4;
   // The Q buffers, the K and V stages, (float8) the output's staging, the mbarriers (K / V full and empty
   // per stage, Q empty per buffer), (key-vector bias) its ring, and room to align to 1024: 97 KB at dim 64
-  // (three consumers: 97 KB), 193 KB at 128 and 256, 129 KB for float8; the bias ring adds 1.1 KB (dim
+  // (three consumers: 113 KB), 193 KB at 128 and 256, 129 KB for float8; the bias ring adds 1.1 KB (dim
   // 256) to 2.1 KB; bias rows: 161 KB of Q and K / V and 64 KB of bias tiles at 128 and 256, 225 KB in all
   // (at 64: 97 KB and 64 KB).
   static constexpr size_t kSmemBytes =
