@@ -19,6 +19,7 @@
 #include <cstdint>
 
 #include "../common/check.h"
+#include "../common/fast_divide.h"
 #include "key_tile_rounds.h"
 
 namespace flashattn::cuda {
@@ -57,56 +58,84 @@ __device__ __forceinline__ unsigned ordered_block(const HeavyLast& order, int ti
 
 // The order of the Hopper forward's work items (sm90/fwd_rows.cuh: FwdTile): on a grid of a block
 // per item, a causal grid's last pairs tile slowest (`heavy`); on a persistent causal grid, where a
-// block walks items index = blockIdx.x, + gridDim.x, ..., paired_walk_block's pairs of a heavy and a
+// block walks items index = blockIdx.x, + gridDim.x, ..., fwd_paired_block's pairs of a heavy and a
 // light tile (`paired`).
 struct FwdOrder {
   HeavyLast heavy{};
   bool paired = false;
+  // The launch's divisors of a work item's decode (a persistent block decodes one per item, where nvcc's 32- and
+  // 64-bit division sequences took ~600 clocks of a short item's boundary): query tiles per (batch, head) pair,
+  // query heads, query heads per kv head, the heavy pairs; a paired walk's half tile count and grid size, its
+  // units and full rounds' units (fwd_paired_block).
+  FastDivisor tiles, heads, group, heavy_pairs, half, grid;
+  unsigned pairs = 0, units = 0, full = 0;
 };
 
-// Where a causal forward grid goes persistent with paired_walk_block's order: grids larger than the
+// Where a causal forward grid goes persistent with fwd_paired_block's order: grids larger than the
 // GPU's slots whose (batch, head) pairs have at most `max_tiles` query tiles (the kernel's measured
 // bound, sm90/tile_config.h: FwdWsConfig::kPairedMaxTiles).
 inline bool plan_paired_walk(int64_t items, int64_t tiles, int64_t slots, int64_t max_tiles) {
   return items > slots && tiles <= max_tiles;
 }
 
+// A forward grid's order for `tiles` query tiles per (batch, head) pair, `pairs` pairs and `blocks` blocks
+// (the persistent grid's size where it walks paired units).
+inline FwdOrder fwd_order(bool paired, HeavyLast heavy, int64_t tiles, int64_t heads_q, int64_t heads_kv,
+                          int64_t pairs, int64_t blocks) {
+  FwdOrder order;
+  order.paired = paired;
+  order.heavy = heavy;
+  order.tiles = FastDivisor(uint32_t(std::max<int64_t>(tiles, 1)));
+  order.heads = FastDivisor(uint32_t(heads_q));
+  order.group = FastDivisor(uint32_t(heads_q / heads_kv));
+  order.heavy_pairs = FastDivisor(std::max<uint32_t>(heavy.pairs, 1));
+  order.half = FastDivisor(uint32_t(std::max<int64_t>(tiles / 2, 1)));
+  order.grid = FastDivisor(uint32_t(std::max<int64_t>(blocks, 1)));
+  order.pairs = unsigned(pairs);
+  order.units = unsigned(pairs / 2 * tiles);
+  order.full = order.units / order.grid.d * order.grid.d;
+  return order;
+}
+
 // The block of the plain grid (`tiles` query tiles per (batch, head) pair, the heaviest first; `pairs`
-// pairs) that work item `s` of a persistent grid of `grid` blocks runs, block b taking s = b, b + grid,
-// .... A causal pair's tile j and tile tiles - 1 - j together see as many keys as any other two so
+// pairs) that work item `s` of a persistent grid of `grid` blocks runs (the order's divisors and counts),
+// block b taking s = b, b + grid, .... A causal pair's tile j and tile tiles - 1 - j together see as many keys as any other two so
 // paired (their rows see the keys up to them), so a block takes such a unit's heavy tile and then its
 // light one: the blocks' shares are equal. Units go pair by pair (the blocks in flight share a few
 // pairs' K / V in L2); two pairs of an odd tile count pair their middle tiles. The units that do not
 // fill a round of the grid end it, each tile on its own (the heavy ones first), and an odd last pair's
 // tiles after them.
-__host__ __device__ __forceinline__ unsigned paired_walk_block(unsigned tiles, unsigned pairs, unsigned grid,
-                                                               unsigned s) {
-  const unsigned half = tiles / 2, units = pairs / 2 * tiles, full = units / grid * grid;
+__host__ __device__ __forceinline__ unsigned fwd_paired_block(const FwdOrder& o, unsigned s) {
+  const unsigned tiles = o.tiles.d, half = tiles / 2;
   auto unit_tile = [&](unsigned u, bool heavy) {
-    const unsigned two = u / tiles, r = u % tiles;  // (units of two pairs: `tiles` of them)
+    const unsigned two = o.tiles.div(u), r = u - two * tiles;
     if (r < 2 * half) {
-      const unsigned j = r % half;
-      return (2 * two + r / half) * tiles + (heavy ? j : tiles - 1 - j);
+      const unsigned side = o.half.div(r), j = r - side * half;
+      return (2 * two + side) * tiles + (heavy ? j : tiles - 1 - j);
     }
-    return (2 * two + (heavy ? 0 : 1)) * tiles + half;  // the two pairs' middle tiles
+    return (2 * two + (heavy ? 0 : 1)) * tiles + half;
   };
-  if (s < 2 * full) return unit_tile(s / grid / 2 * grid + s % grid, s / grid % 2 == 0);
-  if (s < 2 * units) {
-    const unsigned t = s - 2 * full, rest = units - full;
-    return t < rest ? unit_tile(full + t, true) : unit_tile(full + 2 * rest - 1 - t, false);
+  if (s < 2 * o.full) {
+    const unsigned round = o.grid.div(s);
+    return unit_tile(round / 2 * o.grid.d + (s - round * o.grid.d), round % 2 == 0);
   }
-  return (pairs - 1) * tiles + (s - 2 * units);
+  if (s < 2 * o.units) {
+    const unsigned t = s - 2 * o.full, rest = o.units - o.full;
+    return t < rest ? unit_tile(o.full + t, true) : unit_tile(o.full + 2 * rest - 1 - t, false);
+  }
+  return (o.pairs - 1) * tiles + (s - 2 * o.units);
 }
 
-// The block of the plain grid that work item `index` of a forward grid in `order` runs; `kPairs`: the
-// kernel takes paired walks (the others' code stays without them).
+// The block of the plain grid that work item `index` of a forward grid in `order` runs (heavy_last_block's
+// or fwd_paired_block's); `kPairs`: the kernel takes paired walks (the others' code stays without them).
 template <bool kPairs>
-__device__ __forceinline__ unsigned fwd_ordered_block(const FwdOrder& order, int tiles, unsigned pairs,
-                                                      unsigned index) {
+__device__ __forceinline__ unsigned fwd_ordered_block(const FwdOrder& order, unsigned index) {
   if constexpr (kPairs) {
-    if (order.paired) return paired_walk_block(unsigned(tiles), pairs, gridDim.x, index);
+    if (order.paired) return fwd_paired_block(order, index);
   }
-  return index >= order.heavy.start ? heavy_last_block(order.heavy, tiles, index) : index;
+  if (index < order.heavy.start) return index;
+  const unsigned i = index - order.heavy.start, tile = order.heavy_pairs.div(i);
+  return order.heavy.start + (i - tile * order.heavy.pairs) * order.tiles.d + tile;
 }
 
 }  // namespace flashattn::cuda

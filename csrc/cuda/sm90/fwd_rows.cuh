@@ -51,15 +51,16 @@ struct FwdTile {
   int64_t h, hk, m0, m_last, n_begin;
   int rows, n_tiles;
 
-  // Work item `index` of the grid's order (blockIdx.x where a block takes one).
-  __device__ __forceinline__ FwdTile(const FwdParams& p, int num_m_tiles, const FwdOrder& order,
-                                     unsigned index = blockIdx.x) {
-    const unsigned ordered = fwd_ordered_block<kPairs>(order, num_m_tiles, unsigned(p.heads_q * p.batch), index);
-    const TileBlock blk = tile_block(num_m_tiles, 1, p.heads_q, /*heaviest_first=*/true, ordered);
-    h = blk.head;
-    hk = kv_head(p, h);
-    sq = plain_sequence(p, blk.batch);
-    m0 = int64_t(blk.tile) * kBM;
+  // Work item `index` of the grid's order (blockIdx.x where a block takes one): the plain grid's block, tile
+  // fastest (the heaviest first), then head, then batch, through the order's divisors.
+  __device__ __forceinline__ FwdTile(const FwdParams& p, const FwdOrder& order, unsigned index = blockIdx.x) {
+    const unsigned ordered = fwd_ordered_block<kPairs>(order, index);
+    const unsigned pair = order.tiles.div(ordered), batch = order.heads.div(pair);
+    const int tile = int(order.tiles.d - 1 - (ordered - pair * order.tiles.d));
+    h = pair - batch * order.heads.d;
+    hk = order.group.div(unsigned(h));
+    sq = plain_sequence(p, batch);
+    m0 = int64_t(tile) * kBM;
     rows = sq.q_tile_rows(m0, kBM);
     m_last = m0 + rows - 1;
     n_begin = sq.key_begin(m0) / kBN * kBN;

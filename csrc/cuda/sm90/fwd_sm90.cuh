@@ -39,7 +39,7 @@ bool encode_ws_maps(const FwdParams& p, FwdPanelMaps& maps) {
 // gains by it (plan_paired_walk), else a block per item, the last pairs' tiles slowest.
 struct FwdGrid {
   int64_t items, blocks;
-  int num_m_tiles, per_sm;
+  int per_sm;
   FwdOrder order;
 };
 
@@ -52,12 +52,12 @@ FwdGrid fwd_grid(const FwdParams& p) {
     g.items = g.blocks = 0;  // (an empty grid fails to launch: the failure above is the one reported)
     return g;
   }
-  g.num_m_tiles = int(num_m_tiles);
   g.per_sm = blocks_per_sm_cached<kKernel>(Cfg::kThreads, Cfg::kSmemBytes, "sm90 forward");
   const int64_t slots = int64_t(device_limits().sms) * (g.per_sm > 0 ? g.per_sm : 1);
-  g.order.paired = p.causal && plan_paired_walk(g.items, num_m_tiles, slots, Cfg::kPairedMaxTiles);
-  g.blocks = g.items > slots && (!p.causal || g.order.paired) ? slots : g.items;
-  if (p.causal && !g.order.paired) g.order.heavy = plan_heavy_last(g.items, num_m_tiles, g.per_sm);
+  const bool paired = p.causal && plan_paired_walk(g.items, num_m_tiles, slots, Cfg::kPairedMaxTiles);
+  g.blocks = g.items > slots && (!p.causal || paired) ? slots : g.items;
+  const HeavyLast heavy = p.causal && !paired ? plan_heavy_last(g.items, num_m_tiles, g.per_sm) : HeavyLast{};
+  g.order = fwd_order(paired, heavy, num_m_tiles, p.heads_q, p.heads_kv, p.heads_q * p.batch, g.blocks);
   return g;
 }
 
@@ -68,7 +68,7 @@ void launch_ws(const FwdParams& p, const FwdMaps& maps, cudaStream_t stream) {
   const FwdGrid g = fwd_grid<Cfg, fwd_ws_kernel<Elem, kDim, Cfg>>(p);
   const FwdKernelMaps<Cfg>& kernel_maps = maps;
   fwd_ws_kernel<Elem, kDim, Cfg><<<unsigned(g.blocks), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
-      p, kernel_maps, g.num_m_tiles, unsigned(g.items), g.order);
+      p, kernel_maps, unsigned(g.items), g.order);
   check_launch("sm90 forward");
 }
 

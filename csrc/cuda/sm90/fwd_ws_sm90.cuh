@@ -33,7 +33,7 @@ namespace flashattn::cuda::sm90 {
 // K 1, V 1, ...; each copy's bytes complete the phase of its full barrier, and each copy into a stage
 // or Q buffer waits for the consumers to have released its previous use.
 template <int kDim, class Cfg, class Tile, class QAt, class KAt, class VAt>
-__device__ __forceinline__ void fwd_ws_producer(const FwdParams& p, const FwdPanelMaps& maps, int num_m_tiles,
+__device__ __forceinline__ void fwd_ws_producer(const FwdParams& p, const FwdPanelMaps& maps,
                                                 unsigned num_work, const FwdOrder& order, const QAt& sQ,
                                                 const KAt& sK, const VAt& sV, uint64_t* const k_full,
                                                 uint64_t* const v_full, uint64_t* const k_empty,
@@ -46,7 +46,7 @@ __device__ __forceinline__ void fwd_ws_producer(const FwdParams& p, const FwdPan
   int c = 0;
   unsigned item = 0;
   for (unsigned index = blockIdx.x; index < num_work; index += gridDim.x, ++item) {
-    const Tile tile(p, num_m_tiles, order, index);
+    const Tile tile(p, order, index);
     const int b = int(tile.sq.tb), hk = int(tile.hk);
     for (int i = 0; i < tile.n_tiles; ++i) {
       const int cc = c + i, stage = cc % kStages;
@@ -133,14 +133,14 @@ struct FwdKeyBiasRing {
 // stage's previous tile; the lanes' arrivals after their stores complete the stage's full mbarrier. Its
 // loads run ahead of the consumers' softmax by up to kBiasStages tiles.
 template <class Elem, class Cfg, class Tile>
-__device__ __forceinline__ void fwd_ws_key_bias_producer(const FwdParams& p, int num_m_tiles, unsigned num_work,
+__device__ __forceinline__ void fwd_ws_key_bias_producer(const FwdParams& p, unsigned num_work,
                                                          const FwdOrder& order, const FwdKeyBiasRing<Cfg>& ring,
                                                          int lane) {
   constexpr int kBN = Cfg::kBN, kStages = Cfg::kBiasStages, kPerLane = kBN / 32;
   with_key_reader<Elem>(p, [&](auto key_value) {
     int c = 0;
     for (unsigned index = blockIdx.x; index < num_work; index += gridDim.x) {
-      const Tile tile(p, num_m_tiles, order, index);
+      const Tile tile(p, order, index);
       // (32-bit key indices: the tensor maps limit len_k to 2^31 - 1)
       const int n_tiles = tile.n_tiles, first = int(tile.n_begin) + lane;
       const unsigned char* const keys = bias_element(p, tile.sq, 0, 0, 0);
@@ -179,7 +179,7 @@ struct FwdRowBiasRing {
 // stages, each consumer half's 64 rows x kBN keys (TMA, panels of encode_row_bias_map's boxes) once that
 // consumer has released the stage's previous tile, in the bias's dims (a broadcast one at coordinate 0).
 template <class Cfg, class Tile>
-__device__ __forceinline__ void fwd_ws_row_bias_producer(const FwdParams& p, const FwdMaps& maps, int num_m_tiles,
+__device__ __forceinline__ void fwd_ws_row_bias_producer(const FwdParams& p, const FwdMaps& maps,
                                                          unsigned num_work, const FwdOrder& order,
                                                          const FwdRowBiasRing<Cfg>& ring) {
   constexpr int kBN = Cfg::kBN, kStages = Cfg::kRowBiasStages;
@@ -189,7 +189,7 @@ __device__ __forceinline__ void fwd_ws_row_bias_producer(const FwdParams& p, con
   const bool by_head = p.bias_stride[1] != 0, by_batch = p.bias_stride[0] != 0;
   int c = 0;
   for (unsigned index = blockIdx.x; index < num_work; index += gridDim.x) {
-    const Tile tile(p, num_m_tiles, order, index);
+    const Tile tile(p, order, index);
     const int b = by_batch ? int(tile.sq.b) : 0, h = by_head ? int(tile.h) : 0;
     for (int i = 0; i < tile.n_tiles; ++i, ++c) {
       const int n0 = int(tile.n_begin) + i * kBN;
@@ -373,8 +373,8 @@ using FwdKernelMaps = std::conditional_t<Cfg::kRowBias, FwdMaps, FwdPanelMaps>;
 
 template <class Elem, int kDim, class Cfg = FwdWsConfig<Elem, kDim>>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
-    fwd_ws_kernel(const FwdParams p, const __grid_constant__ FwdKernelMaps<Cfg> maps, int num_m_tiles,
-                  unsigned num_work, FwdOrder order) {
+    fwd_ws_kernel(const FwdParams p, const __grid_constant__ FwdKernelMaps<Cfg> maps, unsigned num_work,
+                  FwdOrder order) {
 #ifdef FLASHATTN_WGMMA
   using Exp = ExpDomain<float>;
   constexpr int kBM = Cfg::kBM, kBN = Cfg::kBN, kStages = Cfg::kStages, kQBuffers = Cfg::kQBuffers;
@@ -415,15 +415,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     setmaxnreg_dec<Cfg::kProducerRegs>();
     if constexpr (Cfg::kKeyBias) {
       if (tid / 32 == 1) {
-        fwd_ws_key_bias_producer<Elem, Cfg, Tile>(p, num_m_tiles, num_work, order, bias_ring, tid & 31);
+        fwd_ws_key_bias_producer<Elem, Cfg, Tile>(p, num_work, order, bias_ring, tid & 31);
         return;
       }
     }
     if constexpr (Cfg::kRowBias) {
-      if (tid == 32) fwd_ws_row_bias_producer<Cfg, Tile>(p, maps, num_m_tiles, num_work, order, row_ring);
+      if (tid == 32) fwd_ws_row_bias_producer<Cfg, Tile>(p, maps, num_work, order, row_ring);
     }
     if (tid != 0) return;
-    fwd_ws_producer<kDim, Cfg, Tile>(p, maps, num_m_tiles, num_work, order, sQ, sK, sV, k_full, v_full, k_empty,
+    fwd_ws_producer<kDim, Cfg, Tile>(p, maps, num_work, order, sQ, sK, sV, k_full, v_full, k_empty,
                                      v_empty, q_empty);
     return;
   }
@@ -459,7 +459,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // v_descale (set with each item taken).
   float item_score_scale = score_scale, item_out_scale = 1.f;
   auto item_at = [&](unsigned index) -> Item {
-    const Tile tile(p, num_m_tiles, order, index);
+    const Tile tile(p, order, index);
     if constexpr (Cfg::kFp8) {
       const int64_t at = tile.sq.tb * p.heads_kv + tile.hk;
       item_score_scale = Exp::score_scale(p.scale * double(p.qk_descale[at]));
