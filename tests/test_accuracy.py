@@ -186,7 +186,7 @@ def test_forward_long_key_walks(device, dtype, head_dim, causal, len_q, heads_kv
                          ids=["one_tile", "three_tiles", "gqa_nine_tiles", "five_tiles_more_keys"])
 def test_forward_causal_paired_walk(device, head_dim, causal, heads, heads_kv, len_q, len_k):
     """Causal grids larger than the GPU whose heads have few query tiles: on sm_90 the wgmma forward's
-    persistent grid pairs each head's heavy and light tiles (schedule/causal_order.cuh: paired_walk_block),
+    persistent grid pairs each head's heavy and light tiles (schedule/causal_order.cuh: fwd_paired_block),
     two heads of an odd tile count (1, 3, 9, 5 at 128 rows) their middle tiles, and an odd head count
     (SMs + 3, 33, 45) leaves a last head of single tiles after the pairs' rounds. (Below the Hopper forward's
     causal bars, 256 mean keys at dims 64 and 256, the sm80/ kernels run these unless the wgmma

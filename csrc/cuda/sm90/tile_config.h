@@ -104,7 +104,7 @@ struct FwdWsConfig {
   static constexpr int64_t kMinKeys = 512;
   static constexpr int64_t kMinCausalKeys = kDim == 64 || kDim == 256 ? 256 : 0;
   // Causal grids larger than the GPU whose heads have at most this many query tiles run persistent, each
-  // block taking a heavy and a light tile in turn (schedule/causal_order.cuh: paired_walk_block), where
+  // block taking a heavy and a light tile in turn (schedule/causal_order.cuh: fwd_paired_block), where
   // that measured faster than a block per tile: with two Q buffers (the next item's Q and first K / V
   // tiles load under this item), most at dim 64, whose items also carry into each other. H100, bf16,
   // causal, B.L = 16k, H.E = 2048: dim 128 L = 512 / 1024 +12..16% / +5..8%, 2048 even, 4096 -4%;
