@@ -63,8 +63,8 @@ __device__ __forceinline__ unsigned ordered_block(const HeavyLast& order, int ti
 struct FwdOrder {
   HeavyLast heavy{};
   bool paired = false;
-  // The launch's divisors of a work item's decode (a persistent block decodes one per item, where nvcc's 32- and
-  // 64-bit division sequences took ~600 clocks of a short item's boundary): query tiles per (batch, head) pair,
+  // The launch's divisors of a work item's decode (a persistent block decodes one per item, at the item's
+  // boundary, where nvcc's 32- and 64-bit division sequences cost ~600 clocks): query tiles per (batch, head) pair,
   // query heads, query heads per kv head, the heavy pairs; a paired walk's half tile count and grid size, its
   // units and full rounds' units (fwd_paired_block).
   FastDivisor tiles, heads, group, heavy_pairs, half, grid;
