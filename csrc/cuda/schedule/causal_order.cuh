@@ -99,21 +99,21 @@ inline FwdOrder fwd_order(bool paired, HeavyLast heavy, int64_t tiles, int64_t h
 
 // The block of the plain grid (`tiles` query tiles per (batch, head) pair, the heaviest first; `pairs`
 // pairs) that work item `s` of a persistent grid of `grid` blocks runs (the order's divisors and counts),
-// block b taking s = b, b + grid, .... A causal pair's tile j and tile tiles - 1 - j together see as many keys as any other two so
-// paired (their rows see the keys up to them), so a block takes such a unit's heavy tile and then its
-// light one: the blocks' shares are equal. Units go pair by pair (the blocks in flight share a few
-// pairs' K / V in L2); two pairs of an odd tile count pair their middle tiles. The units that do not
-// fill a round of the grid end it, each tile on its own (the heavy ones first), and an odd last pair's
-// tiles after them.
+// block b taking s = b, b + grid, .... A causal pair's tile j and tile tiles - 1 - j together see as
+// many keys as any other two so paired (their rows see the keys up to them), so a block takes such a
+// unit's heavy tile and then its light one: the blocks' shares are equal. Units go pair by pair (the
+// blocks in flight share a few pairs' K / V in L2); two pairs of an odd tile count pair their middle
+// tiles. The units that do not fill a round of the grid end it, each tile on its own (the heavy ones
+// first), and an odd last pair's tiles after them.
 __host__ __device__ __forceinline__ unsigned fwd_paired_block(const FwdOrder& o, unsigned s) {
   const unsigned tiles = o.tiles.d, half = tiles / 2;
   auto unit_tile = [&](unsigned u, bool heavy) {
-    const unsigned two = o.tiles.div(u), r = u - two * tiles;
+    const unsigned two = o.tiles.div(u), r = u - two * tiles;  // (units of two pairs: `tiles` of them)
     if (r < 2 * half) {
       const unsigned side = o.half.div(r), j = r - side * half;
       return (2 * two + side) * tiles + (heavy ? j : tiles - 1 - j);
     }
-    return (2 * two + (heavy ? 0 : 1)) * tiles + half;
+    return (2 * two + (heavy ? 0 : 1)) * tiles + half;  // the two pairs' middle tiles
   };
   if (s < 2 * o.full) {
     const unsigned round = o.grid.div(s);
